@@ -1,0 +1,115 @@
+"""User configuration: `~/.config/flare/config.toml` (or `--config PATH`), overridden by flags.
+
+No environment variable selects behaviour; every setting lives here or in a flag.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path("~/.config/flare/config.toml")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    hub_cache: Path = Path("~/.cache/huggingface/hub")
+    core_cache: Path = Path("~/.cache/flare/cores")
+    keys: Path = Path("~/.config/flare/keys")
+    trust_store: Path = Path("~/.config/flare/trusted_publishers.json")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    # Occupied size ("30G"), free reserve ("-30G") or fraction of device memory ("0.8").
+    memory_limit: str = "0.9"
+    # Bytes ("20G") or "context": enough pages for max_concurrency full contexts, no more.
+    kv_cache_limit: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key_file: Path | None = None
+    queue_capacity: int = 64
+    max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class DefaultsConfig:
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    max_concurrency: int | None = None
+    prefill_chunk_size: int | None = None
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    defaults: DefaultsConfig = field(default_factory=DefaultsConfig)
+    source: Path | None = None
+
+
+_SECTIONS = {"paths": PathsConfig, "memory": MemoryConfig, "server": ServerConfig, "defaults": DefaultsConfig}
+
+
+def load_config(path: Path | None = None) -> Config:
+    """Read the config file. An explicit `path` must exist; the default path may be absent."""
+    explicit = path is not None
+    path = Path(path if explicit else DEFAULT_CONFIG_PATH).expanduser()
+    if not path.exists():
+        if explicit:
+            raise ConfigError(f"config file {path} does not exist")
+        return Config()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    sections: dict[str, Any] = {}
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{name}] (known: {', '.join(_SECTIONS)})")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: [{name}] must be a table")
+        sections[name] = _build_section(path, name, _SECTIONS[name], value, base_dir=path.parent)
+    return Config(**sections, source=path)
+
+
+def _build_section(path: Path, name: str, cls: type, values: dict, base_dir: Path) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{path}: unknown key {name}.{key} (known: {', '.join(known)})")
+        default = getattr(cls(), key)
+        if isinstance(default, Path) or (default is None and key.endswith(("_file", "_path"))):
+            if not isinstance(value, str):
+                raise ConfigError(f"{path}: {name}.{key} must be a path string")
+            value = Path(value).expanduser()
+            if not value.is_absolute():
+                value = base_dir / value  # relative paths are relative to the config file
+        elif isinstance(default, bool) or (default is not None and not isinstance(value, type(default))
+                                           and not (isinstance(default, float) and isinstance(value, int))):
+            raise ConfigError(f"{path}: {name}.{key} must be {type(default).__name__}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def expand(path: Path) -> Path:
+    return Path(path).expanduser()
+
+
+def with_overrides(section: Any, **overrides: Any) -> Any:
+    """Apply command-line flags that were given (None means 'not given')."""
+    return replace(section, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,377 @@
+"""The contract: typed, frozen, validated data every recipe declares.
+
+Every field means the same thing for every model family; differences between
+families are values of these fields, never flags naming a model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
+
+from flare_core.contract.template_patch import TemplatePatch
+
+CONTRACT_VERSION = "1.0"
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
+DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "int8", "uint8", "int32", "int64")
+
+
+class ContractError(ValueError):
+    """An object violates the contract; the message names the object and the field."""
+
+    def __init__(self, obj: str, field_name: str, problem: str):
+        self.obj, self.field, self.problem = obj, field_name, problem
+        super().__init__(f"{obj}.{field_name}: {problem}")
+
+
+def _require(ok: bool, obj: str, field_name: str, problem: str) -> None:
+    if not ok:
+        raise ContractError(obj, field_name, problem)
+
+
+def _check_name(value: Any, obj: str, field_name: str) -> None:
+    _require(isinstance(value, str) and bool(_NAME.match(value)), obj, field_name,
+             f"must be a lowercase name matching {_NAME.pattern}, got {value!r}")
+
+
+def _check_positive_int(value: Any, obj: str, field_name: str) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, obj, field_name,
+             f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Range:
+    """An inclusive range of accepted request values."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        _require(all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                     for v in (self.low, self.high)), "Range", "low/high", "must be finite numbers")
+        _require(self.low <= self.high, "Range", "low", f"{self.low} is above high {self.high}")
+
+    def clamp(self, value: float) -> float:
+        return min(max(value, self.low), self.high)
+
+
+SAMPLING_PARAMETERS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty")
+
+# The widest ranges any request may use; a recipe narrows them to what its model card supports.
+SAMPLING_LIMITS: Mapping[str, Range] = {
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0),
+    "top_k": Range(0, 1_000_000),
+    "min_p": Range(0.0, 1.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.01, 10.0),
+}
+
+NEUTRAL_SAMPLING: Mapping[str, float] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class SamplingPolicy:
+    """Defaults used when a request leaves a parameter out, and the inclusive range a request
+    value is clamped to. `top_k` 0 means no top-k cut. `source` cites where the defaults come from."""
+
+    defaults: Mapping[str, float]
+    ranges: Mapping[str, Range] = field(default_factory=lambda: dict(SAMPLING_LIMITS))
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in self.defaults:
+            _require(name in SAMPLING_PARAMETERS, "SamplingPolicy", f"defaults.{name}",
+                     f"unknown sampling parameter; known: {', '.join(SAMPLING_PARAMETERS)}")
+        for name, rng in self.ranges.items():
+            _require(name in SAMPLING_PARAMETERS, "SamplingPolicy", f"ranges.{name}",
+                     f"unknown sampling parameter; known: {', '.join(SAMPLING_PARAMETERS)}")
+            _require(isinstance(rng, Range), "SamplingPolicy", f"ranges.{name}", "must be a Range")
+            limit = SAMPLING_LIMITS[name]
+            _require(limit.low <= rng.low and rng.high <= limit.high, "SamplingPolicy", f"ranges.{name}",
+                     f"[{rng.low}, {rng.high}] exceeds the contract limits [{limit.low}, {limit.high}]")
+        for name, value in self.resolved_defaults().items():
+            rng = self.range_of(name)
+            _require(isinstance(value, (int, float)) and rng.low <= value <= rng.high, "SamplingPolicy",
+                     f"defaults.{name}", f"{value!r} is outside its range [{rng.low}, {rng.high}]")
+        _require(isinstance(self.defaults.get("top_k", 0), int), "SamplingPolicy", "defaults.top_k",
+                 "must be an integer")
+
+    def range_of(self, name: str) -> Range:
+        return self.ranges.get(name, SAMPLING_LIMITS[name])
+
+    def resolved_defaults(self) -> dict[str, float]:
+        return {**NEUTRAL_SAMPLING, **self.defaults}
+
+    def resolve(self, requested: Mapping[str, float | None]) -> tuple[dict[str, float], dict[str, float]]:
+        """Apply defaults and clamp. Returns (effective values, {name: requested value} of clamped ones)."""
+        values = self.resolved_defaults()
+        clamped: dict[str, float] = {}
+        for name, value in requested.items():
+            if value is None:
+                continue
+            limited = self.range_of(name).clamp(value)
+            if limited != value:
+                clamped[name] = value
+            values[name] = int(limited) if name == "top_k" else limited
+        return values, clamped
+
+
+@dataclass(frozen=True)
+class PagedStore:
+    """Records appended as tokens are consumed, stored in pages of `page_tokens` logical tokens.
+    One record covers `tokens_per_record` tokens and has `record_shape` per layer in `layers`."""
+
+    name: str
+    record_shape: tuple[int, ...]
+    dtype: str
+    layers: int
+    tokens_per_record: int = 1
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "PagedStore", "name")
+        _require(len(self.record_shape) > 0 and all(isinstance(d, int) and d > 0 for d in self.record_shape),
+                 f"PagedStore({self.name})", "record_shape", f"must be positive integers, got {self.record_shape!r}")
+        _require(self.dtype in DTYPES, f"PagedStore({self.name})", "dtype", f"must be one of {DTYPES}")
+        _check_positive_int(self.layers, f"PagedStore({self.name})", "layers")
+        _check_positive_int(self.tokens_per_record, f"PagedStore({self.name})", "tokens_per_record")
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """A fixed-size continuation tensor per live request row (recurrent state, sliding-window
+    ring, compressor buffer, ...), `shape` per layer in `layers`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    layers: int
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "StateTensor", "name")
+        _require(len(self.shape) > 0 and all(isinstance(d, int) and d > 0 for d in self.shape),
+                 f"StateTensor({self.name})", "shape", f"must be positive integers, got {self.shape!r}")
+        _require(self.dtype in DTYPES, f"StateTensor({self.name})", "dtype", f"must be one of {DTYPES}")
+        _check_positive_int(self.layers, f"StateTensor({self.name})", "layers")
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1,
+                "int32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class CacheScheme:
+    """What per-request state a model keeps, as data: paged stores plus continuation state."""
+
+    name: str
+    paged: tuple[PagedStore, ...]
+    state: tuple[StateTensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "CacheScheme", "name")
+        _require(len(self.paged) + len(self.state) > 0, f"CacheScheme({self.name})", "paged",
+                 "a scheme must declare at least one paged store or state tensor")
+        names = [s.name for s in self.paged] + [s.name for s in self.state]
+        _require(len(names) == len(set(names)), f"CacheScheme({self.name})", "paged", "store names repeat")
+
+    def page_bytes(self, page_tokens: int) -> int:
+        """Bytes one page of `page_tokens` tokens takes across all paged stores and layers."""
+        total = 0
+        for store in self.paged:
+            records = -(-page_tokens // store.tokens_per_record)
+            total += records * math.prod(store.record_shape) * _DTYPE_BYTES[store.dtype] * store.layers
+        return total
+
+    def state_row_bytes(self) -> int:
+        return sum(math.prod(s.shape) * _DTYPE_BYTES[s.dtype] * s.layers for s in self.state)
+
+
+@dataclass(frozen=True)
+class CacheSchemeFactory:
+    """A named way to derive a CacheScheme from an architecture config; recipes refer to it by id."""
+
+    id: str
+    build: Callable[[Any, str], CacheScheme]  # (architecture config, cache dtype name)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name(self.id, "CacheSchemeFactory", "id")
+        _require(callable(self.build), f"CacheSchemeFactory({self.id})", "build", "must be callable")
+
+
+GRAPH_KINDS = ("prefill", "decode", "mixed", "speculative")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One captured graph: its kind and its capacity (tokens for prefill, requests for decode)."""
+
+    kind: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        _require(self.kind in GRAPH_KINDS, "GraphSpec", "kind", f"must be one of {GRAPH_KINDS}, got {self.kind!r}")
+        _check_positive_int(self.capacity, "GraphSpec", "capacity")
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """What a core is prepared to serve. Requests outside these are rejected with a clear error."""
+
+    max_concurrency: int = 16
+    prefill_chunk_size: int = 512
+    context_length: int = 8192
+    page_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_positive_int(getattr(self, f.name), "Capacities", f.name)
+        _require(self.prefill_chunk_size % 64 == 0, "Capacities", "prefill_chunk_size",
+                 f"must be a multiple of 64, got {self.prefill_chunk_size}")
+        _require(self.page_tokens % 16 == 0, "Capacities", "page_tokens",
+                 f"must be a multiple of 16, got {self.page_tokens}")
+        _require(self.context_length >= self.page_tokens, "Capacities", "context_length",
+                 f"must be at least page_tokens ({self.page_tokens})")
+
+    def graph_catalog(self) -> tuple[GraphSpec, ...]:
+        """Decode batch capacities 1, 2, 4, ... up to max_concurrency and prefill token capacities
+        64, 128, 256, ... up to prefill_chunk_size (the largest is always included)."""
+        graphs = [GraphSpec("decode", c) for c in _doubling(1, self.max_concurrency)]
+        graphs += [GraphSpec("prefill", c) for c in _doubling(64, self.prefill_chunk_size)]
+        return tuple(graphs)
+
+
+def _doubling(start: int, limit: int) -> list[int]:
+    values, v = [], start
+    while v < limit:
+        values.append(v)
+        v *= 2
+    return values + [limit]
+
+
+@dataclass(frozen=True)
+class FrontendSpec:
+    """How the text side of a model works: the template patches that annotate its chat template
+    with `{% mark %}`, the parsers for its output, the tokens its template needs, and the extra
+    template options a request may set (with their defaults)."""
+
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
+    template_patches: tuple[str, ...] = ()
+    required_tokens: tuple[str, ...] = ()
+    stop_tokens: tuple[str, ...] = ()
+    template_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("reasoning_parser", "tool_parser"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_name(value, "FrontendSpec", name)
+        for pid in self.template_patches:
+            _check_name(pid, "FrontendSpec", "template_patches")
+        _require(len(self.stop_tokens) > 0, "FrontendSpec", "stop_tokens",
+                 "must name at least one token that ends generation")
+        for token in self.required_tokens + self.stop_tokens:
+            _require(isinstance(token, str) and token != "", "FrontendSpec", "required_tokens",
+                     f"tokens must be non-empty strings, got {token!r}")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A short model name that resolves to a Hugging Face repository (and revision)."""
+
+    name: str
+    repo: str
+    revision: str = "main"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "Alias", "name")
+        _require(isinstance(self.repo, str) and re.match(r"^[\w.-]+/[\w.-]+$", self.repo) is not None,
+                 f"Alias({self.name})", "repo", f"must be 'owner/name', got {self.repo!r}")
+
+
+@dataclass(frozen=True)
+class Parser:
+    """An output parser registered under an id that recipes name in their FrontendSpec.
+    `kind` is "reasoning" or "tool"; `factory()` returns a fresh streaming parser per request."""
+
+    id: str
+    kind: str
+    factory: Callable[[], Any]
+
+    def __post_init__(self) -> None:
+        _check_name(self.id, "Parser", "id")
+        _require(self.kind in ("reasoning", "tool"), f"Parser({self.id})", "kind",
+                 f"must be 'reasoning' or 'tool', got {self.kind!r}")
+        _require(callable(self.factory), f"Parser({self.id})", "factory", "must be callable")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to prepare and run one model family.
+
+    `build_model(config, dtype)` returns an `nn.Module` following the runtime model protocol
+    (see flare_core.ops.attention) with parameters named as `map_weights` yields them.
+    `map_weights(config, tensors)` receives the checkpoint tensors (name -> tensor, lazily loaded
+    via the mapping) and yields (prepared name, tensor) in the prepared layout.
+    `check_config(config)` raises ValueError naming what is unsupported in the config.
+    """
+
+    name: str
+    version: str
+    architectures: tuple[str, ...]
+    aliases: tuple[Alias, ...]
+    sampling: SamplingPolicy
+    frontend: FrontendSpec
+    cache_scheme: str
+    capacities: Capacities
+    build_model: Callable[..., Any]
+    map_weights: Callable[..., Any]
+    description: str = ""
+    assets: Mapping[str, Callable[[], bytes]] = field(default_factory=dict)
+    check_config: Callable[[Any], None] | None = None
+    # Writes a tiny random-weight checkpoint of this architecture, with the recipe's real tokenizer
+    # and template, into the given directory: what `flare demo` serves without any download.
+    demo_checkpoint: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        obj = f"Recipe({self.name!r})"
+        _check_name(self.name, "Recipe", "name")
+        _require(isinstance(self.version, str) and bool(_VERSION.match(self.version)), obj, "version",
+                 f"must look like 1.2.3, got {self.version!r}")
+        _require(len(self.architectures) > 0 and all(isinstance(a, str) and a for a in self.architectures),
+                 obj, "architectures", "must list at least one Transformers architecture name")
+        _require(all(isinstance(a, Alias) for a in self.aliases), obj, "aliases", "must be Alias objects")
+        names = [a.name for a in self.aliases]
+        _require(len(names) == len(set(names)), obj, "aliases", "alias names repeat")
+        _require(isinstance(self.sampling, SamplingPolicy), obj, "sampling", "must be a SamplingPolicy")
+        _require(isinstance(self.frontend, FrontendSpec), obj, "frontend", "must be a FrontendSpec")
+        _check_name(self.cache_scheme, obj, "cache_scheme")
+        _require(isinstance(self.capacities, Capacities), obj, "capacities", "must be Capacities")
+        _require(callable(self.build_model), obj, "build_model", "must be callable")
+        _require(callable(self.map_weights), obj, "map_weights", "must be callable")
+        for name in ("check_config", "demo_checkpoint"):
+            _require(getattr(self, name) is None or callable(getattr(self, name)), obj, name,
+                     "must be callable or None")
+        for asset_name, loader in self.assets.items():
+            _require(asset_name in ASSET_NAMES and callable(loader), obj, f"assets.{asset_name}",
+                     f"asset names are {ASSET_NAMES} and values callables returning bytes")
+
+
+# Frontend assets a recipe may ship for checkpoints that lack them (and for the demo model).
+ASSET_NAMES = ("tokenizer.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer_config.json")
+
+__all__ = [
+    "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "CacheScheme", "CacheSchemeFactory", "Capacities",
+    "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "Range",
+    "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
+]

@@ -1,0 +1,41 @@
+"""Allocation of the tensors that hold a cache scheme's data on a device."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flare_core.contract import CacheScheme
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8,
+    "int32": torch.int32, "int64": torch.int64,
+}
+
+
+def allocate_cache_storage(scheme: CacheScheme, num_pages: int, page_tokens: int, device: torch.device | str,
+                           num_rows: int = 0) -> dict[str, list[Tensor]]:
+    """Zeroed storage, store name -> one tensor per layer.
+
+    A paged store layer is `[num_pages, page_tokens // tokens_per_record, *record_shape]`; a
+    state tensor layer is `[num_rows, *shape]` (one row per live request). `num_rows` must be
+    positive when the scheme declares state tensors.
+    """
+    if num_pages <= 0:
+        raise ValueError(f"allocate_cache_storage: num_pages must be positive, got {num_pages}")
+    if scheme.state and num_rows <= 0:
+        raise ValueError(f"allocate_cache_storage: cache scheme {scheme.name!r} declares state tensors "
+                         f"({', '.join(s.name for s in scheme.state)}); num_rows must be positive, got {num_rows}")
+    storage: dict[str, list[Tensor]] = {}
+    for store in scheme.paged:
+        if page_tokens % store.tokens_per_record != 0:
+            raise ValueError(f"allocate_cache_storage: page_tokens {page_tokens} is not a multiple of paged "
+                             f"store {store.name!r} tokens_per_record {store.tokens_per_record}")
+        shape = (num_pages, page_tokens // store.tokens_per_record, *store.record_shape)
+        storage[store.name] = [torch.zeros(shape, dtype=TORCH_DTYPES[store.dtype], device=device)
+                               for _ in range(store.layers)]
+    for state in scheme.state:
+        storage[state.name] = [torch.zeros((num_rows, *state.shape), dtype=TORCH_DTYPES[state.dtype], device=device)
+                               for _ in range(state.layers)]
+    return storage

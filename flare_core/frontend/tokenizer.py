@@ -1,0 +1,87 @@
+"""Tokenizer: a thin wrapper over a Hugging Face `tokenizers.Tokenizer` (tokenizer.json).
+
+Serving only needs the `tokenizers` package. `build_tokenizer_json` runs at export
+time for checkpoints that ship vocab.json + merges.txt without a tokenizer.json and
+uses Transformers' own conversion, so the result is what Transformers would encode with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+
+import tokenizers
+
+
+class Tokenizer:
+    """Encodes text to token ids and back, exactly as the wrapped tokenizer.json defines."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self._backend = backend
+        self._special_tokens = MappingProxyType(
+            {added.content: token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special}
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_str(cls, tokenizer_json: str) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_str(tokenizer_json))
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised, none are added unless asked."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encoding(self, text: str, *, add_special_tokens: bool = False) -> tokenizers.Encoding:
+        """The full encoding of `text`: ids plus character offsets (used to map marks to token counts)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_tokens(self) -> Mapping[str, int]:
+        """Added tokens flagged special (those `skip_special_tokens` drops), by content."""
+        return self._special_tokens
+
+    def to_json(self) -> str:
+        """The tokenizer.json text this tokenizer was built from (as `tokenizers` serialises it)."""
+        return self._backend.to_str()
+
+
+def build_tokenizer_json(checkpoint_dir: str | Path) -> str:
+    """tokenizer.json text for a checkpoint that has only vocab.json + merges.txt + tokenizer_config.json.
+
+    Loads the checkpoint's tokenizer class through Transformers (which converts the
+    files and adds the tokens listed in `added_tokens_decoder`) and serialises its
+    backend, so the ids match Transformers exactly.
+    """
+    # Imported here: Transformers is an export-time dependency only.
+    from transformers import AutoTokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    for required in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        if not (checkpoint_dir / required).is_file():
+            raise FileNotFoundError(f"cannot build tokenizer.json: {checkpoint_dir / required} is missing")
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir), local_files_only=True)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"cannot build tokenizer.json from {checkpoint_dir}: Transformers loaded "
+            f"{type(hf_tokenizer).__name__}, which has no `tokenizers` backend"
+        )
+    return backend.to_str()

@@ -1,0 +1,40 @@
+"""The runtime model protocol: what a recipe's model is to the executor.
+
+A recipe's `build_model(config, dtype)` returns an `nn.Module` called as
+
+    logits = model(input_ids, positions, context)
+
+* `input_ids` int64 [T]: the new tokens of every request in the step, flattened back to back
+  in the order of `context.batch.query_start`.
+* `positions` int64 [T]: each token's absolute position in its request.
+* `context` (`flare_core.ops.attention.ForwardContext`): the batch layout and the cache
+  storage; the model appends its per-token records (K/V) and reads the cache through it.
+* returns float32 [R, vocab] logits for the flattened rows `context.batch.logits_indices`
+  (normally each request's last new token), computed only for those rows.
+
+The model keeps no per-request state of its own: everything that survives a step lives in the
+cache storage the runtime owns, so the same module serves any mix of requests and can be
+captured into CUDA graphs. Weights come in through `flare_core.ops.loading.load_prepared_weights`.
+
+How the runtime builds a model from prepared tensors:
+
+    model = recipe.build_model(config, dtype)          # parameters on the meta device
+    load_prepared_weights(model, tensors, device)      # strict name / shape / dtype match
+    storage = allocate_cache_storage(scheme, num_pages, page_tokens, device)
+    logits = model(input_ids, positions, ForwardContext(batch, storage))
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from flare_core.ops.attention import ForwardContext
+
+
+@runtime_checkable
+class RuntimeModel(Protocol):
+    def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        """Logits float32 [len(context.batch.logits_indices), vocab]."""
+        ...

@@ -1,0 +1,169 @@
+"""`flare export MODEL`: checkpoint -> signed runtime core in the core cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import flare_core
+from flare_core.config import Config
+from flare_core.contract import CONTRACT_VERSION, Recipe
+from flare_core.plugins import Registry
+from flare_core.prepare.assets import FrontendAssets, collect_frontend_assets
+from flare_core.prepare.checkpoint import CheckpointTensors, load_config
+from flare_core.prepare.plan import CapacityRequest, ExportPlan, plan_capacities
+from flare_core.prepare.source import ModelSource, resolve_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    model: str
+    dtype: str = "bfloat16"
+    capacities: CapacityRequest = field(default_factory=CapacityRequest)
+    offline: bool = False
+    recipe: str | None = None  # force a recipe instead of choosing by alias/architecture
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    plan: ExportPlan
+
+
+def choose_recipe(registry: Registry, source: ModelSource, config, forced: str | None) -> Recipe:
+    if forced is not None:
+        return registry.recipe(forced)
+    if source.recipe is not None:
+        return source.recipe
+    architectures = list(getattr(config, "architectures", None) or [])
+    for arch in architectures:
+        recipe = registry.recipe_for_architecture(arch)
+        if recipe is not None:
+            return recipe
+    supported = ", ".join(registry.supported_architectures()) or "none (no recipes installed)"
+    raise ExportError(f"unsupported architecture {', '.join(architectures) or '(config.json lists none)'}; "
+                      f"installed recipes support: {supported}")
+
+
+def export_model(request: ExportRequest, config: Config, registry: Registry,
+                 echo: Callable[[str], None] = print) -> ExportResult:
+    from flare_core.core import CoreStore, load_or_create_signing_key, TrustStore
+
+    if request.dtype not in DTYPES:
+        raise ExportError(f"--dtype {request.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    source = resolve_model(request.model, registry, config.paths.hub_cache, request.offline)
+    model_config = load_config(source.directory)
+    recipe = choose_recipe(registry, source, model_config, request.recipe)
+    if recipe.check_config is not None:
+        try:
+            recipe.check_config(model_config)
+        except ValueError as exc:
+            raise ExportError(f"{source.directory}/config.json is not supported by recipe {recipe.name}: {exc}") \
+                from exc
+    capacities = plan_capacities(recipe, model_config, request.capacities)
+    scheme = registry.cache_schemes[recipe.cache_scheme].build(model_config, request.dtype)
+    assets = collect_frontend_assets(source.directory, recipe, registry, model_config)
+    checkpoint = CheckpointTensors(source.directory)
+
+    torch_dtype = DTYPES[request.dtype]
+    skeleton = _skeleton(recipe, model_config, torch_dtype)
+    parameters = sum(t.numel() for t in skeleton.values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
+    plan = ExportPlan(
+        model=request.model, source=_describe_source(source), recipe=recipe,
+        architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
+        weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
+        template=assets.template_description, tokenizer=assets.tokenizer_description, notes=assets.notes,
+    )
+    for line in plan.lines():
+        echo(line)
+
+    tensors = _map_weights(recipe, model_config, checkpoint, torch_dtype, skeleton, request.progress)
+    manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
+    key = load_or_create_signing_key(config.paths.keys)
+    TrustStore(config.paths.trust_store).trust(key.publisher)
+    store = CoreStore(config.paths.core_cache)
+    path = store.add(manifest, tensors, assets.files, key, progress=request.progress)
+    return ExportResult(path, plan)
+
+
+def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The prepared layout the recipe's model expects: names, shapes and dtypes (meta tensors)."""
+    with torch.device("meta"):
+        model = recipe.build_model(model_config, dtype, torch.device("meta"))
+    return dict(model.state_dict())
+
+
+def _map_weights(recipe: Recipe, model_config, checkpoint: CheckpointTensors, dtype: torch.dtype,
+                 skeleton: dict[str, torch.Tensor], progress: bool) -> dict[str, torch.Tensor]:
+    from tqdm import tqdm
+
+    tensors: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(skeleton), desc="mapping weights", unit="tensor", disable=not progress)
+    try:
+        for name, tensor in recipe.map_weights(model_config, checkpoint, dtype):
+            expected = skeleton.get(name)
+            if expected is None:
+                raise ExportError(f"recipe {recipe.name} produced tensor {name!r}, which its model does not have")
+            if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
+                raise ExportError(f"tensor {name!r}: mapped to {tuple(tensor.shape)} {tensor.dtype}, the model "
+                                  f"expects {tuple(expected.shape)} {expected.dtype}")
+            tensors[name] = tensor.contiguous()
+            bar.update(1)
+    finally:
+        bar.close()
+    missing = sorted(set(skeleton) - set(tensors))
+    if missing:
+        raise ExportError(f"recipe {recipe.name} did not produce {len(missing)} tensors the model needs, "
+                          f"e.g. {', '.join(missing[:5])}")
+    return {name: tensors[name] for name in sorted(tensors)}
+
+
+def _describe_source(source: ModelSource) -> str:
+    if source.repo:
+        return f"{source.repo}@{source.revision or 'main'} ({source.directory})"
+    return str(source.directory)
+
+
+def _config_dict(model_config) -> dict:
+    return json.loads(model_config.to_json_string(use_diff=False))
+
+
+def _manifest(recipe: Recipe, registry: Registry, source: ModelSource, model_config, dtype: str,
+              capacities, scheme, assets: FrontendAssets) -> dict:
+    owner = registry.owners[recipe.name]
+    sampling = recipe.sampling
+    return {
+        "contract_version": CONTRACT_VERSION,
+        "flare_version": flare_core.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": {"name": recipe.name, "version": recipe.version, "plugin": owner.distribution,
+                   "plugin_version": owner.version},
+        "architecture": {"name": (model_config.architectures or ["?"])[0], "model_type": model_config.model_type,
+                         "config": _config_dict(model_config)},
+        "dtype": dtype,
+        "capacities": dataclasses.asdict(capacities),
+        "graph_catalog": [dataclasses.asdict(g) for g in capacities.graph_catalog()],
+        "cache_scheme": dataclasses.asdict(scheme),
+        "sampling": {"defaults": sampling.resolved_defaults(),
+                     "ranges": {n: [sampling.range_of(n).low, sampling.range_of(n).high]
+                                for n in sampling.resolved_defaults()},
+                     "source": sampling.source},
+        "frontend": assets.manifest_entry(recipe.frontend),
+        "served_names": list(dict.fromkeys(source.served_names)),
+        "source": {"kind": source.kind, "repo": source.repo, "revision": source.revision,
+                   "directory": str(source.directory)},
+    }

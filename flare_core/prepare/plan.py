@@ -1,0 +1,88 @@
+"""Planning what a core is prepared to serve, printed before any weight is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flare_core.contract import CacheScheme, Capacities, ContractError, Recipe
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class CapacityRequest:
+    """Capacity flags of `flare export`; None means 'use the recipe default'."""
+
+    max_concurrency: int | None = None
+    prefill_chunk_size: int | None = None
+    context_length: int | None = None
+    page_tokens: int | None = None
+
+
+def plan_capacities(recipe: Recipe, config: Any, request: CapacityRequest) -> Capacities:
+    model_context = getattr(config, "max_position_embeddings", None)
+    base = recipe.capacities
+    if request.context_length is None and model_context is not None:
+        base = replace(base, context_length=min(base.context_length, model_context))
+    given = {k: v for k, v in vars(request).items() if v is not None}
+    try:
+        capacities = replace(base, **given)
+    except ContractError as exc:
+        raise PlanError(f"--{exc.field.replace('_', '-')}: {exc.problem}") from exc
+    if model_context is not None and capacities.context_length > model_context:
+        raise PlanError(f"--context-length {capacities.context_length} exceeds the model's "
+                        f"max_position_embeddings {model_context}")
+    if capacities.prefill_chunk_size > capacities.context_length:
+        raise PlanError(f"--prefill-chunk-size {capacities.prefill_chunk_size} exceeds --context-length "
+                        f"{capacities.context_length}")
+    return capacities
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    model: str
+    source: str
+    recipe: Recipe
+    architecture: str
+    dtype: str
+    parameters: int
+    weight_bytes: int
+    capacities: Capacities
+    cache_scheme: CacheScheme
+    template: str
+    tokenizer: str
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        c = self.capacities
+        graphs = self.capacities.graph_catalog()
+        decode = ",".join(str(g.capacity) for g in graphs if g.kind == "decode")
+        prefill = ",".join(str(g.capacity) for g in graphs if g.kind == "prefill")
+        page_bytes = self.cache_scheme.page_bytes(c.page_tokens)
+        full_context_pages = -(-c.context_length // c.page_tokens)
+        lines = [
+            f"model         {self.model}",
+            f"source        {self.source}",
+            f"recipe        {self.recipe.name} {self.recipe.version} ({self.architecture})",
+            f"weights       {self.parameters / 1e9:.3f} B parameters, {_gib(self.weight_bytes)} as {self.dtype}",
+            f"capacities    max_concurrency={c.max_concurrency} prefill_chunk_size={c.prefill_chunk_size} "
+            f"context_length={c.context_length} page_tokens={c.page_tokens}",
+            f"graphs        decode batch {decode}; prefill tokens {prefill}",
+            f"cache scheme  {self.cache_scheme.name}: {_kib(page_bytes)} per {c.page_tokens}-token page, "
+            f"{_gib(page_bytes * full_context_pages)} per full context",
+            f"tokenizer     {self.tokenizer}",
+            f"template      {self.template}",
+        ]
+        lines += [f"note          {n}" for n in self.notes]
+        return lines
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} KiB"

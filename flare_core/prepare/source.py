@@ -1,0 +1,65 @@
+"""Resolving the MODEL argument of `flare export`: a local checkpoint directory, a recipe alias,
+or a Hugging Face repository id (downloaded into the configured hub cache)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from flare_core.contract import Recipe
+from flare_core.plugins import Registry
+
+# Only what export reads: configs, tokenizer and template files, safetensors weights.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: Path
+    kind: str  # "local", "alias" or "repo"
+    served_names: tuple[str, ...]  # names `flare run` accepts for this model
+    repo: str | None = None
+    revision: str | None = None
+    recipe: Recipe | None = None  # set when the alias named the recipe
+
+
+def resolve_model(model: str, registry: Registry, hub_cache: Path, offline: bool) -> ModelSource:
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return ModelSource(local.resolve(), "local", (local.resolve().name.lower(),))
+    found = registry.recipe_for_alias(model)
+    if found is not None:
+        recipe, alias = found
+        directory = _download(alias.repo, alias.revision, hub_cache, offline)
+        return ModelSource(directory, "alias", (alias.name, alias.repo.lower()), alias.repo, alias.revision, recipe)
+    if _REPO_ID.match(model) and not local.exists():
+        directory = _download(model, None, hub_cache, offline)
+        aliases = [a.name for r in registry.recipes.values() for a in r.aliases if a.repo.lower() == model.lower()]
+        return ModelSource(directory, "repo", tuple(aliases) + (model.lower(),), model, None)
+    known = sorted(a.name for r in registry.recipes.values() for a in r.aliases)
+    raise ModelNotFound(
+        f"unknown model {model!r}: not a checkpoint directory, not a recipe alias and not a Hugging Face "
+        f"repo id (owner/name). Known aliases: {', '.join(known) or 'none (no recipes installed)'}")
+
+
+def _download(repo: str, revision: str | None, hub_cache: Path, offline: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = snapshot_download(repo, revision=revision, cache_dir=str(Path(hub_cache).expanduser()),
+                                 local_files_only=offline, allow_patterns=DOWNLOAD_PATTERNS)
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise ModelNotFound(f"{repo} is not in the hub cache {hub_cache} (--offline uses the cache only; "
+                                f"run without --offline to download it)") from exc
+        raise ModelNotFound(f"cannot download {repo}: {exc}") from exc
+    except Exception as exc:  # repository not found, gated, network errors: all end the export
+        raise ModelNotFound(f"cannot download {repo}: {exc}") from exc
+    return Path(path)

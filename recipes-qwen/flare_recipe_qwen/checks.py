@@ -1,0 +1,45 @@
+"""Structural checks: configs the Qwen recipes do not implement are rejected at export, by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flare_core.contract import ContractError
+
+# Rope types whose frequencies are fixed at build time; dynamic ones rescale with sequence length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def check_qwen3_config(config: Any) -> None:
+    _check_common(config, "qwen3")
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind != "full_attention"]
+    if sliding:
+        raise ContractError("Qwen3Config", "layer_types",
+                            f"layers {sliding} use {config.layer_types[sliding[0]]!r}; recipe qwen3 implements "
+                            "full attention only (set use_sliding_window false)")
+
+
+def check_qwen3_moe_config(config: Any) -> None:
+    _check_common(config, "qwen3_moe")
+    if config.sliding_window is not None:
+        raise ContractError("Qwen3MoeConfig", "sliding_window",
+                            f"is {config.sliding_window}; recipe qwen3-moe implements full attention only "
+                            "(set use_sliding_window false)")
+    if config.num_experts_per_tok > config.num_experts:
+        raise ContractError("Qwen3MoeConfig", "num_experts_per_tok",
+                            f"{config.num_experts_per_tok} exceeds num_experts {config.num_experts}")
+
+
+def _check_common(config: Any, model_type: str) -> None:
+    obj = type(config).__name__
+    if config.model_type != model_type:
+        raise ContractError(obj, "model_type", f"is {config.model_type!r}, expected {model_type!r}")
+    if config.attention_bias:
+        raise ContractError(obj, "attention_bias", "is true; the Qwen3 recipes implement projections without bias")
+    if config.num_attention_heads % config.num_key_value_heads != 0:
+        raise ContractError(obj, "num_key_value_heads", f"{config.num_key_value_heads} does not divide "
+                            f"num_attention_heads {config.num_attention_heads}")
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ContractError(obj, "rope_parameters.rope_type",
+                            f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")

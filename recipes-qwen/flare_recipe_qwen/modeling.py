@@ -1,0 +1,118 @@
+"""Qwen3 and Qwen3-MoE for serving, built from the Transformers classes.
+
+The Transformers model is built on the meta device from the config; its embeddings, decoder
+layers, norms and MoE blocks are reused as they are. Only what serving changes is replaced:
+attention becomes `QwenPagedAttention` (fused `qkv_proj`, the original q/k norms and `o_proj`,
+`PagedAttention` over the runtime cache) and each dense MLP becomes `FusedGatedMLP` (fused
+`gate_up_proj`). Prepared tensor names are the Transformers names, with those fused tensors in
+place of their parts (see `flare_recipe_qwen.weights`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+from flare_core.ops.attention import ForwardContext, PagedAttention
+
+# Transformers classes per architecture: (causal LM, attention, dense MLPs, rotary embedding).
+_CLASSES = {
+    "qwen3": (modeling_qwen3.Qwen3ForCausalLM, modeling_qwen3.Qwen3Attention, (modeling_qwen3.Qwen3MLP,),
+              modeling_qwen3.Qwen3RotaryEmbedding),
+    "qwen3_moe": (modeling_qwen3_moe.Qwen3MoeForCausalLM, modeling_qwen3_moe.Qwen3MoeAttention,
+                  (modeling_qwen3_moe.Qwen3MoeMLP,), modeling_qwen3_moe.Qwen3MoeRotaryEmbedding),
+}
+
+
+class QwenPagedAttention(nn.Module):
+    """Qwen3 attention over the paged cache: fused QKV projection, per-head RMSNorm on q and k,
+    rotary embedding, paged attention, output projection. Called by the Transformers decoder
+    layer, which passes the forward context through its keyword arguments."""
+
+    def __init__(self, original: nn.Module, config: Any, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = original.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                                  bias=False)
+        self.q_norm = original.q_norm
+        self.k_norm = original.k_norm
+        self.o_proj = original.o_proj
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], context: ForwardContext,
+                **_: Any) -> tuple[Tensor, None]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1)
+        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = position_embeddings
+        q, k = modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        out = self.attn(q, k, v, context)
+        return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
+
+
+class FusedGatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one [2 * intermediate, hidden] matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = act_fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class QwenForServing(nn.Module):
+    """The runtime model protocol (flare_core.ops.model) over a Transformers Qwen3 model."""
+
+    def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
+        super().__init__()
+        self.model = causal_lm.model
+        self.model.rotary_emb = rotary_emb
+        # A tied head reads the embedding matrix in forward; sharing the parameter would give it two names.
+        self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
+
+    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        hidden = self.model.embed_tokens(input_ids)[None]  # the decoder layers expect [batch, tokens, hidden]
+        position_embeddings = self.model.rotary_emb(hidden, positions)
+        for layer in self.model.layers:
+            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
+        hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def build_model(config: Any, dtype: torch.dtype) -> QwenForServing:
+    """Qwen3 / Qwen3-MoE serving model with parameters on the meta device in `dtype` and the
+    rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    if config.model_type not in _CLASSES:
+        raise ValueError(f"config.model_type: {config.model_type!r} is not a Qwen3 model type ({', '.join(_CLASSES)})")
+    causal_lm_class, attention_class, dense_mlp_classes, rotary_class = _CLASSES[config.model_type]
+    with torch.device("meta"):
+        causal_lm = causal_lm_class(config)
+        for layer_idx, layer in enumerate(causal_lm.model.layers):
+            if not isinstance(layer.self_attn, attention_class):
+                raise ValueError(f"{causal_lm_class.__name__} layer {layer_idx}: unexpected attention module "
+                                 f"{type(layer.self_attn).__name__}")
+            layer.self_attn = QwenPagedAttention(layer.self_attn, config, layer_idx)
+            if isinstance(layer.mlp, dense_mlp_classes):
+                layer.mlp = FusedGatedMLP(config.hidden_size, layer.mlp.intermediate_size, layer.mlp.act_fn)
+    causal_lm.to(dtype)
+    with torch.device("cpu"):
+        rotary_emb = rotary_class(config)
+    return QwenForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))

@@ -1,0 +1,18 @@
+"""Entry point of the flare-recipe-qwen plugin (group "flare", name "qwen")."""
+
+from __future__ import annotations
+
+from flare_core.contract import Recipe, TemplatePatch
+from flare_core.plugins import hookimpl
+from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
+from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
+
+
+@hookimpl
+def flare_recipes() -> list[Recipe]:
+    return [QWEN3, QWEN3_MOE]
+
+
+@hookimpl
+def flare_template_patches() -> list[TemplatePatch]:
+    return list(QWEN_TEMPLATE_PATCHES)

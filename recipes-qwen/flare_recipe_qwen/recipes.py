@@ -1,0 +1,80 @@
+"""The Qwen3 recipe declarations: aliases, sampling defaults, frontend and assets."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Callable
+
+from flare_core.contract import (
+    SAMPLING_LIMITS, Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy,
+)
+from flare_recipe_qwen.checks import check_qwen3_config, check_qwen3_moe_config
+from flare_recipe_qwen.modeling import build_model
+from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
+from flare_recipe_qwen.weights import map_weights
+
+RECIPE_VERSION = "0.1.0"
+
+QWEN3_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3-8B#best-practices"
+
+# Thinking-mode defaults from the model card's "Best Practices"; the card suggests
+# presence_penalty between 0 and 2 against endless repetition.
+QWEN3_SAMPLING = SamplingPolicy(
+    defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
+    ranges={**SAMPLING_LIMITS, "presence_penalty": Range(0.0, 2.0)},
+    source=QWEN3_MODEL_CARD,
+)
+
+QWEN3_FRONTEND = FrontendSpec(
+    template_patches=tuple(patch.id for patch in QWEN_TEMPLATE_PATCHES),
+    required_tokens=("<|im_start|>", "<|im_end|>"),
+    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    template_options={"enable_thinking": True},
+)
+
+
+def _asset(file_name: str) -> Callable[[], bytes]:
+    def load() -> bytes:
+        return resources.files("flare_recipe_qwen").joinpath("assets", file_name).read_bytes()
+    return load
+
+
+QWEN3_ASSETS = {
+    "chat_template.jinja": _asset("qwen3.jinja"),
+    "vocab.json": _asset("vocab.json"),
+    "merges.txt": _asset("merges.txt"),
+    "tokenizer_config.json": _asset("tokenizer_config.json"),
+}
+
+QWEN3 = Recipe(
+    name="qwen3",
+    version=RECIPE_VERSION,
+    architectures=("Qwen3ForCausalLM",),
+    aliases=tuple(Alias(f"qwen3-{size}", f"Qwen/Qwen3-{size.upper()}")
+                  for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")),
+    sampling=QWEN3_SAMPLING,
+    frontend=QWEN3_FRONTEND,
+    cache_scheme="attention-kv",
+    capacities=Capacities(),
+    build_model=build_model,
+    map_weights=map_weights,
+    description="Qwen3 dense models (Transformers Qwen3ForCausalLM with paged attention)",
+    assets=QWEN3_ASSETS,
+    check_config=check_qwen3_config,
+)
+
+QWEN3_MOE = Recipe(
+    name="qwen3-moe",
+    version=RECIPE_VERSION,
+    architectures=("Qwen3MoeForCausalLM",),
+    aliases=(Alias("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"), Alias("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B")),
+    sampling=QWEN3_SAMPLING,
+    frontend=QWEN3_FRONTEND,
+    cache_scheme="attention-kv",
+    capacities=Capacities(),
+    build_model=build_model,
+    map_weights=map_weights,
+    description="Qwen3 mixture-of-experts models (Transformers Qwen3MoeForCausalLM with paged attention)",
+    assets=QWEN3_ASSETS,
+    check_config=check_qwen3_moe_config,
+)

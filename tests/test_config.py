@@ -1,0 +1,36 @@
+from pathlib import Path
+
+import pytest
+
+from flare_core.config import ConfigError, load_config, with_overrides
+
+
+def test_config_file_sections_and_relative_paths(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "/srv/hub"\n'
+                   '[server]\nport = 9001\n[defaults]\ndevice = "cpu"\n[memory]\nmemory_limit = "-30G"\n')
+    config = load_config(cfg)
+    assert config.paths.core_cache == tmp_path / "cores"
+    assert config.paths.hub_cache == Path("/srv/hub")
+    assert config.server.port == 9001 and config.server.host == "127.0.0.1"
+    assert config.defaults.device == "cpu"
+    assert config.memory.memory_limit == "-30G"
+    assert with_overrides(config.server, port=None, host="0.0.0.0").host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[paths\n", "invalid TOML"),
+    ("[nope]\n", r"unknown section \[nope\]"),
+    ("[server]\nprot = 1\n", r"unknown key server\.prot"),
+    ('[server]\nport = "80"\n', r"server\.port must be int"),
+])
+def test_config_errors_name_the_key(tmp_path, text, message):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(cfg)
+
+
+def test_explicit_missing_config_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml")

@@ -1,0 +1,63 @@
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from flare_core.contract import (Alias, CacheScheme, Capacities, ContractError, FrontendSpec, PagedStore, Range,
+                                 SamplingPolicy)
+from flare_core.contract.schema import render
+
+DOCS_SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "contract.schema.json"
+
+
+def test_capacities_validate_and_plan_graph_catalog():
+    caps = Capacities(max_concurrency=12, prefill_chunk_size=512, context_length=4096)
+    decode = [g.capacity for g in caps.graph_catalog() if g.kind == "decode"]
+    prefill = [g.capacity for g in caps.graph_catalog() if g.kind == "prefill"]
+    assert decode == [1, 2, 4, 8, 12]
+    assert prefill == [64, 128, 256, 512]
+    with pytest.raises(ContractError, match=r"Capacities\.prefill_chunk_size: must be a multiple of 64"):
+        replace(caps, prefill_chunk_size=100)
+    with pytest.raises(ContractError, match=r"Capacities\.max_concurrency"):
+        Capacities(max_concurrency=0)
+
+
+def test_sampling_policy_clamps_and_reports():
+    policy = SamplingPolicy({"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+                            ranges={"temperature": Range(0.0, 1.5)}, source="card")
+    values, clamped = policy.resolve({"temperature": 1.9, "top_p": None, "min_p": 0.1})
+    assert values["temperature"] == 1.5 and values["top_p"] == 0.95 and values["min_p"] == 0.1
+    assert values["repetition_penalty"] == 1.0
+    assert clamped == {"temperature": 1.9}
+    with pytest.raises(ContractError, match=r"defaults\.temperature: 1\.8 is outside its range"):
+        SamplingPolicy({"temperature": 1.8}, ranges={"temperature": Range(0.0, 1.5)})
+    with pytest.raises(ContractError, match=r"defaults\.warmth: unknown sampling parameter"):
+        SamplingPolicy({"warmth": 1.0})
+
+
+def test_cache_scheme_sizes():
+    scheme = CacheScheme("attention-kv", paged=(PagedStore("k", (8, 128), "bfloat16", 36),
+                                                PagedStore("v", (8, 128), "bfloat16", 36)))
+    # Qwen3-8B geometry: 2 stores x 36 layers x 8 heads x 128 dims x 2 bytes per token.
+    assert scheme.page_bytes(64) == 64 * 2 * 36 * 8 * 128 * 2
+    assert scheme.state_row_bytes() == 0
+    with pytest.raises(ContractError, match=r"PagedStore\(k\)\.dtype"):
+        PagedStore("k", (8, 128), "bf16", 36)
+
+
+def test_frontend_and_alias_validation():
+    with pytest.raises(ContractError, match=r"FrontendSpec\.stop_tokens"):
+        FrontendSpec(stop_tokens=())
+    with pytest.raises(ContractError, match=r"Alias\(qwen3-8b\)\.repo"):
+        Alias("qwen3-8b", "not a repo")
+
+
+def test_committed_json_schema_is_current():
+    assert DOCS_SCHEMA.read_text() == render(), \
+        "docs/contract.schema.json is stale: python -m flare_core.contract.schema > docs/contract.schema.json"
+    schema = json.loads(DOCS_SCHEMA.read_text())
+    recipe = schema["$defs"]["Recipe"]
+    assert {"name", "version", "architectures", "aliases", "sampling", "frontend", "cache_scheme",
+            "capacities"} <= set(recipe["required"])
+    assert recipe["properties"]["build_model"] == {"x-python-callable": True}
