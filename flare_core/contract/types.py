@@ -320,7 +320,8 @@ class Recipe:
     """How to prepare and run one model family.
 
     `build_model(config, dtype)` returns an `nn.Module` following the runtime model protocol
-    (see flare_core.ops.attention) with parameters named as `map_weights` yields them.
+    (flare_core.ops.model), its parameters on the meta device and named as `map_weights`
+    yields them (flare_core.ops.loading fills them).
     `map_weights(config, tensors)` receives the checkpoint tensors (name -> tensor, lazily loaded
     via the mapping) and yields (prepared name, tensor) in the prepared layout.
     `check_config(config)` raises ValueError naming what is unsupported in the config.

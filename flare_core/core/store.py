@@ -69,6 +69,11 @@ class CoreEntry:
     size_bytes: int
     problem: str | None = None
 
+    @property
+    def recipe(self) -> str:
+        """``"<name> <version>"`` for display; ``"unknown"`` when the manifest lacks it."""
+        return " ".join(part for part in (self.recipe_name, self.recipe_version) if part) or "unknown"
+
 
 class CoreStore:
     def __init__(self, root: Path | str) -> None:

@@ -56,7 +56,8 @@ def make_template_patch(patch_id: str, source: str, offsets: Iterable[int]) -> T
     """Build the patch that inserts one mark tag at each byte offset of `source` (for recipe maintainers)."""
     if MARK_TAG in source:
         raise TemplatePatchError(
-            f"template patch {patch_id!r}: the source already contains {MARK_TAG!r}, so marks could not be stripped exactly"
+            f"template patch {patch_id!r}: the source already contains {MARK_TAG!r}, "
+            "so stripping marks could not restore it exactly"
         )
     source_bytes = source.encode("utf-8")
     insertions = []

@@ -126,7 +126,9 @@ def _plain_data(value: Any, where: str) -> Any:
         return {_plain_data(key, where): _plain_data(item, f"{where}[{key!r}]") for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain_data(item, f"{where}[{index}]") for index, item in enumerate(value)]
-    raise TypeError(f"{where} must hold only JSON data (dict, list, str, int, float, bool, None), got {type(value).__name__}")
+    raise TypeError(
+        f"{where} must hold only JSON data (dict, list, str, int, float, bool, None), got {type(value).__name__}"
+    )
 
 
 def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -135,7 +137,8 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if not isinstance(message, Mapping):
             raise TypeError(f"messages[{index}] must be a mapping, got {type(message).__name__}")
         # Clients send `"content": null` and the like; templates handle a missing key but not a None value.
-        message = _plain_data({key: value for key, value in message.items() if value is not None}, f"messages[{index}]")
+        present = {key: value for key, value in message.items() if value is not None}
+        message = _plain_data(present, f"messages[{index}]")
         reasoning = next((message[field] for field in _REASONING_FIELDS if message.get(field) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -183,7 +186,8 @@ class ChatTemplate:
             marked_text = self._template.render(context)
         except TemplateError:
             raise
-        except jinja2.exceptions.TemplateError as error:
+        # Python errors here come from the template operating on request data (e.g. `None + "text"`).
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as error:
             raise TemplateError(f"chat template failed to render: {type(error).__name__}: {error}") from error
         return _cut_marks(marked_text, sentinel, nonce)
 
@@ -192,7 +196,9 @@ def _cut_marks(marked_text: str, sentinel: str, nonce: str) -> RenderedPrompt:
     pieces = marked_text.split(sentinel)
     text = "".join(pieces)
     if nonce in text:
-        raise TemplateError("chat template altered the output of a {% mark %} tag (e.g. with a filter); marks are lost")
+        raise TemplateError(
+            "chat template altered the output of a {% mark %} tag (e.g. with a filter), so its offset is lost"
+        )
     marks: list[int] = []
     offset = 0
     for piece in pieces[:-1]:

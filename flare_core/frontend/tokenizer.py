@@ -39,7 +39,7 @@ class Tokenizer:
         """The full encoding of `text`: ids plus character offsets (used to map marks to token counts)."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:

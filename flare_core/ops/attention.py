@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionBatch:
     """Where each request's new tokens sit in the flattened batch and in the paged cache.
 
@@ -101,7 +101,7 @@ class AttentionBatch:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ForwardContext:
     """What a model needs besides token ids and positions for one step: the batch layout and
     the cache, as paged store name -> per-layer tensor (see the module docstring for layouts)."""

@@ -64,7 +64,7 @@ def _tokenizer_json(directory: Path, recipe: Recipe) -> tuple[str, str]:
     from flare_core.frontend import build_tokenizer_json
 
     if (directory / TOKENIZER_ASSET).exists():
-        return (directory / TOKENIZER_ASSET).read_text(encoding="utf-8"), f"{directory / TOKENIZER_ASSET}"
+        return (directory / TOKENIZER_ASSET).read_bytes().decode("utf-8"), str(directory / TOKENIZER_ASSET)
     if (directory / "vocab.json").exists() and (directory / "merges.txt").exists():
         return build_tokenizer_json(directory), f"built from vocab.json + merges.txt in {directory}"
     if TOKENIZER_ASSET in recipe.assets:
@@ -81,7 +81,7 @@ def _tokenizer_json(directory: Path, recipe: Recipe) -> tuple[str, str]:
 
 def _chat_template(directory: Path, recipe: Recipe, tokenizer_config: dict) -> tuple[str | None, str]:
     if (directory / TEMPLATE_ASSET).exists():
-        return (directory / TEMPLATE_ASSET).read_text(encoding="utf-8"), str(directory / TEMPLATE_ASSET)
+        return (directory / TEMPLATE_ASSET).read_bytes().decode("utf-8"), str(directory / TEMPLATE_ASSET)
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)

@@ -19,8 +19,8 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
-        self._file_of = self._index()
         self._handles: dict[Path, object] = {}
+        self._file_of = self._index()
 
     def _index(self) -> dict[str, Path]:
         index = self.directory / "model.safetensors.index.json"

@@ -96,14 +96,18 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     key = load_or_create_signing_key(config.paths.keys)
     TrustStore(config.paths.trust_store).trust(key.publisher)
     store = CoreStore(config.paths.core_cache)
-    path = store.add(manifest, tensors, assets.files, key, progress=request.progress)
-    return ExportResult(path, plan)
+    entry = store.add(_core_prefix(source), manifest=manifest, tensors=tensors, assets=assets.files,
+                      signing_key=key, progress=request.progress)
+    return ExportResult(entry.path, plan)
+
+
+def _core_prefix(source: ModelSource) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "-" for c in source.served_names[0]).strip("-.") or "core"
 
 
 def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The prepared layout the recipe's model expects: names, shapes and dtypes (meta tensors)."""
-    with torch.device("meta"):
-        model = recipe.build_model(model_config, dtype, torch.device("meta"))
+    model = recipe.build_model(model_config, dtype)
     return dict(model.state_dict())
 
 
@@ -111,6 +115,8 @@ def _map_weights(recipe: Recipe, model_config, checkpoint: CheckpointTensors, dt
                  skeleton: dict[str, torch.Tensor], progress: bool) -> dict[str, torch.Tensor]:
     from tqdm import tqdm
 
+    # The mapped model is held in host memory: recipes yield fused tensors in their own order,
+    # the core writer orders payloads by size, and fusing copies the tensors anyway.
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(skeleton), desc="mapping weights", unit="tensor", disable=not progress)
     try:

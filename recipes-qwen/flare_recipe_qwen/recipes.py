@@ -15,6 +15,12 @@ from flare_recipe_qwen.weights import map_weights
 
 RECIPE_VERSION = "0.1.0"
 
+
+def write_demo_checkpoint(directory) -> None:
+    from flare_recipe_qwen.demo import write_demo_checkpoint as write
+
+    write(directory)
+
 QWEN3_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3-8B#best-practices"
 
 # Thinking-mode defaults from the model card's "Best Practices"; the card suggests
@@ -61,6 +67,7 @@ QWEN3 = Recipe(
     description="Qwen3 dense models (Transformers Qwen3ForCausalLM with paged attention)",
     assets=QWEN3_ASSETS,
     check_config=check_qwen3_config,
+    demo_checkpoint=lambda directory: write_demo_checkpoint(directory),
 )
 
 QWEN3_MOE = Recipe(

@@ -1,0 +1,1 @@
+"""A Flare recipe for LlamaForCausalLM, written only against Flare's public API."""

@@ -1,0 +1,113 @@
+"""Llama for serving: the Transformers LlamaForCausalLM with attention over Flare's paged cache.
+
+The Transformers model stays the definition of the architecture. We build it on the meta
+device (no memory), keep its embeddings, decoder layers and norms, and replace two modules:
+
+* each layer's `self_attn` by `LlamaPagedAttention`: one fused `qkv_proj`, rotary embedding,
+  `flare_core.ops.attention.PagedAttention` over the runtime cache, the original `o_proj`;
+* each layer's `mlp` by `FusedGatedMLP`: one fused `gate_up_proj`, the original activation.
+
+The decoder layers pass unknown keyword arguments on to `self_attn`, which is how the Flare
+forward context reaches the attention without changing the layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from flare_core.contract import ContractError
+from flare_core.ops.attention import ForwardContext, PagedAttention
+
+# Rope types whose frequencies are fixed when the module is built.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def check_config(config: Any) -> None:
+    """Reject structure this recipe does not implement, naming the config field."""
+    if config.attention_bias or config.mlp_bias:
+        field = "attention_bias" if config.attention_bias else "mlp_bias"
+        raise ContractError("LlamaConfig", field, "is true; this recipe implements projections without bias")
+    if config.num_attention_heads % config.num_key_value_heads != 0:
+        raise ContractError("LlamaConfig", "num_key_value_heads", f"{config.num_key_value_heads} does not divide "
+                            f"num_attention_heads {config.num_attention_heads}")
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ContractError("LlamaConfig", "rope_parameters.rope_type",
+                            f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+class LlamaPagedAttention(nn.Module):
+    def __init__(self, original: nn.Module, config: Any, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = original.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                                  bias=False)
+        self.o_proj = original.o_proj
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], context: ForwardContext,
+                **_: Any) -> tuple[Tensor, None]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [tokens, hidden]: the flattened batch
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = position_embeddings  # [tokens, head_dim]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        out = self.attn(q, k, v, context)
+        return self.o_proj(out.reshape(x.shape[0], -1)).reshape(shape), None  # layers unpack (output, weights)
+
+
+class FusedGatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = act_fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class LlamaForServing(nn.Module):
+    """The Flare runtime model protocol: (input_ids [T], positions [T], context) -> logits [R, vocab]."""
+
+    def __init__(self, causal_lm: LlamaForCausalLM, rotary_emb: nn.Module, tie_word_embeddings: bool):
+        super().__init__()
+        self.model = causal_lm.model
+        self.model.rotary_emb = rotary_emb
+        # A tied head reads the embedding matrix in forward: Flare loads each tensor under one name only.
+        self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
+
+    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        hidden = self.model.embed_tokens(input_ids)[None]  # Transformers layers expect [batch, tokens, hidden]
+        position_embeddings = self.model.rotary_emb(hidden, positions)
+        for layer in self.model.layers:
+            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
+        hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def build_model(config: Any, dtype: torch.dtype) -> LlamaForServing:
+    """Parameters on the meta device in `dtype`; the rotary buffers (not part of the prepared
+    weights) are built on the CPU so they are real after loading."""
+    with torch.device("meta"):
+        causal_lm = LlamaForCausalLM(config)
+        for layer_idx, layer in enumerate(causal_lm.model.layers):
+            layer.self_attn = LlamaPagedAttention(layer.self_attn, config, layer_idx)
+            layer.mlp = FusedGatedMLP(config.hidden_size, config.intermediate_size, layer.mlp.act_fn)
+    causal_lm.to(dtype)
+    with torch.device("cpu"):
+        rotary_emb = LlamaRotaryEmbedding(config)
+    return LlamaForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))

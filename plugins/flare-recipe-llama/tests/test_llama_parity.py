@@ -1,0 +1,97 @@
+"""Logits parity of the Llama recipe with the Transformers forward, on a tiny random-weight
+model saved with `save_pretrained`: requests of different lengths prefilled in 64-token steps
+that mix requests, then decoded together over non-contiguous pages."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flare_core.contract import ContractError
+from flare_core.executor.storage import allocate_cache_storage
+from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.loading import load_prepared_weights
+from flare_core.plugins import load_registry
+from flare_recipe_llama.plugin import LLAMA
+
+VOCAB = 1024
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    return LlamaConfig(**{"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
+                          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                          "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64},
+                          **overrides})
+
+
+def serve(model, scheme, sequences, prompt_lens, page_tokens: int, step_tokens: int = 64):
+    """Prompts prefilled in chunks sharing steps of at most `step_tokens` tokens, then one token
+    per step for every request. Yields (request, tokens consumed, logits row)."""
+    lengths = [len(s) for s in sequences]
+    num_pages = sum(-(-n // page_tokens) for n in lengths) + 3
+    free = random.Random(1).sample(range(num_pages), num_pages)  # non-contiguous page ids
+    pages = [[free.pop() for _ in range(-(-n // page_tokens))] for n in lengths]
+    storage = allocate_cache_storage(scheme, num_pages, page_tokens, "cpu")
+    consumed = [0] * len(sequences)
+    while any(c < n for c, n in zip(consumed, lengths)):
+        budget, step = step_tokens, []
+        for r, n in enumerate(lengths):
+            if consumed[r] < n and budget > 0:
+                take = min(prompt_lens[r] - consumed[r], budget) if consumed[r] < prompt_lens[r] else 1
+                step.append((r, take))
+                budget -= take
+        batch = AttentionBatch.build([(take, consumed[r], pages[r]) for r, take in step], page_tokens, "cpu")
+        input_ids = torch.tensor([t for r, take in step for t in sequences[r][consumed[r]:consumed[r] + take]])
+        with torch.no_grad():
+            logits = model(input_ids, batch.positions(), ForwardContext(batch, storage))
+        for row, (r, take) in enumerate(step):
+            consumed[r] += take
+            yield r, consumed[r], logits[row]
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_llama_logits_match_transformers(tmp_path, tie_word_embeddings):
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(llama_config(tie_word_embeddings=tie_word_embeddings)).eval()
+    reference.save_pretrained(tmp_path)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+
+    config = llama_config(tie_word_embeddings=tie_word_embeddings)
+    LLAMA.check_config(config)
+    model = LLAMA.build_model(config, torch.float32)
+    load_prepared_weights(model, dict(LLAMA.map_weights(config, checkpoint, torch.float32)), "cpu")
+    scheme = load_registry().cache_schemes[LLAMA.cache_scheme].build(config, "float32")
+
+    prompt_lens, decode_steps = [5, 70, 131], 3
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, VOCAB, (n + decode_steps,), generator=generator).tolist() for n in prompt_lens]
+    with torch.no_grad():
+        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
+    rows = 0
+    for r, consumed, logits in serve(model, scheme, sequences, prompt_lens, page_tokens=16):
+        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4)
+        rows += 1
+    assert rows >= len(prompt_lens) * (decode_steps + 1)
+
+
+def test_missing_tensor_and_unsupported_config_are_named(tmp_path):
+    LlamaForCausalLM(llama_config()).save_pretrained(tmp_path)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+    del checkpoint["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        dict(LLAMA.map_weights(llama_config(), checkpoint, torch.float32))
+    with pytest.raises(ContractError, match="mlp_bias"):
+        LLAMA.check_config(llama_config(mlp_bias=True))
+
+
+def test_plugin_is_discovered_through_its_entry_point():
+    registry = load_registry()
+    assert registry.owners["llama"].distribution == "flare-recipe-llama"
+    recipe, alias = registry.recipe_for_alias("llama-3.1-8b-instruct")
+    assert recipe.name == "llama" and alias.repo == "meta-llama/Llama-3.1-8B-Instruct"

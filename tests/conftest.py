@@ -1,0 +1,118 @@
+"""Shared fixtures: tiny random-weight checkpoints of real architectures with the real Qwen3
+tokenizer and template, an isolated Flare config, and exported cores."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from flare_core.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN3_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def write_config(directory: Path) -> Path:
+    """A config whose paths all live under `directory`, so tests never touch the user's files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.toml"
+    path.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "hub"\nkeys = "keys"\ntrust_store = "trust.json"\n'
+                    '[defaults]\ndevice = "cpu"\n')
+    return path
+
+
+def add_qwen_frontend_files(directory: Path) -> None:
+    for name in QWEN3_TOKENIZER_FILES:
+        shutil.copy(FIXTURES / "tokenizers" / "qwen3" / name, directory / name)
+    shutil.copy(FIXTURES / "chat_templates" / "Qwen-Qwen3.chat_template.jinja", directory / "chat_template.jinja")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+
+
+def tiny_qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    values = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                  tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    return Qwen3Config(**{**values, **overrides})
+
+
+def tiny_qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    values = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                  tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+    return Qwen3MoeConfig(**{**values, **overrides})
+
+
+def write_checkpoint(directory: Path, config, seed: int = 0) -> Path:
+    """save_pretrained of a random-weight Transformers model + the real Qwen3 frontend files."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    # Random init gives near-uniform logits; a larger embedding scale makes greedy choices clear-cut
+    # so that token-exact comparisons are not decided by float noise.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+    model.save_pretrained(directory)
+    add_qwen_frontend_files(directory)
+    return directory
+
+
+class Flare:
+    """Runs `flare` commands in-process against an isolated config."""
+
+    def __init__(self, config_path: Path):
+        self.config_path = config_path
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str, expect_ok: bool = True, input: str | None = None):
+        result = self.runner.invoke(main, ["--config", str(self.config_path), *map(str, args)], input=input,
+                                    catch_exceptions=False)
+        if expect_ok:
+            assert result.exit_code == 0, result.output
+        return result
+
+    def export(self, *args: str) -> Path:
+        result = self("export", *args, "--no-progress")
+        return Path(result.output.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def flare(tmp_path) -> Flare:
+    return Flare(write_config(tmp_path / "flare"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), tiny_qwen3_config())
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), tiny_qwen3_moe_config(), seed=1)
+
+
+@pytest.fixture(scope="session")
+def session_flare(tmp_path_factory) -> Flare:
+    return Flare(write_config(tmp_path_factory.mktemp("flare-session")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_core(session_flare, qwen3_checkpoint) -> Path:
+    return session_flare.export(qwen3_checkpoint, "--dtype", "float32", "--max-concurrency", "8",
+                                "--context-length", "1024", "--prefill-chunk-size", "128")
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_core(session_flare, qwen3_moe_checkpoint) -> Path:
+    return session_flare.export(qwen3_moe_checkpoint, "--dtype", "float32", "--max-concurrency", "8",
+                                "--context-length", "1024", "--prefill-chunk-size", "128")

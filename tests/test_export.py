@@ -1,0 +1,160 @@
+"""`flare export / inspect / convert / cores` through the real CLI on tiny real-architecture checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import Flare, add_qwen_frontend_files, tiny_qwen3_config, write_checkpoint, write_config
+from flare_core.core import open_core
+
+
+def flip_byte(path: Path, offset_from_end: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_export_inspect_convert_roundtrip(flare, qwen3_checkpoint, tmp_path):
+    result = flare("export", qwen3_checkpoint, "--dtype", "float32", "--max-concurrency", "4", "--no-progress")
+    out = result.output
+    # The plan is printed before the work, then the core path.
+    assert "recipe        qwen3 0.1.0 (Qwen3ForCausalLM)" in out
+    assert "capacities    max_concurrency=4 prefill_chunk_size=512 context_length=2048 page_tokens=64" in out
+    assert "graphs        decode batch 1,2,4; prefill tokens 64,128,256,512" in out
+    assert "patch qwen3-v2" in out
+    core = Path(out.strip().splitlines()[-1])
+    assert core.is_dir() and core.parent == flare.config_path.parent / "cores"
+
+    manifest = open_core(core).manifest
+    assert manifest["recipe"]["name"] == "qwen3"
+    assert manifest["frontend"]["template_patch"] == "qwen3-v2"
+    assert manifest["frontend"]["stop_token_ids"] == [151645, 151643]
+    assert manifest["sampling"]["defaults"]["temperature"] == 0.6
+    assert "self_attn.qkv_proj.weight" in "".join(manifest["payloads"])
+
+    inspected = flare("inspect", qwen3_checkpoint.name)
+    assert "verified: signature, publisher and all payload hashes OK" in inspected.output
+    assert qwen3_checkpoint.name in flare("cores").output
+
+    packed = tmp_path / "core.safetensors"
+    flare("convert", core, packed, "--to", "packed")
+    flare("convert", packed, tmp_path / "dir", "--to", "directory")
+    flare("convert", tmp_path / "dir", tmp_path / "again.safetensors", "--to", "packed")
+    assert packed.read_bytes() == (tmp_path / "again.safetensors").read_bytes()
+    for shard in sorted(core.glob("weights-*.safetensors")):
+        assert shard.read_bytes() == (tmp_path / "dir" / shard.name).read_bytes()
+
+
+@pytest.mark.parametrize("target, named", [
+    ("weights-00001-of-00001.safetensors", "payload '"),
+    ("assets.safetensors", "asset '"),
+])
+def test_tampered_core_is_rejected_naming_what_failed(flare, qwen3_checkpoint, tmp_path, target, named):
+    core = flare.export(qwen3_checkpoint, "--dtype", "float32")
+    copy = tmp_path / "copy"
+    shutil.copytree(core, copy)
+    flip_byte(copy / target, 5)  # inside the last tensor's bytes
+    result = flare("inspect", copy, expect_ok=False)
+    assert result.exit_code == 1
+    assert "sha256 mismatch" in result.output and named in result.output
+
+
+def test_untrusted_publisher_refused_then_accepted(flare, qwen3_checkpoint, tmp_path):
+    core = flare.export(qwen3_checkpoint, "--dtype", "float32")
+    other = Flare(write_config(tmp_path / "other-user"))  # its own, empty trust store
+    refused = other("inspect", core, expect_ok=False)
+    assert refused.exit_code != 0 and "--trust-publisher" in refused.output
+    assert other("inspect", core, "--trust-publisher").exit_code == 0
+    assert other("inspect", core).exit_code == 0  # remembered
+
+
+def test_export_alias_offline_from_populated_hub_cache(flare, tmp_path):
+    # The hub cache layout huggingface_hub itself uses: refs/main -> snapshot directory.
+    repo_dir = flare.config_path.parent / "hub" / "models--Qwen--Qwen3-8B"
+    snapshot = repo_dir / "snapshots" / ("0" * 40)
+    write_checkpoint(snapshot, tiny_qwen3_config())
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text("0" * 40)
+    core = flare.export("qwen3-8b", "--offline", "--dtype", "float32")
+    assert open_core(core).manifest["served_names"][:2] == ["qwen3-8b", "qwen/qwen3-8b"]
+    assert "verified" in flare("inspect", "qwen3-8b").output
+
+
+def test_export_moe_and_third_party_llama(flare, qwen3_moe_checkpoint, tmp_path):
+    from transformers import LlamaConfig
+
+    core = flare.export(qwen3_moe_checkpoint, "--dtype", "bfloat16")
+    assert open_core(core).manifest["recipe"]["name"] == "qwen3-moe"
+    llama = tmp_path / "tiny-llama"
+    write_checkpoint(llama, LlamaConfig(vocab_size=151936, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=1024))
+    # The llama recipe requires Llama 3's structural tokens; give the checkpoint a tokenizer that has them.
+    tokenizer_config = json.loads((llama / "tokenizer_config.json").read_text())
+    llama_tokens = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                    "<|end_of_text|>", "<|eom_id|>")
+    for i, token in enumerate(llama_tokens):
+        tokenizer_config["added_tokens_decoder"][str(151669 + i)] = {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": True}
+    (llama / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    core = flare.export(llama, "--dtype", "float32")
+    manifest = open_core(core).manifest
+    assert manifest["recipe"] == {"name": "llama", "version": "0.1.0", "plugin": "flare-recipe-llama",
+                                  "plugin_version": "0.1.0"}
+    assert manifest["frontend"]["template_patch"] is None  # no patch for this template: noted in the plan
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown", "unknown model 'no-such-model'"),
+    ("architecture", "unsupported architecture GPT2LMHeadModel; installed recipes support: "),
+    ("missing-weights", "no *.safetensors weight files"),
+    ("missing-shard", "weight files listed in model.safetensors.index.json are missing: model-00002"),
+    ("corrupt", "corrupt or unreadable safetensors file"),
+    ("context", "--context-length 4096 exceeds the model's max_position_embeddings 2048"),
+    ("chunk", "--prefill-chunk-size: must be a multiple of 64, got 100"),
+    ("offline", "is not in the hub cache"),
+])
+def test_export_errors_are_clear(flare, qwen3_checkpoint, tmp_path, case, message):
+    args = ["--dtype", "float32", "--no-progress"]
+    model = str(qwen3_checkpoint)
+    if case == "unknown":
+        model = "no-such-model"
+    elif case == "architecture":
+        from transformers import GPT2Config
+        model = str(tmp_path / "gpt2")
+        Path(model).mkdir()
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(model)
+    elif case in ("missing-weights", "missing-shard", "corrupt"):
+        copy = tmp_path / "copy"
+        shutil.copytree(qwen3_checkpoint, copy)
+        model = str(copy)
+        if case == "missing-weights":
+            (copy / "model.safetensors").unlink()
+        elif case == "missing-shard":
+            (copy / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+        else:
+            (copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    elif case == "context":
+        args += ["--context-length", "4096"]
+    elif case == "chunk":
+        args += ["--prefill-chunk-size", "100"]
+    elif case == "offline":
+        model = "qwen3-0.6b"
+        args += ["--offline"]
+    result = flare("export", model, *args, expect_ok=False)
+    assert result.exit_code == 1
+    assert message in result.output
+    assert not list((flare.config_path.parent / "cores").glob("*/core.safetensors"))
+
+
+def test_recipes_lists_installed_recipes(flare):
+    out = flare("recipes").output
+    assert "qwen3 0.1.0  [flare-recipe-qwen" in out
+    assert "qwen3-30b-a3b            Qwen/Qwen3-30B-A3B" in out
+    assert "llama 0.1.0  [flare-recipe-llama" in out
