@@ -190,3 +190,166 @@ def cores(ctx) -> None:
     for entry in entries:
         click.echo(f"{entry.name:<40} {entry.recipe:<12} {entry.size_bytes / 2**30:8.2f} GiB  "
                    f"{', '.join(entry.served_names)}")
+
+
+def _configure_logging() -> None:
+    import logging
+
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="%Y-%m-%dT%H:%M:%S", utc=False),
+                    structlog.processors.format_exc_info,
+                    structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
+
+
+def _pick_device(requested: str):
+    import torch
+
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise FlareCommandError("--device cuda: no CUDA device is available (use --device cpu for the eager "
+                                "reference path)")
+    if requested not in ("cuda", "cpu"):
+        raise FlareCommandError(f"--device {requested!r}: choose cuda, cpu or auto")
+    return torch.device(requested)
+
+
+def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
+               api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
+               kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
+               served_names: tuple[str, ...] = ()) -> None:
+    """Load, verify and serve a core until SIGTERM / Ctrl-C."""
+    import time
+
+    import structlog
+
+    from flare_core.config import with_overrides
+    from flare_core.runtime.engine import Engine
+    from flare_core.runtime.loaded import CoreLoadError, load_core
+    from flare_core.runtime.memory import MemoryPlanError, plan_kv
+    from flare_core.server.serve import ServeError, serve
+
+    _configure_logging()
+    log = structlog.get_logger("flare.run")
+    started = time.monotonic()
+    torch_device = _pick_device(device)
+    runtime_core = open_verified_core(config, core, trust_publisher)
+    registry = _registry()
+    try:
+        loaded = load_core(runtime_core, registry, torch_device)
+    except CoreLoadError as exc:
+        raise FlareCommandError(str(exc)) from exc
+    capacities = loaded.capacities
+    concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
+    memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)
+    try:
+        kv = plan_kv(loaded.cache_scheme, capacities, concurrency, torch_device, memory.memory_limit,
+                     memory.kv_cache_limit)
+        engine = Engine(loaded, kv, registry, max_concurrency=concurrency,
+                        queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
+                        served_names=served_names or None)
+    except (MemoryPlanError, ValueError) as exc:
+        raise FlareCommandError(str(exc)) from exc
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
+             architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),
+             executor="eager reference (plain-torch paged attention, no CUDA graphs)",
+             parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
+             kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
+             max_concurrency=concurrency, context_length=capacities.context_length,
+             prefix_cache=prefix_cache, load_s=round(time.monotonic() - started, 2))
+    engine.start()
+    server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
+    try:
+        serve(engine, server)
+    except ServeError as exc:
+        raise FlareCommandError(str(exc)) from exc
+
+
+_SERVE_OPTIONS = [
+    click.option("--device", default=None, help="cuda, cpu or auto (default from config: [defaults] device)."),
+    click.option("--host", default=None, help="Address to listen on (default 127.0.0.1)."),
+    click.option("--port", type=int, default=None, help="Port to listen on (default 8000; 0 picks a free one)."),
+    click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="File holding the bearer token clients must send."),
+    click.option("--max-concurrency", type=int, default=None, help="Live requests (at most the core's)."),
+    click.option("--memory-limit", default=None, help="Device memory: occupied size 30G, reserve -30G, or 0.8."),
+    click.option("--kv-cache-limit", default=None, help="KV page pool: a size (20G) or 'context'."),
+    click.option("--trust-publisher", is_flag=True, help="Trust the core's publisher if it is new."),
+    click.option("--no-prefix-cache", is_flag=True, help="Disable prefix reuse across requests."),
+    click.option("--served-name", "served_names", multiple=True,
+                 help="Model name clients use (repeatable; default: the core's served names)."),
+]
+
+
+def _serve_options(func):
+    for option in reversed(_SERVE_OPTIONS):
+        func = option(func)
+    return func
+
+
+@main.command()
+@click.argument("core")
+@_serve_options
+@click.pass_context
+def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
+        trust_publisher, no_prefix_cache, served_names) -> None:
+    """Serve CORE (a core path, or a model name whose latest export is in the core cache)."""
+    config = _config(ctx)
+    serve_core(config, core, device=device or config.defaults.device, host=host, port=port,
+               api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
+               kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
+               served_names=served_names)
+
+
+DEMO_NAME = "flare-demo"
+
+
+@main.command()
+@click.option("--recipe", "recipe_name", default="qwen3", show_default=True,
+              help="Recipe whose demo checkpoint to serve.")
+@_serve_options
+@click.pass_context
+def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
+         trust_publisher, no_prefix_cache, served_names) -> None:
+    """Serve a tiny RANDOM-WEIGHT model of a recipe's architecture with its real tokenizer and chat
+    template: the whole path (export, signing, serving) with no download. Its text is gibberish."""
+    import tempfile
+
+    from flare_core.core import CoreStore
+    from flare_core.prepare import ExportRequest, export_model
+    from flare_core.prepare.plan import CapacityRequest
+
+    config = _config(ctx)
+    registry = _registry()
+    recipe = registry.recipes.get(recipe_name)
+    if recipe is None or recipe.demo_checkpoint is None:
+        offering = sorted(n for n, r in registry.recipes.items() if r.demo_checkpoint is not None)
+        raise FlareCommandError(f"recipe {recipe_name!r} has no demo checkpoint (recipes with one: "
+                                f"{', '.join(offering) or 'none: pip install flare-recipe-qwen'})")
+    name = f"{DEMO_NAME}-{recipe_name}"
+    if CoreStore(config.paths.core_cache).default_core(name) is None:
+        click.echo(f"preparing the {name} core (random weights, real {recipe_name} tokenizer and template)", err=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = Path(tmp) / name
+            recipe.demo_checkpoint(checkpoint)
+            export_model(ExportRequest(str(checkpoint), dtype="float32", recipe=recipe_name, progress=False,
+                                       capacities=CapacityRequest(max_concurrency=8, context_length=4096)),
+                         config, registry, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"serving {name}: RANDOM WEIGHTS, the output is gibberish. Try:\n"
+               f"  curl http://{host or config.server.host}:{port or config.server.port}/v1/chat/completions "
+               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
+               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 20}}'", err=True)
+    serve_core(config, name, device=device or "auto", host=host, port=port, api_key_file=api_key_file,
+               max_concurrency=max_concurrency, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit,
+               trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache, served_names=served_names)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flare_core.contract import CacheScheme, CacheSchemeFactory, PagedStore
+from flare_core.contract import CacheScheme, CacheSchemeFactory, PagedStore, Parser
+from flare_core.frontend.parsers import HermesToolParser, ThinkParser
 from flare_core.plugins.hookspecs import hookimpl
 
 
@@ -25,3 +26,8 @@ def attention_kv_scheme(config: Any, dtype: str) -> CacheScheme:
 def flare_cache_schemes() -> list:
     return [CacheSchemeFactory("attention-kv", attention_kv_scheme,
                                "per-token K and V records with the config's KV head geometry")]
+
+
+@hookimpl
+def flare_parsers() -> list:
+    return [Parser("think", "reasoning", ThinkParser), Parser("hermes", "tool", HermesToolParser)]

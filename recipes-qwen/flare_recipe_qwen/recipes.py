@@ -32,6 +32,8 @@ QWEN3_SAMPLING = SamplingPolicy(
 )
 
 QWEN3_FRONTEND = FrontendSpec(
+    reasoning_parser="think",
+    tool_parser="hermes",
     template_patches=tuple(patch.id for patch in QWEN_TEMPLATE_PATCHES),
     required_tokens=("<|im_start|>", "<|im_end|>"),
     stop_tokens=("<|im_end|>", "<|endoftext|>"),

@@ -1,0 +1,108 @@
+"""The eager reference executor: runs a scheduler StepPlan through the model with plain-torch
+paged attention. It is the numerical reference for the GPU graph path and what `--device cpu`
+serves with; it is never a silent fallback for the graph path."""
+
+from __future__ import annotations
+
+import torch
+
+from flare_core.contract import CacheScheme
+from flare_core.executor.storage import allocate_cache_storage
+from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.scheduler import StepPlan
+
+
+class EagerExecutor:
+    def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
+                 num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
+                 device: torch.device):
+        self.model = model
+        self.scheme = scheme
+        self.page_tokens = page_tokens
+        self.device = device
+        self.storage = allocate_cache_storage(scheme, num_pages, page_tokens, device,
+                                              num_rows=num_rows if scheme.state else 0)
+        self._paged = [s.name for s in scheme.paged]
+        self._state = [s.name for s in scheme.state]
+        # Continuation-state rows of live slots are in `storage`; prefix checkpoints keep theirs here.
+        self.snapshots = {s.name: [torch.zeros(num_snapshot_slots, *s.shape, dtype=layer.dtype, device=device)
+                                   for layer in self.storage[s.name]] for s in scheme.state}
+        self.logits_store = torch.zeros(num_logits_slots, vocab_size, dtype=torch.float32, device=device)
+        # The token each slot sampled last: the input of a decode entry whose token the host
+        # has not confirmed yet (a plan issued before its predecessor completed).
+        self.last_sampled = torch.zeros(num_rows, dtype=torch.int64, device=device)
+
+    def storage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layers in self.storage.values() for t in layers) + \
+            self.logits_store.numel() * self.logits_store.element_size()
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        for name in self._paged:
+            for layer in self.storage[name]:
+                layer[dst].copy_(layer[src])
+
+    def _snapshot_row(self, slot: int, snapshot: int, restore: bool) -> None:
+        for name in self._state:
+            for live, saved in zip(self.storage[name], self.snapshots[name]):
+                if restore:
+                    live[slot].copy_(saved[snapshot])
+                else:
+                    saved[snapshot].copy_(live[slot])
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Execute `plan`; return float32 logits [len(plan.samples), vocab] in `plan.samples` order."""
+        restored_logits = []
+        for restore in plan.restores:
+            if restore.tail_copy is not None:
+                self._copy_page(*restore.tail_copy)
+            if restore.state_snapshot is not None:
+                self._snapshot_row(restore.handle.slot, restore.state_snapshot, restore=True)
+            if restore.logits_slot is not None:
+                restored_logits.append(self.logits_store[restore.logits_slot])
+
+        sequences, inputs = [], []
+        for entry in plan.decodes:
+            sequences.append((1, entry.position, entry.page_table[:entry.position // self.page_tokens + 1]))
+            if entry.input_token is None:
+                inputs.append(self.last_sampled[entry.handle.slot:entry.handle.slot + 1])
+            else:
+                inputs.append(torch.tensor([entry.input_token], dtype=torch.int64, device=self.device))
+        for chunk in plan.prefills:
+            if chunk.start == 0:  # a fresh request starts from zeroed continuation state
+                for name in self._state:
+                    for layer in self.storage[name]:
+                        layer[chunk.handle.slot].zero_()
+            sequences.append((chunk.end - chunk.start, chunk.start,
+                              chunk.page_table[:-(-chunk.end // self.page_tokens)]))
+            inputs.append(torch.tensor(chunk.tokens, dtype=torch.int64, device=self.device))
+        if not sequences:
+            return torch.stack(restored_logits) if restored_logits else self.logits_store[:0]
+
+        batch = AttentionBatch.build(sequences, self.page_tokens, self.device)
+        logits = self.model(torch.cat(inputs), batch.positions(), ForwardContext(batch, self.storage))
+
+        rows = list(range(len(plan.decodes)))
+        for i, chunk in enumerate(plan.prefills):
+            row = len(plan.decodes) + i
+            if chunk.save is not None:
+                self._save(chunk, logits[row])
+            if chunk.samples:
+                rows.append(row)
+        sampled = logits[rows]
+        if restored_logits:
+            sampled = torch.cat([torch.stack(restored_logits), sampled])
+        return sampled
+
+    def _save(self, chunk, logits_row: torch.Tensor) -> None:
+        save = chunk.save
+        if save.tail_page is not None:
+            self._copy_page(chunk.page_table[chunk.end // self.page_tokens], save.tail_page)
+        if save.state_snapshot is not None:
+            self._snapshot_row(chunk.handle.slot, save.state_snapshot, restore=False)
+        if save.logits_slot is not None:
+            self.logits_store[save.logits_slot].copy_(logits_row)
+
+    def record_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
+        if slots:
+            self.last_sampled[torch.tensor(slots, device=self.device)] = tokens.to(self.device)

@@ -1,0 +1,422 @@
+"""The engine: one model thread owns the scheduler and the executor; the asyncio event loop of
+the HTTP server talks to it through a bounded inbox and per-request event queues.
+
+Only the model thread touches the scheduler, the executor and per-request output state. The
+event loop submits and cancels through the inbox; events come back with
+`loop.call_soon_threadsafe`. Request handles carry slot + generation, so output for a reused
+slot never reaches the slot's previous request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.executor.eager import EagerExecutor
+from flare_core.frontend import IncrementalDetokenizer
+from flare_core.frontend.stops import StopMatcher
+from flare_core.ops.sampling import PenaltyState, Sampler
+from flare_core.plugins import Registry
+from flare_core.runtime.loaded import LoadedCore
+from flare_core.runtime.memory import KvPlan
+from flare_core.runtime.metrics import RuntimeMetrics
+from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
+                                     TokenLogprob, Usage)
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepPlan, StepResult
+
+log = structlog.get_logger("flare.engine")
+
+# Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live slot.
+LOGITS_SLOTS_PER_SLOT = 4
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    served_names: tuple[str, ...]
+    context_length: int
+    max_concurrency: int
+    queue_capacity: int
+    created: int
+    recipe: str
+    architecture: str
+    dtype: str
+    parameters: int
+    core_path: str
+
+
+class RequestStream:
+    """Async iterator of one request's GenerationEvents; the last one has finish_reason + usage."""
+
+    def __init__(self, engine: Engine, request_id: str):
+        self._engine = engine
+        self.request_id = request_id
+        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self._done = False
+        self._cancelled = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if event.finish_reason is not None:
+            self._done = True
+        return event
+
+    def cancel(self) -> None:
+        if not self._cancelled and not self._done:
+            self._cancelled = True
+            self._engine._post(("cancel", self.request_id))
+
+    def _deliver(self, event: GenerationEvent) -> None:
+        self._queue.put_nowait(event)
+
+
+@dataclass(eq=False)
+class _Live:
+    """Model-thread state of one request: output processing and accounting."""
+
+    request: GenerationRequest
+    stream: RequestStream
+    penalties: PenaltyState | None
+    detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
+    stop_ids: frozenset[int]
+    submitted: float
+    generated: int = 0
+    cached_tokens: int | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished: bool = False
+    text_tokens: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedCore, kv: KvPlan, registry: Registry, *, max_concurrency: int,
+                 queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
+                 seed: int = 0):
+        self.loaded = loaded
+        manifest = loaded.manifest
+        capacities = loaded.capacities
+        if max_concurrency > capacities.max_concurrency:
+            raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
+                             f"{capacities.max_concurrency} (re-export with --max-concurrency {max_concurrency})")
+        self.info = EngineInfo(
+            served_names=tuple(served_names or manifest["served_names"]), context_length=capacities.context_length,
+            max_concurrency=max_concurrency, queue_capacity=queue_capacity,
+            created=int(loaded.core.path.stat().st_mtime), recipe=loaded.recipe_name,
+            architecture=manifest["architecture"]["name"], dtype=manifest["dtype"],
+            parameters=loaded.parameters, core_path=str(loaded.core.path))
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+        self.frontend = loaded.frontend
+        self.sampling_policy = loaded.sampling_policy
+        self.registry = registry  # the server looks up the core's output parsers here
+        self.metrics = RuntimeMetrics()
+        self.kv = kv
+
+        page_tokens = capacities.page_tokens
+        self._pages = PageAllocator(kv.num_pages)
+        logits_slots = LOGITS_SLOTS_PER_SLOT * max_concurrency if prefix_cache else 0
+        has_state = bool(loaded.cache_scheme.state)
+        self._prefix = PrefixCache(loaded.identity, self._pages, page_tokens, continuation_state=has_state,
+                                   snapshot_slots=kv.snapshot_slots if has_state else 0,
+                                   logits_slots=logits_slots) if prefix_cache else None
+        catalog = GraphCapacities.from_specs(capacities.graph_catalog())
+        self._scheduler = Scheduler(
+            SchedulerConfig(max_concurrency=max_concurrency, prefill_chunk_size=capacities.prefill_chunk_size,
+                            capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)
+        self._executor = EagerExecutor(
+            loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, page_tokens=page_tokens,
+            num_rows=max_concurrency, num_snapshot_slots=kv.snapshot_slots if has_state else 0,
+            num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size, device=loaded.device)
+        self._sampler = Sampler(seed=seed, device=loaded.device)
+        self._vocab = loaded.model_config.vocab_size
+        self._core_stop_ids = frozenset(int(i) for i in loaded.frontend["stop_token_ids"])
+
+        self._inbox: queue.Queue = queue.Queue(maxsize=4 * (max_concurrency + queue_capacity) + 16)
+        self._live: dict[str, _Live] = {}
+        self._accepted = 0  # submitted and not finished: bounded by max_concurrency + queue_capacity
+        self._accepted_lock = threading.Lock()
+        self._draining = False
+        self._failure: str | None = None
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._prefix_seen = (0, 0, 0)
+        self._thread = threading.Thread(target=self._run, name="flare-model", daemon=True)
+
+    # ---- event-loop side -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        self._update_gauges()
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Call from the event loop thread (the loop that consumes the returned stream)."""
+        self._loop = asyncio.get_running_loop()
+        if self._failure is not None:
+            raise AdmissionError(f"the model worker failed: {self._failure}", status=500)
+        if self._draining:
+            raise AdmissionError("the server is shutting down and admits no new requests", status=503)
+        limit = self.info.max_concurrency + self.info.queue_capacity
+        prompt_len = len(request.prompt_ids)
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if prompt_len + request.max_tokens > self.info.context_length:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) exceeds the "
+                             f"context length {self.info.context_length}")
+        with self._accepted_lock:
+            if self._accepted >= limit:
+                raise AdmissionError(f"admission is full: {self._accepted} requests are running or queued "
+                                     f"(max_concurrency {self.info.max_concurrency} + queue_capacity "
+                                     f"{self.info.queue_capacity})", status=503)
+            self._accepted += 1
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(self, request_id)
+        self.metrics.request_admitted()
+        self._post(("submit", request_id, request, stream, time.monotonic()))
+        return stream
+
+    def begin_drain(self) -> None:
+        self._draining = True
+
+    def active_requests(self) -> int:
+        return self._accepted
+
+    async def aclose(self) -> None:
+        """Cancel what is left, stop the model thread and wait for it."""
+        self._draining = True
+        self._post(("stop",))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def _post(self, message: tuple) -> None:
+        self._inbox.put(message)
+
+    def _emit(self, live: _Live, event: GenerationEvent) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(live.stream._deliver, event)
+
+    # ---- model thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = self._scheduler.is_idle()
+                if not self._drain_inbox(block=idle):
+                    break
+                plan = self._scheduler.schedule()
+                if plan is None:
+                    if not self._scheduler.is_idle():
+                        # Work exists but nothing can run: requests wait for pages held by the cache
+                        # or for resources in flight. Block for the next message rather than spin.
+                        if not self._drain_inbox(block=True):
+                            break
+                    continue
+                self._step(plan)
+        except Exception as exc:  # a failed step fails every request; the process can still exit
+            log.exception("model worker failed")
+            self._failure = f"{type(exc).__name__}: {exc}"
+            for live in list(self._live.values()):
+                self._finish(live, "error", error=f"execution failed: {self._failure}")
+        finally:
+            self._cancel_all()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Handle pending messages; False when asked to stop."""
+        while True:
+            try:
+                message = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            kind = message[0]
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                self._admit(*message[1:])
+            elif kind == "cancel":
+                live = self._live.get(message[1])
+                if live is not None:
+                    self._finish(live, "cancelled")
+
+    def _admit(self, request_id: str, request: GenerationRequest, stream: RequestStream, submitted: float) -> None:
+        needs_penalties = (request.sampling.presence_penalty != 0.0 or request.sampling.frequency_penalty != 0.0
+                           or request.sampling.repetition_penalty != 1.0)
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self._core_stop_ids
+        live = _Live(request, stream,
+                     PenaltyState(self._vocab, request.prompt_ids, device=self.loaded.device) if needs_penalties
+                     else None,
+                     IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
+                     StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)
+        try:
+            self._scheduler.submit(request_id, request.prompt_ids, request.max_tokens,
+                                   marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)))
+        except ValueError as exc:
+            self._live[request_id] = live
+            self._finish(live, "error", error=str(exc))
+            return
+        self._live[request_id] = live
+
+    def _step(self, plan: StepPlan) -> None:
+        samples = plan.samples
+        started = time.perf_counter()
+        logits = self._executor.run(plan)
+        tokens = None
+        sampled_logprobs = None
+        if samples:
+            lives = [self._live.get(h.request_id) for h in samples]
+            params = [live.request.sampling if live else None for live in lives]
+            steps = [live.generated if live else 0 for live in lives]
+            penalties = [live.penalties if live else None for live in lives]
+            top_n = max((live.request.top_logprobs for live in lives if live and live.request.logprobs), default=0)
+            want_logprobs = any(live and live.request.logprobs for live in lives)
+            output = self._sampler.sample(logits, [p or SamplingParams(temperature=0.0) for p in params], steps,
+                                          penalties, logprobs=want_logprobs, top_logprobs=top_n)
+            tokens = output.token_ids
+            self._executor.record_sampled([h.slot for h in samples], tokens)
+            sampled_logprobs = output
+        token_list = tokens.tolist() if tokens is not None else []
+        duration = time.perf_counter() - started
+        self._note_first_work(plan)
+        confirmed = self._scheduler.complete(plan, StepResult(token_list, duration))
+        index_of = {h: i for i, h in enumerate(samples)}
+        now = time.monotonic()
+        for sampled in confirmed:
+            live = self._live.get(sampled.handle.request_id)
+            if live is None or live.finished:
+                continue
+            row = index_of[sampled.handle]
+            self._on_token(live, sampled.token, row, sampled_logprobs, now)
+        self._sync_prefix_metrics()
+        self._update_gauges()
+
+    def _note_first_work(self, plan: StepPlan) -> None:
+        """Cached prompt tokens of a request: restored by an exact hit, or where its first chunk starts."""
+        for restore in plan.restores:
+            live = self._live.get(restore.handle.request_id)
+            if live is not None and live.cached_tokens is None and restore.logits_slot is not None:
+                live.cached_tokens = len(live.request.prompt_ids)
+        for chunk in plan.prefills:
+            live = self._live.get(chunk.handle.request_id)
+            if live is not None and live.cached_tokens is None:
+                live.cached_tokens = chunk.start
+
+    def _on_token(self, live: _Live, token: int, row: int, output, now: float) -> None:
+        live.generated += 1
+        if live.penalties is not None:
+            live.penalties.append(token)
+        if live.first_token_at is None:
+            live.first_token_at = now
+            self.metrics.observe_ttft(now - live.submitted)
+        else:
+            self.metrics.observe_itl(now - live.last_token_at)
+        live.last_token_at = now
+        logprobs = ()
+        if live.request.logprobs and output is not None and output.logprobs is not None:
+            n = live.request.top_logprobs
+            top = ()
+            if n:
+                ids = output.top_ids[row, :n].tolist()
+                values = output.top_logprobs[row, :n].tolist()
+                top = tuple((i, self.tokenizer.decode([i]), v) for i, v in zip(ids, values))
+            logprobs = (TokenLogprob(token, self.tokenizer.decode([token]), float(output.logprobs[row]), top),)
+
+        if token in live.stop_ids:
+            text = live.stops.flush() if not live.stops.matched else ""
+            self._emit(live, GenerationEvent(text=text + self._flush_text(live), token_ids=(token,),
+                                             logprobs=logprobs))
+            self._finish(live, "stop", stop=token)
+            return
+        piece = live.detokenizer.push(token)
+        result = live.stops.feed(piece)
+        if result.stop is not None:
+            self._emit(live, GenerationEvent(text=result.text, token_ids=(token,), logprobs=logprobs))
+            self._finish(live, "stop", stop=result.stop)
+            return
+        if live.generated >= live.request.max_tokens:
+            tail = live.stops.feed(live.detokenizer.flush())
+            text = result.text + tail.text + (live.stops.flush() if tail.stop is None else "")
+            self._emit(live, GenerationEvent(text=text, token_ids=(token,), logprobs=logprobs))
+            self._finish(live, "length" if tail.stop is None else "stop", stop=tail.stop)
+            return
+        self._emit(live, GenerationEvent(text=result.text, token_ids=(token,), logprobs=logprobs))
+
+    def _flush_text(self, live: _Live) -> str:
+        """Text the detokenizer still held when a stop token ended the request."""
+        tail = live.stops.feed(live.detokenizer.flush())
+        return tail.text + (live.stops.flush() if tail.stop is None else "")
+
+    def _finish(self, live: _Live, reason: str, stop: str | int | None = None, error: str | None = None) -> None:
+        if live.finished:
+            return
+        live.finished = True
+        request_id = live.stream.request_id
+        try:
+            self._scheduler.finish(request_id, reason)
+        except KeyError:
+            pass  # never reached the scheduler (rejected at submit)
+        self._live.pop(request_id, None)
+        cached = live.cached_tokens or 0
+        usage = Usage(len(live.request.prompt_ids), live.generated, cached)
+        self._emit(live, GenerationEvent(finish_reason=reason, stop=stop, usage=usage, error=error))
+        self.metrics.request_finished(reason, usage.prompt_tokens, usage.completion_tokens, cached)
+        with self._accepted_lock:
+            self._accepted -= 1
+        elapsed = time.monotonic() - live.submitted
+        ttft = None if live.first_token_at is None else round(live.first_token_at - live.submitted, 4)
+        log.info("request finished", request_id=request_id, finish_reason=reason,
+                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                 cached_tokens=cached, ttft_s=ttft, total_s=round(elapsed, 4))
+
+    def _cancel_all(self) -> None:
+        for live in list(self._live.values()):
+            self._finish(live, "cancelled")
+        while True:  # requests that were still in the inbox when the worker stopped
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] == "submit":
+                _, request_id, request, stream, submitted = message
+                live = _Live(request, stream, None, IncrementalDetokenizer(self.tokenizer), StopMatcher(()),
+                             frozenset(), submitted)
+                stream_id = stream.request_id
+                self._live[stream_id] = live
+                self._finish(live, "cancelled" if self._failure is None else "error", error=self._failure)
+
+    def _sync_prefix_metrics(self) -> None:
+        if self._prefix is None:
+            return
+        stats = self._prefix.stats
+        lookups, hits, reused = stats.lookups, stats.hits, stats.reused_tokens
+        seen_lookups, seen_hits, seen_reused = self._prefix_seen
+        new_hits = hits - seen_hits
+        for i in range(new_hits):
+            self.metrics.prefix_lookup(True, reused - seen_reused if i == 0 else 0)
+        for _ in range(lookups - seen_lookups - new_hits):
+            self.metrics.prefix_lookup(False, 0)
+        self._prefix_seen = (lookups, hits, reused)
+
+    def _update_gauges(self) -> None:
+        live = self._scheduler.num_live
+        self.metrics.set_slots(live, self.info.max_concurrency - live)
+        self.metrics.set_free_pages(self._pages.free_count)
+        self.metrics.set_waiting(self._scheduler.num_waiting)
+
+    def stats(self) -> dict[str, Any]:
+        return {"live": self._scheduler.num_live, "waiting": self._scheduler.num_waiting,
+                "free_pages": self._pages.free_count, "num_pages": self._pages.num_pages,
+                "prefix": None if self._prefix is None else self._prefix.stats}

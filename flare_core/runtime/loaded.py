@@ -1,0 +1,108 @@
+"""A verified runtime core turned into what serving needs: the model on its device, the
+tokenizer, the annotated chat template, and the contract data from the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flare_core.contract import CONTRACT_VERSION, CacheScheme, Capacities, PagedStore, Range, SamplingPolicy, \
+    StateTensor
+from flare_core.core import RuntimeCore
+from flare_core.frontend import ChatTemplate, Tokenizer
+from flare_core.ops.loading import load_prepared_weights
+from flare_core.plugins import Registry
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CoreLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedCore:
+    core: RuntimeCore
+    recipe_name: str
+    model_config: Any
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    capacities: Capacities
+    cache_scheme: CacheScheme
+    sampling_policy: SamplingPolicy
+    frontend: dict
+    identity: bytes  # 32 bytes naming exactly this core: the root of prefix-cache hashes
+
+    @property
+    def manifest(self) -> dict:
+        return self.core.manifest
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def _major(version: str) -> str:
+    return version.split(".")[0]
+
+
+def model_config_from_manifest(manifest: dict):
+    from transformers import AutoConfig
+
+    arch = manifest["architecture"]
+    values = {k: v for k, v in arch["config"].items() if k != "model_type"}
+    return AutoConfig.for_model(arch["model_type"], **values)
+
+
+def cache_scheme_from_manifest(data: dict) -> CacheScheme:
+    return CacheScheme(
+        name=data["name"],
+        paged=tuple(PagedStore(s["name"], tuple(s["record_shape"]), s["dtype"], s["layers"],
+                               s.get("tokens_per_record", 1)) for s in data["paged"]),
+        state=tuple(StateTensor(s["name"], tuple(s["shape"]), s["dtype"], s["layers"]) for s in data.get("state", ())),
+    )
+
+
+def sampling_policy_from_manifest(data: dict) -> SamplingPolicy:
+    return SamplingPolicy(defaults=data["defaults"],
+                          ranges={n: Range(low, high) for n, (low, high) in data["ranges"].items()},
+                          source=data.get("source", ""))
+
+
+def load_core(core: RuntimeCore, registry: Registry, device: torch.device) -> LoadedCore:
+    """Build the recipe's model from the core's tensors on `device` (the core must be verified)."""
+    manifest = core.manifest
+    if _major(manifest["contract_version"]) != _major(CONTRACT_VERSION):
+        raise CoreLoadError(f"core was prepared for contract {manifest['contract_version']}; this flare speaks "
+                            f"{CONTRACT_VERSION} (re-export the model)")
+    recipe_info = manifest["recipe"]
+    recipe = registry.recipes.get(recipe_info["name"])
+    if recipe is None:
+        raise CoreLoadError(f"core needs recipe {recipe_info['name']!r} from {recipe_info['plugin']}, which is not "
+                            f"installed (pip install {recipe_info['plugin']})")
+    if _major(recipe.version) != _major(recipe_info["version"]):
+        raise CoreLoadError(f"core was prepared by recipe {recipe.name} {recipe_info['version']}; the installed "
+                            f"recipe is {recipe.version} (major versions differ: re-export the model)")
+    model_config = model_config_from_manifest(manifest)
+    dtype = DTYPES[manifest["dtype"]]
+    model = recipe.build_model(model_config, dtype)
+    load_prepared_weights(model, core.load_tensors(device="cpu"), device)
+
+    frontend = manifest["frontend"]
+    tokenizer = Tokenizer.from_str(core.asset(frontend["tokenizer"]).decode("utf-8"))
+    template = None
+    if frontend.get("chat_template"):
+        template = ChatTemplate(core.asset(frontend["chat_template"]).decode("utf-8"))
+    return LoadedCore(
+        core=core, recipe_name=recipe.name, model_config=model_config, model=model, device=device, dtype=dtype,
+        tokenizer=tokenizer, chat_template=template, capacities=Capacities(**manifest["capacities"]),
+        cache_scheme=cache_scheme_from_manifest(manifest["cache_scheme"]),
+        sampling_policy=sampling_policy_from_manifest(manifest["sampling"]), frontend=frontend,
+        identity=hashlib.sha256(core.manifest_bytes).digest(),
+    )

@@ -1,0 +1,90 @@
+"""Sizing the KV page pool from the core's capacities and the memory flags.
+
+`--memory-limit` bounds what the process may occupy on the device: an occupied size ("30G"),
+a reserve to leave free ("-30G"), or a fraction of device memory ("0.8"). `--kv-cache-limit`
+bounds the page pool itself: a size ("20G") or "context" (exactly enough pages for
+max_concurrency full contexts). On the CPU reference path there is no device memory to
+measure; without a KV limit the pool holds two full contexts per slot, which leaves the prefix
+cache as much room as the live requests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from flare_core.contract import CacheScheme, Capacities
+
+_SIZE = re.compile(r"^(-?)(\d+(?:\.\d+)?)([KMGT]?)i?B?$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+CPU_CONTEXTS_PER_SLOT = 2
+
+
+class MemoryPlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    num_pages: int
+    page_bytes: int
+    snapshot_slots: int
+    reason: str
+
+    @property
+    def bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+
+def parse_size(text: str, flag: str) -> tuple[int, bool]:
+    """'30G' -> (30 GiB, False); '-30G' -> (30 GiB, True: a reserve to leave free)."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise MemoryPlanError(f"{flag} {text!r}: expected a size like 30G, -30G or a fraction like 0.8")
+    negative, number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.upper()]), negative == "-"
+
+
+def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, device: torch.device,
+            memory_limit: str, kv_cache_limit: str | None) -> KvPlan:
+    page_bytes = scheme.page_bytes(capacities.page_tokens)
+    context_pages = -(-capacities.context_length // capacities.page_tokens)
+    snapshot_slots = 2 * max_concurrency if scheme.state else 0
+    state_bytes = scheme.state_row_bytes() * (max_concurrency + snapshot_slots)
+
+    if kv_cache_limit == "context":
+        pages, reason = max_concurrency * context_pages, f"--kv-cache-limit context: {max_concurrency} full contexts"
+    elif kv_cache_limit is not None:
+        size, reserve = parse_size(kv_cache_limit, "--kv-cache-limit")
+        if reserve:
+            raise MemoryPlanError(f"--kv-cache-limit {kv_cache_limit!r}: must be a size, not a reserve")
+        pages, reason = size // page_bytes, f"--kv-cache-limit {kv_cache_limit}"
+    elif device.type == "cuda":
+        budget = _device_budget(device, memory_limit) - state_bytes
+        pages, reason = max(budget, 0) // page_bytes, f"--memory-limit {memory_limit} of device memory"
+    else:
+        pages = CPU_CONTEXTS_PER_SLOT * max_concurrency * context_pages
+        reason = f"{CPU_CONTEXTS_PER_SLOT} full contexts per slot (CPU)"
+    if pages < context_pages:
+        raise MemoryPlanError(
+            f"the KV cache gets {pages} pages ({reason}) but one full context of {capacities.context_length} tokens "
+            f"needs {context_pages} pages of {page_bytes} bytes: raise --memory-limit / --kv-cache-limit or "
+            f"re-export with a smaller --context-length")
+    return KvPlan(int(pages), page_bytes, snapshot_slots, reason)
+
+
+def _device_budget(device: torch.device, memory_limit: str) -> int:
+    """Bytes the page pool may take on `device`, given what is already allocated."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    text = memory_limit.strip()
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = None
+    if fraction is not None and 0.0 < fraction <= 1.0:
+        return int(total * fraction) - used
+    size, reserve = parse_size(text, "--memory-limit")
+    return free - size if reserve else size - used

@@ -1,0 +1,113 @@
+"""Prometheus metrics of one serving process.
+
+Each `RuntimeMetrics` owns a private registry (never the global one), so several engines or test
+servers in one process do not collide. Nothing here records prompt text or token ids: only counts,
+sizes and timings. prometheus_client metrics are thread-safe, so the model thread and the event
+loop may both call these methods.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+# Finish reasons the runtime reports; "stop" and "length" are completions.
+COMPLETED_REASONS = ("stop", "length")
+
+# Seconds; TTFT spans queueing + prefill, so its buckets reach further than ITL's.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
+
+
+class RuntimeMetrics:
+    """Counters, gauges and histograms of the runtime and the HTTP front, all named `flare_*`."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._admitted = Counter("flare_requests_admitted", "Requests the runtime admitted.", registry=r)
+        self._rejected = Counter("flare_requests_rejected", "HTTP requests refused before generation, by status.",
+                                 ["status"], registry=r)
+        self._completed = Counter("flare_requests_completed", "Requests that finished generating, by finish reason.",
+                                  ["finish_reason"], registry=r)
+        self._cancelled = Counter("flare_requests_cancelled", "Requests cancelled (client disconnect or shutdown).",
+                                  registry=r)
+        self._failed = Counter("flare_requests_failed", "Requests that failed during execution.", registry=r)
+        self._prompt_tokens = Counter("flare_prompt_tokens", "Prompt tokens of finished requests (cached included).",
+                                      registry=r)
+        self._cached_prompt_tokens = Counter("flare_prompt_cached_tokens",
+                                             "Prompt tokens of finished requests restored from the prefix cache.",
+                                             registry=r)
+        self._generation_tokens = Counter("flare_generation_tokens", "Tokens generated.", registry=r)
+        self._prefix_lookups = Counter("flare_prefix_cache_lookups", "Prefix cache lookups.", registry=r)
+        self._prefix_hits = Counter("flare_prefix_cache_hits", "Prefix cache lookups that reused at least one page.",
+                                    registry=r)
+        self._prefix_reused_tokens = Counter("flare_prefix_cache_reused_tokens",
+                                             "Prompt tokens restored from the prefix cache instead of computed.",
+                                             registry=r)
+        self._live_slots = Gauge("flare_slots_live", "Request slots holding a live request.", registry=r)
+        self._free_slots = Gauge("flare_slots_free", "Request slots free for new requests.", registry=r)
+        self._free_pages = Gauge("flare_kv_pages_free", "KV cache pages free (evictable cached pages excluded).",
+                                 registry=r)
+        self._waiting = Gauge("flare_requests_waiting", "Admitted requests waiting for a slot.", registry=r)
+        self._http_in_flight = Gauge("flare_http_requests_in_flight",
+                                     "HTTP requests holding an ingress reservation.", registry=r)
+        self._ttft = Histogram("flare_time_to_first_token_seconds", "Time from admission to the first token.",
+                               buckets=_TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("flare_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                              buckets=_ITL_BUCKETS, registry=r)
+
+    def request_admitted(self) -> None:
+        self._admitted.inc()
+
+    def request_rejected(self, status: int) -> None:
+        """An HTTP request refused before it reached generation (401, 413, 429, 503, ...)."""
+        self._rejected.labels(status=str(status)).inc()
+
+    def request_finished(self, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        """`reason` is the runtime's finish reason: "stop", "length", "cancelled" or "error";
+        `cached_tokens` are the prompt tokens restored from the prefix cache."""
+        if reason in COMPLETED_REASONS:
+            self._completed.labels(finish_reason=reason).inc()
+        elif reason == "cancelled":
+            self._cancelled.inc()
+        elif reason == "error":
+            self._failed.inc()
+        else:
+            raise ValueError(f"request_finished: unknown finish reason {reason!r} "
+                             f"(expected one of {COMPLETED_REASONS + ('cancelled', 'error')})")
+        self._prompt_tokens.inc(prompt_tokens)
+        self._cached_prompt_tokens.inc(cached_tokens)
+        self._generation_tokens.inc(completion_tokens)
+
+    def prefix_lookup(self, hit: bool, reused_tokens: int) -> None:
+        """One prefix cache lookup; `reused_tokens` are the prompt tokens it restored."""
+        self._prefix_lookups.inc()
+        if hit:
+            self._prefix_hits.inc()
+            self._prefix_reused_tokens.inc(reused_tokens)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def set_slots(self, live: int, free: int) -> None:
+        self._live_slots.set(live)
+        self._free_slots.set(free)
+
+    def set_free_pages(self, pages: int) -> None:
+        self._free_pages.set(pages)
+
+    def set_waiting(self, requests: int) -> None:
+        self._waiting.set(requests)
+
+    def set_http_in_flight(self, requests: int) -> None:
+        self._http_in_flight.set(requests)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (content type: `content_type`)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,125 @@
+"""Step selection: graph capacities, prompt chunk boundaries, fairness, and the choice between
+candidate steps by useful tokens per estimated second."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from flare_core.scheduler.estimates import StepCostEstimator, StepKind
+
+
+def _capacities(values: Iterable[int], field: str) -> tuple[int, ...]:
+    result = tuple(values)
+    if any(not isinstance(v, int) or v < 1 for v in result):
+        raise ValueError(f"GraphCapacities {field} must be positive integers, got {result}")
+    if list(result) != sorted(set(result)):
+        raise ValueError(f"GraphCapacities {field} must be strictly increasing, got {result}")
+    return result
+
+
+@dataclass(frozen=True)
+class GraphCapacities:
+    """The captured graph catalog as data: decode batch capacities (rows), prefill token
+    capacities, and optional mixed token capacities (decode rows + prompt tokens in one graph)."""
+
+    decode: tuple[int, ...]
+    prefill: tuple[int, ...]
+    mixed: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode", _capacities(self.decode, "decode"))
+        object.__setattr__(self, "prefill", _capacities(self.prefill, "prefill"))
+        object.__setattr__(self, "mixed", _capacities(self.mixed, "mixed"))
+        if not self.decode or not self.prefill:
+            raise ValueError("GraphCapacities needs at least one decode and one prefill capacity")
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[object]) -> GraphCapacities:
+        """From contract graph specs (objects with `kind` and `capacity`); kinds this scheduler
+        does not plan (e.g. speculative) are ignored."""
+        by_kind: dict[str, list[int]] = {"decode": [], "prefill": [], "mixed": []}
+        for spec in specs:
+            kind, capacity = getattr(spec, "kind"), getattr(spec, "capacity")
+            if kind in by_kind:
+                by_kind[kind].append(capacity)
+        return cls(*(tuple(sorted(set(by_kind[k]))) for k in ("decode", "prefill", "mixed")))
+
+    def of(self, kind: StepKind) -> tuple[int, ...]:
+        return {StepKind.DECODE: self.decode, StepKind.PREFILL: self.prefill,
+                StepKind.MIXED: self.mixed}.get(kind, ())
+
+    def covering(self, kind: StepKind, size: int) -> int | None:
+        """Smallest capacity of `kind` that holds `size`, or None if none does."""
+        capacities = self.of(kind)
+        index = bisect.bisect_left(capacities, size)
+        return capacities[index] if index < len(capacities) else None
+
+    def largest(self, kind: StepKind) -> int:
+        capacities = self.of(kind)
+        return capacities[-1] if capacities else 0
+
+
+@dataclass(frozen=True)
+class FairnessLimits:
+    """A live request is starving once this many steps, or this many estimated seconds of
+    steps, have passed without it advancing; candidates serving more starving requests win."""
+
+    max_wait_steps: int = 4
+    max_wait_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_wait_steps < 1:
+            raise ValueError(f"FairnessLimits max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        if not (self.max_wait_s > 0 and math.isfinite(self.max_wait_s)):
+            raise ValueError(f"FairnessLimits max_wait_s must be a positive number, got {self.max_wait_s}")
+
+    def starving(self, waited_steps: int, waited_s: float) -> bool:
+        return waited_steps >= self.max_wait_steps or waited_s >= self.max_wait_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One possible next step, as the policy sees it."""
+
+    kind: StepKind
+    capacity: int
+    useful_tokens: int      # tokens advanced: decode rows + real (unpadded) prompt tokens
+    starving_served: int    # starving requests this step would advance
+
+
+_KIND_PREFERENCE = {StepKind.MIXED: 0, StepKind.DECODE: 1, StepKind.PREFILL: 2}
+
+
+def rank(candidates: Sequence[Candidate], estimator: StepCostEstimator) -> list[int]:
+    """Candidate indices, best first: most starving requests served, then most useful tokens
+    per estimated second; ties go to mixed, then decode (deterministic)."""
+
+    def key(index: int) -> tuple[int, float, int]:
+        c = candidates[index]
+        rate = c.useful_tokens / estimator.estimate(c.kind, c.capacity)
+        return -c.starving_served, -rate, _KIND_PREFERENCE[c.kind]
+
+    return sorted(range(len(candidates)), key=key)
+
+
+def chunk_end(start: int, target: int, budget: int, page_tokens: int,
+              boundaries: Sequence[int] = ()) -> int | None:
+    """End of the next prompt chunk from `start` toward `target` using at most `budget` tokens.
+
+    A chunk ends at the target, at the first boundary after `start` (an endpoint where a state
+    snapshot must be taken), or else at the last page boundary within the budget, so every
+    chunk but the final one fills whole pages. None if no valid end fits the budget."""
+    if not 0 <= start < target:
+        raise ValueError(f"chunk start {start} must be in [0, target={target})")
+    limit = start + budget
+    natural = target
+    index = bisect.bisect_right(boundaries, start)
+    if index < len(boundaries) and boundaries[index] < natural:
+        natural = boundaries[index]
+    if natural <= limit:
+        return natural
+    aligned = limit // page_tokens * page_tokens
+    return aligned if aligned > start else None

@@ -1,0 +1,121 @@
+"""Request lifecycle and per-request scheduling state.
+
+Positions: the prompt occupies [0, prompt_len); generated token k sits at prompt_len + k. A step
+"computes" a position when it writes that position's cache records. The final prompt position's
+logits give generated token 0; a decode step feeds token k at position prompt_len + k and
+samples token k + 1.
+
+Lifecycle:
+    WAITING --admit--> RUNNING --finish/cancel--> STOPPED --last in-flight step done--> (gone)
+    RUNNING --preempt--> PREEMPTED --last in-flight step done--> WAITING (recomputes)
+State advanced when a step is planned (`num_computed`, `num_planned_samples`) runs ahead of
+state confirmed when it completes (`num_written`, `outputs`), because several plans may be in
+flight (the GPU path keeps two).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from flare_core.cache.prefix import Checkpoint, PrefixHit
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"        # queued for a slot (new, or preempted and released)
+    RUNNING = "running"        # holds a slot; scheduled
+    PREEMPTED = "preempted"    # not scheduled; resources return at its last in-flight step
+    STOPPED = "stopped"        # finished or cancelled; resources return at its last in-flight step
+
+
+@dataclass(frozen=True)
+class RequestHandle:
+    """Routes a request's step inputs and outputs. The generation increments every time a slot
+    is reused, so outputs tagged with a stale handle never reach the slot's next request."""
+
+    request_id: str
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Copies the executor runs before the step's forward pass, from a prefix-cache checkpoint
+    into a newly admitted request's resources."""
+
+    handle: RequestHandle
+    tail_copy: tuple[int, int] | None   # (cache tail page, request's private page)
+    state_snapshot: int | None          # snapshot slot -> the request's state row (handle.slot)
+    logits_slot: int | None             # stored next-token logits: sample the first token from them
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    marks: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
+    order: int                      # submission order: lower is older and has priority
+    status: RequestStatus = RequestStatus.WAITING
+    outputs: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    hashes: list[bytes] = field(default_factory=list)   # prefix block hashes, grown lazily
+
+    # Per admission; reset when released.
+    handle: RequestHandle | None = None
+    page_table: tuple[int, ...] = ()
+    target: int = 0                 # prefill runs to here: prompt plus outputs known at admission
+    boundaries: tuple[int, ...] = ()  # chunk ends forced for state snapshots
+    num_computed: int = 0
+    num_written: int = 0
+    num_planned_samples: int = 0
+    cached_depth: int = 0           # leading pages registered in the prefix cache
+    in_flight: int = 0              # issued plans that include this request
+    hit: PrefixHit | None = None    # lookup held while waiting for pages, or until admitted
+    restore: Restore | None = None  # queued for the next plan
+    restoring: Checkpoint | None = None  # pinned until the plan carrying its restore completes
+    last_served_seq: int = -1
+    waited_s: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.target
+
+    def token_at(self, position: int) -> int | None:
+        """The token at `position` if the host knows it yet."""
+        if position < len(self.prompt):
+            return self.prompt[position]
+        index = position - len(self.prompt)
+        return self.outputs[index] if index < len(self.outputs) else None
+
+    def known_tokens(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.outputs)
+
+    def tokens_between(self, start: int, end: int) -> tuple[int, ...]:
+        if end <= len(self.prompt):
+            return self.prompt[start:end]
+        return self.known_tokens()[start:end]
+
+    def can_decode(self) -> bool:
+        return (self.status is RequestStatus.RUNNING and self.prefill_done and self.restore is None
+                and self.num_planned_samples < self.max_tokens)
+
+    def can_prefill(self) -> bool:
+        return self.status is RequestStatus.RUNNING and not self.prefill_done
+
+    def reset_admission(self) -> None:
+        self.handle = None
+        self.page_table = ()
+        self.target = self.num_computed = self.num_written = self.num_planned_samples = 0
+        self.boundaries = ()
+        self.cached_depth = 0
+        self.restore = None
+        self.restoring = None

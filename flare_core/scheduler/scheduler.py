@@ -1,0 +1,523 @@
+"""The Scheduler: admission, step plans, completion, preemption, cancellation.
+
+One call to `schedule()` returns the next `StepPlan` (or None when nothing can run); the
+executor runs it and hands back a `StepResult` through `complete()`. Plans may be issued before
+earlier ones complete (the GPU path keeps two in flight), so request state advances when a plan
+is issued and is confirmed, in issue order, when it completes. Resources of a finished,
+cancelled or preempted request are released at the completion of the last in-flight plan that
+includes it (its fence), never earlier.
+
+Pages. A request holds one reference on every page in its page table (shared prefix pages
+included). Pages are taken when a step needs them; when none are free the prefix cache evicts,
+and if that is not enough an older request preempts the youngest running ones (their pages
+return at their fence; they requeue and recompute, reusing whatever the prefix cache kept).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flare_core.cache.pages import PageAllocator, StateRowAllocator, pages_for_tokens, request_page_need
+from flare_core.cache.prefix import NO_HIT, CheckpointSlots, PrefixCache
+from flare_core.scheduler.estimates import StepCostEstimator, StepKind
+from flare_core.scheduler.policy import Candidate, FairnessLimits, GraphCapacities, chunk_end, rank
+from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_concurrency: int
+    prefill_chunk_size: int
+    capacities: GraphCapacities
+    page_tokens: int = 64
+    fairness: FairnessLimits = field(default_factory=FairnessLimits)
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"SchedulerConfig max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.page_tokens < 1:
+            raise ValueError(f"SchedulerConfig page_tokens must be >= 1, got {self.page_tokens}")
+        if self.prefill_chunk_size < self.page_tokens or self.prefill_chunk_size % self.page_tokens:
+            raise ValueError(f"SchedulerConfig prefill_chunk_size ({self.prefill_chunk_size}) must be a "
+                             f"positive multiple of page_tokens ({self.page_tokens})")
+        if self.capacities.largest(StepKind.DECODE) < self.max_concurrency:
+            raise ValueError(f"the largest decode capacity ({self.capacities.largest(StepKind.DECODE)}) "
+                             f"must cover max_concurrency ({self.max_concurrency})")
+        if self.capacities.largest(StepKind.PREFILL) < self.prefill_chunk_size:
+            raise ValueError(f"the largest prefill capacity ({self.capacities.largest(StepKind.PREFILL)}) "
+                             f"must cover prefill_chunk_size ({self.prefill_chunk_size})")
+
+
+@dataclass(frozen=True)
+class DecodeEntry:
+    """Feed one token at `position` and sample the next."""
+
+    handle: RequestHandle
+    position: int
+    input_token: int | None         # None: the token sampled for this slot by the previous plan (on device)
+    page_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Compute positions [start, end) from `tokens`. A chunk with start == 0 begins from a zeroed
+    state row; otherwise the row continues (or was restored by this plan's Restore). If
+    `samples`, sample the next token from the logits at end-1. If `save` is set, after the
+    chunk: copy page_table[end // page_tokens] to save.tail_page, the state row handle.slot to
+    save.state_snapshot, and the logits at end-1 to save.logits_slot (each only when not None)."""
+
+    handle: RequestHandle
+    start: int
+    end: int
+    tokens: tuple[int, ...]
+    page_table: tuple[int, ...]
+    samples: bool
+    save: CheckpointSlots | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step for the executor. Run `restores` first, then one graph of `kind` padded to
+    `capacity` over `decodes` and `prefills`. `samples` orders the tokens of the StepResult."""
+
+    seq: int
+    kind: StepKind
+    capacity: int
+    restores: tuple[Restore, ...]
+    decodes: tuple[DecodeEntry, ...]
+    prefills: tuple[PrefillChunk, ...]
+    estimated_s: float
+
+    @property
+    def samples(self) -> tuple[RequestHandle, ...]:
+        """Restores with stored logits, then decodes, then sampling prefill chunks."""
+        return (tuple(r.handle for r in self.restores if r.logits_slot is not None)
+                + tuple(d.handle for d in self.decodes)
+                + tuple(p.handle for p in self.prefills if p.samples))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: Sequence[int]   # one sampled token per plan.samples entry, in that order
+    duration_s: float       # measured wall time of the step
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    handle: RequestHandle
+    token: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pages: PageAllocator, prefix: PrefixCache | None = None,
+                 estimator: StepCostEstimator | None = None) -> None:
+        if prefix is not None and prefix.page_tokens != config.page_tokens:
+            raise ValueError(f"prefix cache page_tokens ({prefix.page_tokens}) must equal the "
+                             f"scheduler's ({config.page_tokens})")
+        self.config = config
+        self.pages = pages
+        self.prefix = prefix
+        self.estimator = estimator or StepCostEstimator()
+        self.slots = StateRowAllocator(config.max_concurrency)
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[tuple[int, Request]] = []   # heap by submission order
+        self._live: list[Request] = []                  # holding a slot, sorted by order
+        self._in_flight: deque[tuple[StepPlan, list[Request]]] = deque()
+        self._next_seq = 0
+        self._next_order = 0
+        self.preemptions = 0    # requests preempted for pages so far (a metric)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
+               marks: Sequence[int] = ()) -> None:
+        """Queue a request. `marks` are message-boundary token endpoints within the prompt
+        (checkpoint candidates). The caller has already checked the context limit."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
+        prompt = tuple(prompt)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt must hold at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        marks = tuple(marks)
+        if list(marks) != sorted(set(marks)) or (marks and (marks[0] < 1 or marks[-1] > len(prompt))):
+            raise ValueError(f"request {request_id!r}: marks must be increasing endpoints in "
+                             f"1..{len(prompt)}, got {marks}")
+        need = request_page_need(len(prompt), max_tokens, self.config.page_tokens)
+        if need > self.pages.num_pages:
+            raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
+                             f"max_tokens {max_tokens}) but the cache has {self.pages.num_pages}")
+        request = Request(request_id, prompt, max_tokens, marks, self._next_order)
+        self._next_order += 1
+        self._requests[request_id] = request
+        heapq.heappush(self._waiting, (request.order, request))
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """Stop scheduling a request now; its slot and pages return at its fence. Tokens still
+        produced by in-flight plans for it are dropped."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request_id {request_id!r}")
+        if request.status is RequestStatus.STOPPED:
+            return
+        was_waiting = request.status is RequestStatus.WAITING
+        request.status = RequestStatus.STOPPED
+        request.finish_reason = reason
+        if was_waiting:
+            self._drop_held_hit(request)
+            del self._requests[request_id]
+        elif request.in_flight == 0:
+            self._release(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """finish(request_id, "cancelled"); False if the request is unknown or already stopped."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is RequestStatus.STOPPED:
+            return False
+        self.finish(request_id, "cancelled")
+        return True
+
+    def request(self, request_id: str) -> Request:
+        """The scheduler's state for a request (read it, do not modify it)."""
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request_id {request_id!r}") from None
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, r in self._waiting if r.status is RequestStatus.WAITING)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def is_idle(self) -> bool:
+        return not self._requests and not self._in_flight
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Admit what fits, choose the next step and issue it; None when nothing can run now."""
+        seq = self._next_seq
+        self._admit()
+        running = [r for r in self._live if r.status is RequestStatus.RUNNING]
+        starving = {r.request_id for r in running
+                    if self.config.fairness.starving(seq - r.last_served_seq - 1, r.waited_s)}
+        decoders = [r for r in running if r.can_decode()]
+        prefillers = [r for r in running if r.can_prefill()]
+        restores = [r for r in running if r.restore is not None]
+
+        options: list[tuple[Candidate, list[Request], list[tuple[Request, int, int]]]] = []
+        caps = self.config.capacities
+        if decoders:
+            served = sum(r.request_id in starving for r in decoders)
+            options.append((Candidate(StepKind.DECODE, caps.covering(StepKind.DECODE, len(decoders)),
+                                      len(decoders), served), decoders, []))
+        chunks = self._pack(prefillers, self.config.prefill_chunk_size)
+        if chunks:
+            tokens = sum(end - start for _, start, end in chunks)
+            served = sum(r.request_id in starving for r, _, _ in chunks)
+            options.append((Candidate(StepKind.PREFILL, caps.covering(StepKind.PREFILL, tokens), tokens, served),
+                            [], chunks))
+        room = min(caps.largest(StepKind.MIXED) - len(decoders), self.config.prefill_chunk_size)
+        mixed_chunks = self._pack(prefillers, room) if decoders and room > 0 else []
+        if mixed_chunks:
+            tokens = len(decoders) + sum(end - start for _, start, end in mixed_chunks)
+            served = sum(r.request_id in starving for r in decoders)
+            served += sum(r.request_id in starving for r, _, _ in mixed_chunks)
+            options.append((Candidate(StepKind.MIXED, caps.covering(StepKind.MIXED, tokens), tokens, served),
+                            decoders, mixed_chunks))
+
+        # The best candidate can come out empty when its requests cannot get pages; fall back.
+        for index in rank([candidate for candidate, _, _ in options], self.estimator):
+            _, chosen_decoders, chosen_chunks = options[index]
+            plan = self._issue(seq, restores, chosen_decoders, chosen_chunks)
+            if plan is not None:
+                return plan
+        return self._issue(seq, restores, [], []) if restores else None   # restores alone
+
+    def _pack(self, prefillers: list[Request], budget: int) -> list[tuple[Request, int, int]]:
+        """Prompt chunks in submission order, filling `budget` tokens."""
+        chunks = []
+        for request in prefillers:
+            if budget <= 0:
+                break
+            end = chunk_end(request.num_computed, request.target, budget, self.config.page_tokens,
+                            request.boundaries)
+            if end is not None:
+                chunks.append((request, request.num_computed, end))
+                budget -= end - request.num_computed
+        return chunks
+
+    def _issue(self, seq: int, restoring: list[Request], decoders: list[Request],
+               chunks: list[tuple[Request, int, int]]) -> StepPlan | None:
+        """Take pages for the chosen entries (dropping or shortening what cannot get them),
+        advance request state, and record the plan as in flight. None if the chosen work got
+        no pages at all, so the caller can try another candidate."""
+        # Requests restoring in this plan are protected from preemption like those in it.
+        included: dict[str, Request] = {r.request_id: r for r in restoring}
+        decodes = []
+        for request in decoders:
+            position = request.num_computed
+            if request.status is not RequestStatus.RUNNING or self._grow(request, position + 1, included) <= position:
+                continue
+            decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.page_table))
+            request.num_computed += 1
+            request.num_planned_samples += 1
+            included[request.request_id] = request
+
+        prefills = []
+        for request, start, end in chunks:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            end = min(end, self._grow(request, end, included))
+            if end <= start:
+                continue
+            samples = end == request.target
+            prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
+                                         request.page_table, samples, self._reserve_save(request, end)))
+            request.num_computed = end
+            request.num_planned_samples += samples
+            included[request.request_id] = request
+
+        if (decoders or chunks) and not (decodes or prefills):
+            return None
+        restores = []
+        for request in restoring:
+            restore = request.restore
+            assert restore is not None
+            restores.append(restore)
+            if restore.logits_slot is not None:
+                request.num_planned_samples += 1
+            request.restore = None
+
+        caps = self.config.capacities
+        prompt_tokens = sum(p.end - p.start for p in prefills)
+        if decodes and prefills:
+            kind, capacity = StepKind.MIXED, caps.covering(StepKind.MIXED, len(decodes) + prompt_tokens)
+        elif decodes:
+            kind, capacity = StepKind.DECODE, caps.covering(StepKind.DECODE, len(decodes))
+        elif prefills:
+            kind, capacity = StepKind.PREFILL, caps.covering(StepKind.PREFILL, prompt_tokens)
+        else:
+            kind, capacity = StepKind.RESTORE, 0
+        assert capacity is not None
+        plan = StepPlan(seq, kind, capacity, tuple(restores), tuple(decodes), tuple(prefills),
+                        self.estimator.estimate(kind, capacity))
+
+        for request in self._live:
+            if request.request_id in included:
+                request.last_served_seq = seq
+                request.waited_s = 0.0
+            elif request.status is RequestStatus.RUNNING:
+                request.waited_s += plan.estimated_s
+        members = list(included.values())
+        for request in members:
+            request.in_flight += 1
+        self._in_flight.append((plan, members))
+        self._next_seq += 1
+        return plan
+
+    # ---- completion ---------------------------------------------------------------------
+
+    def complete(self, plan: StepPlan, result: StepResult) -> list[SampledToken]:
+        """Confirm the oldest in-flight plan: record its sampled tokens and measured duration,
+        register cache pages and checkpoints it produced, and release requests whose fence it
+        was. Returns the tokens of requests still running (or preempted, which keep them)."""
+        if not self._in_flight or self._in_flight[0][0] is not plan:
+            expected = self._in_flight[0][0].seq if self._in_flight else None
+            raise ValueError(f"complete() takes in-flight plans in issue order: expected seq {expected}, "
+                             f"got seq {plan.seq}")
+        samples = plan.samples
+        if len(result.tokens) != len(samples):
+            raise ValueError(f"StepResult for plan {plan.seq} has {len(result.tokens)} tokens; "
+                             f"the plan samples {len(samples)}")
+        self.estimator.observe(plan.kind, plan.capacity, result.duration_s)
+        _, members = self._in_flight.popleft()
+
+        for restore in plan.restores:
+            request = self._requests[restore.handle.request_id]
+            assert self.prefix is not None and request.restoring is not None
+            self.prefix.unpin(request.restoring)
+            request.restoring = None
+        for chunk in plan.prefills:
+            request = self._requests[chunk.handle.request_id]
+            request.num_written = max(request.num_written, chunk.end)
+            if chunk.save is not None:
+                assert self.prefix is not None
+                self.prefix.record_checkpoint(request.hashes, request.page_table, request.prompt, chunk.end,
+                                              chunk.save, request.cached_depth)
+                request.cached_depth = max(request.cached_depth, chunk.end // self.config.page_tokens)
+        for decode in plan.decodes:
+            request = self._requests[decode.handle.request_id]
+            request.num_written = max(request.num_written, decode.position + 1)
+
+        emitted = []
+        for handle, token in zip(samples, result.tokens):
+            request = self._requests[handle.request_id]
+            if request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                request.outputs.append(token)
+                emitted.append(SampledToken(handle, token))
+
+        for request in members:
+            self._cache_written_pages(request)
+            request.in_flight -= 1
+            if request.in_flight == 0 and request.status in (RequestStatus.PREEMPTED, RequestStatus.STOPPED):
+                self._release(request)
+        return emitted
+
+    # ---- admission, pages, release ------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Admit waiting requests in submission order while a slot and the pages for their
+        first chunk (plus one page of headroom per running request) are available."""
+        page_tokens = self.config.page_tokens
+        while self._waiting and self.slots.free_count:
+            request = self._waiting[0][1]
+            if request.status is not RequestStatus.WAITING:
+                heapq.heappop(self._waiting)
+                continue
+            tokens = request.known_tokens()
+            if request.hit is None and self.prefix is not None:
+                request.hit = self.prefix.lookup(tokens, request.hashes)
+            hit = request.hit or NO_HIT
+            target = len(tokens)
+            boundaries = self._boundaries(request, hit.num_tokens, target)
+            if hit.exact:
+                first_end = target
+            else:
+                first_end = chunk_end(hit.num_tokens, target, self.config.prefill_chunk_size, page_tokens, boundaries)
+                assert first_end is not None
+            need = pages_for_tokens(first_end, page_tokens) - len(hit.pages)
+            headroom = sum(1 for r in self._live if r.status is RequestStatus.RUNNING)
+            if not self._make_free(need + headroom):
+                return
+            heapq.heappop(self._waiting)
+            slot, generation = self.slots.allocate()
+            request.handle = RequestHandle(request.request_id, slot, generation)
+            request.page_table = hit.pages + self.pages.allocate(need)
+            request.target = target
+            request.boundaries = boundaries
+            request.num_computed = request.num_written = hit.num_tokens
+            request.num_planned_samples = len(request.outputs)
+            request.cached_depth = len(hit.pages)
+            checkpoint = hit.checkpoint
+            if checkpoint is not None:
+                tail = None
+                if checkpoint.tail_page is not None:
+                    tail = (checkpoint.tail_page, request.page_table[len(hit.pages)])
+                request.restore = Restore(request.handle, tail, checkpoint.state_snapshot,
+                                          checkpoint.logits_slot if hit.exact else None)
+                request.restoring = checkpoint
+            request.hit = None
+            request.status = RequestStatus.RUNNING
+            request.last_served_seq = self._next_seq - 1
+            request.waited_s = 0.0
+            bisect.insort(self._live, request, key=lambda r: r.order)
+
+    def _boundaries(self, request: Request, start: int, target: int) -> tuple[int, ...]:
+        """Chunk ends forced so a state snapshot can be taken exactly there."""
+        if self.prefix is None or not self.prefix.continuation_state:
+            return ()
+        ends = set(request.marks)
+        ends.add(request.prompt_len)
+        return tuple(sorted(e for e in ends if start < e < target))
+
+    def _reserve_save(self, request: Request, end: int) -> CheckpointSlots | None:
+        if self.prefix is None:
+            return None
+        prompt_end = end == request.prompt_len
+        if not prompt_end and end not in request.boundaries:
+            return None
+        if self.prefix.has_checkpoint(request.hashes, request.prompt, end):
+            return None
+        return self.prefix.reserve_checkpoint(end, prompt_end)
+
+    def _make_free(self, count: int) -> bool:
+        if self.pages.free_count < count and self.prefix is not None:
+            self.prefix.evict_pages(count)
+        return self.pages.free_count >= count
+
+    def _grow(self, request: Request, tokens: int, protected: dict[str, Request]) -> int:
+        """Extend the page table toward covering positions [0, tokens), preempting younger
+        running requests if needed; returns the number of positions covered afterwards."""
+        page_tokens = self.config.page_tokens
+        need = pages_for_tokens(tokens, page_tokens) - len(request.page_table)
+        while need > 0 and not self._make_free(need):
+            deficit = need - self.pages.free_count
+            if self._pages_awaiting_fence() >= deficit:
+                break   # enough returns at the next completions; preempting more would waste work
+            victim = next((r for r in reversed(self._live) if r.status is RequestStatus.RUNNING
+                           and r.order > request.order and r.request_id not in protected
+                           and r.num_planned_samples < r.max_tokens), None)
+            if victim is not None:
+                self._preempt(victim)
+            elif not self._drop_waiting_hits():
+                break
+        take = min(max(need, 0), self.pages.free_count)
+        if take:
+            request.page_table += self.pages.allocate(take)
+        return len(request.page_table) * page_tokens
+
+    def _pages_awaiting_fence(self) -> int:
+        return sum(len(r.page_table) for r in self._live
+                   if r.status is not RequestStatus.RUNNING and r.in_flight > 0)
+
+    def _preempt(self, request: Request) -> None:
+        request.status = RequestStatus.PREEMPTED
+        self.preemptions += 1
+        if request.in_flight == 0:
+            self._release(request)
+
+    def _cache_written_pages(self, request: Request) -> None:
+        """Register complete, fully known pages (schemes without continuation state reuse any
+        page boundary; with state, only checkpoints register pages)."""
+        if self.prefix is None or self.prefix.continuation_state:
+            return
+        depth = min(request.num_written, request.num_known_tokens) // self.config.page_tokens
+        if depth > request.cached_depth:
+            self.prefix.extend_hashes(request.hashes, request.tokens_between(0, depth * self.config.page_tokens))
+            self.prefix.insert(request.hashes, request.page_table, depth, request.cached_depth)
+            request.cached_depth = depth
+
+    def _release(self, request: Request) -> None:
+        """Return a request's slot and pages (its fence has passed)."""
+        assert request.handle is not None and request.in_flight == 0
+        self._cache_written_pages(request)
+        self.pages.release_all(request.page_table)
+        if request.restoring is not None:
+            assert self.prefix is not None
+            self.prefix.unpin(request.restoring)
+        self.slots.free(request.handle.slot)
+        self._live.remove(request)
+        request.reset_admission()
+        if request.status is RequestStatus.PREEMPTED:
+            request.status = RequestStatus.WAITING
+            heapq.heappush(self._waiting, (request.order, request))
+        else:
+            del self._requests[request.request_id]
+
+    def _drop_waiting_hits(self) -> bool:
+        """Release prefix hits held by blocked waiting requests; True if any pages were held."""
+        dropped = False
+        for _, request in self._waiting:
+            if request.hit is not None:
+                dropped = dropped or bool(request.hit.pages)
+                self._drop_held_hit(request)
+        return dropped
+
+    def _drop_held_hit(self, request: Request) -> None:
+        if request.hit is not None:
+            assert self.prefix is not None
+            self.prefix.release_hit(request.hit)
+            request.hit = None

@@ -1,0 +1,384 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages API).
+
+Like the real API, unknown top-level fields are refused ("Extra inputs are not permitted").
+Output becomes thinking, text and tool_use content blocks; streaming sends message_start,
+content_block_start / _delta / _stop per block, message_delta (stop reason + final usage) and
+message_stop. `input_tokens` counts prompt tokens not read from the cache, as Anthropic
+defines it; the cached ones are `cache_read_input_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from flare_core.runtime.types import GenerationRequest, Usage
+from flare_core.server.errors import ApiError
+from flare_core.server.generation import Generation, Outcome, Piece, output_parser
+from flare_core.server.models import resolve_model
+from flare_core.server.prompts import (
+    Prompt,
+    chat_prompt,
+    fit_max_tokens,
+    template_options,
+    template_tool_call,
+    text_of_parts,
+)
+from flare_core.server.request_log import RECORD
+from flare_core.server.sampling import Sampling, read_sampling, read_stop
+from flare_core.server.sse import EventStream
+from flare_core.server.state import STATE, Engine, ServerState
+from flare_core.server.validation import (
+    as_object,
+    get_bool,
+    get_int,
+    get_list,
+    get_object,
+    get_str,
+    invalid,
+    json_type,
+    read_json_body,
+    reject_unknown,
+)
+
+# Fields the Messages API defines. Those without an effect here (metadata, service tier, cache
+# hints: prefix caching is automatic) are accepted and ignored.
+_PROMPT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
+                  "output_config", "speed", "user_profile_id", "workspace_id", "mcp_servers",
+                  "context_management", "diagnostics", "inference_geo")
+_MESSAGES_FIELDS = _PROMPT_FIELDS + ("max_tokens", "stop_sequences", "stream", "temperature", "top_k", "top_p",
+                                     "metadata", "service_tier", "container")
+_COUNT_TOKENS_FIELDS = _PROMPT_FIELDS + ("output_format",)
+_UNSUPPORTED = {"container": "code execution containers are not supported",
+                "mcp_servers": "MCP servers are not supported",
+                "context_management": "context management is not supported"}
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+
+
+def _system_text(system: Any) -> str | None:
+    if system is None:
+        return None
+    return text_of_parts(system, "system")
+
+
+def anthropic_messages(system: Any, raw: list | None) -> list[dict[str, Any]]:
+    """Anthropic `system` + `messages` (string or content-block content) -> template messages.
+    tool_result blocks become `tool` messages, tool_use blocks assistant tool calls, thinking
+    blocks the assistant's reasoning."""
+    if raw is None:
+        raise invalid("messages", "is required")
+    messages: list[dict[str, Any]] = []
+    system_text = _system_text(system)
+    if system_text:
+        messages.append({"role": "system", "content": system_text})
+    for index, message in enumerate(raw):
+        where = f"messages.{index}"
+        message = as_object(message, where)
+        reject_unknown(message, ("role", "content"), where)
+        role = get_str(message, "role", where=f"{where}.role", required=True)
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            converter = _user_blocks if role == "user" else _assistant_blocks
+            messages.extend(converter(content, f"{where}.content"))
+        else:
+            raise invalid(f"{where}.content", f"must be a string or an array of content blocks, got "
+                                              f"{json_type(content)}")
+    return messages
+
+
+def _user_blocks(blocks: list, where: str) -> list[dict[str, Any]]:
+    tool_messages: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for index, block in enumerate(blocks):
+        block = as_object(block, f"{where}.{index}")
+        block_type = block.get("type")
+        if block_type == "text":
+            texts.append(get_str(block, "text", where=f"{where}.{index}.text", required=True))
+        elif block_type == "tool_result":
+            tool_messages.append({
+                "role": "tool",
+                "tool_call_id": get_str(block, "tool_use_id", where=f"{where}.{index}.tool_use_id", required=True),
+                "content": text_of_parts(block.get("content"), f"{where}.{index}.content"),
+            })
+        else:
+            raise invalid(f"{where}.{index}.type", f"{block_type!r} blocks are not supported in user messages "
+                                                   f"(supported: text, tool_result)")
+    converted = list(tool_messages)
+    if texts or not tool_messages:
+        converted.append({"role": "user", "content": "\n".join(texts)})
+    return converted
+
+
+def _assistant_blocks(blocks: list, where: str) -> list[dict[str, Any]]:
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    texts: list[str] = []
+    for index, block in enumerate(blocks):
+        block = as_object(block, f"{where}.{index}")
+        block_type = block.get("type")
+        if block_type == "text":
+            texts.append(get_str(block, "text", where=f"{where}.{index}.text", required=True))
+        elif block_type == "thinking":
+            message["reasoning_content"] = get_str(block, "thinking", where=f"{where}.{index}.thinking",
+                                                   required=True)
+        elif block_type == "redacted_thinking":
+            continue  # encrypted reasoning from another provider: nothing a template can render
+        elif block_type == "tool_use":
+            tool_input = get_object(block, "input", where=f"{where}.{index}.input") or {}
+            message.setdefault("tool_calls", []).append(template_tool_call(
+                get_str(block, "id", where=f"{where}.{index}.id", required=True),
+                get_str(block, "name", where=f"{where}.{index}.name", required=True), tool_input))
+        else:
+            raise invalid(f"{where}.{index}.type", f"{block_type!r} blocks are not supported in assistant "
+                                                   f"messages (supported: text, thinking, tool_use)")
+    message["content"] = "".join(texts)
+    return [message]
+
+
+def anthropic_tools(raw: list | None) -> list[dict[str, Any]] | None:
+    """Custom tools ({"name", "description", "input_schema"}) in the template's function shape."""
+    if not raw:
+        return None
+    tools = []
+    for index, tool in enumerate(raw):
+        tool = as_object(tool, f"tools.{index}")
+        if tool.get("type") not in (None, "custom"):
+            raise invalid(f"tools.{index}.type", f"server tools are not supported, got {tool.get('type')!r}")
+        function = {"name": get_str(tool, "name", where=f"tools.{index}.name", required=True)}
+        description = get_str(tool, "description", where=f"tools.{index}.description")
+        if description is not None:
+            function["description"] = description
+        function["parameters"] = get_object(tool, "input_schema", where=f"tools.{index}.input_schema",
+                                            required=True)
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _parse_tools_enabled(body: dict[str, Any], tools: list | None) -> bool:
+    choice = get_object(body, "tool_choice")
+    choice_type = None if choice is None else choice.get("type")
+    if choice_type in (None, "auto"):
+        return tools is not None
+    if choice_type == "none":
+        return False
+    raise invalid("tool_choice.type", f"only 'auto' and 'none' are supported, got {choice_type!r}")
+
+
+def _thinking(body: dict[str, Any]) -> bool | None:
+    """Anthropic's `thinking` switch as the template's thinking option (absent: the core's default)."""
+    thinking = get_object(body, "thinking")
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind in ("enabled", "adaptive"):
+        return True
+    if kind == "disabled":
+        return False
+    raise invalid("thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
+
+
+def build_prompt(state: ServerState, body: dict[str, Any]) -> tuple[str, Prompt, bool]:
+    """(served model, prompt, whether to parse tool calls) for a messages or count_tokens body."""
+    engine = state.engine
+    for name, reason in _UNSUPPORTED.items():
+        if body.get(name):
+            raise invalid(name, reason)
+    output_config = get_object(body, "output_config")
+    if output_config is not None and output_config.get("format") is not None:
+        raise invalid("output_config.format", "structured output formats are not supported")
+    model = resolve_model(state, get_str(body, "model"), required=True)
+    messages = anthropic_messages(body.get("system"), get_list(body, "messages", required=True))
+    tools = anthropic_tools(get_list(body, "tools"))
+    options = template_options(engine, thinking=_thinking(body))
+    prefill = messages[-1]["role"] == "assistant" if messages else False
+    prompt = chat_prompt(engine, messages, tools=tools, options=options, continue_final_message=prefill)
+    return model, prompt, _parse_tools_enabled(body, tools)
+
+
+@dataclass(frozen=True)
+class MessagesCall:
+    model: str
+    stream: bool
+    parse_tools: bool
+    prompt: Prompt
+    request: GenerationRequest
+    sampling: Sampling
+    stop_sequences: tuple[str, ...]
+
+
+def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
+    engine: Engine = state.engine
+    reject_unknown(body, _MESSAGES_FIELDS)
+    model, prompt, parse_tools = build_prompt(state, body)
+    requested = get_int(body, "max_tokens", required=True, minimum=1)
+    max_tokens = fit_max_tokens(len(prompt.ids), requested, "max_tokens", engine.info.context_length)
+    sampling = read_sampling(engine.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
+    get_list(body, "stop_sequences")  # an array here, never a bare string
+    stop_sequences = read_stop(body, "stop_sequences")
+    request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
+                                stop_strings=stop_sequences, checkpoints=prompt.checkpoints, request_id=request_id)
+    return MessagesCall(model, get_bool(body, "stream"), parse_tools, prompt, request, sampling, stop_sequences)
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def stop_reason(outcome: Outcome, stop_sequences: tuple[str, ...], tool_use: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). A shutdown cancellation ends the message cleanly as end_turn."""
+    if outcome.finish_reason == "length":
+        return "max_tokens", None
+    if tool_use:
+        return "tool_use", None
+    if isinstance(outcome.stop, str) and outcome.stop in stop_sequences:
+        return "stop_sequence", outcome.stop
+    return "end_turn", None
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return {}  # the parser ended a malformed call early; its text went to content
+    return value if isinstance(value, dict) else {}
+
+
+EventSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def _no_events(event: dict[str, Any]) -> None:
+    return None
+
+
+class MessageBuilder:
+    """Turns parsed output into content blocks, sending stream events through `sink`."""
+
+    def __init__(self, call: MessagesCall, message_id: str, sink: EventSink = _no_events):
+        self._call = call
+        self._sink = sink
+        self.message_id = message_id
+        self.content: list[dict[str, Any]] = []
+        self._open_key: tuple[str, int] | None = None
+        self._tool_arguments: dict[int, str] = {}  # block index -> arguments JSON text
+
+    async def start(self) -> None:
+        prompt_tokens = len(self._call.request.prompt_ids)
+        await self._sink({"type": "message_start", "message": {
+            **self._message_head(), "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 0}}})
+
+    async def add(self, piece: Piece) -> None:
+        delta = piece.delta
+        if delta.reasoning:
+            await self._switch(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""})
+            self.content[-1]["thinking"] += delta.reasoning
+            await self._delta({"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.content:
+            await self._switch(("text", 0), {"type": "text", "text": ""})
+            self.content[-1]["text"] += delta.content
+            await self._delta({"type": "text_delta", "text": delta.content})
+        for call in delta.tool_calls:
+            if call.id is not None:
+                tool_id = "toolu_" + call.id.removeprefix("call_")
+                await self._switch(("tool_use", call.index),
+                                   {"type": "tool_use", "id": tool_id, "name": call.name, "input": {}})
+            if call.arguments:
+                index = len(self.content) - 1
+                self._tool_arguments[index] = self._tool_arguments.get(index, "") + call.arguments
+                await self._delta({"type": "input_json_delta", "partial_json": call.arguments})
+
+    async def finish(self, outcome: Outcome) -> dict[str, Any]:
+        await self._close()
+        for index, arguments in self._tool_arguments.items():
+            self.content[index]["input"] = _tool_input(arguments)
+        tool_use = any(block["type"] == "tool_use" for block in self.content)
+        reason, sequence = stop_reason(outcome, self._call.stop_sequences, tool_use)
+        usage = usage_json(outcome.usage)
+        await self._sink({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                          "usage": usage})
+        await self._sink({"type": "message_stop"})
+        return {**self._message_head(), "content": self.content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": usage}
+
+    def _message_head(self) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self._call.model}
+
+    async def _switch(self, key: tuple[str, int], block: dict[str, Any]) -> None:
+        if self._open_key == key:
+            return
+        await self._close()
+        self.content.append(block)
+        self._open_key = key
+        await self._sink({"type": "content_block_start", "index": len(self.content) - 1, "content_block": dict(block)})
+
+    async def _delta(self, delta: dict[str, Any]) -> None:
+        await self._sink({"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta})
+
+    async def _close(self) -> None:
+        if self._open_key is None:
+            return
+        self._open_key = None
+        await self._sink({"type": "content_block_stop", "index": len(self.content) - 1})
+
+
+def _error_event(message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": "api_error", "message": message}}
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    record = request[RECORD]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    call = parse_messages_request(state, body, record.request_id)
+    record.model, record.stream = call.model, call.stream
+    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    generation = Generation(state, record, call.request, parser)
+    message_id = f"msg_{record.request_id}"
+    async with generation:
+        if not call.stream:
+            builder = MessageBuilder(call, message_id)
+            async for piece in generation.pieces():
+                await builder.add(piece)
+            if generation.outcome.finish_reason == "error":
+                raise ApiError(500, f"generation failed: {generation.outcome.error or 'execution error'}")
+            return web.json_response(await builder.finish(generation.outcome), headers=call.sampling.headers())
+        events = EventStream(request, headers=call.sampling.headers())
+        await events.open()
+
+        async def send(event: dict[str, Any]) -> None:
+            await events.event(event, event=event["type"])
+
+        builder = MessageBuilder(call, message_id, send)
+        await builder.start()
+        async for piece in generation.pieces():
+            await builder.add(piece)
+        if generation.outcome.finish_reason == "error":
+            await send(_error_event(f"generation failed: {generation.outcome.error or 'execution error'}"))
+        else:
+            await builder.finish(generation.outcome)
+        await events.close()
+        return events.response
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    reject_unknown(body, _COUNT_TOKENS_FIELDS)
+    model, prompt, _ = build_prompt(state, body)
+    request[RECORD].model = model
+    request[RECORD].prompt_tokens = len(prompt.ids)
+    return web.json_response({"input_tokens": len(prompt.ids)})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)

@@ -1,0 +1,120 @@
+"""One request's generation as the protocol adapters see it: submitted to the engine, its text
+run through the recipe's reasoning/tool parsers, ended by an outcome (finish reason + usage).
+
+Used as an async context manager: leaving the context before the final event (client gone,
+handler cancelled, shutdown) cancels the engine request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from flare_core.frontend.parsers import OutputParser, ParsedDelta, ParsedOutput, prompt_opens_reasoning
+from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
+from flare_core.server.errors import ApiError
+from flare_core.server.request_log import RequestRecord
+from flare_core.server.state import Engine, RequestStream, ServerState
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Newly parsed output and the logprobs of the tokens that produced it."""
+
+    delta: ParsedDelta
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    finish_reason: str  # the runtime's: "stop", "length", "cancelled", "error"
+    usage: Usage
+    stop: str | int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Collected:
+    """A whole generation, for non-streaming responses."""
+
+    output: ParsedOutput = field(default_factory=ParsedOutput)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def output_parser(engine: Engine, prompt_text: str | None, tools: bool) -> OutputParser:
+    """The recipe's parsers for one chat-style request: reasoning always (when the recipe names
+    one), tool calls only when the request offered tools. `prompt_text` tells the reasoning
+    parser whether the template already opened a reasoning block."""
+    parsers = engine.registry.parsers
+    reasoning_id = engine.frontend.get("reasoning_parser")
+    tool_id = engine.frontend.get("tool_parser")
+    reasoning = None
+    if reasoning_id is not None:
+        opened = prompt_text is not None and prompt_opens_reasoning(prompt_text)
+        reasoning = parsers[reasoning_id].factory(starts_in_reasoning=opened)
+    tool = parsers[tool_id].factory() if tools and tool_id is not None else None
+    return OutputParser(reasoning=reasoning, tool=tool)
+
+
+class Generation:
+    def __init__(self, state: ServerState, record: RequestRecord, request: GenerationRequest,
+                 parser: OutputParser | None = None):
+        self._state = state
+        self._record = record
+        self._request = request
+        self._parser = parser or OutputParser()
+        self._stream: RequestStream | None = None
+        self._submitted_at = 0.0
+        self.outcome: Outcome | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._request.prompt_ids)
+
+    async def __aenter__(self) -> Generation:
+        try:
+            self._stream = self._state.engine.submit(self._request)
+        except AdmissionError as exc:
+            raise ApiError(exc.status, str(exc)) from exc
+        self._submitted_at = time.monotonic()
+        self._state.streams.add(self._stream)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._stream is not None
+        if self.outcome is None:
+            self._stream.cancel()
+        self._state.streams.discard(self._stream)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Parsed output as it is generated; `outcome` is set once this ends."""
+        assert self._stream is not None, "use Generation as an async context manager"
+        async for event in self._stream:
+            if event.token_ids and self._record.ttft_s is None:
+                self._record.ttft_s = time.monotonic() - self._submitted_at
+            delta = self._parser.feed(event.text) if event.text else ParsedDelta()
+            if event.finish_reason is not None:
+                delta = delta + self._parser.finish()
+                usage = event.usage or Usage(self.prompt_tokens, 0, 0)
+                self.outcome = Outcome(event.finish_reason, usage, event.stop, event.error)
+                self._record.finish_reason = event.finish_reason
+                self._record.record_usage(usage)
+            if delta or event.logprobs:
+                yield Piece(delta, event.logprobs)
+            if self.outcome is not None:
+                return
+        # The runtime always ends a stream with a final event; reaching here is a runtime fault.
+        self.outcome = Outcome("error", Usage(self.prompt_tokens, 0, 0), error="the request stream ended early")
+        self._record.finish_reason = "error"
+
+    async def collect(self) -> Collected:
+        """The whole output, accumulated; execution failures become a 500."""
+        collected = Collected()
+        async for piece in self.pieces():
+            collected.output.add(piece.delta)
+            collected.logprobs.extend(piece.logprobs)
+        assert self.outcome is not None
+        if self.outcome.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {self.outcome.error or 'execution error'}")
+        return collected

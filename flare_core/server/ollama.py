@@ -1,0 +1,291 @@
+"""Ollama-compatible routes: /api/tags, /api/show, /api/version, /api/chat, /api/generate.
+
+Ollama streams by default (NDJSON lines, the last with "done": true and the counters) and
+takes sampling settings under "options" with its own names (repeat_penalty, num_predict).
+Model names may carry Ollama's ":latest" tag.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+import flare_core
+from flare_core.runtime.types import GenerationRequest
+from flare_core.server.errors import ApiError
+from flare_core.server.generation import Generation, Outcome, output_parser
+from flare_core.server.models import resolve_model
+from flare_core.server.prompts import (
+    Prompt,
+    chat_prompt,
+    fit_max_tokens,
+    openai_tools,
+    template_options,
+    template_tool_call,
+    text_prompt,
+    tool_arguments,
+)
+from flare_core.server.request_log import RECORD
+from flare_core.server.sampling import Sampling, read_sampling, read_stop
+from flare_core.server.sse import EventStream
+from flare_core.server.state import STATE, ServerState
+from flare_core.server.validation import (
+    as_object,
+    get_bool,
+    get_int,
+    get_list,
+    get_object,
+    get_str,
+    invalid,
+    read_json_body,
+)
+
+_OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                  "repetition_penalty": "repeat_penalty"}
+
+
+def _served(state: ServerState, name: str | None) -> str:
+    if name is not None and name.endswith(":latest"):
+        name = name.removesuffix(":latest")
+    return resolve_model(state, name, required=True)
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat()
+
+
+def _core_size(path: str) -> int:
+    core = Path(path)
+    if core.is_dir():
+        return sum(item.stat().st_size for item in core.rglob("*") if item.is_file())
+    return core.stat().st_size if core.exists() else 0
+
+
+def _parameter_size(parameters: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if parameters >= scale:
+            return f"{parameters / scale:.1f}{suffix}"
+    return str(parameters)
+
+
+def _details(state: ServerState) -> dict[str, Any]:
+    info = state.engine.info
+    return {"parent_model": "", "format": "flare", "family": info.architecture, "families": [info.architecture],
+            "parameter_size": _parameter_size(info.parameters), "quantization_level": info.dtype}
+
+
+async def tags(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    info = state.engine.info
+    size = _core_size(info.core_path)
+    return web.json_response({"models": [
+        {"name": name, "model": name, "modified_at": _iso(info.created), "size": size, "digest": "",
+         "details": _details(state)} for name in info.served_names]})
+
+
+async def show(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    name = get_str(body, "model") or get_str(body, "name")
+    _served(state, name)
+    engine = state.engine
+    info = engine.info
+    capabilities = ["completion"]
+    if engine.frontend.get("tool_parser"):
+        capabilities.append("tools")
+    if engine.frontend.get("reasoning_parser"):
+        capabilities.append("thinking")
+    return web.json_response({
+        "modelfile": "", "parameters": "", "license": "",
+        "template": engine.chat_template.source if engine.chat_template is not None else "",
+        "details": _details(state),
+        "model_info": {"general.architecture": info.architecture, "general.parameter_count": info.parameters,
+                       f"{info.architecture}.context_length": info.context_length},
+        "capabilities": capabilities, "modified_at": _iso(info.created),
+    })
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": flare_core.__version__})
+
+
+def _think(body: dict[str, Any]) -> bool | None:
+    think = body.get("think")
+    if think is None or isinstance(think, bool):
+        return think
+    if isinstance(think, str):  # effort levels ("low", "high") mean on
+        return True
+    raise invalid("think", "must be a boolean or an effort level string")
+
+
+def _ollama_messages(raw: list | None) -> list[dict[str, Any]]:
+    if raw is None:
+        raise invalid("messages", "is required")
+    messages = []
+    for index, message in enumerate(raw):
+        where = f"messages[{index}]"
+        message = as_object(message, where)
+        if message.get("images"):
+            raise invalid(f"{where}.images", "images are not supported: this server takes text only")
+        role = get_str(message, "role", where=f"{where}.role", required=True)
+        converted: dict[str, Any] = {"role": role, "content": get_str(message, "content", where=f"{where}.content",
+                                                                      default="")}
+        thinking = get_str(message, "thinking", where=f"{where}.thinking")
+        if thinking is not None:
+            converted["reasoning_content"] = thinking
+        calls = get_list(message, "tool_calls", where=f"{where}.tool_calls")
+        if calls:
+            converted["tool_calls"] = []
+            for j, call in enumerate(calls):
+                function = get_object(as_object(call, f"{where}.tool_calls[{j}]"), "function",
+                                      where=f"{where}.tool_calls[{j}].function", required=True)
+                converted["tool_calls"].append(template_tool_call(
+                    None, get_str(function, "name", where=f"{where}.tool_calls[{j}].function.name", required=True),
+                    tool_arguments(function.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")))
+        for key in ("tool_name", "tool_call_id"):
+            value = get_str(message, key, where=f"{where}.{key}")
+            if value is not None:
+                converted[key] = value
+        messages.append(converted)
+    return messages
+
+
+def _generation(state: ServerState, body: dict[str, Any], prompt: Prompt, request_id: str
+                ) -> tuple[GenerationRequest, Sampling]:
+    engine = state.engine
+    if body.get("format"):
+        raise invalid("format", "structured output formats are not supported")
+    options = get_object(body, "options") or {}
+    sampling = read_sampling(engine.sampling_policy, options, _OPTION_FIELDS, where="options.")
+    num_predict = get_int(options, "num_predict", where="options.num_predict")
+    # Ollama's -1 (no limit) and -2 (fill the context) both mean: as much as the context allows.
+    requested = None if num_predict is None or num_predict < 0 else num_predict
+    if requested == 0:
+        raise invalid("options.num_predict", "must be positive, or -1 for no limit")
+    max_tokens = fit_max_tokens(len(prompt.ids), requested, "options.num_predict", engine.info.context_length)
+    request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
+                                stop_strings=read_stop(options, "stop", where="options.stop"),
+                                checkpoints=prompt.checkpoints, request_id=request_id)
+    return request, sampling
+
+
+def _final_fields(outcome: Outcome, started: float, ttft: float | None) -> dict[str, Any]:
+    total_ns = int((time.monotonic() - started) * 1e9)
+    prompt_ns = int((ttft or 0.0) * 1e9)
+    return {"done": True, "done_reason": "length" if outcome.finish_reason == "length" else "stop",
+            "total_duration": total_ns, "load_duration": 0, "prompt_eval_count": outcome.usage.prompt_tokens,
+            "prompt_eval_duration": prompt_ns, "eval_count": outcome.usage.completion_tokens,
+            "eval_duration": max(total_ns - prompt_ns, 0)}
+
+
+async def _respond(request: web.Request, state: ServerState, body: dict[str, Any], model: str, prompt: Prompt,
+                   parse_tools: bool, text_key: str | None) -> web.StreamResponse:
+    """Run a chat (`text_key` None: output under "message") or generate ("response") request."""
+    record = request[RECORD]
+    generation_request, sampling = _generation(state, body, prompt, record.request_id)
+    stream = get_bool(body, "stream", default=True)
+    record.model, record.stream = model, stream
+    parser = output_parser(state.engine, prompt.text, parse_tools)
+    generation = Generation(state, record, generation_request, parser)
+    started = time.monotonic()
+
+    def line(content: str, thinking: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+        data: dict[str, Any] = {"model": model, "created_at": _iso(time.time())}
+        if text_key is None:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            data["message"] = message
+        else:
+            data[text_key] = content
+            if thinking:
+                data["thinking"] = thinking
+        return data
+
+    async with generation:
+        if not stream:
+            collected = await generation.collect()
+            output = collected.output
+            calls = [{"function": {"name": call.name, "arguments": _safe_arguments(call.arguments)}}
+                     for call in output.tool_calls]
+            data = line(output.content, output.reasoning, calls)
+            data.update(_final_fields(generation.outcome, started, record.ttft_s))
+            return web.json_response(data, headers=sampling.headers())
+        events = EventStream(request, content_type="application/x-ndjson", headers=sampling.headers())
+        await events.open()
+        pending_calls: dict[int, dict[str, str]] = {}
+        async for piece in generation.pieces():
+            finished_calls = []
+            for delta in piece.delta.tool_calls:
+                call = pending_calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] = delta.name or call["name"]
+                call["arguments"] += delta.arguments
+                if delta.done:  # Ollama sends each tool call whole
+                    finished_calls.append({"function": {"name": call["name"], "arguments": _safe_arguments(
+                        call["arguments"])}})
+            if piece.delta.content or piece.delta.reasoning or finished_calls:
+                await events.line(line(piece.delta.content, piece.delta.reasoning, finished_calls))
+        outcome = generation.outcome
+        if outcome.finish_reason == "error":
+            await events.line({"error": f"generation failed: {outcome.error or 'execution error'}"})
+        else:
+            final = line("", "", [])
+            final.update(_final_fields(outcome, started, record.ttft_s))
+            await events.line(final)
+        await events.close()
+        return events.response
+
+
+def _safe_arguments(text: str) -> dict[str, Any]:
+    try:
+        return tool_arguments(text, "tool_call")
+    except ApiError:
+        return {}
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    model = _served(state, get_str(body, "model"))
+    messages = _ollama_messages(get_list(body, "messages", required=True))
+    tools = openai_tools(get_list(body, "tools"))
+    prompt = chat_prompt(state.engine, messages, tools=tools, options=template_options(state.engine,
+                                                                                        thinking=_think(body)))
+    return await _respond(request, state, body, model, prompt, tools is not None, None)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    model = _served(state, get_str(body, "model"))
+    text = get_str(body, "prompt", required=True)
+    if body.get("images"):
+        raise invalid("images", "images are not supported: this server takes text only")
+    if body.get("suffix"):
+        raise invalid("suffix", "is not supported by this server")
+    if get_bool(body, "raw") or state.engine.chat_template is None:
+        prompt = text_prompt(state.engine, text)
+    else:
+        messages = []
+        system = get_str(body, "system")
+        if system:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": text})
+        prompt = chat_prompt(state.engine, messages, tools=None,
+                             options=template_options(state.engine, thinking=_think(body)))
+    return await _respond(request, state, body, model, prompt, False, "response")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/api/tags", tags)
+    app.router.add_post("/api/show", show)
+    app.router.add_get("/api/version", version)
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/generate", generate)

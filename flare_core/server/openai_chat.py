@@ -1,0 +1,178 @@
+"""POST /v1/chat/completions (OpenAI Chat Completions, with vLLM's common extensions)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
+from flare_core.runtime.types import GenerationRequest
+from flare_core.server.generation import Generation, Piece, output_parser
+from flare_core.server.models import resolve_model
+from flare_core.server.openai_common import (
+    chat_logprobs,
+    check_single_choice,
+    error_chunk,
+    execution_error,
+    finish_reason,
+    generation_request,
+    read_stream_options,
+    thinking_switch,
+    tool_parsing_enabled,
+    usage_json,
+)
+from flare_core.server.prompts import (
+    Prompt,
+    chat_prompt,
+    openai_messages,
+    openai_tools,
+    read_template_overrides,
+    template_options,
+)
+from flare_core.server.request_log import RECORD
+from flare_core.server.sampling import Sampling
+from flare_core.server.sse import EventStream
+from flare_core.server.state import STATE, ServerState
+from flare_core.server.validation import get_bool, get_int, get_list, get_object, get_str, invalid, read_json_body
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    model: str
+    stream: bool
+    include_usage: bool
+    parse_tools: bool
+    prompt: Prompt
+    request: GenerationRequest
+    sampling: Sampling
+
+
+def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> ChatCall:
+    """Validate a chat completions body and build its prompt and generation request."""
+    engine = state.engine
+    model = resolve_model(state, get_str(body, "model"))
+    check_single_choice(body)
+    response_format = get_object(body, "response_format")
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise invalid("response_format.type", f"only \"text\" is supported, got {response_format.get('type')!r}")
+    stream = get_bool(body, "stream")
+    include_usage = read_stream_options(body, stream)
+    messages = openai_messages(get_list(body, "messages", required=True))
+    tools = openai_tools(get_list(body, "tools"))
+    options = template_options(engine, read_template_overrides(body),
+                               thinking=thinking_switch(body.get("reasoning_effort"), "reasoning_effort"))
+    prompt = chat_prompt(engine, messages, tools=tools, options=options,
+                         continue_final_message=get_bool(body, "continue_final_message"))
+    logprobs = get_bool(body, "logprobs")
+    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=20, default=0)
+    if top_logprobs and not logprobs:
+        raise invalid("top_logprobs", "requires logprobs to be true")
+    request, sampling = generation_request(engine, body, prompt, request_id=request_id,
+                                           max_tokens_fields=("max_completion_tokens", "max_tokens"),
+                                           logprobs=logprobs, top_logprobs=top_logprobs)
+    return ChatCall(model, stream, include_usage, tool_parsing_enabled(body, tools is not None), prompt, request,
+                    sampling)
+
+
+def tool_calls_json(output: ParsedOutput) -> list[dict[str, Any]] | None:
+    if not output.tool_calls:
+        return None
+    return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in output.tool_calls]
+
+
+def tool_call_deltas_json(deltas: tuple[ToolCallDelta, ...]) -> list[dict[str, Any]]:
+    """Streamed tool calls: the first piece of a call carries id, type and name; later pieces
+    carry argument text only (the shape the openai SDK accumulates)."""
+    pieces = []
+    for delta in deltas:
+        if delta.id is not None:
+            pieces.append({"index": delta.index, "id": delta.id, "type": "function",
+                           "function": {"name": delta.name, "arguments": delta.arguments}})
+        elif delta.arguments:
+            pieces.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+    return pieces
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    record = request[RECORD]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    call = parse_chat_request(state, body, record.request_id)
+    record.model, record.stream = call.model, call.stream
+    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    generation = Generation(state, record, call.request, parser)
+    completion_id = f"chatcmpl-{record.request_id}"
+    created = int(time.time())
+    async with generation:
+        if call.stream:
+            return await _stream(request, call, generation, completion_id, created)
+        collected = await generation.collect()
+    outcome = generation.outcome
+    output = collected.output
+    tool_calls = tool_calls_json(output)
+    message = {"role": "assistant", "content": output.content if output.content or not tool_calls else None,
+               "reasoning_content": output.reasoning or None, "tool_calls": tool_calls}
+    choice = {"index": 0, "message": message,
+              "logprobs": chat_logprobs(collected.logprobs) if call.request.logprobs else None,
+              "finish_reason": finish_reason(outcome.finish_reason, bool(tool_calls)),
+              "stop_reason": outcome.stop}
+    return web.json_response({
+        "id": completion_id, "object": "chat.completion", "created": created, "model": call.model,
+        "system_fingerprint": None, "choices": [choice], "usage": usage_json(outcome.usage),
+    }, headers=call.sampling.headers())
+
+
+async def _stream(request: web.Request, call: ChatCall, generation: Generation, completion_id: str,
+                  created: int) -> web.StreamResponse:
+    events = EventStream(request, headers=call.sampling.headers())
+    await events.open()
+
+    def chunk(delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        data = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": call.model,
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if call.include_usage:
+            data["usage"] = None
+        return data
+
+    await events.event(chunk({"role": "assistant", "content": ""}))
+    saw_tool_call = False
+    async for piece in generation.pieces():
+        delta = _delta_json(piece)
+        saw_tool_call = saw_tool_call or bool(piece.delta.tool_calls)
+        if delta or piece.logprobs:
+            logprobs = chat_logprobs(piece.logprobs) if call.request.logprobs else None
+            await events.event(chunk(delta, logprobs=logprobs))
+    outcome = generation.outcome
+    if outcome.finish_reason == "error":
+        await events.event(error_chunk(execution_error(outcome.error).message))
+        await events.close()
+        return events.response
+    await events.event(chunk({}, finish=finish_reason(outcome.finish_reason, saw_tool_call)))
+    if call.include_usage:
+        await events.event({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                            "model": call.model, "system_fingerprint": None, "choices": [],
+                            "usage": usage_json(outcome.usage)})
+    await events.event("[DONE]")
+    await events.close()
+    return events.response
+
+
+def _delta_json(piece: Piece) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if piece.delta.reasoning:
+        delta["reasoning_content"] = piece.delta.reasoning
+    if piece.delta.content:
+        delta["content"] = piece.delta.content
+    tool_calls = tool_call_deltas_json(piece.delta.tool_calls)
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)

@@ -1,0 +1,134 @@
+"""What the OpenAI-style routes share: generation fields, usage, finish reasons and logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
+from flare_core.server.errors import ApiError
+from flare_core.server.prompts import Prompt, fit_max_tokens
+from flare_core.server.sampling import (
+    OPENAI_SAMPLING_FIELDS,
+    Sampling,
+    read_max_tokens,
+    read_sampling,
+    read_stop,
+    read_token_ids,
+)
+from flare_core.server.state import Engine
+from flare_core.server.validation import get_bool, get_int, get_object, invalid
+
+
+def check_single_choice(body: Mapping[str, Any]) -> None:
+    n = get_int(body, "n", minimum=1)
+    if n is not None and n != 1:
+        raise invalid("n", f"only n=1 is supported, got {n}")
+    best_of = get_int(body, "best_of", minimum=1)
+    if best_of is not None and best_of != 1:
+        raise invalid("best_of", f"only best_of=1 is supported, got {best_of}")
+    if body.get("logit_bias"):
+        raise invalid("logit_bias", "is not supported by this server")
+
+
+def generation_request(engine: Engine, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
+                       max_tokens_fields: tuple[str, ...], logprobs: bool = False,
+                       top_logprobs: int = 0) -> tuple[GenerationRequest, Sampling]:
+    """The GenerationRequest an OpenAI-style body describes (vLLM's extra sampling fields included)."""
+    sampling = read_sampling(engine.sampling_policy, body, OPENAI_SAMPLING_FIELDS)
+    requested, field = read_max_tokens(body, max_tokens_fields)
+    max_tokens = fit_max_tokens(len(prompt.ids), requested, field, engine.info.context_length)
+    request = GenerationRequest(
+        prompt_ids=prompt.ids,
+        max_tokens=max_tokens,
+        sampling=sampling.params,
+        stop_strings=read_stop(body, "stop"),
+        stop_token_ids=read_token_ids(body, "stop_token_ids", engine.tokenizer.vocab_size),
+        ignore_eos=get_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        checkpoints=prompt.checkpoints,
+        skip_special_tokens=get_bool(body, "skip_special_tokens", default=True),
+        request_id=request_id,
+    )
+    return request, sampling
+
+
+def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+    options = get_object(body, "stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    return get_bool(options, "include_usage", where="stream_options.include_usage")
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def finish_reason(runtime_reason: str, tool_calls: bool) -> str:
+    """OpenAI finish reasons. A shutdown cancellation ends the response cleanly as "stop"."""
+    if runtime_reason == "error":
+        raise ValueError("an execution error has no OpenAI finish reason; answer it as an error")
+    if runtime_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def error_chunk(message: str) -> dict[str, Any]:
+    """The body of the SSE event that reports a failure mid-stream (the openai SDK raises on it)."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "execution_failed"}}
+
+
+def execution_error(message: str | None) -> ApiError:
+    return ApiError(500, f"generation failed: {message or 'execution error'}")
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [
+        {"token": item.token, "logprob": item.logprob, "bytes": _token_bytes(item.token),
+         "top_logprobs": [{"token": text, "logprob": value, "bytes": _token_bytes(text)}
+                          for _, text, value in item.top]}
+        for item in logprobs], "refusal": None}
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """Legacy completions logprobs; offsets count characters from `text_offset`."""
+    offsets = []
+    for item in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(item.token)
+    return {"tokens": [item.token for item in logprobs],
+            "token_logprobs": [item.logprob for item in logprobs],
+            "top_logprobs": [{text: value for _, text, value in item.top} for item in logprobs],
+            "text_offset": offsets}
+
+
+def tool_parsing_enabled(body: Mapping[str, Any], has_tools: bool) -> bool:
+    """Whether tool calls are parsed out of the output: when tools are offered and `tool_choice`
+    is "auto" (the default) rather than "none". Forcing a call is not supported (no constrained
+    decoding), so "required" and named choices are refused instead of silently ignored."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return has_tools
+    if choice == "none":
+        return False
+    raise invalid("tool_choice", f"only \"auto\" and \"none\" are supported, got {choice!r}")
+
+
+def thinking_switch(effort: Any, field: str) -> bool | None:
+    """OpenAI's reasoning effort as the template's thinking switch: "none" turns it off, any
+    other effort on, absent leaves the core's default."""
+    if effort is None:
+        return None
+    if not isinstance(effort, str):
+        raise invalid(field, "must be a string")
+    return effort != "none"

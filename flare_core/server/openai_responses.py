@@ -1,0 +1,362 @@
+"""POST /v1/responses (OpenAI Responses API), stateless: the whole conversation comes in `input`.
+
+Output is a list of items (reasoning, message, function_call). Streaming sends the lifecycle
+events the openai SDK accumulates: response.created / in_progress, output_item.added,
+content_part.added, *.delta, *.done, output_item.done, and response.completed (or
+.incomplete / .failed), each with a running sequence_number. The non-streaming path runs the
+same builder without sending events, so both agree by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
+from flare_core.server.generation import Generation, Outcome, Piece, output_parser
+from flare_core.server.models import resolve_model
+from flare_core.server.openai_common import (
+    chat_logprobs,
+    execution_error,
+    generation_request,
+    thinking_switch,
+    tool_parsing_enabled,
+)
+from flare_core.server.prompts import (
+    Prompt,
+    chat_prompt,
+    read_template_overrides,
+    template_options,
+    template_tool_call,
+    text_of_parts,
+    tool_arguments,
+)
+from flare_core.server.request_log import RECORD
+from flare_core.server.sampling import Sampling
+from flare_core.server.sse import EventStream
+from flare_core.server.state import STATE, ServerState
+from flare_core.server.validation import (
+    as_object,
+    get_bool,
+    get_int,
+    get_list,
+    get_object,
+    get_str,
+    invalid,
+    json_type,
+    read_json_body,
+)
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_UNSUPPORTED = {"previous_response_id": "this server keeps no responses; send the whole conversation in input",
+                "conversation": "this server keeps no conversations; send the whole conversation in input",
+                "prompt": "stored prompt templates are not supported",
+                "background": "background responses are not supported"}
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_ITEM_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+@dataclass(frozen=True)
+class ResponsesCall:
+    model: str
+    stream: bool
+    parse_tools: bool
+    prompt: Prompt
+    request: GenerationRequest
+    sampling: Sampling
+    echo: dict[str, Any]  # request settings every response object repeats
+
+
+def _tools(raw: list | None) -> list[dict[str, Any]] | None:
+    """Responses function tools ({"type": "function", "name", "parameters"}) in the template's shape."""
+    if not raw:
+        return None
+    tools = []
+    for index, tool in enumerate(raw):
+        tool = as_object(tool, f"tools[{index}]")
+        if tool.get("type") != "function":
+            raise invalid(f"tools[{index}].type", f"only function tools are supported, got {tool.get('type')!r}")
+        function = {"name": get_str(tool, "name", where=f"tools[{index}].name", required=True)}
+        for key in ("description", "parameters"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def responses_messages(instructions: str | None, raw_input: Any) -> list[dict[str, Any]]:
+    """Responses `instructions` + `input` (a string or a list of items) -> template messages."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(raw_input, str):
+        messages.append({"role": "user", "content": raw_input})
+        return messages
+    if not isinstance(raw_input, list):
+        raise invalid("input", f"must be a string or an array of input items, got {json_type(raw_input)}")
+    pending_reasoning: str | None = None
+
+    def assistant_message() -> dict[str, Any]:
+        nonlocal pending_reasoning
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        if pending_reasoning is not None:
+            message["reasoning_content"], pending_reasoning = pending_reasoning, None
+        messages.append(message)
+        return message
+
+    for index, item in enumerate(raw_input):
+        where = f"input[{index}]"
+        item = as_object(item, where)
+        item_type = item.get("type") or ("message" if "role" in item else None)
+        if item_type == "message":
+            role = get_str(item, "role", where=f"{where}.role", required=True)
+            if role not in ("user", "assistant", "system", "developer"):
+                raise invalid(f"{where}.role", f"must be user, assistant, system or developer, got {role!r}")
+            text = text_of_parts(item.get("content"), f"{where}.content", _TEXT_PARTS + ("refusal",))
+            if role == "assistant":
+                assistant_message()["content"] = text
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif item_type == "function_call":
+            call = template_tool_call(
+                get_str(item, "call_id", where=f"{where}.call_id", required=True),
+                get_str(item, "name", where=f"{where}.name", required=True),
+                tool_arguments(item.get("arguments"), f"{where}.arguments"))
+            last = messages[-1] if messages else None
+            target = last if last is not None and last["role"] == "assistant" and pending_reasoning is None \
+                else assistant_message()
+            target.setdefault("tool_calls", []).append(call)
+        elif item_type == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool",
+                             "tool_call_id": get_str(item, "call_id", where=f"{where}.call_id", required=True),
+                             "content": text_of_parts(output, f"{where}.output", _TEXT_PARTS)})
+        elif item_type == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            pending_reasoning = text_of_parts(parts, f"{where}.content", ("reasoning_text", "summary_text"))
+        else:
+            raise invalid(f"{where}.type", f"input items of type {item_type!r} are not supported "
+                                           f"(supported: message, function_call, function_call_output, reasoning)")
+    return messages
+
+
+def parse_responses_request(state: ServerState, body: dict[str, Any], request_id: str) -> ResponsesCall:
+    engine = state.engine
+    for name, reason in _UNSUPPORTED.items():
+        if body.get(name):
+            raise invalid(name, reason)
+    model = resolve_model(state, get_str(body, "model"))
+    text_format = get_object(get_object(body, "text") or {}, "format", where="text.format")
+    if text_format is not None and text_format.get("type", "text") != "text":
+        raise invalid("text.format.type", f"only \"text\" is supported, got {text_format.get('type')!r}")
+    stream = get_bool(body, "stream")
+    if "input" not in body:
+        raise invalid("input", "is required")
+    messages = responses_messages(get_str(body, "instructions"), body["input"])
+    tools = _tools(get_list(body, "tools"))
+    reasoning = get_object(body, "reasoning") or {}
+    options = template_options(engine, read_template_overrides(body),
+                               thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"))
+    prompt = chat_prompt(engine, messages, tools=tools, options=options)
+    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=20)
+    include = get_list(body, "include") or []
+    logprobs = top_logprobs is not None or _LOGPROBS_INCLUDE in include
+    request, sampling = generation_request(engine, body, prompt, request_id=request_id,
+                                           max_tokens_fields=("max_output_tokens",), logprobs=logprobs,
+                                           top_logprobs=top_logprobs or 0)
+    echo = {
+        "instructions": get_str(body, "instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": get_object(body, "metadata") or {},
+        "parallel_tool_calls": get_bool(body, "parallel_tool_calls", default=True),
+        "temperature": sampling.params.temperature,
+        "top_p": sampling.params.top_p,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": get_list(body, "tools") or [],
+        "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+        "truncation": get_str(body, "truncation") or "disabled",
+        "store": False,
+        "user": get_str(body, "user"),
+    }
+    return ResponsesCall(model, stream, tool_parsing_enabled(body, tools is not None), prompt, request, sampling,
+                         echo)
+
+
+EventSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def _no_events(event: dict[str, Any]) -> None:
+    return None
+
+
+class ResponseBuilder:
+    """Turns parsed output into Responses output items, sending stream events through `sink`."""
+
+    def __init__(self, call: ResponsesCall, response_id: str, sink: EventSink = _no_events):
+        self._call = call
+        self._sink = sink
+        self._sequence = 0
+        self.response_id = response_id
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item receiving deltas
+        self._open_key: tuple[str, int] | None = None  # ("reasoning"|"message", 0) or ("function_call", index)
+
+    async def start(self) -> None:
+        await self._emit("response.created", response=self.response("in_progress"))
+        await self._emit("response.in_progress", response=self.response("in_progress"))
+
+    async def add(self, piece: Piece) -> None:
+        delta = piece.delta
+        if delta.reasoning:
+            await self._switch(("reasoning", 0))
+            await self._append_text(delta.reasoning, "response.reasoning_text.delta")
+        if delta.content:
+            await self._switch(("message", 0))
+            await self._append_text(delta.content, "response.output_text.delta", piece.logprobs)
+        for call in delta.tool_calls:
+            await self._switch(("function_call", call.index), call.id, call.name)
+            if call.arguments:
+                self._open["arguments"] += call.arguments
+                await self._emit("response.function_call_arguments.delta", item_id=self._open["id"],
+                                 output_index=len(self.output) - 1, delta=call.arguments)
+
+    async def finish(self, outcome: Outcome) -> dict[str, Any]:
+        await self._close()
+        if outcome.finish_reason == "error":
+            response = self.response("failed", outcome.usage, error={
+                "code": "server_error", "message": f"generation failed: {outcome.error or 'execution error'}"})
+            await self._emit("response.failed", response=response)
+        elif outcome.finish_reason in ("length", "cancelled"):
+            details = {"reason": "max_output_tokens"} if outcome.finish_reason == "length" else None
+            response = self.response("incomplete", outcome.usage, incomplete_details=details)
+            await self._emit("response.incomplete", response=response)
+        else:
+            response = self.response("completed", outcome.usage)
+            await self._emit("response.completed", response=response)
+        return response
+
+    def response(self, status: str, usage: Usage | None = None, *, error: dict[str, Any] | None = None,
+                 incomplete_details: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self._call.model, "output": list(self.output), "error": error,
+            "incomplete_details": incomplete_details, "usage": _usage_json(usage) if usage is not None else None,
+            **self._call.echo,
+        }
+
+    async def _switch(self, key: tuple[str, int], call_id: str | None = None, name: str | None = None) -> None:
+        if self._open_key == key:
+            return
+        await self._close()
+        kind, _ = key
+        item_id = f"{_ITEM_PREFIX[kind]}_{self.response_id.removeprefix('resp_')}_{len(self.output)}"
+        if kind == "reasoning":
+            item = {"id": item_id, "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        elif kind == "message":
+            item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": "",
+                    "status": "in_progress"}
+            part = None
+        self.output.append(item)
+        self._open, self._open_key = item, key
+        await self._emit("response.output_item.added", output_index=len(self.output) - 1, item=_snapshot(item))
+        if part is not None:
+            item["content"].append(part)
+            await self._emit("response.content_part.added", item_id=item_id, output_index=len(self.output) - 1,
+                             content_index=0, part=dict(part))
+
+    async def _append_text(self, text: str, event_type: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        part = self._open["content"][0]
+        part["text"] += text
+        fields: dict[str, Any] = {"item_id": self._open["id"], "output_index": len(self.output) - 1,
+                                  "content_index": 0, "delta": text}
+        if event_type == "response.output_text.delta":
+            entries = chat_logprobs(logprobs)["content"] if self._call.request.logprobs else []
+            part["logprobs"].extend(entries)
+            fields["logprobs"] = entries
+        await self._emit(event_type, **fields)
+
+    async def _close(self) -> None:
+        item, kind = self._open, self._open_key
+        if item is None:
+            return
+        self._open = self._open_key = None
+        item["status"] = "completed"
+        output_index = len(self.output) - 1
+        if kind[0] == "function_call":
+            await self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=output_index,
+                             arguments=item["arguments"], name=item["name"])
+        else:
+            part = item["content"][0]
+            done = "response.reasoning_text.done" if kind[0] == "reasoning" else "response.output_text.done"
+            fields = {"logprobs": part["logprobs"]} if kind[0] == "message" else {}
+            await self._emit(done, item_id=item["id"], output_index=output_index, content_index=0,
+                             text=part["text"], **fields)
+            await self._emit("response.content_part.done", item_id=item["id"], output_index=output_index,
+                             content_index=0, part=dict(part))
+        await self._emit("response.output_item.done", output_index=output_index, item=_snapshot(item))
+
+    async def _emit(self, event_type: str, **fields: Any) -> None:
+        event = {"type": event_type, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        await self._sink(event)
+
+
+def _snapshot(item: dict[str, Any]) -> dict[str, Any]:
+    copy = dict(item)
+    if "content" in copy:
+        copy["content"] = [dict(part) for part in copy["content"]]
+    return copy
+
+
+def _usage_json(usage: Usage) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    record = request[RECORD]
+    body = await read_json_body(request, state.config.max_body_bytes)
+    call = parse_responses_request(state, body, record.request_id)
+    record.model, record.stream = call.model, call.stream
+    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    generation = Generation(state, record, call.request, parser)
+    response_id = f"resp_{record.request_id}"
+    async with generation:
+        if not call.stream:
+            builder = ResponseBuilder(call, response_id)
+            async for piece in generation.pieces():
+                await builder.add(piece)
+            if generation.outcome.finish_reason == "error":
+                raise execution_error(generation.outcome.error)
+            return web.json_response(await builder.finish(generation.outcome), headers=call.sampling.headers())
+        events = EventStream(request, headers=call.sampling.headers())
+        await events.open()
+
+        async def send(event: dict[str, Any]) -> None:
+            await events.event(event, event=event["type"])
+
+        builder = ResponseBuilder(call, response_id, send)
+        await builder.start()
+        async for piece in generation.pieces():
+            await builder.add(piece)
+        await builder.finish(generation.outcome)
+        await events.close()
+        return events.response
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/responses", responses)

@@ -1,0 +1,241 @@
+"""Chat messages and raw prompts -> prompt token ids, plus the context-length check.
+
+Every protocol converts its conversation into *template messages*: the OpenAI chat shape that
+Hugging Face chat templates read (role, string content, `tool_calls` with `function.arguments`
+as an object, `tool` role messages with `tool_call_id`, reasoning under `reasoning_content`).
+The core's chat template renders them with the recipe's template options (overridable per
+request); the template's `{% mark %}` offsets become the request's prefix-cache checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flare_core.frontend import RenderedPrompt, TemplateError, mark_token_endpoints
+from flare_core.server.errors import ApiError
+from flare_core.server.state import Engine
+from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_type
+
+CONTEXT_SETTING = "flare export MODEL --context-length N"
+
+# Template variables a protocol's own "thinking on/off" switch maps onto, where the core's
+# template options declare them (Qwen3 reads enable_thinking, DeepSeek V3.1 reads thinking).
+THINKING_OPTIONS = ("enable_thinking", "thinking")
+
+# Template variables the server sets itself; a request may not override them.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    # Token counts at complete-message boundaries (prefix-cache checkpoints), ascending.
+    checkpoints: tuple[int, ...] = ()
+    # The rendered text (parsers need to know how it ends); never logged.
+    text: str = ""
+
+
+def template_options(engine: Engine, overrides: Mapping[str, Any] | None = None,
+                     thinking: bool | None = None) -> dict[str, Any]:
+    """The keyword arguments a chat template receives: the core's special tokens, the recipe's
+    template option defaults, the protocol's thinking switch, then the request's own overrides."""
+    frontend = engine.frontend
+    options: dict[str, Any] = {name: value for name, value in (frontend.get("special_tokens") or {}).items()
+                               if value is not None}
+    declared = dict(frontend.get("template_options") or {})
+    options.update(declared)
+    if thinking is not None:
+        for name in THINKING_OPTIONS:
+            if name in declared:
+                options[name] = thinking
+    for name, value in (overrides or {}).items():
+        if name in _RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
+            raise invalid(f"chat_template_kwargs.{name}", "is set by the server and cannot be overridden")
+        options[name] = value
+    return options
+
+
+def read_template_overrides(body: Mapping[str, Any], name: str = "chat_template_kwargs") -> dict[str, Any]:
+    return get_object(body, name) or {}
+
+
+def chat_prompt(engine: Engine, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
+                options: Mapping[str, Any], continue_final_message: bool = False) -> Prompt:
+    """Render template messages with the core's chat template and tokenize them.
+
+    With `continue_final_message` the last (assistant) message is left open, so generation
+    continues its text (Anthropic prefill, vLLM's continue_final_message)."""
+    template = engine.chat_template
+    if template is None:
+        raise ApiError(400, "this core has no chat template, so chat endpoints are unavailable; "
+                            "send a raw prompt to /v1/completions instead")
+    if not messages:
+        raise invalid("messages", "must contain at least one message")
+    try:
+        rendered = template.render(messages, tools=tools or None, add_generation_prompt=not continue_final_message,
+                                   **options)
+    except TemplateError as exc:
+        raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, f"messages cannot be rendered: {exc}", param="messages") from exc
+    if continue_final_message:
+        rendered = _open_final_message(rendered, messages[-1])
+    encoding = engine.tokenizer.encoding(rendered.text)
+    return Prompt(tuple(encoding.ids), mark_token_endpoints(rendered, encoding), rendered.text)
+
+
+def _open_final_message(rendered: RenderedPrompt, final: Mapping[str, Any]) -> RenderedPrompt:
+    """Cut the rendering right after the final message's text, dropping its end-of-turn tokens."""
+    content = final.get("content")
+    text = content.strip() if isinstance(content, str) else ""
+    if final.get("role") != "assistant" or not text:
+        raise invalid("messages", "only a final assistant message with text content can be continued")
+    end = rendered.text.rfind(text)
+    if end < 0:
+        raise ApiError(400, "the chat template does not reproduce the final assistant message's text, "
+                            "so it cannot be continued", param="messages")
+    cut = rendered.text[: end + len(text)]
+    cut_bytes = len(cut.encode("utf-8"))
+    return RenderedPrompt(cut, tuple(mark for mark in rendered.marks if mark <= cut_bytes))
+
+
+def text_prompt(engine: Engine, text: str) -> Prompt:
+    """A raw completion prompt, tokenized with the tokenizer's own special-token rules (e.g. BOS)."""
+    return Prompt(tuple(engine.tokenizer.encode(text, add_special_tokens=True)), text=text)
+
+
+def token_prompt(engine: Engine, ids: Sequence[Any], field: str) -> Prompt:
+    vocab_size = engine.tokenizer.vocab_size
+    for index, token_id in enumerate(ids):
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise invalid(f"{field}[{index}]", f"must be a token id in [0, {vocab_size}), got {token_id!r}")
+    return Prompt(tuple(ids))
+
+
+def fit_max_tokens(prompt_tokens: int, requested: int | None, field: str, context_length: int) -> int:
+    """The generation budget: `requested`, or all the context the prompt leaves when not given.
+    A prompt plus budget beyond the context is a 400 naming both counts and the setting that
+    raises the limit."""
+    if prompt_tokens == 0:
+        raise invalid("prompt", "must contain at least one token")
+    if requested is None:
+        if prompt_tokens >= context_length:
+            raise ApiError(400, f"The prompt has {prompt_tokens} tokens, which leaves no room to generate within "
+                                f"the core's context length of {context_length} tokens. Shorten the prompt, or "
+                                f"serve a core exported with a longer context ({CONTEXT_SETTING}).",
+                           param="messages", code="context_length_exceeded")
+        return context_length - prompt_tokens
+    if prompt_tokens + requested > context_length:
+        raise ApiError(400, f"The prompt has {prompt_tokens} tokens and {field} asks for up to {requested} more: "
+                            f"{prompt_tokens + requested} tokens, beyond the core's context length of "
+                            f"{context_length} tokens. Shorten the prompt or lower {field}, or serve a core "
+                            f"exported with a longer context ({CONTEXT_SETTING}).",
+                       param=field, code="context_length_exceeded")
+    return requested
+
+
+def tool_arguments(value: Any, field: str) -> dict[str, Any]:
+    """Tool-call arguments from history, given as a JSON string or as an object, as the object
+    chat templates expect (Transformers' convention)."""
+    if isinstance(value, dict):
+        return value
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return {}
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise invalid(field, f"must be a JSON object or a string holding one; the string is not JSON ({exc})")
+        if isinstance(parsed, dict):
+            return parsed
+        raise invalid(field, f"must hold a JSON object, got {json_type(parsed)}")
+    raise invalid(field, f"must be a JSON object or a string holding one, got {json_type(value)}")
+
+
+def text_of_parts(content: Any, field: str, text_types: tuple[str, ...] = ("text",)) -> str:
+    """String content, or the text of an array of content parts (joined by newlines).
+    Non-text parts are refused: these cores take text only."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(field, f"must be a string or an array of content parts, got {json_type(content)}")
+    texts = []
+    for index, part in enumerate(content):
+        part = as_object(part, f"{field}[{index}]")
+        part_type = part.get("type")
+        if part_type not in text_types:
+            raise invalid(f"{field}[{index}].type", f"{part_type!r} content is not supported: this server "
+                                                    f"takes text only ({', '.join(text_types)})")
+        texts.append(get_str(part, "text", where=f"{field}[{index}].text", required=True))
+    return "\n".join(texts)
+
+
+def openai_tools(tools: list | None, field: str = "tools") -> list[dict[str, Any]] | None:
+    """OpenAI chat tool definitions, checked: each {"type": "function", "function": {"name", ...}}."""
+    if not tools:
+        return None
+    checked = []
+    for index, tool in enumerate(tools):
+        tool = as_object(tool, f"{field}[{index}]")
+        if tool.get("type", "function") != "function":
+            raise invalid(f"{field}[{index}].type", f"only function tools are supported, got {tool.get('type')!r}")
+        function = get_object(tool, "function", where=f"{field}[{index}].function", required=True)
+        get_str(function, "name", where=f"{field}[{index}].function.name", required=True)
+        checked.append({**tool, "type": "function"})
+    return checked
+
+
+def openai_messages(raw: list | None, field: str = "messages") -> list[dict[str, Any]]:
+    """OpenAI chat messages -> template messages (content flattened to text, tool-call arguments
+    as objects, `developer` read as `system`)."""
+    if raw is None:
+        raise invalid(field, "is required")
+    messages = []
+    for index, message in enumerate(raw):
+        where = f"{field}[{index}]"
+        message = as_object(message, where)
+        role = get_str(message, "role", where=f"{where}.role", required=True)
+        if role not in _ROLES:
+            raise invalid(f"{where}.role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        converted: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": text_of_parts(message.get("content"), f"{where}.content", ("text", "refusal")
+                                     if role == "assistant" else ("text",)),
+        }
+        for key in ("name", "tool_call_id"):
+            value = get_str(message, key, where=f"{where}.{key}")
+            if value is not None:
+                converted[key] = value
+        for key in ("reasoning_content", "reasoning", "thinking"):
+            value = get_str(message, key, where=f"{where}.{key}")
+            if value is not None:
+                converted["reasoning_content"] = value
+        calls = get_list(message, "tool_calls", where=f"{where}.tool_calls")
+        if calls:
+            converted["tool_calls"] = [_openai_tool_call(call, f"{where}.tool_calls[{j}]")
+                                       for j, call in enumerate(calls)]
+        messages.append(converted)
+    return messages
+
+
+def _openai_tool_call(call: Any, where: str) -> dict[str, Any]:
+    call = as_object(call, where)
+    function = get_object(call, "function", where=f"{where}.function", required=True)
+    name = get_str(function, "name", where=f"{where}.function.name", required=True)
+    arguments = tool_arguments(function.get("arguments"), f"{where}.function.arguments")
+    return template_tool_call(get_str(call, "id", where=f"{where}.id"), name, arguments)
+
+
+def template_tool_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A tool call in the template-message shape, from any protocol's history."""
+    call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call_id is not None:
+        call["id"] = call_id
+    return call

@@ -1,0 +1,111 @@
+"""Running the server until SIGTERM / Ctrl-C, then shutting down gracefully.
+
+Shutdown: stop admission (new requests get 503, /health reports draining), give active
+responses `shutdown_grace_s` to finish, cancel what is left (each such response still ends
+cleanly: a final event with its finish reason), close the listener and connections, stop the
+engine. A second signal skips the rest of the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+import structlog
+from aiohttp import web
+
+from flare_core.config import ServerConfig
+from flare_core.server.app import build_app
+from flare_core.server.state import STATE, Engine, ServerState
+
+# After cancelling, how long handlers get to write their final events before connections close.
+_CANCELLED_END_S = 5.0
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_log = structlog.get_logger("flare.server")
+
+
+class ServeError(RuntimeError):
+    """The server could not start (e.g. the address is in use)."""
+
+
+async def serve_async(engine: Engine, config: ServerConfig, *,
+                      on_listening: Callable[[str], None] | None = None) -> None:
+    """Serve `engine` on `config.host:config.port` until SIGINT/SIGTERM, then drain and return.
+    Must run on the main thread (signal handlers). `on_listening(url)` runs once the port is bound.
+    The engine is closed (`aclose`) on every way out; start-up failures raise ServeError."""
+    try:
+        try:
+            app = build_app(engine, config)
+        except ValueError as exc:  # an unreadable or empty api_key_file
+            raise ServeError(str(exc)) from exc
+        state = app[STATE]
+        # handler_cancellation: a client that disconnects cancels its handler, hence its engine request.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, config.host, config.port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise ServeError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from exc
+            host, port = runner.addresses[0][:2]  # the bound port, also when config.port is 0
+            url = f"http://{host}:{port}"
+            _log.info("listening", url=url, models=list(engine.info.served_names),
+                      ingress_limit=state.ingress_limit, api_key=state.api_key is not None)
+            if on_listening is not None:
+                on_listening(url)
+            await _until_signal_then_drain(state, config.shutdown_grace_s)
+        finally:
+            await runner.cleanup()
+    finally:
+        await engine.aclose()
+    _log.info("stopped")
+
+
+async def _until_signal_then_drain(state: ServerState, grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    first, second = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (second if first.is_set() else first).set()
+
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await first.wait()
+        await drain(state, grace_s, hurry=second)
+    finally:
+        for sig in _SIGNALS:
+            loop.remove_signal_handler(sig)
+
+
+async def drain(state: ServerState, grace_s: float, hurry: asyncio.Event | None = None) -> None:
+    """Stop admission, wait up to `grace_s` for active responses, then cancel the rest and wait
+    for their handlers to write their final events."""
+    state.draining = True
+    state.engine.begin_drain()
+    _log.info("draining", active_responses=state.in_flight, grace_s=grace_s)
+    waits = [state.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
+    if not await _first_of(waits, grace_s) or not state.idle.is_set():
+        cancelled = list(state.streams)
+        for stream in cancelled:
+            stream.cancel()
+        _log.info("cancelled_after_grace", requests=len(cancelled))
+        if not await _first_of([state.idle.wait()], _CANCELLED_END_S):
+            _log.warning("responses_still_open", active_responses=state.in_flight)
+
+
+async def _first_of(waits: list, timeout: float) -> bool:
+    """Whether any of the awaitables finished within `timeout` seconds (the rest are cancelled)."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return bool(done)
+
+
+def serve(engine: Engine, config: ServerConfig, *, on_listening: Callable[[str], None] | None = None) -> None:
+    """`flare run`'s server: runs the event loop until a signal has drained the server."""
+    asyncio.run(serve_async(engine, config, on_listening=on_listening))

@@ -1,0 +1,102 @@
+"""What the HTTP server holds for its lifetime: the engine, limits, and the live ingress bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from flare_core.config import ServerConfig
+from flare_core.contract import SamplingPolicy
+from flare_core.frontend import ChatTemplate, Tokenizer
+from flare_core.runtime.metrics import RuntimeMetrics
+from flare_core.runtime.types import GenerationEvent, GenerationRequest
+
+
+class EngineInfo(Protocol):
+    served_names: tuple[str, ...]
+    context_length: int
+    max_concurrency: int
+    queue_capacity: int
+    created: int
+    recipe: str
+    architecture: str
+    dtype: str
+    parameters: int
+    core_path: str
+
+
+class RequestStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]: ...
+    async def __anext__(self) -> GenerationEvent: ...
+    def cancel(self) -> None: ...
+
+
+class Engine(Protocol):
+    """The part of `flare_core.runtime.engine.Engine` the server uses."""
+
+    info: EngineInfo
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    frontend: Mapping[str, Any]
+    sampling_policy: SamplingPolicy
+    registry: Any
+    metrics: RuntimeMetrics
+
+    def submit(self, request: GenerationRequest) -> RequestStream: ...
+    def begin_drain(self) -> None: ...
+    def active_requests(self) -> int: ...
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    config: ServerConfig
+    api_key: str | None
+    # Requests that may hold an ingress reservation at once: every one of them may be reading its
+    # body, waiting for a slot, or streaming; more is refused with 429 before any body is read.
+    ingress_limit: int
+    in_flight: int = 0
+    draining: bool = False
+    # Engine streams of responses still being written, so shutdown can end them cleanly.
+    streams: set[RequestStream] = field(default_factory=set)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def reserve(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+        self.engine.metrics.set_http_in_flight(self.in_flight)
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+        self.engine.metrics.set_http_in_flight(self.in_flight)
+
+    @property
+    def default_model(self) -> str:
+        return self.engine.info.served_names[0]
+
+
+STATE = web.AppKey("flare_state", ServerState)
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The bearer token clients must present, from `server.api_key_file` (None: no auth)."""
+    if path is None:
+        return None
+    try:
+        key = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"server.api_key_file {path}: cannot read it ({exc.strerror})") from exc
+    if not key:
+        raise ValueError(f"server.api_key_file {path} is empty; write the API key into it or leave the setting out")
+    return key

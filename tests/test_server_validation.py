@@ -1,0 +1,419 @@
+"""Request validation and protocol translation of the HTTP server, without an engine: the real
+Qwen3 tokenizer and (mark-annotated) chat template, the recipe's sampling policy and the
+registered output parsers turn request bodies into prompts and generation requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+
+from flare_core.config import ServerConfig
+from flare_core.frontend import ChatTemplate, Tokenizer, apply_template_patch, build_tokenizer_json
+from flare_core.frontend.parsers import OutputParser
+from flare_core.plugins import load_registry
+from flare_core.runtime.metrics import RuntimeMetrics
+from flare_core.runtime.types import Usage
+from flare_core.server.anthropic_messages import (
+    MessageBuilder,
+    anthropic_messages,
+    build_prompt,
+    parse_messages_request,
+)
+from flare_core.server.errors import ApiError, Flavor, error_body
+from flare_core.server.generation import Outcome, Piece, output_parser
+from flare_core.server.openai_chat import parse_chat_request
+from flare_core.server.openai_completions import parse_completion_request
+from flare_core.server.openai_responses import ResponseBuilder, parse_responses_request, responses_messages
+from flare_core.server.prompts import (
+    chat_prompt,
+    fit_max_tokens,
+    openai_messages,
+    template_options,
+    tool_arguments,
+)
+from flare_core.server.sampling import CLAMPED_HEADER, read_sampling
+from flare_core.server.state import ServerState
+from flare_core.server.validation import parse_json_object
+from flare_recipe_qwen.recipes import QWEN3_SAMPLING
+from flare_recipe_qwen.templates import QWEN3_V2_TEMPLATE_PATCH
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CONTEXT_LENGTH = 512
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@dataclass
+class Info:
+    served_names: tuple[str, ...] = ("tiny-qwen3", "qwen3-test")
+    context_length: int = CONTEXT_LENGTH
+    max_concurrency: int = 4
+    queue_capacity: int = 8
+    created: int = 1_700_000_000
+    recipe: str = "qwen3"
+    architecture: str = "Qwen3ForCausalLM"
+    dtype: str = "float32"
+    parameters: int = 1_000_000
+    core_path: str = ""
+
+
+@dataclass
+class EngineParts:
+    """The parts of a serving engine that request translation reads (no model, no scheduler)."""
+
+    info: Info
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    frontend: dict
+    sampling_policy: object
+    registry: object
+    metrics: RuntimeMetrics
+
+
+@pytest.fixture(scope="module")
+def state() -> ServerState:
+    tokenizer = Tokenizer.from_str(build_tokenizer_json(FIXTURES / "tokenizers" / "qwen3"))
+    source = (FIXTURES / "chat_templates" / "Qwen-Qwen3.chat_template.jinja").read_text(encoding="utf-8")
+    frontend = {"reasoning_parser": "think", "tool_parser": "hermes", "template_options": {"enable_thinking": True},
+                "special_tokens": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                "stop_token_ids": [151645, 151643]}
+    engine = EngineParts(Info(), tokenizer, ChatTemplate(apply_template_patch(source, QWEN3_V2_TEMPLATE_PATCH)),
+                         frontend, QWEN3_SAMPLING, load_registry(), RuntimeMetrics())
+    return ServerState(engine=engine, config=ServerConfig(), api_key=None, ingress_limit=12)
+
+
+def chat_body(**fields) -> dict:
+    return {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
+            **fields}
+
+
+def bad_request(call, *args) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        call(*args)
+    assert info.value.status == 400, info.value.message
+    return info.value
+
+
+# --- prompts -------------------------------------------------------------------------------------
+
+def weather_history(arguments) -> list[dict]:
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+
+
+def test_tool_call_arguments_as_string_or_object_render_the_same_prompt(state):
+    options = template_options(state.engine)
+    as_object = chat_prompt(state.engine, openai_messages(weather_history({"city": "Paris"})), tools=TOOLS,
+                            options=options)
+    as_string = chat_prompt(state.engine, openai_messages(weather_history('{"city": "Paris"}')), tools=TOOLS,
+                            options=options)
+    assert as_object.ids == as_string.ids
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in as_object.text
+    assert as_object.text.endswith("<|im_start|>assistant\n")
+
+
+def test_tool_arguments_that_are_not_a_json_object_name_the_field():
+    assert tool_arguments("", "f") == {}
+    error = bad_request(tool_arguments, "{oops", "messages[1].tool_calls[0].function.arguments")
+    assert error.param == "messages[1].tool_calls[0].function.arguments"
+    assert "not JSON" in error.message
+    assert "got array" in bad_request(tool_arguments, "[1, 2]", "f").message
+
+
+def test_openai_content_parts_and_developer_role(state):
+    messages = openai_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+    ])
+    assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
+    error = bad_request(openai_messages, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert error.param == "messages[0].content[0].type"
+    assert bad_request(openai_messages, [{"role": "robot", "content": "x"}]).param == "messages[0].role"
+
+
+def test_checkpoints_mark_message_ends_shared_by_the_next_turn(state):
+    options = template_options(state.engine)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    second = first + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    one = chat_prompt(state.engine, first, tools=None, options=options)
+    two = chat_prompt(state.engine, second, tools=None, options=options)
+    assert one.checkpoints and list(one.checkpoints) == sorted(set(one.checkpoints))
+    assert max(one.checkpoints) <= len(one.ids)
+    # Every checkpoint of the first turn is a prefix the second turn's prompt shares exactly.
+    for endpoint in one.checkpoints:
+        assert two.ids[:endpoint] == one.ids[:endpoint]
+    assert set(one.checkpoints) <= set(two.checkpoints)
+
+
+def test_thinking_switch_maps_onto_the_declared_template_option(state):
+    assert template_options(state.engine)["enable_thinking"] is True
+    assert template_options(state.engine, thinking=False)["enable_thinking"] is False
+    # The request's own template kwargs win over the protocol switch.
+    assert template_options(state.engine, {"enable_thinking": True}, thinking=False)["enable_thinking"] is True
+    off = chat_prompt(state.engine, [{"role": "user", "content": "Hi"}], tools=None,
+                      options=template_options(state.engine, thinking=False))
+    assert off.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert bad_request(template_options, state.engine, {"messages": []}).param == "chat_template_kwargs.messages"
+
+
+def test_context_overflow_names_both_counts_the_context_and_the_setting():
+    assert fit_max_tokens(100, None, "max_tokens", 512) == 412
+    assert fit_max_tokens(100, 412, "max_tokens", 512) == 412
+    message = bad_request(fit_max_tokens, 100, 500, "max_completion_tokens", 512).message
+    for part in ("100 tokens", "500", "max_completion_tokens", "512", "--context-length"):
+        assert part in message
+    assert "--context-length" in bad_request(fit_max_tokens, 512, None, "max_tokens", 512).message
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+def test_sampling_defaults_clamping_and_types():
+    fields = {"temperature": "temperature", "top_k": "top_k", "presence_penalty": "presence_penalty"}
+    defaults = read_sampling(QWEN3_SAMPLING, {}, fields)
+    assert (defaults.params.temperature, defaults.params.top_p, defaults.params.top_k) == (0.6, 0.95, 20)
+    assert defaults.headers() == {}
+    clamped = read_sampling(QWEN3_SAMPLING, {"temperature": 7, "top_k": -1, "presence_penalty": -1.5, "seed": 3},
+                            fields)
+    assert clamped.params.temperature == 2.0 and clamped.params.top_k == 0 and clamped.params.seed == 3
+    assert clamped.params.presence_penalty == 0.0  # Qwen3's range starts at 0
+    assert clamped.headers()[CLAMPED_HEADER] == "temperature=7.0->2.0, presence_penalty=-1.5->0.0"
+    assert bad_request(read_sampling, QWEN3_SAMPLING, {"temperature": "hot"}, fields).param == "temperature"
+    assert bad_request(read_sampling, QWEN3_SAMPLING, {"top_k": 2.5}, fields).param == "top_k"
+    assert bad_request(read_sampling, QWEN3_SAMPLING, {"seed": True}, fields).param == "seed"
+
+
+# --- OpenAI chat / completions --------------------------------------------------------------------
+
+def test_chat_request_translation(state):
+    call = parse_chat_request(state, chat_body(max_tokens=16, temperature=0, stop=["\n\n"], stop_token_ids=[7],
+                                               stream=True, stream_options={"include_usage": True},
+                                               logprobs=True, top_logprobs=3, tools=TOOLS), "rid")
+    request = call.request
+    assert call.model == "tiny-qwen3" and call.stream and call.include_usage and call.parse_tools
+    assert request.max_tokens == 16 and request.sampling.greedy and request.request_id == "rid"
+    assert request.stop_strings == ("\n\n",) and request.stop_token_ids == (7,)
+    assert request.logprobs and request.top_logprobs == 3
+    assert request.prompt_ids == call.prompt.ids and request.checkpoints == call.prompt.checkpoints
+    assert "get_weather" in call.prompt.text
+    # Without max_tokens the budget is what the context leaves.
+    free = parse_chat_request(state, chat_body(), "rid")
+    assert free.request.max_tokens == CONTEXT_LENGTH - len(free.prompt.ids)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 2}, "n"),
+    ({"messages": "hi"}, "messages"),
+    ({"temperature": "warm"}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids[0]"),
+])
+def test_chat_request_errors_name_the_field(state, fields, param):
+    assert bad_request(parse_chat_request, state, chat_body(**fields), "rid").param == param
+
+
+def test_unknown_model_is_404_and_missing_model_is_the_default(state):
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(state, chat_body(model="gpt-4"), "rid")
+    assert info.value.status == 404 and "tiny-qwen3" in info.value.message
+    body = chat_body()
+    del body["model"]
+    assert parse_chat_request(state, body, "rid").model == "tiny-qwen3"
+    assert parse_chat_request(state, chat_body(model="qwen3-test"), "rid").model == "qwen3-test"
+
+
+def test_completion_prompts(state):
+    text = parse_completion_request(state, {"prompt": "Once upon", "max_tokens": 4, "logprobs": 2,
+                                            "echo": True}, "rid")
+    assert text.request.prompt_ids == tuple(state.engine.tokenizer.encode("Once upon"))
+    assert text.request.top_logprobs == 2 and text.echo == "Once upon"
+    ids = parse_completion_request(state, {"prompt": [[1, 2, 3]], "max_tokens": 4}, "rid")
+    assert ids.request.prompt_ids == (1, 2, 3)
+    assert bad_request(parse_completion_request, state, {"prompt": ["a", "b"]}, "rid").param == "prompt"
+    assert bad_request(parse_completion_request, state, {"prompt": [1, -1]}, "rid").param == "prompt[1]"
+    assert bad_request(parse_completion_request, state, {"prompt": ""}, "rid").param == "prompt"
+
+
+# --- Anthropic ---------------------------------------------------------------------------------
+
+def anthropic_body(**fields) -> dict:
+    return {"model": "tiny-qwen3", "max_tokens": 64,
+            "messages": [{"role": "user", "content": "What's the weather in Paris?"}], **fields}
+
+
+def test_anthropic_tool_history_renders_like_the_openai_one(state):
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                      "content": [{"type": "text", "text": "18 C, sunny"}]}]},
+    ]
+    tools = [{"name": "get_weather", "description": "Current weather",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    _, anthropic_prompt, parse_tools = build_prompt(state, anthropic_body(messages=history, tools=tools))
+    openai_prompt = chat_prompt(state.engine, openai_messages(weather_history({"city": "Paris"})), tools=TOOLS,
+                                options=template_options(state.engine))
+    assert parse_tools
+    assert anthropic_prompt.ids == openai_prompt.ids
+
+
+def test_anthropic_system_thinking_and_prefill(state):
+    messages = anthropic_messages([{"type": "text", "text": "Be brief."}], [{"role": "user", "content": "Hi"}])
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    call = parse_messages_request(state, anthropic_body(
+        thinking={"type": "disabled"}, stop_sequences=["END"], temperature=0.2,
+        messages=[{"role": "user", "content": "Count to 3"}, {"role": "assistant", "content": "1, 2,"}]), "rid")
+    assert call.prompt.text.endswith("<think>\n\n</think>\n\n1, 2,")  # prefill: the reply continues
+    assert call.request.stop_strings == ("END",) and call.request.sampling.temperature == 0.2
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"frequency_penalty": 1}, "frequency_penalty: Extra inputs are not permitted"),
+    ({"max_tokens": None}, "'max_tokens': is required"),
+    ({"model": None}, "'model': is required"),
+    ({"stop_sequences": "END"}, "'stop_sequences': must be an array, got string"),
+    ({"thinking": {"type": "sometimes"}}, "'thinking.type'"),
+    ({"tool_choice": {"type": "any"}}, "'tool_choice.type'"),
+    ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages.0.extra: Extra inputs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'messages.0.content.0.type'"),
+    ({"max_tokens": 100_000}, "--context-length"),
+])
+def test_anthropic_request_errors(state, fields, message):
+    error = bad_request(parse_messages_request, state, anthropic_body(**fields), "rid")
+    assert message in error.message
+    assert error_body(Flavor.ANTHROPIC, error) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": error.message}}
+
+
+def run_builder(builder, pieces, outcome, start: bool = False) -> dict:
+    """Drive a protocol builder through pieces to its final object (events go to its sink)."""
+    async def run():
+        if start:
+            await builder.start()
+        for piece in pieces:
+            await builder.add(piece)
+        return await builder.finish(outcome)
+    return asyncio.run(run())
+
+
+def parsed_pieces(state, text: str, chunk: int = 3) -> list[Piece]:
+    """The real parsers fed a model output in small pieces, as the engine's text deltas arrive."""
+    parser = output_parser(state.engine, "<|im_start|>assistant\n", tools=True)
+    assert isinstance(parser, OutputParser)
+    deltas = [parser.feed(text[start:start + chunk]) for start in range(0, len(text), chunk)] + [parser.finish()]
+    return [Piece(delta) for delta in deltas if delta]
+
+
+MODEL_OUTPUT = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+                '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def test_anthropic_stream_events_accumulate_to_the_returned_message(state):
+    call = parse_messages_request(state, anthropic_body(tools=[{"name": "get_weather", "input_schema": {}}]), "r")
+    events = []
+
+    async def sink(event):
+        events.append(json.loads(json.dumps(event)))
+
+    outcome = Outcome("stop", Usage(prompt_tokens=40, completion_tokens=30, cached_tokens=32), stop=151645)
+    message = run_builder(MessageBuilder(call, "msg_1", sink), parsed_pieces(state, MODEL_OUTPUT), outcome, start=True)
+    assert [block["type"] for block in message["content"]] == ["thinking", "text", "tool_use"]
+    assert message["content"][0]["thinking"] == "The user wants weather."
+    assert message["content"][1]["text"] == "Let me check."
+    assert message["content"][2]["input"] == {"city": "Paris"}
+    assert message["stop_reason"] == "tool_use"
+    assert message["usage"] == {"input_tokens": 8, "output_tokens": 30, "cache_read_input_tokens": 32,
+                                "cache_creation_input_tokens": 0}
+    snapshot, buffers = None, {}
+    for event in events:
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
+    assert [block.to_dict(exclude_none=True) for block in snapshot.content] == message["content"]
+    assert snapshot.stop_reason == "tool_use" and snapshot.usage.cache_read_input_tokens == 32
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+
+
+def test_anthropic_stop_sequence_and_length(state):
+    call = parse_messages_request(state, anthropic_body(stop_sequences=["END"]), "r")
+    usage = Usage(10, 5, 0)
+    stopped = run_builder(MessageBuilder(call, "m"), parsed_pieces(state, "Hi"), Outcome("stop", usage, "END"))
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "END")
+    ended = run_builder(MessageBuilder(call, "m"), [], Outcome("stop", usage, 151645))
+    assert (ended["stop_reason"], ended["content"]) == ("end_turn", [])
+    cut = run_builder(MessageBuilder(call, "m"), [], Outcome("length", usage))
+    assert cut["stop_reason"] == "max_tokens"
+
+
+# --- OpenAI Responses ------------------------------------------------------------------------------
+
+def test_responses_input_items_render_like_chat_messages(state):
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"},
+    ]
+    body = {"model": "tiny-qwen3", "input": items, "instructions": "Be brief.",
+            "tools": [{"type": "function", "name": "get_weather", "description": "Current weather",
+                       "parameters": TOOLS[0]["function"]["parameters"]}]}
+    call = parse_responses_request(state, body, "rid")
+    messages = [{"role": "system", "content": "Be brief."}] + weather_history({"city": "Paris"})
+    expected = chat_prompt(state.engine, openai_messages(messages), tools=TOOLS, options=template_options(state.engine))
+    assert call.prompt.ids == expected.ids
+    assert responses_messages(None, "Hi") == [{"role": "user", "content": "Hi"}]
+    assert bad_request(parse_responses_request, state, {"input": "x", "previous_response_id": "r"}, "rid").param \
+        == "previous_response_id"
+    assert bad_request(responses_messages, None, [{"type": "web_search_call"}]).param == "input[0].type"
+
+
+def test_responses_builder_items_and_events(state):
+    call = parse_responses_request(state, {"model": "tiny-qwen3", "input": "Weather?", "max_output_tokens": 50,
+                                           "tools": [{"type": "function", "name": "get_weather"}]}, "rid")
+    events = []
+
+    async def sink(event):
+        events.append(event)
+
+    response = run_builder(ResponseBuilder(call, "resp_1", sink), parsed_pieces(state, MODEL_OUTPUT),
+                           Outcome("stop", Usage(40, 30, 32)), start=True)
+    assert response["status"] == "completed" and response["max_output_tokens"] == 50
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call"]
+    assert response["output"][1]["content"][0]["text"] == "Let me check."
+    assert json.loads(response["output"][2]["arguments"]) == {"city": "Paris"}
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 32
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    text = "".join(event["delta"] for event in events if event["type"] == "response.output_text.delta")
+    assert text == "Let me check."
+    done_items = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    assert done_items == response["output"]
+    incomplete = run_builder(ResponseBuilder(call, "resp_2"), [], Outcome("length", Usage(40, 50, 0)))
+    assert incomplete["status"] == "incomplete"
+    assert incomplete["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+# --- bodies and error formats -------------------------------------------------------------------
+
+def test_json_bodies_and_error_formats():
+    assert parse_json_object(b'{"a": 1}') == {"a": 1}
+    assert "not valid JSON" in bad_request(parse_json_object, b"{nope").message
+    assert "got array" in bad_request(parse_json_object, b"[1]").message
+    error = ApiError(404, "no such model", param="model", code="model_not_found")
+    assert error_body(Flavor.OPENAI, error) == {"error": {"message": "no such model", "type": "invalid_request_error",
+                                                          "param": "model", "code": "model_not_found"}}
+    assert error_body(Flavor.ANTHROPIC, error)["error"]["type"] == "not_found_error"
+    assert error_body(Flavor.OLLAMA, error) == {"error": "no such model"}
