@@ -61,26 +61,14 @@ class EagerExecutor:
             if restore.logits_slot is not None:
                 restored_logits.append(self.logits_store[restore.logits_slot])
 
-        sequences, inputs = [], []
-        for entry in plan.decodes:
-            sequences.append((1, entry.position, entry.page_table[:entry.position // self.page_tokens + 1]))
-            if entry.input_token is None:
-                inputs.append(self.last_sampled[entry.handle.slot:entry.handle.slot + 1])
-            else:
-                inputs.append(torch.tensor([entry.input_token], dtype=torch.int64, device=self.device))
+        if not plan.decodes and not plan.prefills:
+            return torch.stack(restored_logits) if restored_logits else self.logits_store[:0]
         for chunk in plan.prefills:
             if chunk.start == 0:  # a fresh request starts from zeroed continuation state
                 for name in self._state:
                     for layer in self.storage[name]:
                         layer[chunk.handle.slot].zero_()
-            sequences.append((chunk.end - chunk.start, chunk.start,
-                              chunk.page_table[:-(-chunk.end // self.page_tokens)]))
-            inputs.append(torch.tensor(chunk.tokens, dtype=torch.int64, device=self.device))
-        if not sequences:
-            return torch.stack(restored_logits) if restored_logits else self.logits_store[:0]
-
-        batch = AttentionBatch.build(sequences, self.page_tokens, self.device)
-        logits = self.model(torch.cat(inputs), batch.positions(), ForwardContext(batch, self.storage))
+        logits = self._forward(plan)
 
         rows = list(range(len(plan.decodes)))
         for i, chunk in enumerate(plan.prefills):
@@ -93,6 +81,28 @@ class EagerExecutor:
         if restored_logits:
             sampled = torch.cat([torch.stack(restored_logits), sampled])
         return sampled
+
+    def _sequences(self, plan: StepPlan) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(new tokens, cached tokens before, pages) per row: decodes first, then prefill chunks."""
+        sequences = [(1, e.position, e.page_table[:e.position // self.page_tokens + 1]) for e in plan.decodes]
+        sequences += [(c.end - c.start, c.start, c.page_table[:-(-c.end // self.page_tokens)]) for c in plan.prefills]
+        return sequences
+
+    def _input_ids(self, plan: StepPlan) -> torch.Tensor:
+        inputs = []
+        for entry in plan.decodes:
+            if entry.input_token is None:
+                inputs.append(self.last_sampled[entry.handle.slot:entry.handle.slot + 1])
+            else:
+                inputs.append(torch.tensor([entry.input_token], dtype=torch.int64, device=self.device))
+        for chunk in plan.prefills:
+            inputs.append(torch.tensor(chunk.tokens, dtype=torch.int64, device=self.device))
+        return torch.cat(inputs)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of every row of the step (each decode, then each prefill chunk's last token)."""
+        batch = AttentionBatch.build(self._sequences(plan), self.page_tokens, self.device)
+        return self.model(self._input_ids(plan), batch.positions(), ForwardContext(batch, self.storage))
 
     def _save(self, chunk, logits_row: torch.Tensor) -> None:
         save = chunk.save

@@ -18,7 +18,7 @@ reference computation for FlashInfer behind the same interface.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -104,10 +104,19 @@ class AttentionBatch:
 @dataclass(frozen=True, eq=False)
 class ForwardContext:
     """What a model needs besides token ids and positions for one step: the batch layout and
-    the cache, as paged store name -> per-layer tensor (see the module docstring for layouts)."""
+    the cache, as paged store name -> per-layer tensor (see the module docstring for layouts).
+    `attention` is the planned kernel backend for this step (flare_core.ops.flashinfer_attention);
+    None means the plain-torch reference."""
 
     batch: AttentionBatch
     cache: Mapping[str, Sequence[Tensor]]
+    attention: "AttentionBackend | None" = None
+
+
+class AttentionBackend(Protocol):
+    """A step's attention, planned on the host before the step runs; called once per layer."""
+
+    def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor: ...
 
 
 def write_paged(layer_store: Tensor, records: Tensor, slot_mapping: Tensor) -> None:
@@ -171,6 +180,8 @@ class PagedAttention(nn.Module):
         v_layer = context.cache[self.value_store][self.layer_idx]
         write_paged(k_layer, k, context.batch.slot_mapping)
         write_paged(v_layer, v, context.batch.slot_mapping)
+        if context.attention is not None:
+            return context.attention.run(q, k_layer, v_layer, self.scale)
         return paged_attention_reference(q, k_layer, v_layer, context.batch, self.scale)
 
     def extra_repr(self) -> str:

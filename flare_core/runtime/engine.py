@@ -102,6 +102,12 @@ class _Live:
     text_tokens: list[int] = field(default_factory=list)
 
 
+def _covering(capacities: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """The capacities below `limit` plus the smallest one that covers it."""
+    below = tuple(c for c in capacities if c < limit)
+    return below + (min(c for c in capacities if c >= limit),)
+
+
 class Engine:
     def __init__(self, loaded: LoadedCore, kv: KvPlan, registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
@@ -137,10 +143,17 @@ class Engine:
         self._scheduler = Scheduler(
             SchedulerConfig(max_concurrency=max_concurrency, prefill_chunk_size=capacities.prefill_chunk_size,
                             capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)
-        self._executor = EagerExecutor(
-            loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, page_tokens=page_tokens,
-            num_rows=max_concurrency, num_snapshot_slots=kv.snapshot_slots if has_state else 0,
-            num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size, device=loaded.device)
+        executor_args = dict(num_pages=kv.num_pages, page_tokens=page_tokens, num_rows=max_concurrency,
+                             num_snapshot_slots=kv.snapshot_slots if has_state else 0, num_logits_slots=logits_slots,
+                             vocab_size=loaded.model_config.vocab_size, device=loaded.device)
+        if loaded.device.type == "cuda":
+            from flare_core.executor.graphs import GraphExecutor
+
+            self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, **executor_args,
+                                           decode_capacities=_covering(catalog.decode, max_concurrency),
+                                           context_length=capacities.context_length)
+        else:
+            self._executor = EagerExecutor(loaded.model, loaded.cache_scheme, **executor_args)
         self._sampler = Sampler(seed=seed, device=loaded.device)
         self._vocab = loaded.model_config.vocab_size
         self._core_stop_ids = frozenset(int(i) for i in loaded.frontend["stop_token_ids"])

@@ -1,0 +1,94 @@
+"""Paged attention through FlashInfer on the GPU (the plain-torch reference is in
+flare_core.ops.attention; both read the same [num_pages, page_tokens, kv_heads, head_dim] pages).
+
+Plans are made on the host from CPU metadata (page tables, lengths the scheduler knows) before
+the step runs; only buffer contents change between CUDA graph replays. Decode uses the
+tensor-core decode kernel; prefill chunks (and decode mixed into them) use the paged prefill
+kernel with a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+WORKSPACE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Host description of a step's requests in FlashInfer's CSR page format."""
+
+    indptr: Tensor          # int32 [B+1]: page counts, cumulative
+    indices: Tensor         # int32 [sum pages]: page ids, request after request
+    last_page_len: Tensor   # int32 [B]: tokens in each request's last page
+    qo_indptr: Tensor       # int32 [B+1]: new tokens, cumulative
+
+    @classmethod
+    def from_requests(cls, kv_lens: Sequence[int], new_tokens: Sequence[int], page_tables: Sequence[Sequence[int]],
+                      page_tokens: int) -> PagedLayout:
+        indptr, indices, last, qo = [0], [], [], [0]
+        for kv_len, new, pages in zip(kv_lens, new_tokens, page_tables):
+            count = -(-kv_len // page_tokens)
+            indices.extend(pages[:count])
+            indptr.append(indptr[-1] + count)
+            last.append(kv_len - (count - 1) * page_tokens)
+            qo.append(qo[-1] + new)
+        as_int = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+        return cls(as_int(indptr), as_int(indices), as_int(last), as_int(qo))
+
+
+class FlashInferDecode:
+    """Batch decode (one new token per request) for a fixed batch capacity, usable inside a CUDA
+    graph: the page-table buffers are allocated once for up to `max_pages` pages."""
+
+    def __init__(self, workspace: Tensor, capacity: int, max_pages: int, *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, page_tokens: int, dtype: torch.dtype, use_cuda_graph: bool):
+        import flashinfer
+
+        device = workspace.device
+        self.capacity = capacity
+        self._shape = (num_heads, num_kv_heads, head_dim, page_tokens)
+        self._dtype = dtype
+        self._indptr = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
+        self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        self._last = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=use_cuda_graph, use_tensor_cores=True,
+            paged_kv_indptr_buffer=self._indptr, paged_kv_indices_buffer=self._indices,
+            paged_kv_last_page_len_buffer=self._last)
+        self._scale: float | None = None
+
+    def plan(self, layout: PagedLayout, scale: float) -> None:
+        num_heads, num_kv_heads, head_dim, page_tokens = self._shape
+        self._scale = scale
+        self.wrapper.plan(layout.indptr, layout.indices, layout.last_page_len, num_heads, num_kv_heads, head_dim,
+                          page_tokens, q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
+                          non_blocking=True)
+
+    def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor:
+        return self.wrapper.run(q, (k_layer, v_layer))
+
+
+class FlashInferPrefill:
+    """Ragged batch of prompt chunks (and single decode tokens) over the paged cache, causal."""
+
+    def __init__(self, workspace: Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int,
+                 dtype: torch.dtype):
+        import flashinfer
+
+        self._shape = (num_heads, num_kv_heads, head_dim, page_tokens)
+        self._dtype = dtype
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+
+    def plan(self, layout: PagedLayout, scale: float) -> None:
+        num_heads, num_kv_heads, head_dim, page_tokens = self._shape
+        self.wrapper.plan(layout.qo_indptr, layout.indptr, layout.indices, layout.last_page_len, num_heads,
+                          num_kv_heads, head_dim, page_tokens, causal=True, sm_scale=scale,
+                          q_data_type=self._dtype, kv_data_type=self._dtype, non_blocking=True)
+
+    def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor:
+        return self.wrapper.run(q, (k_layer, v_layer))
