@@ -351,5 +351,9 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
                trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache, served_names=served_names)
 
 
+from flare_core.bench.command import bench  # noqa: E402  (the command module does not import this one)
+
+main.add_command(bench)
+
 if __name__ == "__main__":
     main()

@@ -91,7 +91,9 @@ class LlamaForServing(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
         hidden = self.model.embed_tokens(input_ids)[None]  # Transformers layers expect [batch, tokens, hidden]
-        position_embeddings = self.model.rotary_emb(hidden, positions)
+        # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
+        cos, sin = self.model.rotary_emb(hidden, positions[None])
+        position_embeddings = (cos[0], sin[0])
         for layer in self.model.layers:
             hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
         hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
