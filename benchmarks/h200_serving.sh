@@ -11,14 +11,14 @@ flare="python3 -m flare_core.cli --config $work/config.toml"
 [ -d "$work/qwen3-8b-random" ] || python3 benchmarks/random_checkpoint.py "$work/qwen3-8b-random"
 $flare export "$work/qwen3-8b-random" --no-progress --max-concurrency 64 --prefill-chunk-size 2048 \
   --context-length 4096 2>&1 | tail -12
-start=$(date +%s.%N)
+start=$(python3 -c 'import time; print(time.time())')
 $flare run qwen3-8b-random --device cuda --port 8000 > "$out/run.log" 2>&1 &
 server=$!
-until curl -sf http://127.0.0.1:8000/health > /dev/null; do
+until python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/health")' 2>/dev/null; do
   kill -0 $server 2>/dev/null || { tail -30 "$out/run.log"; exit 1; }
   sleep 0.5
 done
-echo "startup_s $(echo "$(date +%s.%N) - $start" | bc)" | tee "$out/startup.txt"
+python3 -c "import time; print('startup_s', round(time.time() - $start, 1))" | tee "$out/startup.txt"
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 1 \
   --num-prompts 8 --num-warmups 1 --result-file "$out/bench-c1.json" 2>&1 | tail -25
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 64 \

@@ -262,6 +262,8 @@ class Engine:
                 live = self._live.get(message[1])
                 if live is not None:
                     self._finish(live, "cancelled")
+            # A cancel that leaves the scheduler idle is followed by no step that would refresh them.
+            self._update_gauges()
 
     def _admit(self, request_id: str, request: GenerationRequest, stream: RequestStream, submitted: float) -> None:
         needs_penalties = (request.sampling.presence_penalty != 0.0 or request.sampling.frequency_penalty != 0.0

@@ -7,9 +7,11 @@ Middlewares run outermost first:
    and aiohttp's own HTTP errors become JSON in the format of the path's API family.
 2. auth: when an API key is configured, `Authorization: Bearer <key>` or `x-api-key: <key>`
    (Anthropic clients) must match it (constant-time compare). /health and /metrics stay open.
-3. ingress: while draining every request is a 503; past `queue_capacity + max_concurrency`
-   requests in flight a 429 — both decided before any body is read. The reservation lasts
-   until the response (streams included) is complete.
+3. ingress: while draining every request is a 503; past `ingress_limit(...)` requests in
+   flight a 429 — both decided before any body is read. The reservation lasts until the
+   response (streams included) is complete. The limit is twice what the engine admits
+   (`max_concurrency + queue_capacity`), so a full engine answers generation requests with
+   its own 503 while the other half bounds requests reading bodies or asking light routes.
 """
 
 from __future__ import annotations
@@ -106,9 +108,9 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
         raise ApiError(503, "the server is shutting down and accepts no new requests")
     if state.in_flight >= state.ingress_limit:
         info = state.engine.info
-        raise ApiError(429, f"the server already holds {state.in_flight} requests, its limit "
-                            f"(queue_capacity {info.queue_capacity} + max_concurrency "
-                            f"{info.max_concurrency}); retry later")
+        raise ApiError(429, f"the server already holds {state.in_flight} requests, its limit (twice "
+                            f"max_concurrency {info.max_concurrency} + queue_capacity {info.queue_capacity}); "
+                            f"retry later")
     state.reserve()
     try:
         return await handler(request)
@@ -130,10 +132,16 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
         response.headers["x-request-id"] = record.request_id
 
 
+def ingress_limit(max_concurrency: int, queue_capacity: int) -> int:
+    """HTTP requests held at once before 429: with equal limits a full engine would never answer
+    its 503, because the ingress check runs first."""
+    return 2 * (max_concurrency + queue_capacity)
+
+
 def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     """The server for `engine`; `config.api_key_file` is read here (ValueError if unreadable or empty)."""
     state = ServerState(engine=engine, config=config, api_key=read_api_key(config.api_key_file),
-                        ingress_limit=engine.info.queue_capacity + engine.info.max_concurrency)
+                        ingress_limit=ingress_limit(engine.info.max_concurrency, engine.info.queue_capacity))
     # client_max_size bounds bodies without a Content-Length too (chunked uploads).
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_log_and_errors, _auth, _ingress])
     app[STATE] = state
