@@ -259,7 +259,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
              architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),
-             executor="eager reference (plain-torch paged attention, no CUDA graphs)",
+             executor=("FlashInfer paged attention, eager steps (decode graphs disabled)" if torch_device.type == "cuda"
+                       else "eager reference (plain-torch paged attention)"),
              parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
              kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
              max_concurrency=concurrency, context_length=capacities.context_length,

@@ -68,8 +68,7 @@ class GraphExecutor(EagerExecutor):
     @torch.inference_mode()
     def _capture(self, capacities: tuple[int, ...]) -> None:
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for capacity in sorted(capacities, reverse=True):  # largest first: later graphs reuse its pool
+        for capacity in sorted(capacities, reverse=True):
             attention = FlashInferDecode(self.workspace, capacity, capacity * (self._pages_per_context + 1),
                                          use_cuda_graph=True, **self._heads)
             input_ids = torch.zeros(capacity, dtype=torch.int64, device=self.device)
@@ -92,7 +91,7 @@ class GraphExecutor(EagerExecutor):
                     self.model(input_ids, positions, context)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph):
                 logits = self.model(input_ids, positions, context)
             self.graphs[capacity] = _DecodeGraph(capacity, graph, input_ids, positions, slots, logits, attention)
         torch.cuda.synchronize()

@@ -60,14 +60,15 @@ class FlashInferDecode:
             workspace, "NHD", use_cuda_graph=use_cuda_graph, use_tensor_cores=True,
             paged_kv_indptr_buffer=self._indptr, paged_kv_indices_buffer=self._indices,
             paged_kv_last_page_len_buffer=self._last)
-        self._scale: float | None = None
+        # A graph replays the kernels it was captured with: a plan that later switched on split-KV
+        # (long contexts) would need a merge kernel the graph does not contain, so graphs never split.
+        self._split_kv = not use_cuda_graph
 
     def plan(self, layout: PagedLayout, scale: float) -> None:
         num_heads, num_kv_heads, head_dim, page_tokens = self._shape
-        self._scale = scale
         self.wrapper.plan(layout.indptr, layout.indices, layout.last_page_len, num_heads, num_kv_heads, head_dim,
                           page_tokens, q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
-                          non_blocking=True)
+                          non_blocking=True, disable_split_kv=not self._split_kv)
 
     def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor:
         return self.wrapper.run(q, (k_layer, v_layer))
