@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from random_qwen3 import qwen3_config, random_hf_model
+
 
 def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> float:
     """Bytes moved per second by a device-to-device copy (read + write counted)."""
@@ -36,32 +38,6 @@ def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> flo
     seconds = time.perf_counter() - start
     del src, dst
     return 2 * gib * 2**30 * repeats / seconds
-
-
-def qwen3_config(args):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=151936, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                       num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1_000_000.0)
-
-
-def random_hf_model(config, device):
-    from transformers import Qwen3ForCausalLM
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-    model.model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)  # its inv_freq was left on meta
-    return model.eval()
 
 
 def flare_decode(config, hf_model, device, context: int, steps: int) -> dict:
@@ -138,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    config = qwen3_config(args)
+    config = qwen3_config(args.layers, args.hidden, args.intermediate)
     hf_model = random_hf_model(config, device)
     flare = flare_decode(config, hf_model, device, args.context, args.steps)
     hf_tok_s = hf_generate(hf_model, device, args.context, args.hf_new_tokens)

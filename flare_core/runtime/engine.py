@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-import torch
 
 from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor

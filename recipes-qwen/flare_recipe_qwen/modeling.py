@@ -19,6 +19,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from flare_core.ops.attention import ForwardContext, PagedAttention
+from flare_core.ops.mlp import FusedGatedMLP
 
 # Transformers classes per architecture: (causal LM, attention, dense MLPs, rotary embedding).
 _CLASSES = {
@@ -61,20 +62,6 @@ class QwenPagedAttention(nn.Module):
         q, k = modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         out = self.attn(q, k, v, context)
         return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
-
-
-class FusedGatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up as one [2 * intermediate, hidden] matrix."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = act_fn
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
 
 
 class QwenForServing(nn.Module):

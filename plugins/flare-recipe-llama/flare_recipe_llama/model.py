@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRota
 
 from flare_core.contract import ContractError
 from flare_core.ops.attention import ForwardContext, PagedAttention
+from flare_core.ops.mlp import FusedGatedMLP
 
 # Rope types whose frequencies are fixed when the module is built.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -65,18 +66,6 @@ class LlamaPagedAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
         out = self.attn(q, k, v, context)
         return self.o_proj(out.reshape(x.shape[0], -1)).reshape(shape), None  # layers unpack (output, weights)
-
-
-class FusedGatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = act_fn
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaForServing(nn.Module):

@@ -1,0 +1,35 @@
+"""Random-weight Qwen3 models of real shapes for GPU benchmarks (speed of a dense model does
+not depend on its weight values)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def qwen3_config(layers: int = 36, hidden: int = 4096, intermediate: int = 12288):
+    """Qwen3-8B's shape by default: 36 layers, hidden 4096, 32/8 heads, head_dim 128."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1_000_000.0,
+                       bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+
+
+def random_hf_model(config, device: torch.device):
+    """The Transformers model in bf16 on `device`, weights ~ N(0, 0.02), norms 1."""
+    from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)  # its inv_freq was left on meta
+    return model.eval()
