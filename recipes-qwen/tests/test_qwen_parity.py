@@ -9,7 +9,6 @@ full sequence.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -17,9 +16,8 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from flare_core.contract import ContractError
-from flare_core.executor.storage import allocate_cache_storage
-from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.loading import load_prepared_weights
+from flare_core.testing import serve_paged
 from flare_core.plugins import load_registry
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
 
@@ -44,37 +42,6 @@ def saved_checkpoint(model_class, config, tmp_path) -> tuple[torch.nn.Module, di
     return reference, load_file(tmp_path / "model.safetensors")
 
 
-def serve(model, scheme, sequences, prompt_lens, page_tokens: int, step_tokens: int = 64):
-    """Run `sequences` through the serving model: prompts prefilled in chunks that share steps of
-    at most `step_tokens` tokens, then one token per step. Yields (request, tokens consumed, logits)."""
-    lengths = [len(s) for s in sequences]
-    pages_needed = [-(-n // page_tokens) for n in lengths]
-    page_ids = list(range(sum(pages_needed) + 3))
-    random.Random(1).shuffle(page_ids)
-    pages, start = [], 0
-    for n in pages_needed:
-        pages.append(page_ids[start:start + n])
-        start += n
-    storage = allocate_cache_storage(scheme, len(page_ids), page_tokens, "cpu")
-    consumed = [0] * len(sequences)
-    while any(c < n for c, n in zip(consumed, lengths)):
-        budget, step = step_tokens, []
-        for r, n in enumerate(lengths):
-            if consumed[r] == n or budget == 0:
-                continue
-            take = min(prompt_lens[r] - consumed[r], budget) if consumed[r] < prompt_lens[r] else 1
-            step.append((r, take))
-            budget -= take
-        batch = AttentionBatch.build([(take, consumed[r], pages[r]) for r, take in step], page_tokens, "cpu")
-        input_ids = torch.tensor([t for r, take in step for t in sequences[r][consumed[r]:consumed[r] + take]])
-        with torch.no_grad():
-            logits = model(input_ids, batch.positions(), ForwardContext(batch, storage))
-        assert logits.shape == (len(step), VOCAB) and logits.dtype == torch.float32
-        for row, (r, take) in enumerate(step):
-            consumed[r] += take
-            yield r, consumed[r], logits[row]
-
-
 def assert_parity(recipe, reference, checkpoint, config, page_tokens: int) -> None:
     recipe.check_config(config)
     model = recipe.build_model(config, torch.float32)
@@ -88,7 +55,7 @@ def assert_parity(recipe, reference, checkpoint, config, page_tokens: int) -> No
         expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
 
     rows = 0
-    for r, consumed, logits in serve(model, scheme, sequences, prompt_lens, page_tokens):
+    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens):
         torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4,
                                    msg=lambda m: f"request {r} after {consumed} tokens: {m}")
         rows += 1
@@ -134,7 +101,7 @@ def test_bfloat16_model_runs_close_to_float32(tmp_path):
         model = QWEN3.build_model(config, dtype)
         load_prepared_weights(model, dict(QWEN3.map_weights(config, checkpoint, dtype)), "cpu")
         assert model.model.rotary_emb.inv_freq.dtype == torch.float32
-        ((_, _, logits),) = list(serve(model, scheme, [sequence], [40], page_tokens=16))
+        ((_, _, logits),) = list(serve_paged(model, scheme, [sequence], [40], page_tokens=16))
         results[dtype] = logits
     torch.testing.assert_close(results[torch.bfloat16], results[torch.float32], atol=2e-2, rtol=0)
 

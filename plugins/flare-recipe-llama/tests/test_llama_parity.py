@@ -4,7 +4,6 @@ that mix requests, then decoded together over non-contiguous pages."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -12,9 +11,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flare_core.contract import ContractError
-from flare_core.executor.storage import allocate_cache_storage
-from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.loading import load_prepared_weights
+from flare_core.testing import serve_paged
 from flare_core.plugins import load_registry
 from flare_recipe_llama.plugin import LLAMA
 
@@ -28,31 +26,6 @@ def llama_config(**overrides) -> LlamaConfig:
                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 64},
                           **overrides})
-
-
-def serve(model, scheme, sequences, prompt_lens, page_tokens: int, step_tokens: int = 64):
-    """Prompts prefilled in chunks sharing steps of at most `step_tokens` tokens, then one token
-    per step for every request. Yields (request, tokens consumed, logits row)."""
-    lengths = [len(s) for s in sequences]
-    num_pages = sum(-(-n // page_tokens) for n in lengths) + 3
-    free = random.Random(1).sample(range(num_pages), num_pages)  # non-contiguous page ids
-    pages = [[free.pop() for _ in range(-(-n // page_tokens))] for n in lengths]
-    storage = allocate_cache_storage(scheme, num_pages, page_tokens, "cpu")
-    consumed = [0] * len(sequences)
-    while any(c < n for c, n in zip(consumed, lengths)):
-        budget, step = step_tokens, []
-        for r, n in enumerate(lengths):
-            if consumed[r] < n and budget > 0:
-                take = min(prompt_lens[r] - consumed[r], budget) if consumed[r] < prompt_lens[r] else 1
-                step.append((r, take))
-                budget -= take
-        batch = AttentionBatch.build([(take, consumed[r], pages[r]) for r, take in step], page_tokens, "cpu")
-        input_ids = torch.tensor([t for r, take in step for t in sequences[r][consumed[r]:consumed[r] + take]])
-        with torch.no_grad():
-            logits = model(input_ids, batch.positions(), ForwardContext(batch, storage))
-        for row, (r, take) in enumerate(step):
-            consumed[r] += take
-            yield r, consumed[r], logits[row]
 
 
 @pytest.mark.parametrize("tie_word_embeddings", [False, True])
@@ -74,7 +47,7 @@ def test_llama_logits_match_transformers(tmp_path, tie_word_embeddings):
     with torch.no_grad():
         expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
     rows = 0
-    for r, consumed, logits in serve(model, scheme, sequences, prompt_lens, page_tokens=16):
+    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens=16):
         torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4)
         rows += 1
     assert rows >= len(prompt_lens) * (decode_steps + 1)

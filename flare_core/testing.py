@@ -1,0 +1,51 @@
+"""Helpers for recipe authors' parity tests: drive a serving model over a paged cache the way
+the runtime does, without a scheduler or a server."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from flare_core.contract import CacheScheme
+from flare_core.executor.storage import allocate_cache_storage
+from flare_core.ops.attention import AttentionBatch, ForwardContext
+
+
+def serve_paged(model: torch.nn.Module, scheme: CacheScheme, sequences: Sequence[Sequence[int]],
+                prompt_lens: Sequence[int], page_tokens: int, step_tokens: int = 64,
+                device: torch.device | str = "cpu", seed: int = 1) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Feed each request's tokens through `model`: prompts in chunks that share flattened steps of
+    at most `step_tokens` tokens, then one token per step with all requests batched. Pages are
+    shuffled (non-contiguous page tables). Yields (request index, tokens consumed so far, logits
+    of the last consumed token) for every logits row the model produces."""
+    lengths = [len(s) for s in sequences]
+    pages_needed = [-(-n // page_tokens) for n in lengths]
+    page_ids = list(range(sum(pages_needed) + 3))
+    random.Random(seed).shuffle(page_ids)
+    pages, start = [], 0
+    for n in pages_needed:
+        pages.append(page_ids[start:start + n])
+        start += n
+    storage = allocate_cache_storage(scheme, len(page_ids), page_tokens, device)
+    consumed = [0] * len(sequences)
+    while any(c < n for c, n in zip(consumed, lengths)):
+        budget, step = step_tokens, []
+        for r, n in enumerate(lengths):
+            if consumed[r] == n or budget == 0:
+                continue
+            take = min(prompt_lens[r] - consumed[r], budget) if consumed[r] < prompt_lens[r] else 1
+            step.append((r, take))
+            budget -= take
+        batch = AttentionBatch.build([(take, consumed[r], pages[r]) for r, take in step], page_tokens, device)
+        input_ids = torch.tensor([t for r, take in step for t in sequences[r][consumed[r]:consumed[r] + take]],
+                                 device=device)
+        with torch.no_grad():
+            logits = model(input_ids, batch.positions(), ForwardContext(batch, storage))
+        if logits.shape[0] != len(step) or logits.dtype != torch.float32:
+            raise AssertionError(f"the model returned {tuple(logits.shape)} {logits.dtype} logits for a step of "
+                                 f"{len(step)} requests; the protocol wants float32 [{len(step)}, vocab]")
+        for row, (r, take) in enumerate(step):
+            consumed[r] += take
+            yield r, consumed[r], logits[row]
