@@ -192,7 +192,7 @@ def cores(ctx) -> None:
                    f"{', '.join(entry.served_names)}")
 
 
-def _configure_logging() -> None:
+def _configure_logging(stream) -> None:
     import logging
 
     import structlog
@@ -201,8 +201,8 @@ def _configure_logging() -> None:
         processors=[structlog.processors.add_log_level,
                     structlog.processors.TimeStamper(fmt="%Y-%m-%dT%H:%M:%S", utc=False),
                     structlog.processors.format_exc_info,
-                    structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                    structlog.dev.ConsoleRenderer(colors=stream.isatty())],
+        logger_factory=structlog.PrintLoggerFactory(stream),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
     )
 
@@ -223,8 +223,9 @@ def _pick_device(requested: str):
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
-               served_names: tuple[str, ...] = ()) -> None:
-    """Load, verify and serve a core until SIGTERM / Ctrl-C."""
+               served_names: tuple[str, ...] = (), dashboard: bool = True) -> None:
+    """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
+    terminal shows the live dashboard once the server listens; otherwise logs stay plain lines."""
     import time
 
     import structlog
@@ -235,7 +236,12 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     from flare_core.runtime.memory import MemoryPlanError, plan_kv
     from flare_core.server.serve import ServeError, serve
 
-    _configure_logging()
+    telemetry = logs = None
+    if dashboard and sys.stderr.isatty():
+        from flare_core.dashboard import LogSink, Telemetry
+
+        telemetry, logs = Telemetry(), LogSink(sys.stderr)
+    _configure_logging(logs if logs is not None else sys.stderr)
     log = structlog.get_logger("flare.run")
     started = time.monotonic()
     torch_device = _pick_device(device)
@@ -253,7 +259,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                      memory.kv_cache_limit)
         engine = Engine(loaded, kv, registry, max_concurrency=concurrency,
                         queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
-                        served_names=served_names or None)
+                        served_names=served_names or None, telemetry=telemetry)
     except (MemoryPlanError, ValueError) as exc:
         raise FlareCommandError(str(exc)) from exc
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -267,8 +273,13 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
              prefix_cache=prefix_cache, load_s=round(time.monotonic() - started, 2))
     engine.start()
     server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
+    while_serving = None
+    if telemetry is not None:
+        from flare_core.dashboard import Dashboard
+
+        while_serving = Dashboard(telemetry, logs, title=f"{engine.info.served_names[0]} on {torch_device}").run
     try:
-        serve(engine, server)
+        serve(engine, server, while_serving=while_serving)
     except ServeError as exc:
         raise FlareCommandError(str(exc)) from exc
 
@@ -286,6 +297,8 @@ _SERVE_OPTIONS = [
     click.option("--no-prefix-cache", is_flag=True, help="Disable prefix reuse across requests."),
     click.option("--served-name", "served_names", multiple=True,
                  help="Model name clients use (repeatable; default: the core's served names)."),
+    click.option("--no-dashboard", is_flag=True,
+                 help="Plain log lines instead of the live dashboard (which shows only when stderr is a terminal)."),
 ]
 
 
@@ -300,13 +313,13 @@ def _serve_options(func):
 @_serve_options
 @click.pass_context
 def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-        trust_publisher, no_prefix_cache, served_names) -> None:
+        trust_publisher, no_prefix_cache, served_names, no_dashboard) -> None:
     """Serve CORE (a core path, or a model name whose latest export is in the core cache)."""
     config = _config(ctx)
     serve_core(config, core, device=device or config.defaults.device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names)
+               served_names=served_names, dashboard=not no_dashboard)
 
 
 DEMO_NAME = "flare-demo"
@@ -318,7 +331,7 @@ DEMO_NAME = "flare-demo"
 @_serve_options
 @click.pass_context
 def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-         trust_publisher, no_prefix_cache, served_names) -> None:
+         trust_publisher, no_prefix_cache, served_names, no_dashboard) -> None:
     """Serve a tiny RANDOM-WEIGHT model of a recipe's architecture with its real tokenizer and chat
     template: the whole path (export, signing, serving) with no download. Its text is gibberish."""
     import tempfile
@@ -349,7 +362,8 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
                f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 20}}'", err=True)
     serve_core(config, name, device=device or "auto", host=host, port=port, api_key_file=api_key_file,
                max_concurrency=max_concurrency, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit,
-               trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache, served_names=served_names)
+               trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache, served_names=served_names,
+               dashboard=not no_dashboard)
 
 
 from flare_core.bench.command import bench  # noqa: E402  (the command module does not import this one)

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -31,6 +31,9 @@ from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
                                      TokenLogprob, Usage)
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepPlan, StepResult
+
+if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is needed here
+    from flare_core.dashboard.telemetry import Telemetry
 
 log = structlog.get_logger("flare.engine")
 
@@ -104,8 +107,10 @@ class _Live:
 class Engine:
     def __init__(self, loaded: LoadedCore, kv: KvPlan, registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, telemetry: Telemetry | None = None):
         self.loaded = loaded
+        # Fed from the model thread only when the dashboard is on; None keeps the step path to one `if`.
+        self.telemetry = telemetry
         manifest = loaded.manifest
         capacities = loaded.capacities
         if max_concurrency > capacities.max_concurrency:
@@ -279,6 +284,8 @@ class Engine:
             self._finish(live, "error", error=str(exc))
             return
         self._live[request_id] = live
+        if self.telemetry is not None:
+            self.telemetry.request_queued(request_id, len(request.prompt_ids))
 
     def _step(self, plan: StepPlan) -> None:
         samples = plan.samples
@@ -302,6 +309,11 @@ class Engine:
         duration = time.perf_counter() - started
         self._note_first_work(plan)
         confirmed = self._scheduler.complete(plan, StepResult(token_list, duration))
+        if self.telemetry is not None:
+            self.telemetry.record_step(plan.kind.value, plan.capacity, duration,
+                                       prefill_tokens=sum(chunk.end - chunk.start for chunk in plan.prefills),
+                                       sampled=[sampled.handle.request_id for sampled in confirmed],
+                                       **self._page_counts())
         index_of = {h: i for i, h in enumerate(samples)}
         now = time.monotonic()
         for sampled in confirmed:
@@ -319,10 +331,14 @@ class Engine:
             live = self._live.get(restore.handle.request_id)
             if live is not None and live.cached_tokens is None and restore.logits_slot is not None:
                 live.cached_tokens = len(live.request.prompt_ids)
+                if self.telemetry is not None:
+                    self.telemetry.request_started(restore.handle.request_id, live.cached_tokens)
         for chunk in plan.prefills:
             live = self._live.get(chunk.handle.request_id)
             if live is not None and live.cached_tokens is None:
                 live.cached_tokens = chunk.start
+                if self.telemetry is not None:
+                    self.telemetry.request_started(chunk.handle.request_id, live.cached_tokens)
 
     def _on_token(self, live: _Live, token: int, row: int, output, now: float) -> None:
         live.generated += 1
@@ -379,6 +395,8 @@ class Engine:
         except KeyError:
             pass  # never reached the scheduler (rejected at submit)
         self._live.pop(request_id, None)
+        if self.telemetry is not None:
+            self.telemetry.request_finished(request_id, reason, **self._page_counts())
         cached = live.cached_tokens or 0
         usage = Usage(len(live.request.prompt_ids), live.generated, cached)
         self._emit(live, GenerationEvent(finish_reason=reason, stop=stop, usage=usage, error=error))
@@ -425,6 +443,10 @@ class Engine:
         self.metrics.set_slots(live, self.info.max_concurrency - live)
         self.metrics.set_free_pages(self._pages.free_count)
         self.metrics.set_waiting(self._scheduler.num_waiting)
+
+    def _page_counts(self) -> dict[str, int]:
+        return {"total_pages": self._pages.num_pages, "free_pages": self._pages.free_count,
+                "cached_pages": 0 if self._prefix is None else self._prefix.stats.cached_blocks}
 
     def stats(self) -> dict[str, Any]:
         return {"live": self._scheduler.num_live, "waiting": self._scheduler.num_waiting,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -31,10 +31,14 @@ class ServeError(RuntimeError):
 
 
 async def serve_async(engine: Engine, config: ServerConfig, *,
-                      on_listening: Callable[[str], None] | None = None) -> None:
+                      on_listening: Callable[[str], None] | None = None,
+                      while_serving: Callable[[str], Awaitable[None]] | None = None) -> None:
     """Serve `engine` on `config.host:config.port` until SIGINT/SIGTERM, then drain and return.
-    Must run on the main thread (signal handlers). `on_listening(url)` runs once the port is bound.
-    The engine is closed (`aclose`) on every way out; start-up failures raise ServeError."""
+    Must run on the main thread (signal handlers). `on_listening(url)` runs once the port is bound;
+    `while_serving(url)` then runs as a task (e.g. the dashboard) until the engine has stopped,
+    when it is cancelled. The engine is closed (`aclose`) on every way out; start-up failures
+    raise ServeError."""
+    companion: asyncio.Task | None = None
     try:
         try:
             app = build_app(engine, config)
@@ -56,11 +60,18 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
                       ingress_limit=state.ingress_limit, api_key=state.api_key is not None)
             if on_listening is not None:
                 on_listening(url)
+            if while_serving is not None:
+                companion = asyncio.create_task(while_serving(url))
             await _until_signal_then_drain(state, config.shutdown_grace_s)
         finally:
             await runner.cleanup()
     finally:
-        await engine.aclose()
+        try:
+            await engine.aclose()
+        finally:
+            if companion is not None:
+                companion.cancel()
+                await asyncio.gather(companion, return_exceptions=True)
     _log.info("stopped")
 
 
@@ -106,6 +117,7 @@ async def _first_of(waits: list, timeout: float) -> bool:
     return bool(done)
 
 
-def serve(engine: Engine, config: ServerConfig, *, on_listening: Callable[[str], None] | None = None) -> None:
+def serve(engine: Engine, config: ServerConfig, *, on_listening: Callable[[str], None] | None = None,
+          while_serving: Callable[[str], Awaitable[None]] | None = None) -> None:
     """`flare run`'s server: runs the event loop until a signal has drained the server."""
-    asyncio.run(serve_async(engine, config, on_listening=on_listening))
+    asyncio.run(serve_async(engine, config, on_listening=on_listening, while_serving=while_serving))
