@@ -325,6 +325,10 @@ class Recipe:
     `map_weights(config, tensors)` receives the checkpoint tensors (name -> tensor, lazily loaded
     via the mapping) and yields (prepared name, tensor) in the prepared layout.
     `check_config(config)` raises ValueError naming what is unsupported in the config.
+    `model_types`: the config.json `model_type` values the recipe serves; export picks a recipe for
+    a checkpoint by architecture and, where recipes declare them, model_type. Empty: any.
+    `plan_notes(config)` returns lines the export plan prints for this checkpoint (parts that are
+    not loaded, approximations), or None when there is nothing to say.
     """
 
     name: str
@@ -343,6 +347,8 @@ class Recipe:
     # Writes a tiny random-weight checkpoint of this architecture, with the recipe's real tokenizer
     # and template, into the given directory: what `flare demo` serves without any download.
     demo_checkpoint: Callable[[Any], None] | None = None
+    model_types: tuple[str, ...] = ()
+    plan_notes: Callable[[Any], tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -360,7 +366,9 @@ class Recipe:
         _require(isinstance(self.capacities, Capacities), obj, "capacities", "must be Capacities")
         _require(callable(self.build_model), obj, "build_model", "must be callable")
         _require(callable(self.map_weights), obj, "map_weights", "must be callable")
-        for name in ("check_config", "demo_checkpoint"):
+        _require(all(isinstance(t, str) and t for t in self.model_types), obj, "model_types",
+                 f"must be non-empty strings, got {self.model_types!r}")
+        for name in ("check_config", "demo_checkpoint", "plan_notes"):
             _require(getattr(self, name) is None or callable(getattr(self, name)), obj, name,
                      "must be callable or None")
         for asset_name, loader in self.assets.items():

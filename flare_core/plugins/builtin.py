@@ -22,10 +22,24 @@ def attention_kv_scheme(config: Any, dtype: str) -> CacheScheme:
     )
 
 
+def mla_latent_scheme(config: Any, dtype: str) -> CacheScheme:
+    """Multi-head latent attention (flare_core.ops.mla): per token per layer one compressed
+    latent record of `kv_lora_rank` ("ckv") and one rotary key record of `qk_rope_head_dim`
+    ("kpe"), shared by all heads -- the two paged inputs of FlashInfer's MLA kernel."""
+    layers = config.num_hidden_layers
+    return CacheScheme(
+        name="mla-latent",
+        paged=(PagedStore("ckv", (config.kv_lora_rank,), dtype, layers),
+               PagedStore("kpe", (config.qk_rope_head_dim,), dtype, layers)),
+    )
+
+
 @hookimpl
 def flare_cache_schemes() -> list:
     return [CacheSchemeFactory("attention-kv", attention_kv_scheme,
-                               "per-token K and V records with the config's KV head geometry")]
+                               "per-token K and V records with the config's KV head geometry"),
+            CacheSchemeFactory("mla-latent", mla_latent_scheme,
+                               "per-token latent (kv_lora_rank) and rotary key (qk_rope_head_dim) records")]
 
 
 @hookimpl

@@ -49,10 +49,18 @@ def choose_recipe(registry: Registry, source: ModelSource, config, forced: str |
     if source.recipe is not None:
         return source.recipe
     architectures = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
     for arch in architectures:
-        recipe = registry.recipe_for_architecture(arch)
-        if recipe is not None:
-            return recipe
+        candidates = [r for r in registry.recipes.values()
+                      if arch in r.architectures and (not r.model_types or model_type in r.model_types)]
+        # A recipe naming the checkpoint's model_type is more specific than one accepting any.
+        candidates = [r for r in candidates if model_type in r.model_types] or candidates
+        if len(candidates) > 1:
+            raise ExportError(f"architecture {arch} with model_type {model_type!r} is served by recipes "
+                              f"{', '.join(r.name for r in candidates)}; choose one with --recipe NAME "
+                              f"(or export by one of their aliases)")
+        if candidates:
+            return candidates[0]
     supported = ", ".join(registry.supported_architectures()) or "none (no recipes installed)"
     raise ExportError(f"unsupported architecture {', '.join(architectures) or '(config.json lists none)'}; "
                       f"installed recipes support: {supported}")
@@ -86,7 +94,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         model=request.model, source=_describe_source(source), recipe=recipe,
         architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
-        template=assets.template_description, tokenizer=assets.tokenizer_description, notes=assets.notes,
+        template=assets.template_description, tokenizer=assets.tokenizer_description,
+        notes=assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ()),
     )
     for line in plan.lines():
         echo(line)

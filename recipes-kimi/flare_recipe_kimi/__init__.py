@@ -1,1 +1,5 @@
-"""Flare recipes for the Kimi family (package skeleton: the recipes arrive with the MLA + MoE work)."""
+"""Flare recipes for Moonshot's Kimi K2 text models, served through flare-recipe-deepseek's
+DeepSeek-V3 model code. Importing the package registers the "kimi_k2" config type with
+Transformers (flare_recipe_kimi.config)."""
+
+from flare_recipe_kimi import config as _config  # noqa: F401  (registers the config type)
