@@ -82,6 +82,11 @@ def test_export_alias_offline_from_populated_hub_cache(flare, tmp_path):
     core = flare.export("qwen3-8b", "--offline", "--dtype", "float32")
     assert open_core(core).manifest["served_names"][:2] == ["qwen3-8b", "qwen/qwen3-8b"]
     assert "verified" in flare("inspect", "qwen3-8b").output
+    # The repo id of an alias is prepared by the alias's recipe and served under both names.
+    core = flare.export("Qwen/Qwen3-8B", "--offline", "--dtype", "float32")
+    manifest = open_core(core).manifest
+    assert manifest["recipe"]["name"] == "qwen3"
+    assert manifest["served_names"] == ["qwen3-8b", "qwen/qwen3-8b"]
 
 
 def test_export_moe_and_third_party_llama(flare, qwen3_moe_checkpoint, tmp_path):

@@ -349,6 +349,9 @@ class Recipe:
     demo_checkpoint: Callable[[Any], None] | None = None
     model_types: tuple[str, ...] = ()
     plan_notes: Callable[[Any], tuple[str, ...]] | None = None
+    # Builds tokenizer.json text from a checkpoint directory that ships none (e.g. a tiktoken BPE
+    # file); export calls it before the generic vocab.json + merges.txt route.
+    tokenizer_builder: Callable[[Any], str] | None = None
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -368,7 +371,7 @@ class Recipe:
         _require(callable(self.map_weights), obj, "map_weights", "must be callable")
         _require(all(isinstance(t, str) and t for t in self.model_types), obj, "model_types",
                  f"must be non-empty strings, got {self.model_types!r}")
-        for name in ("check_config", "demo_checkpoint", "plan_notes"):
+        for name in ("check_config", "demo_checkpoint", "plan_notes", "tokenizer_builder"):
             _require(getattr(self, name) is None or callable(getattr(self, name)), obj, name,
                      "must be callable or None")
         for asset_name, loader in self.assets.items():

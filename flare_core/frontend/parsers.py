@@ -518,6 +518,11 @@ class OutputParser:
         self._reasoning = reasoning
         self._tool = tool
 
+    @property
+    def active(self) -> bool:
+        """Whether any parser reads the output (its markers may be special tokens)."""
+        return self._reasoning is not None or self._tool is not None
+
     def feed(self, text: str) -> ParsedDelta:
         first = self._reasoning.feed(text) if self._reasoning is not None else ParsedDelta(content=text)
         return self._through_tool(first, final=False)

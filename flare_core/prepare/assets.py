@@ -65,6 +65,11 @@ def _tokenizer_json(directory: Path, recipe: Recipe) -> tuple[str, str]:
 
     if (directory / TOKENIZER_ASSET).exists():
         return (directory / TOKENIZER_ASSET).read_bytes().decode("utf-8"), str(directory / TOKENIZER_ASSET)
+    if recipe.tokenizer_builder is not None:
+        try:
+            return recipe.tokenizer_builder(directory), f"built by recipe {recipe.name} from {directory}"
+        except FileNotFoundError:
+            pass  # the checkpoint lacks what this recipe builds from: try the generic routes
     if (directory / "vocab.json").exists() and (directory / "merges.txt").exists():
         return build_tokenizer_json(directory), f"built from vocab.json + merges.txt in {directory}"
     if TOKENIZER_ASSET in recipe.assets:

@@ -40,8 +40,12 @@ def resolve_model(model: str, registry: Registry, hub_cache: Path, offline: bool
         return ModelSource(directory, "alias", (alias.name, alias.repo.lower()), alias.repo, alias.revision, recipe)
     if _REPO_ID.match(model) and not local.exists():
         directory = _download(model, None, hub_cache, offline)
-        aliases = [a.name for r in registry.recipes.values() for a in r.aliases if a.repo.lower() == model.lower()]
-        return ModelSource(directory, "repo", tuple(aliases) + (model.lower(),), model, None)
+        matches = [(r, a) for r in registry.recipes.values() for a in r.aliases if a.repo.lower() == model.lower()]
+        # A repo some recipe names in an alias is prepared by that recipe (checkpoints of one
+        # architecture, e.g. DeepSeek V3 and V3.1, can need different templates and defaults).
+        recipe = matches[0][0] if len({r.name for r, _ in matches}) == 1 else None
+        return ModelSource(directory, "repo", tuple(a.name for _, a in matches) + (model.lower(),), model, None,
+                           recipe)
     known = sorted(a.name for r in registry.recipes.values() for a in r.aliases)
     raise ModelNotFound(
         f"unknown model {model!r}: not a checkpoint directory, not a recipe alias and not a Hugging Face "

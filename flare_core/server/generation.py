@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flare_core.frontend.parsers import OutputParser, ParsedDelta, ParsedOutput, prompt_opens_reasoning
 from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
@@ -62,8 +62,10 @@ class Generation:
                  parser: OutputParser | None = None):
         self._state = state
         self._record = record
-        self._request = request
         self._parser = parser or OutputParser()
+        # Parsers read their markers (<think>, DeepSeek's and Kimi's tool-call tokens) as text, and
+        # some tokenizers flag them special: keep special tokens in the text the parsers see.
+        self._request = replace(request, skip_special_tokens=False) if self._parser.active else request
         self._stream: RequestStream | None = None
         self._submitted_at = 0.0
         self.outcome: Outcome | None = None

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from flare_core.contract import Recipe
+from flare_core.contract import Parser, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
+from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
+from flare_recipe_deepseek.templates import DEEPSEEK_TEMPLATE_PATCHES
 
 
 @hookimpl
 def flare_recipes() -> list[Recipe]:
     return [DEEPSEEK_V3, DEEPSEEK_V3_1]
+
+
+@hookimpl
+def flare_template_patches() -> list[TemplatePatch]:
+    return list(DEEPSEEK_TEMPLATE_PATCHES)
+
+
+@hookimpl
+def flare_parsers() -> list[Parser]:
+    return list(DEEPSEEK_PARSERS)

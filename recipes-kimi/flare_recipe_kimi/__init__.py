@@ -2,4 +2,6 @@
 DeepSeek-V3 model code. Importing the package registers the "kimi_k2" config type with
 Transformers (flare_recipe_kimi.config)."""
 
-from flare_recipe_kimi import config as _config  # noqa: F401  (registers the config type)
+from flare_recipe_kimi.config import KimiK2Config
+
+__all__ = ["KimiK2Config"]
