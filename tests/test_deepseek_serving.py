@@ -191,3 +191,26 @@ def test_greedy_chat_matches_transformers_template_and_generate(served, name):
     assert response.usage.prompt_tokens == len(prompt)
     assert response.usage.completion_tokens == count and response.choices[0].finish_reason == finish
     assert response.choices[0].message.content == text
+
+
+@pytest.mark.parametrize("name", [DEEPSEEK.name, KIMI.name])
+def test_second_chat_turn_reuses_the_first_turns_complete_messages(served, name):
+    """The template patch marks message ends: turn 2 restores every complete page of turn 1's
+    system + user messages from the prefix cache instead of recomputing them."""
+    server = served[name]
+    first = [{"role": "system", "content": "You answer questions about geography, briefly and precisely."},
+             {"role": "user", "content": "Which rivers flow through Vienna, Budapest and Belgrade? " * 3}]
+    client = server.client()
+    reply = client.chat.completions.create(model=name, messages=first, max_tokens=MAX_TOKENS, temperature=0)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content or "The Danube."},
+                      {"role": "user", "content": "And which sea does it reach?"}]
+    again = client.chat.completions.create(model=name, messages=second, max_tokens=MAX_TOKENS, temperature=0)
+
+    template = (FIXTURES / "chat_templates" / server.family.template).read_text(encoding="utf-8")
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=server.tokenizer, bos_token=server.family.bos)
+    complete = hf_tokenizer.apply_chat_template(first, chat_template=template, add_generation_prompt=False,
+                                                tokenize=True, return_dict=False, thinking=False)
+    reusable = len(complete) // 64 * 64  # the prefix cache shares whole 64-token pages
+    assert reusable >= 64
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert reusable <= cached < again.usage.prompt_tokens
