@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from flare_core.ops.attention import ForwardContext
 
@@ -38,3 +39,28 @@ class RuntimeModel(Protocol):
     def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
         """Logits float32 [len(context.batch.logits_indices), vocab]."""
         ...
+
+
+class DecoderForServing(nn.Module):
+    """The runtime model protocol over a Transformers decoder-only causal LM whose `model` has
+    `embed_tokens`, `rotary_emb`, `layers` and `norm` (Llama, Qwen, DeepSeek and their kin).
+    The decoder layers are called as Transformers defines them; the forward context reaches
+    the replaced attention modules through their keyword arguments."""
+
+    def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
+        super().__init__()
+        self.model = causal_lm.model
+        self.model.rotary_emb = rotary_emb
+        # A tied head reads the embedding matrix in forward: prepared weights name each tensor once.
+        self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
+
+    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        hidden = self.model.embed_tokens(input_ids)[None]  # the decoder layers expect [batch, tokens, hidden]
+        # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
+        cos, sin = self.model.rotary_emb(hidden, positions[None])
+        position_embeddings = (cos[0], sin[0])
+        for layer in self.model.layers:
+            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
+        hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -39,13 +39,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
 from flare_core.ops.attention import ForwardContext
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing
 
 
 class AbsorbedMLA(nn.Module):
@@ -95,28 +95,7 @@ def _fused(mlp: ds.DeepseekV3MLP) -> FusedGatedMLP:
     return FusedGatedMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act_fn)
 
 
-class DeepseekV3ForServing(nn.Module):
-    """The runtime model protocol (flare_core.ops.model) over a Transformers DeepSeek-V3 model."""
-
-    def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
-        super().__init__()
-        self.model = causal_lm.model
-        self.model.rotary_emb = rotary_emb
-        # A tied head reads the embedding matrix in forward; sharing the parameter would give it two names.
-        self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
-
-    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        hidden = self.model.embed_tokens(input_ids)[None]  # the decoder layers expect [batch, tokens, hidden]
-        cos, sin = self.model.rotary_emb(hidden, positions[None])
-        position_embeddings = (cos[0], sin[0])
-        for layer in self.model.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
-        hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-
-def build_model(config: Any, dtype: torch.dtype) -> DeepseekV3ForServing:
+def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
     """Serving model with parameters on the meta device in `dtype` (the router bias in float32)
     and the rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
     if not isinstance(config, ds.DeepseekV3Config):
@@ -137,4 +116,4 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV3ForServing:
             gate.e_score_correction_bias = torch.empty_like(gate.e_score_correction_bias, dtype=torch.float32)
     with torch.device("cpu"):
         rotary_emb = ds.DeepseekV3RotaryEmbedding(config)
-    return DeepseekV3ForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
+    return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))

@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from flare_core.ops.attention import ForwardContext, PagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing
 
 # Transformers classes per architecture: (causal LM, attention, dense MLPs, rotary embedding).
 _CLASSES = {
@@ -64,29 +64,7 @@ class QwenPagedAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
 
 
-class QwenForServing(nn.Module):
-    """The runtime model protocol (flare_core.ops.model) over a Transformers Qwen3 model."""
-
-    def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
-        super().__init__()
-        self.model = causal_lm.model
-        self.model.rotary_emb = rotary_emb
-        # A tied head reads the embedding matrix in forward; sharing the parameter would give it two names.
-        self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
-
-    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        hidden = self.model.embed_tokens(input_ids)[None]  # the decoder layers expect [batch, tokens, hidden]
-        # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
-        cos, sin = self.model.rotary_emb(hidden, positions[None])
-        position_embeddings = (cos[0], sin[0])
-        for layer in self.model.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
-        hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-
-def build_model(config: Any, dtype: torch.dtype) -> QwenForServing:
+def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
     """Qwen3 / Qwen3-MoE serving model with parameters on the meta device in `dtype` and the
     rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
     if config.model_type not in _CLASSES:
@@ -104,4 +82,4 @@ def build_model(config: Any, dtype: torch.dtype) -> QwenForServing:
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = rotary_class(config)
-    return QwenForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
+    return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))

@@ -16,13 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from flare_core.contract import ContractError
 from flare_core.ops.attention import ForwardContext, PagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing
 
 # Rope types whose frequencies are fixed when the module is built.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -68,29 +68,7 @@ class LlamaPagedAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], -1)).reshape(shape), None  # layers unpack (output, weights)
 
 
-class LlamaForServing(nn.Module):
-    """The Flare runtime model protocol: (input_ids [T], positions [T], context) -> logits [R, vocab]."""
-
-    def __init__(self, causal_lm: LlamaForCausalLM, rotary_emb: nn.Module, tie_word_embeddings: bool):
-        super().__init__()
-        self.model = causal_lm.model
-        self.model.rotary_emb = rotary_emb
-        # A tied head reads the embedding matrix in forward: Flare loads each tensor under one name only.
-        self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
-
-    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        hidden = self.model.embed_tokens(input_ids)[None]  # Transformers layers expect [batch, tokens, hidden]
-        # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
-        cos, sin = self.model.rotary_emb(hidden, positions[None])
-        position_embeddings = (cos[0], sin[0])
-        for layer in self.model.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
-        hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
-
-
-def build_model(config: Any, dtype: torch.dtype) -> LlamaForServing:
+def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
     """Parameters on the meta device in `dtype`; the rotary buffers (not part of the prepared
     weights) are built on the CPU so they are real after loading."""
     with torch.device("meta"):
@@ -101,4 +79,4 @@ def build_model(config: Any, dtype: torch.dtype) -> LlamaForServing:
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = LlamaRotaryEmbedding(config)
-    return LlamaForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
+    return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
