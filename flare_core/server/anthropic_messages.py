@@ -10,15 +10,22 @@ defines it; the cached ones are `cache_read_input_tokens`.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from flare_core.runtime.types import GenerationRequest, Usage
-from flare_core.server.errors import ApiError
-from flare_core.server.generation import Generation, Outcome, Piece, output_parser
+from flare_core.server.generation import (
+    EventSink,
+    Generation,
+    Outcome,
+    Piece,
+    builder_response,
+    execution_error,
+    no_events,
+    output_parser,
+)
 from flare_core.server.models import resolve_model
 from flare_core.server.prompts import (
     Prompt,
@@ -30,7 +37,6 @@ from flare_core.server.prompts import (
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
-from flare_core.server.sse import EventStream
 from flare_core.server.state import STATE, Engine, ServerState
 from flare_core.server.validation import (
     as_object,
@@ -251,17 +257,10 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-EventSink = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-async def _no_events(event: dict[str, Any]) -> None:
-    return None
-
-
 class MessageBuilder:
     """Turns parsed output into content blocks, sending stream events through `sink`."""
 
-    def __init__(self, call: MessagesCall, message_id: str, sink: EventSink = _no_events):
+    def __init__(self, call: MessagesCall, message_id: str, sink: EventSink = no_events):
         self._call = call
         self._sink = sink
         self.message_id = message_id
@@ -297,6 +296,11 @@ class MessageBuilder:
                 await self._delta({"type": "input_json_delta", "partial_json": call.arguments})
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]:
+        """The whole message; after an execution error, the error event that ends the stream instead."""
+        if outcome.finish_reason == "error":
+            error = _error_event(execution_error(outcome.error).message)
+            await self._sink(error)
+            return error
         await self._close()
         for index, arguments in self._tool_arguments.items():
             self.content[index]["input"] = _tool_input(arguments)
@@ -344,29 +348,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     generation = Generation(state, record, call.request, parser)
     message_id = f"msg_{record.request_id}"
     async with generation:
-        if not call.stream:
-            builder = MessageBuilder(call, message_id)
-            async for piece in generation.pieces():
-                await builder.add(piece)
-            if generation.outcome.finish_reason == "error":
-                raise ApiError(500, f"generation failed: {generation.outcome.error or 'execution error'}")
-            return web.json_response(await builder.finish(generation.outcome), headers=call.sampling.headers())
-        events = EventStream(request, headers=call.sampling.headers())
-        await events.open()
-
-        async def send(event: dict[str, Any]) -> None:
-            await events.event(event, event=event["type"])
-
-        builder = MessageBuilder(call, message_id, send)
-        await builder.start()
-        async for piece in generation.pieces():
-            await builder.add(piece)
-        if generation.outcome.finish_reason == "error":
-            await send(_error_event(f"generation failed: {generation.outcome.error or 'execution error'}"))
-        else:
-            await builder.finish(generation.outcome)
-        await events.close()
-        return events.response
+        return await builder_response(request, generation, lambda sink: MessageBuilder(call, message_id, sink),
+                                      stream=call.stream, headers=call.sampling.headers())
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -8,13 +8,17 @@ handler cancelled, shutdown) cancels the engine request, which frees its slot.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from aiohttp import web
 
 from flare_core.frontend.parsers import OutputParser, ParsedDelta, ParsedOutput, prompt_opens_reasoning
 from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
 from flare_core.server.errors import ApiError
 from flare_core.server.request_log import RequestRecord
+from flare_core.server.sse import EventStream
 from flare_core.server.state import Engine, RequestStream, ServerState
 
 
@@ -40,6 +44,11 @@ class Collected:
 
     output: ParsedOutput = field(default_factory=ParsedOutput)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def execution_error(message: str | None) -> ApiError:
+    """A generation that failed while running: the engine's message, or a generic one."""
+    return ApiError(500, f"generation failed: {message or 'execution error'}")
 
 
 def output_parser(engine: Engine, prompt_text: str | None, tools: bool) -> OutputParser:
@@ -118,5 +127,49 @@ class Generation:
             collected.logprobs.extend(piece.logprobs)
         assert self.outcome is not None
         if self.outcome.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {self.outcome.error or 'execution error'}")
+            raise execution_error(self.outcome.error)
         return collected
+
+
+EventSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+async def no_events(event: dict[str, Any]) -> None:
+    return None
+
+
+class OutputBuilder(Protocol):
+    """Turns pieces into a protocol's response object, sending its stream events to a sink."""
+
+    async def start(self) -> None: ...
+
+    async def add(self, piece: Piece) -> None: ...
+
+    async def finish(self, outcome: Outcome) -> dict[str, Any]: ...
+
+
+async def builder_response(request: web.Request, generation: Generation, new_builder: Callable[[EventSink],
+                           OutputBuilder], *, stream: bool, headers: dict[str, str]) -> web.StreamResponse:
+    """Answer with a builder's final object, or stream its typed SSE events (the event name is the
+    event's "type"). Both paths run the same builder, so they agree by construction; an execution
+    error is a 500 before anything is sent, and the builder's own to report once streaming."""
+    if not stream:
+        builder = new_builder(no_events)
+        async for piece in generation.pieces():
+            await builder.add(piece)
+        if generation.outcome.finish_reason == "error":
+            raise execution_error(generation.outcome.error)
+        return web.json_response(await builder.finish(generation.outcome), headers=headers)
+    events = EventStream(request, headers=headers)
+    await events.open()
+
+    async def send(event: dict[str, Any]) -> None:
+        await events.event(event, event=event["type"])
+
+    builder = new_builder(send)
+    await builder.start()
+    async for piece in generation.pieces():
+        await builder.add(piece)
+    await builder.finish(generation.outcome)
+    await events.close()
+    return events.response

@@ -17,7 +17,7 @@ from aiohttp import web
 import flare_core
 from flare_core.runtime.types import GenerationRequest
 from flare_core.server.errors import ApiError
-from flare_core.server.generation import Generation, Outcome, output_parser
+from flare_core.server.generation import Generation, Outcome, execution_error, output_parser
 from flare_core.server.models import resolve_model
 from flare_core.server.prompts import (
     Prompt,
@@ -82,10 +82,10 @@ def _details(state: ServerState) -> dict[str, Any]:
 async def tags(request: web.Request) -> web.Response:
     state = request.app[STATE]
     info = state.engine.info
-    size = _core_size(info.core_path)
+    size, modified_at, details = _core_size(info.core_path), _iso(info.created), _details(state)
     return web.json_response({"models": [
-        {"name": name, "model": name, "modified_at": _iso(info.created), "size": size, "digest": "",
-         "details": _details(state)} for name in info.served_names]})
+        {"name": name, "model": name, "modified_at": modified_at, "size": size, "digest": "", "details": details}
+        for name in info.served_names]})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -234,7 +234,7 @@ async def _respond(request: web.Request, state: ServerState, body: dict[str, Any
                 await events.line(line(piece.delta.content, piece.delta.reasoning, finished_calls))
         outcome = generation.outcome
         if outcome.finish_reason == "error":
-            await events.line({"error": f"generation failed: {outcome.error or 'execution error'}"})
+            await events.line({"error": execution_error(outcome.error).message})
         else:
             final = line("", "", [])
             final.update(_final_fields(outcome, started, record.ttft_s))

@@ -13,12 +13,12 @@ from flare_core.runtime.types import GenerationRequest
 from flare_core.server.generation import Generation, Piece, output_parser
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
+    ChoiceStream,
     chat_logprobs,
     check_single_choice,
-    error_chunk,
-    execution_error,
     finish_reason,
     generation_request,
+    object_head,
     read_stream_options,
     thinking_switch,
     tool_parsing_enabled,
@@ -34,7 +34,6 @@ from flare_core.server.prompts import (
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
-from flare_core.server.sse import EventStream
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import get_bool, get_int, get_list, get_object, get_str, invalid, read_json_body
 
@@ -120,46 +119,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
               "logprobs": chat_logprobs(collected.logprobs) if call.request.logprobs else None,
               "finish_reason": finish_reason(outcome.finish_reason, bool(tool_calls)),
               "stop_reason": outcome.stop}
-    return web.json_response({
-        "id": completion_id, "object": "chat.completion", "created": created, "model": call.model,
-        "system_fingerprint": None, "choices": [choice], "usage": usage_json(outcome.usage),
-    }, headers=call.sampling.headers())
+    return web.json_response({**object_head(completion_id, "chat.completion", created, call.model),
+                              "choices": [choice], "usage": usage_json(outcome.usage)},
+                             headers=call.sampling.headers())
 
 
 async def _stream(request: web.Request, call: ChatCall, generation: Generation, completion_id: str,
                   created: int) -> web.StreamResponse:
-    events = EventStream(request, headers=call.sampling.headers())
-    await events.open()
-
-    def chunk(delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        data = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": call.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        if call.include_usage:
-            data["usage"] = None
-        return data
-
-    await events.event(chunk({"role": "assistant", "content": ""}))
+    chunks = ChoiceStream(request, call.sampling.headers(),
+                          object_head(completion_id, "chat.completion.chunk", created, call.model), "delta",
+                          call.include_usage)
+    await chunks.open()
+    await chunks.chunk({"role": "assistant", "content": ""})
     saw_tool_call = False
     async for piece in generation.pieces():
         delta = _delta_json(piece)
         saw_tool_call = saw_tool_call or bool(piece.delta.tool_calls)
         if delta or piece.logprobs:
-            logprobs = chat_logprobs(piece.logprobs) if call.request.logprobs else None
-            await events.event(chunk(delta, logprobs=logprobs))
-    outcome = generation.outcome
-    if outcome.finish_reason == "error":
-        await events.event(error_chunk(execution_error(outcome.error).message))
-        await events.close()
-        return events.response
-    await events.event(chunk({}, finish=finish_reason(outcome.finish_reason, saw_tool_call)))
-    if call.include_usage:
-        await events.event({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                            "model": call.model, "system_fingerprint": None, "choices": [],
-                            "usage": usage_json(outcome.usage)})
-    await events.event("[DONE]")
-    await events.close()
-    return events.response
+            await chunks.chunk(delta, logprobs=chat_logprobs(piece.logprobs) if call.request.logprobs else None)
+    return await chunks.finish(generation.outcome, {}, saw_tool_call)
 
 
 def _delta_json(piece: Piece) -> dict[str, Any]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiohttp import web
+
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
-from flare_core.server.errors import ApiError
+from flare_core.server.generation import Outcome, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (
     OPENAI_SAMPLING_FIELDS,
@@ -16,6 +18,7 @@ from flare_core.server.sampling import (
     read_stop,
     read_token_ids,
 )
+from flare_core.server.sse import EventStream
 from flare_core.server.state import Engine
 from flare_core.server.validation import get_bool, get_int, get_object, invalid
 
@@ -79,13 +82,47 @@ def finish_reason(runtime_reason: str, tool_calls: bool) -> str:
     return "tool_calls" if tool_calls else "stop"
 
 
+def object_head(object_id: str, object_type: str, created: int, model: str) -> dict[str, Any]:
+    """The fields every (chat) completion object and chunk starts with."""
+    return {"id": object_id, "object": object_type, "created": created, "model": model, "system_fingerprint": None}
+
+
+class ChoiceStream:
+    """A streamed (chat) completion of one choice: its chunks, then the finish chunk, the usage
+    chunk when asked for, and [DONE]; an execution error ends it with an error chunk instead."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str], head: dict[str, Any], content_key: str,
+                 include_usage: bool):
+        self._events = EventStream(request, headers=headers)
+        self._head = head
+        self._content_key = content_key  # "delta" (chat) or "text" (completions)
+        self._include_usage = include_usage
+
+    async def open(self) -> None:
+        await self._events.open()
+
+    async def chunk(self, content: Any, *, finish: str | None = None, logprobs: Any = None) -> None:
+        data = {**self._head, "choices": [{"index": 0, self._content_key: content, "logprobs": logprobs,
+                                           "finish_reason": finish}]}
+        if self._include_usage:
+            data["usage"] = None
+        await self._events.event(data)
+
+    async def finish(self, outcome: Outcome, last_content: Any, tool_calls: bool) -> web.StreamResponse:
+        if outcome.finish_reason == "error":
+            await self._events.event(error_chunk(execution_error(outcome.error).message))
+        else:
+            await self.chunk(last_content, finish=finish_reason(outcome.finish_reason, tool_calls))
+            if self._include_usage:
+                await self._events.event({**self._head, "choices": [], "usage": usage_json(outcome.usage)})
+            await self._events.event("[DONE]")
+        await self._events.close()
+        return self._events.response
+
+
 def error_chunk(message: str) -> dict[str, Any]:
     """The body of the SSE event that reports a failure mid-stream (the openai SDK raises on it)."""
     return {"error": {"message": message, "type": "server_error", "param": None, "code": "execution_failed"}}
-
-
-def execution_error(message: str | None) -> ApiError:
-    return ApiError(500, f"generation failed: {message or 'execution error'}")
 
 
 def _token_bytes(text: str) -> list[int]:

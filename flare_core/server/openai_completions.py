@@ -12,19 +12,18 @@ from flare_core.runtime.types import GenerationRequest
 from flare_core.server.generation import Generation
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
+    ChoiceStream,
     check_single_choice,
     completion_logprobs,
-    error_chunk,
-    execution_error,
     finish_reason,
     generation_request,
+    object_head,
     read_stream_options,
     usage_json,
 )
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
-from flare_core.server.sse import EventStream
 from flare_core.server.state import STATE, Engine, ServerState
 from flare_core.server.validation import get_bool, get_int, get_str, invalid, json_type, read_json_body
 
@@ -90,47 +89,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     choice = {"index": 0, "text": call.echo + collected.output.content,
               "logprobs": completion_logprobs(collected.logprobs, len(call.echo)) if call.request.logprobs else None,
               "finish_reason": finish_reason(outcome.finish_reason, False), "stop_reason": outcome.stop}
-    return web.json_response({
-        "id": completion_id, "object": "text_completion", "created": created, "model": call.model,
-        "system_fingerprint": None, "choices": [choice], "usage": usage_json(outcome.usage),
-    }, headers=call.sampling.headers())
+    return web.json_response({**object_head(completion_id, "text_completion", created, call.model),
+                              "choices": [choice], "usage": usage_json(outcome.usage)},
+                             headers=call.sampling.headers())
 
 
 async def _stream(request: web.Request, call: CompletionCall, generation: Generation, completion_id: str,
                   created: int) -> web.StreamResponse:
-    events = EventStream(request, headers=call.sampling.headers())
-    await events.open()
-
-    def chunk(text: str, *, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        data = {"id": completion_id, "object": "text_completion", "created": created, "model": call.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-        if call.include_usage:
-            data["usage"] = None
-        return data
-
+    chunks = ChoiceStream(request, call.sampling.headers(),
+                          object_head(completion_id, "text_completion", created, call.model), "text",
+                          call.include_usage)
+    await chunks.open()
+    # Logprob text offsets count characters of the whole text, echoed prompt included.
     offset = 0
     if call.echo:
-        await events.event(chunk(call.echo))
+        await chunks.chunk(call.echo)
         offset = len(call.echo)
     async for piece in generation.pieces():
         text = piece.delta.content
         logprobs = completion_logprobs(piece.logprobs, offset) if call.request.logprobs else None
         offset += len(text)
-        await events.event(chunk(text, logprobs=logprobs))
-    outcome = generation.outcome
-    if outcome.finish_reason == "error":
-        await events.event(error_chunk(execution_error(outcome.error).message))
-        await events.close()
-        return events.response
-    await events.event(chunk("", finish=finish_reason(outcome.finish_reason, False)))
-    if call.include_usage:
-        await events.event({"id": completion_id, "object": "text_completion", "created": created,
-                            "model": call.model, "system_fingerprint": None, "choices": [],
-                            "usage": usage_json(outcome.usage)})
-    await events.event("[DONE]")
-    await events.close()
-    return events.response
+        await chunks.chunk(text, logprobs=logprobs)
+    return await chunks.finish(generation.outcome, "", False)
 
 
 def add_routes(app: web.Application) -> None:

@@ -10,18 +10,25 @@ same builder without sending events, so both agree by construction.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
-from flare_core.server.generation import Generation, Outcome, Piece, output_parser
+from flare_core.server.generation import (
+    EventSink,
+    Generation,
+    Outcome,
+    Piece,
+    builder_response,
+    execution_error,
+    no_events,
+    output_parser,
+)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
     chat_logprobs,
-    execution_error,
     generation_request,
     thinking_switch,
     tool_parsing_enabled,
@@ -37,7 +44,6 @@ from flare_core.server.prompts import (
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
-from flare_core.server.sse import EventStream
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import (
     as_object,
@@ -187,25 +193,19 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
                          echo)
 
 
-EventSink = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-async def _no_events(event: dict[str, Any]) -> None:
-    return None
-
-
 class ResponseBuilder:
     """Turns parsed output into Responses output items, sending stream events through `sink`."""
 
-    def __init__(self, call: ResponsesCall, response_id: str, sink: EventSink = _no_events):
+    def __init__(self, call: ResponsesCall, response_id: str, sink: EventSink = no_events):
         self._call = call
         self._sink = sink
         self._sequence = 0
         self.response_id = response_id
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the item receiving deltas
-        self._open_key: tuple[str, int] | None = None  # ("reasoning"|"message", 0) or ("function_call", index)
+        # The last output item receives deltas while this is set: ("reasoning"|"message", 0) or
+        # ("function_call", index).
+        self._open_key: tuple[str, int] | None = None
 
     async def start(self) -> None:
         await self._emit("response.created", response=self.response("in_progress"))
@@ -222,15 +222,15 @@ class ResponseBuilder:
         for call in delta.tool_calls:
             await self._switch(("function_call", call.index), call.id, call.name)
             if call.arguments:
-                self._open["arguments"] += call.arguments
-                await self._emit("response.function_call_arguments.delta", item_id=self._open["id"],
+                self.output[-1]["arguments"] += call.arguments
+                await self._emit("response.function_call_arguments.delta", item_id=self.output[-1]["id"],
                                  output_index=len(self.output) - 1, delta=call.arguments)
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]:
         await self._close()
         if outcome.finish_reason == "error":
             response = self.response("failed", outcome.usage, error={
-                "code": "server_error", "message": f"generation failed: {outcome.error or 'execution error'}"})
+                "code": "server_error", "message": execution_error(outcome.error).message})
             await self._emit("response.failed", response=response)
         elif outcome.finish_reason in ("length", "cancelled"):
             details = {"reason": "max_output_tokens"} if outcome.finish_reason == "length" else None
@@ -267,7 +267,7 @@ class ResponseBuilder:
                     "status": "in_progress"}
             part = None
         self.output.append(item)
-        self._open, self._open_key = item, key
+        self._open_key = key
         await self._emit("response.output_item.added", output_index=len(self.output) - 1, item=_snapshot(item))
         if part is not None:
             item["content"].append(part)
@@ -275,9 +275,10 @@ class ResponseBuilder:
                              content_index=0, part=dict(part))
 
     async def _append_text(self, text: str, event_type: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        part = self._open["content"][0]
+        item = self.output[-1]
+        part = item["content"][0]
         part["text"] += text
-        fields: dict[str, Any] = {"item_id": self._open["id"], "output_index": len(self.output) - 1,
+        fields: dict[str, Any] = {"item_id": item["id"], "output_index": len(self.output) - 1,
                                   "content_index": 0, "delta": text}
         if event_type == "response.output_text.delta":
             entries = chat_logprobs(logprobs)["content"] if self._call.request.logprobs else []
@@ -286,10 +287,11 @@ class ResponseBuilder:
         await self._emit(event_type, **fields)
 
     async def _close(self) -> None:
-        item, kind = self._open, self._open_key
-        if item is None:
+        kind = self._open_key
+        if kind is None:
             return
-        self._open = self._open_key = None
+        self._open_key = None
+        item = self.output[-1]
         item["status"] = "completed"
         output_index = len(self.output) - 1
         if kind[0] == "function_call":
@@ -336,26 +338,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     generation = Generation(state, record, call.request, parser)
     response_id = f"resp_{record.request_id}"
     async with generation:
-        if not call.stream:
-            builder = ResponseBuilder(call, response_id)
-            async for piece in generation.pieces():
-                await builder.add(piece)
-            if generation.outcome.finish_reason == "error":
-                raise execution_error(generation.outcome.error)
-            return web.json_response(await builder.finish(generation.outcome), headers=call.sampling.headers())
-        events = EventStream(request, headers=call.sampling.headers())
-        await events.open()
-
-        async def send(event: dict[str, Any]) -> None:
-            await events.event(event, event=event["type"])
-
-        builder = ResponseBuilder(call, response_id, send)
-        await builder.start()
-        async for piece in generation.pieces():
-            await builder.add(piece)
-        await builder.finish(generation.outcome)
-        await events.close()
-        return events.response
+        return await builder_response(request, generation, lambda sink: ResponseBuilder(call, response_id, sink),
+                                      stream=call.stream, headers=call.sampling.headers())
 
 
 def add_routes(app: web.Application) -> None:

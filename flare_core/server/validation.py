@@ -11,22 +11,18 @@ from aiohttp import web
 from flare_core.server.errors import ApiError
 
 
+# bool comes before int: Python's True is an int, JSON's true is not a number.
+_JSON_TYPE_NAMES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+                    (dict, "object"))
+
+
 def json_type(value: Any) -> str:
     """The JSON name of a value's type, for messages ("got string")."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
+    for kind, name in _JSON_TYPE_NAMES:
+        if isinstance(value, kind):
+            return name
     return type(value).__name__
 
 
@@ -57,35 +53,40 @@ def reject_unknown(body: Mapping[str, Any], known: Iterable[str], where: str = "
             raise ApiError(400, f"{field}: Extra inputs are not permitted", param=field)
 
 
+def _value(body: Mapping[str, Any], name: str, field: str, required: bool) -> Any:
+    """The field's value: None when absent or null, which a required field may not be."""
+    value = body.get(name)
+    if value is None and required:
+        raise invalid(field, "is required")
+    return value
+
+
+def _typed(body: Mapping[str, Any], name: str, where: str | None, required: bool, kind: type,
+           expected: str) -> Any:
+    """The field's value when it is an instance of `kind`, None when absent or null."""
+    field = where or name
+    value = _value(body, name, field, required)
+    if value is not None and not isinstance(value, kind):
+        raise _wrong_type(field, expected, value)
+    return value
+
+
 def get_str(body: Mapping[str, Any], name: str, *, where: str | None = None, required: bool = False,
             default: str | None = None) -> str | None:
-    field = where or name
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise invalid(field, "is required")
-        return default
-    if not isinstance(value, str):
-        raise _wrong_type(field, "a string", value)
-    return value
+    value = _typed(body, name, where, required, str, "a string")
+    return default if value is None else value
 
 
 def get_bool(body: Mapping[str, Any], name: str, *, where: str | None = None, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _wrong_type(where or name, "a boolean", value)
-    return value
+    value = _typed(body, name, where, False, bool, "a boolean")
+    return default if value is None else value
 
 
 def get_int(body: Mapping[str, Any], name: str, *, where: str | None = None, required: bool = False,
             minimum: int | None = None, maximum: int | None = None, default: int | None = None) -> int | None:
     field = where or name
-    value = body.get(name)
+    value = _value(body, name, field, required)
     if value is None:
-        if required:
-            raise invalid(field, "is required")
         return default
     # JSON clients sometimes send 5.0 for 5; accept integral floats, refuse 5.5.
     if isinstance(value, float) and value.is_integer():
@@ -109,28 +110,12 @@ def get_number(body: Mapping[str, Any], name: str, *, where: str | None = None) 
 
 
 def get_list(body: Mapping[str, Any], name: str, *, where: str | None = None, required: bool = False) -> list | None:
-    field = where or name
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise invalid(field, "is required")
-        return None
-    if not isinstance(value, list):
-        raise _wrong_type(field, "an array", value)
-    return value
+    return _typed(body, name, where, required, list, "an array")
 
 
 def get_object(body: Mapping[str, Any], name: str, *, where: str | None = None,
                required: bool = False) -> dict | None:
-    field = where or name
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise invalid(field, "is required")
-        return None
-    if not isinstance(value, dict):
-        raise _wrong_type(field, "an object", value)
-    return value
+    return _typed(body, name, where, required, dict, "an object")
 
 
 def as_object(value: Any, field: str) -> dict[str, Any]:
