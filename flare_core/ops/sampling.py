@@ -1,4 +1,5 @@
-"""Token sampling: the plain-torch reference the GPU path reproduces inside its graphs.
+"""Token sampling: one vectorised function over per-row parameter tensors, the same code the GPU
+path runs inside its graphs, and the `Sampler` front end that builds those tensors per step.
 
 Per row, in this order (the order Hugging Face's logits processors use):
   1. penalties on the raw logits — repetition (prompt and output tokens: positive logits
@@ -7,15 +8,20 @@ Per row, in this order (the order Hugging Face's logits processors use):
   2. temperature 0 → greedy argmax of the penalised logits (ties → lowest token id);
   3. otherwise divide by temperature, then top-k (ties with the k-th value are kept), top-p
      over what top-k left (the smallest set, most probable first, whose probability reaches
-     top_p; at least one token), min-p (drop tokens below min_p x the top probability);
+     top_p; at least one token; ties with its last token are kept too, so top_p 0 keeps the
+     most probable token and only its exact ties), min-p (drop tokens below min_p x the top
+     probability);
   4. draw from the renormalised survivors by an exponential race: argmax(p_i / E_i) with
      E_i ~ Exp(1) i.i.d. picks token i with probability p_i, and filtered tokens (p_i = 0)
      can never win.
 
-Randomness: a seeded row draws its E from a generator seeded by mixing (seed, step index)
-only, so its tokens do not depend on batch composition or position. Streams are reproducible
-per device type (CPU and CUDA generators produce different numbers for one seed). Unseeded rows
-draw from the sampler's own generator.
+Each filter reduces to one threshold per row on the temperature-scaled logits (keep a token iff
+its value reaches the threshold), which is why ties are kept and why no per-row loop is needed.
+
+Randomness: E_i is a counter-based hash of (seed, step index, token id) computed with integer
+tensor ops, so a seeded row's tokens depend on nothing else — not batch composition, position
+or device type (CPU and CUDA compute the same integers). Unseeded rows use the same hash keyed
+by one random value per call, drawn from the sampler's own generator, and by their batch row.
 
 Logprobs are reported from the model's raw distribution, log_softmax of the unprocessed
 logits (before penalties, temperature and filtering), as vLLM does by default: they describe
@@ -31,20 +37,110 @@ import torch
 
 from flare_core.runtime.types import SamplingParams
 
-_MASK64 = (1 << 64) - 1
+_WORD = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit word times one stays below 2**63, so the int64 tensor
+# arithmetic never overflows (whose result torch does not define) and `& _WORD` reduces mod 2**32.
+_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D)
+_ROW_SALT = 0x5BD1E995
+_TOKEN_SALT = 0x1B873593
+# Set on the step of unseeded rows: seeded steps are >= 0, so the two never share a hash key.
+_UNSEEDED_STEP_BIT = -(1 << 63)
+# 23 random bits: (m + 0.5) / 2**23 is exact in float32 and lies strictly inside (0, 1), so
+# E = -log(u) is finite and positive and a filtered token's 0 / E stays 0.
+_UNIFORM_BITS = 23
 
 
-def _mix64(value: int) -> int:
-    """SplitMix64 finaliser: spreads nearby integers (seeds, steps) over unrelated 64-bit values."""
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
+def _hash32(words: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding 32-bit
+    words, computed in place."""
+    words.bitwise_xor_(words >> 16)
+    words.mul_(_MULTIPLIERS[0]).bitwise_and_(_WORD)
+    words.bitwise_xor_(words >> 15)
+    words.mul_(_MULTIPLIERS[1]).bitwise_and_(_WORD)
+    words.bitwise_xor_(words >> 16)
+    return words
 
 
-def row_seed(seed: int, step: int) -> int:
-    """The generator seed for one row's draw at output position `step` of a request seeded `seed`."""
-    return _mix64(_mix64(seed & _MASK64) ^ (step & _MASK64)) >> 1  # torch seeds are < 2**63
+def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key [B] per (seed, step) pair of int64 tensors (any bit patterns): chained
+    bijections, so one seed's first 2**32 steps all get different keys."""
+    key = _hash32((seeds & _WORD) ^ _ROW_SALT)
+    for word in ((seeds >> 32) & _WORD, steps & _WORD, (steps >> 32) & _WORD):
+        key = _hash32(key ^ word)
+    return key
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E [B, vocab] float32, i.i.d. Exp(1) in effect: hash of (row key, token id)."""
+    token_words = _hash32(torch.arange(vocab, dtype=torch.int64, device=keys.device) ^ _TOKEN_SALT)
+    words = _hash32(token_words[None, :] ^ keys[:, None])
+    uniform = (words >> (32 - _UNIFORM_BITS)).to(torch.float32).add_(0.5).mul_(2.0 ** -_UNIFORM_BITS)
+    return uniform.log_().neg_()
+
+
+def filter_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+    """Unnormalised probabilities [B, V] after temperature, top-k, top-p and min-p: exp(scaled
+    logit - row max) for survivors, exactly 0 for filtered tokens (divide by the row sum for
+    probabilities). Rows with temperature 0 are filtered as if it were 1.
+
+    `candidates` (default V): how many of the most probable tokens the rank filters (top-k,
+    top-p) look at — one `topk` of that width instead of a full sort. Results equal the
+    full-vocabulary semantics when it is >= every row's top_k and is V if some row has top-p
+    without top-k; otherwise top-k is clamped to it and top-p sees only that window."""
+    vocab = logits.shape[-1]
+    width = vocab if candidates is None else candidates
+    if not 1 <= width <= vocab:
+        raise ValueError(f"filter_weights: candidates must be in [1, {vocab}], got {width}")
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if width == vocab:
+        ranked = scaled.sort(dim=-1, descending=True).values
+    else:
+        ranked = scaled.topk(width, dim=-1).values
+    row_max = ranked[:, :1]
+    no_floor = torch.full_like(row_max, float("-inf"))
+
+    kth_value = ranked.gather(1, (top_k.clamp(1, width) - 1)[:, None])
+    k_floor = torch.where((top_k > 0)[:, None], kth_value, no_floor)
+
+    weights = (scaled - row_max).exp_()
+    top_k_mass = weights.masked_fill(scaled < k_floor, 0.0).sum(dim=-1, keepdim=True)
+    ranked_weights = (ranked - row_max).exp_().masked_fill_(ranked < k_floor, 0.0)
+    mass_before = (ranked_weights.cumsum(dim=-1) - ranked_weights) / top_k_mass
+    within_p = (mass_before < top_p[:, None]) & (ranked >= k_floor)
+    within_p[:, 0] = True  # the most probable token always survives
+    last_kept = torch.where(within_p, ranked, float("inf")).amin(dim=-1, keepdim=True)
+    p_floor = torch.where((top_p < 1.0)[:, None], last_kept, no_floor)
+
+    # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p); log(0) = -inf keeps all.
+    min_p_floor = row_max + min_p[:, None].log()
+    floor = torch.maximum(torch.maximum(k_floor, p_floor), min_p_floor)
+    return weights.masked_fill_(scaled < floor, 0.0)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, seeded: torch.Tensor,
+                unseeded_seed: torch.Tensor, candidates: int | None = None) -> torch.Tensor:
+    """Token ids [B] int64 for (already penalised) fp32 logits [B, V], one row per request.
+
+    Per-row parameters are tensors on the logits' device: temperature, top_p, min_p float32 [B]
+    (temperature 0 = greedy), top_k int64 [B] (0 = off), seeds and steps int64 [B] (`steps[i]`:
+    tokens row i's request generated before this one), seeded bool [B]; `unseeded_seed` is an
+    int64 scalar tensor, fresh per call, keying rows whose `seeded` is False. `candidates`: see
+    `filter_weights`.
+
+    Graph-capturable: no host synchronisation (no .item(), no data-dependent branch or shape),
+    every intermediate has a shape fixed by (B, V, candidates), and no generator is touched —
+    all randomness comes from the seed tensors.
+    """
+    batch, vocab = logits.shape
+    greedy_ids = logits.argmax(dim=-1)  # first maximum = lowest id
+    weights = filter_weights(logits, temperature, top_k, top_p, min_p, candidates)
+    rows = torch.arange(batch, dtype=torch.int64, device=logits.device)
+    keys = noise_keys(torch.where(seeded, seeds, unseeded_seed),
+                      torch.where(seeded, steps, rows | _UNSEEDED_STEP_BIT))
+    sampled_ids = (weights / exponential_noise(keys, vocab)).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled_ids, greedy_ids)
 
 
 class PenaltyState:
@@ -124,33 +220,18 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return penalised - frequency * counts - presence * in_output.to(logits.dtype)
 
 
-def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities [R, V] after temperature, top-k, top-p and min-p (non-greedy rows only);
-    filtered tokens have probability exactly 0."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)[:, None]
-    scaled = logits / temperature
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-        removed = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        k = top_k.clamp(min=1, max=scaled.shape[-1])
-        kth_value = sorted_logits.gather(1, (k - 1)[:, None])
-        removed |= (top_k > 0)[:, None] & (sorted_logits < kth_value)
-        sorted_probs = sorted_logits.masked_fill(removed, float("-inf")).softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        removed |= (top_p < 1.0)[:, None] & (mass_before >= top_p[:, None])
-        removed[:, 0] = False  # the most probable token always survives
-        removed_by_token = torch.zeros_like(removed).scatter(1, order, removed)
-        scaled = scaled.masked_fill(removed_by_token, float("-inf"))
-    probs = scaled.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)[:, None]
-    if bool((min_p > 0).any()):
-        threshold = min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+def _window(params: Sequence[SamplingParams], vocab: int) -> int:
+    """The narrowest `candidates` that keeps the sampled rows' rank filters exact."""
+    sampled = [p for p in params if not p.greedy]
+    if any(p.top_k == 0 and p.top_p < 1.0 for p in sampled):
+        return vocab
+    return min(vocab, max([1] + [p.top_k for p in sampled]))
+
+
+def _as_int64(value: int) -> int:
+    """`value`'s low 64 bits as a signed int64 (request seeds may be any integer)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 class Sampler:
@@ -178,14 +259,10 @@ class Sampler:
             working[index] = apply_penalties(
                 logits[index], [params[i] for i in penalised_rows], [penalties[i] for i in penalised_rows])
 
-        token_ids = working.argmax(dim=-1)  # greedy rows keep this: first maximum = lowest id
-        sampled_rows = [i for i in range(batch) if not params[i].greedy]
-        if sampled_rows:
-            index = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
-            probs = filtered_probs(working[index], [params[i] for i in sampled_rows])
-            noise = self._exponential_noise([params[i].seed for i in sampled_rows],
-                                            [steps[i] for i in sampled_rows], probs.shape[-1])
-            token_ids[index] = (probs / noise).argmax(dim=-1)
+        if all(p.greedy for p in params):
+            token_ids = working.argmax(dim=-1)  # first maximum = lowest id
+        else:
+            token_ids = self._sample_rows(working, params, steps)
 
         if not logprobs and top_logprobs == 0:
             return SampleOutput(token_ids)
@@ -196,20 +273,25 @@ class Sampler:
         top_values, top_ids = raw.topk(top_logprobs, dim=-1)
         return SampleOutput(token_ids, chosen, top_ids, top_values)
 
-    def _exponential_noise(self, seeds: Sequence[int | None], steps: Sequence[int], vocab: int) -> torch.Tensor:
-        noise = torch.empty(len(seeds), vocab, dtype=torch.float32, device=self._device)
-        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-        if unseeded:
-            shared = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=self._device)
-            shared.exponential_(generator=self._generator)
-            noise[torch.tensor(unseeded, dtype=torch.long, device=self._device)] = shared
-        row_generator = torch.Generator(device=self._device)
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                row_generator.manual_seed(row_seed(seed, steps[i]))
-                noise[i].exponential_(generator=row_generator)
-        # An exact 0 would turn a filtered token's 0 / 0 into NaN; the smallest normal keeps it 0.
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    def _sample_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
+        device = logits.device
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        unseeded_seed = torch.randint(0, 1 << 62, (), dtype=torch.int64, generator=self._generator,
+                                      device=self._device)
+        return sample_rows(
+            logits,
+            temperature=column([p.temperature for p in params], torch.float32),
+            top_k=column([p.top_k for p in params], torch.int64),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
+            seeds=column([_as_int64(p.seed) if p.seed is not None else 0 for p in params], torch.int64),
+            steps=column(list(steps), torch.int64),
+            seeded=column([p.seed is not None for p in params], torch.bool),
+            unseeded_seed=unseeded_seed,
+            candidates=_window(params, logits.shape[-1]))
 
     def _check_batch(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                      penalties: Sequence[PenaltyState | None] | None, top_logprobs: int) -> int:
