@@ -34,6 +34,9 @@ class _DecodeGraph:
     slots: torch.Tensor
     logits: torch.Tensor
     attention: FlashInferDecode
+    # A captured graph reads raw addresses and does not keep its inputs alive: hold every tensor
+    # the capture read (e.g. the logits row indices) for as long as the graph may replay.
+    context: ForwardContext
     replays: int = 0
 
 
@@ -93,7 +96,8 @@ class GraphExecutor(EagerExecutor):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 logits = self.model(input_ids, positions, context)
-            self.graphs[capacity] = _DecodeGraph(capacity, graph, input_ids, positions, slots, logits, attention)
+            self.graphs[capacity] = _DecodeGraph(capacity, graph, input_ids, positions, slots, logits, attention,
+                                                 context)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - started
         log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs), seconds=round(self.capture_s, 2))

@@ -147,9 +147,9 @@ class Engine:
         if loaded.device.type == "cuda":
             from flare_core.executor.graphs import GraphExecutor
 
-            # Decode graphs stay off: replays of captured decode graphs disagree with the eager
-            # FlashInfer path on some rows (tests/gpu/test_graph_executor.py, marked xfail), so every
-            # step runs FlashInfer eagerly until that is fixed.
+            # Decode graphs stay off until tests/gpu/test_graph_executor.py[graphs] passes on a GPU:
+            # replays disagreed with the eager FlashInfer path (a freed capture-time tensor, since
+            # kept alive; the fix is not yet verified on a GPU), so every step runs FlashInfer eagerly.
             self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, **executor_args,
                                            decode_capacities=(), context_length=capacities.context_length)
         else:
