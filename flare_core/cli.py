@@ -208,13 +208,19 @@ def _configure_logging(stream) -> None:
 
 
 def _pick_device(requested: str):
+    import importlib.util
+
     import torch
 
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        requested = "cuda" if torch.cuda.is_available() and has_flashinfer else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise FlareCommandError("--device cuda: no CUDA device is available (use --device cpu for the eager "
                                 "reference path)")
+    if requested == "cuda" and not has_flashinfer:
+        raise FlareCommandError("--device cuda needs FlashInfer: pip install 'flare-core[gpu]' (or use --device cpu "
+                                "for the eager reference path)")
     if requested not in ("cuda", "cpu"):
         raise FlareCommandError(f"--device {requested!r}: choose cuda, cpu or auto")
     return torch.device(requested)
