@@ -17,12 +17,23 @@ class ConfigError(ValueError):
     pass
 
 
+def _expand_paths(obj: Any) -> None:
+    """`~` in a path means the user's home, wherever the path came from (default, file, flag)."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Path):
+            object.__setattr__(obj, f.name, value.expanduser())
+
+
 @dataclass(frozen=True)
 class PathsConfig:
     hub_cache: Path = Path("~/.cache/huggingface/hub")
     core_cache: Path = Path("~/.cache/flare/cores")
     keys: Path = Path("~/.config/flare/keys")
     trust_store: Path = Path("~/.config/flare/trusted_publishers.json")
+
+    def __post_init__(self) -> None:
+        _expand_paths(self)
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,9 @@ class ServerConfig:
     queue_capacity: int = 64
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _expand_paths(self)
 
 
 @dataclass(frozen=True)
@@ -104,10 +118,6 @@ def _build_section(path: Path, name: str, cls: type, values: dict, base_dir: Pat
             raise ConfigError(f"{path}: {name}.{key} must be {type(default).__name__}, got {value!r}")
         kwargs[key] = value
     return cls(**kwargs)
-
-
-def expand(path: Path) -> Path:
-    return Path(path).expanduser()
 
 
 def with_overrides(section: Any, **overrides: Any) -> Any:

@@ -34,3 +34,15 @@ def test_config_errors_name_the_key(tmp_path, text, message):
 def test_explicit_missing_config_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_home_in_paths_is_expanded(tmp_path):
+    from pathlib import Path
+
+    from flare_core.config import Config, ServerConfig, with_overrides
+
+    defaults = Config().paths
+    for path in (defaults.hub_cache, defaults.core_cache, defaults.keys, defaults.trust_store):
+        assert path.is_absolute() and "~" not in path.parts, path
+    server = with_overrides(ServerConfig(), api_key_file=Path("~/key"))
+    assert server.api_key_file == Path.home() / "key"
