@@ -49,3 +49,32 @@ def serve_paged(model: torch.nn.Module, scheme: CacheScheme, sequences: Sequence
         for row, (r, take) in enumerate(step):
             consumed[r] += take
             yield r, consumed[r], logits[row]
+
+
+def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config, *, page_tokens: int,
+                         prompt_lens: Sequence[int] = (5, 70, 131), decode_steps: int = 4, seed: int = 2,
+                         step_tokens: int = 64, atol: float = 1e-4) -> None:
+    """Build `recipe`'s model from `checkpoint` (on-disk tensors) in float32, serve random
+    requests of `prompt_lens` tokens plus `decode_steps` decode tokens through `serve_paged`,
+    and require every logits row to match the Transformers `reference` forward on the full
+    sequence."""
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_core.plugins import load_registry
+
+    if recipe.check_config is not None:
+        recipe.check_config(config)
+    model = load_prepared_weights(recipe.build_model(config, torch.float32),
+                                  dict(recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
+    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, config.vocab_size, (n + decode_steps,), generator=generator).tolist()
+                 for n in prompt_lens]
+    with torch.no_grad():
+        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
+    rows = 0
+    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens, step_tokens):
+        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=atol, rtol=atol,
+                                   msg=lambda m: f"request {r} after {consumed} tokens: {m}")
+        rows += 1
+    if rows < len(prompt_lens) * (decode_steps + 1):
+        raise AssertionError(f"only {rows} logits rows were produced for {len(prompt_lens)} requests")

@@ -20,7 +20,7 @@ from transformers import DeepseekV3Config
 from flare_core.contract import ContractError
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
-from flare_core.testing import serve_paged
+from flare_core.testing import assert_logits_parity, serve_paged
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
 from flare_recipe_deepseek.testing import random_model
 
@@ -51,24 +51,10 @@ def prepared_model(recipe, config, checkpoint, dtype=torch.float32) -> torch.nn.
 
 
 def assert_parity(recipe, reference, checkpoint, config, page_tokens: int) -> None:
-    recipe.check_config(config)
-    model = prepared_model(recipe, config, checkpoint)
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     assert [(s.name, s.record_shape) for s in scheme.paged] == [("ckv", (config.kv_lora_rank,)),
                                                                ("kpe", (config.qk_rope_head_dim,))]
-
-    prompt_lens, decode_steps = [5, 70, 131], 4
-    generator = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(0, VOCAB, (n + decode_steps,), generator=generator).tolist() for n in prompt_lens]
-    with torch.no_grad():
-        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
-
-    rows = 0
-    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens):
-        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"request {r} after {consumed} tokens: {m}")
-        rows += 1
-    assert rows >= len(prompt_lens) * (decode_steps + 1)
+    assert_logits_parity(recipe, reference, checkpoint, config, page_tokens=page_tokens)
 
 
 @pytest.mark.parametrize("page_tokens", [16, 64])

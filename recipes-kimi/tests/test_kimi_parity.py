@@ -15,12 +15,11 @@ from safetensors.torch import load_file
 
 import flare_recipe_deepseek.modeling
 import flare_recipe_deepseek.weights
-from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_core.prepare.checkpoint import load_config
 from flare_core.prepare.export import ExportError, choose_recipe
 from flare_core.prepare.source import ModelSource
-from flare_core.testing import serve_paged
+from flare_core.testing import assert_logits_parity
 from flare_recipe_deepseek.modeling import ds
 from flare_recipe_deepseek.testing import random_model, save_model
 from flare_recipe_kimi.config import KimiK2Config
@@ -68,22 +67,8 @@ def test_kimi_logits_match_transformers(saved, page_tokens):
     assert "model.layers.1.mlp.experts.15.down_proj.weight" in checkpoint  # per-expert names on disk
     config = load_config(directory)
     assert isinstance(config, KimiK2Config)
-    KIMI_K2.check_config(config)
-    model = KIMI_K2.build_model(config, torch.float32)
-    load_prepared_weights(model, dict(KIMI_K2.map_weights(config, checkpoint, torch.float32)), "cpu")
-    scheme = load_registry().cache_schemes[KIMI_K2.cache_scheme].build(config, "float32")
-
-    prompt_lens, decode_steps = [9, 64, 140], 3
-    generator = torch.Generator().manual_seed(4)
-    sequences = [torch.randint(0, VOCAB, (n + decode_steps,), generator=generator).tolist() for n in prompt_lens]
-    with torch.no_grad():
-        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
-    rows = 0
-    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens, step_tokens=96):
-        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"request {r} after {consumed} tokens: {m}")
-        rows += 1
-    assert rows >= len(prompt_lens) * (decode_steps + 1)
+    assert_logits_parity(KIMI_K2, reference, checkpoint, config, page_tokens=page_tokens, prompt_lens=(9, 64, 140),
+                         decode_steps=3, seed=4, step_tokens=96)
 
 
 def test_the_model_code_is_deepseeks():

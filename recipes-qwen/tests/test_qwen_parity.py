@@ -17,7 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from flare_core.contract import ContractError
 from flare_core.ops.loading import load_prepared_weights
-from flare_core.testing import serve_paged
+from flare_core.testing import assert_logits_parity, serve_paged
 from flare_core.plugins import load_registry
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
 
@@ -42,39 +42,19 @@ def saved_checkpoint(model_class, config, tmp_path) -> tuple[torch.nn.Module, di
     return reference, load_file(tmp_path / "model.safetensors")
 
 
-def assert_parity(recipe, reference, checkpoint, config, page_tokens: int) -> None:
-    recipe.check_config(config)
-    model = recipe.build_model(config, torch.float32)
-    load_prepared_weights(model, dict(recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
-    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
-
-    prompt_lens, decode_steps = [5, 70, 131], 4
-    generator = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(0, VOCAB, (n + decode_steps,), generator=generator).tolist() for n in prompt_lens]
-    with torch.no_grad():
-        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
-
-    rows = 0
-    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens):
-        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"request {r} after {consumed} tokens: {m}")
-        rows += 1
-    assert rows >= len(prompt_lens) * (decode_steps + 1)
-
-
 @pytest.mark.parametrize("page_tokens", [16, 64])
 def test_qwen3_logits_match_transformers(tmp_path, page_tokens):
     config = qwen3_config()
     reference, checkpoint = saved_checkpoint(Qwen3ForCausalLM, config, tmp_path)
     assert "lm_head.weight" not in checkpoint  # tied: the head reads the embedding
-    assert_parity(QWEN3, reference, checkpoint, qwen3_config(), page_tokens)
+    assert_logits_parity(QWEN3, reference, checkpoint, qwen3_config(), page_tokens=page_tokens)
 
 
 def test_qwen3_moe_logits_match_transformers(tmp_path):
     config = qwen3_moe_config()
     reference, checkpoint = saved_checkpoint(Qwen3MoeForCausalLM, config, tmp_path)
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in checkpoint  # per-expert names on disk
-    assert_parity(QWEN3_MOE, reference, checkpoint, qwen3_moe_config(), page_tokens=16)
+    assert_logits_parity(QWEN3_MOE, reference, checkpoint, qwen3_moe_config(), page_tokens=16)
 
 
 def test_prepared_layout_is_fused_and_cast(tmp_path):

@@ -11,8 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flare_core.contract import ContractError
-from flare_core.ops.loading import load_prepared_weights
-from flare_core.testing import serve_paged
+from flare_core.testing import assert_logits_parity
 from flare_core.plugins import load_registry
 from flare_recipe_llama.plugin import LLAMA
 
@@ -36,21 +35,7 @@ def test_llama_logits_match_transformers(tmp_path, tie_word_embeddings):
     checkpoint = load_file(tmp_path / "model.safetensors")
 
     config = llama_config(tie_word_embeddings=tie_word_embeddings)
-    LLAMA.check_config(config)
-    model = LLAMA.build_model(config, torch.float32)
-    load_prepared_weights(model, dict(LLAMA.map_weights(config, checkpoint, torch.float32)), "cpu")
-    scheme = load_registry().cache_schemes[LLAMA.cache_scheme].build(config, "float32")
-
-    prompt_lens, decode_steps = [5, 70, 131], 3
-    generator = torch.Generator().manual_seed(2)
-    sequences = [torch.randint(0, VOCAB, (n + decode_steps,), generator=generator).tolist() for n in prompt_lens]
-    with torch.no_grad():
-        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
-    rows = 0
-    for r, consumed, logits in serve_paged(model, scheme, sequences, prompt_lens, page_tokens=16):
-        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=1e-4, rtol=1e-4)
-        rows += 1
-    assert rows >= len(prompt_lens) * (decode_steps + 1)
+    assert_logits_parity(LLAMA, reference, checkpoint, config, page_tokens=16, decode_steps=3)
 
 
 def test_missing_tensor_and_unsupported_config_are_named(tmp_path):
