@@ -163,3 +163,21 @@ def test_cache_narrower_than_the_model_is_an_error(setup):
     with pytest.raises(ValueError, match=r"kv_lora_rank 64 \+ rope dim 8"):
         attention(torch.zeros(2, HEADS, RANK * 2), torch.zeros(2, HEADS, ROPE), torch.zeros(2, RANK * 2),
                   torch.zeros(2, ROPE), ForwardContext(batch, storage))
+
+
+@pytest.mark.parametrize("shape, limit", [
+    ({"num_heads": 96}, "96 attention heads.*power of two up to 128"),
+    ({"num_heads": 256}, "256 attention heads"),
+    ({"kv_lora_rank": RANK}, f"kv_lora_rank {RANK} .*multiple of 128"),
+    ({"rope_dim": ROPE}, f"rope dim {ROPE} .*multiple of 64"),
+    ({"dtype": torch.float32}, "float32 .*bfloat16 or float16"),
+])
+def test_flashinfer_mla_names_the_shape_limit_before_touching_the_gpu(shape, limit):
+    # Checked before FlashInfer is imported: the tiny test geometry here is one the kernels refuse.
+    from flare_core.ops.flashinfer_mla import FlashInferMLA
+
+    real = {"num_heads": 128, "kv_lora_rank": 512, "rope_dim": 64, "page_tokens": 64, "dtype": torch.bfloat16}
+    with pytest.raises(ValueError, match=limit):
+        FlashInferMLA(torch.zeros(8, dtype=torch.uint8), None, None, use_cuda_graph=False, **{**real, **shape})
+    with pytest.raises(ValueError, match="positive capacity and max_pages"):
+        FlashInferMLA(torch.zeros(8, dtype=torch.uint8), None, None, use_cuda_graph=True, **real)

@@ -9,10 +9,15 @@ import torch
 from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.transfer import to_device
 from flare_core.scheduler import StepPlan
 
 
 class EagerExecutor:
+    # Steps the engine keeps issued ahead of the one whose results it reads. Each step here runs
+    # to completion before `run` returns, so there is nothing to overlap: one at a time.
+    frames_in_flight = 1
+
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
                  device: torch.device):
@@ -77,7 +82,10 @@ class EagerExecutor:
                 self._save(chunk, logits[row])
             if chunk.samples:
                 rows.append(row)
-        sampled = logits[rows]
+        # Indexing with a host list would copy it synchronously (the host would wait for the step).
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
+        sampled = logits
         if restored_logits:
             sampled = torch.cat([torch.stack(restored_logits), sampled])
         return sampled
@@ -89,15 +97,17 @@ class EagerExecutor:
         return sequences
 
     def _input_ids(self, plan: StepPlan) -> torch.Tensor:
-        inputs = []
-        for entry in plan.decodes:
-            if entry.input_token is None:
-                inputs.append(self.last_sampled[entry.handle.slot:entry.handle.slot + 1])
-            else:
-                inputs.append(torch.tensor([entry.input_token], dtype=torch.int64, device=self.device))
-        for chunk in plan.prefills:
-            inputs.append(torch.tensor(chunk.tokens, dtype=torch.int64, device=self.device))
-        return torch.cat(inputs)
+        """Token ids of the step's rows (decodes, then prompt chunks). A decode whose input the host
+        has not seen yet (sampled by the previous, still running step) reads it on the device."""
+        known = [e.input_token for e in plan.decodes]
+        tokens = [0 if t is None else t for t in known] + [t for c in plan.prefills for t in c.tokens]
+        ids = to_device(tokens, torch.int64, self.device)
+        missing = [i for i, t in enumerate(known) if t is None]
+        if missing:
+            slots = [plan.decodes[i].handle.slot for i in missing]
+            ids[to_device(missing, torch.int64, self.device)] = \
+                self.last_sampled[to_device(slots, torch.int64, self.device)]
+        return ids
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits of every row of the step (each decode, then each prefill chunk's last token)."""
@@ -115,4 +125,4 @@ class EagerExecutor:
 
     def record_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
         if slots:
-            self.last_sampled[torch.tensor(slots, device=self.device)] = tokens.to(self.device)
+            self.last_sampled[to_device(slots, torch.int64, self.device)] = tokens.to(self.device)

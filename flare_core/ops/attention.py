@@ -23,6 +23,8 @@ from typing import Mapping, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
+from flare_core.ops.transfer import to_device
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionBatch:
@@ -57,7 +59,7 @@ class AttentionBatch:
         for b in range(self.num_requests):
             new = self.query_start_host[b + 1] - self.query_start_host[b]
             spans.append(torch.arange(self.kv_lens_host[b] - new, self.kv_lens_host[b], dtype=torch.int64))
-        return torch.cat(spans).to(self.slot_mapping.device)
+        return to_device(torch.cat(spans), torch.int64, self.slot_mapping.device)
 
     @classmethod
     def build(cls, sequences: Sequence[tuple[int, int, Sequence[int]]], page_tokens: int,
@@ -89,12 +91,13 @@ class AttentionBatch:
             query_start.append(query_start[-1] + num_new)
             kv_lens.append(total)
             logits_rows.append(query_start[-1] - 1)
+        device = torch.device(device)
         return cls(
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-            page_table=page_table.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            query_start=to_device(query_start, torch.int32, device),
+            kv_lens=to_device(kv_lens, torch.int32, device),
+            page_table=to_device(page_table, torch.int32, device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            logits_indices=to_device(logits_rows, torch.int64, device),
             page_tokens=page_tokens,
             query_start_host=tuple(query_start),
             kv_lens_host=tuple(kv_lens),
@@ -176,14 +179,22 @@ class PagedAttention(nn.Module):
         self.key_store, self.value_store = key_store, value_store
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, context: ForwardContext) -> Tensor:
-        k_layer = context.cache[self.key_store][self.layer_idx]
-        v_layer = context.cache[self.value_store][self.layer_idx]
-        write_paged(k_layer, k, context.batch.slot_mapping)
-        write_paged(v_layer, v, context.batch.slot_mapping)
-        if context.attention is not None:
-            return context.attention.run(q, k_layer, v_layer, self.scale)
-        return paged_attention_reference(q, k_layer, v_layer, context.batch, self.scale)
+        return _append_and_attend(self, q, k, v, context)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"layer_idx={self.layer_idx}")
+
+
+# Opaque to torch.compile: the cache writes mutate a small slice of a large cache tensor in place
+# (traced, they could become a copy of the whole layer) and the kernel backends are Python
+# wrappers around FlashInfer launches. The compiled graphs end before and resume after this call.
+@torch.compiler.disable
+def _append_and_attend(module: PagedAttention, q: Tensor, k: Tensor, v: Tensor, context: ForwardContext) -> Tensor:
+    k_layer = context.cache[module.key_store][module.layer_idx]
+    v_layer = context.cache[module.value_store][module.layer_idx]
+    write_paged(k_layer, k, context.batch.slot_mapping)
+    write_paged(v_layer, v, context.batch.slot_mapping)
+    if context.attention is not None:
+        return context.attention.run(q, k_layer, v_layer, module.scale)
+    return paged_attention_reference(q, k_layer, v_layer, context.batch, module.scale)

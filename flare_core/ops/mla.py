@@ -95,12 +95,19 @@ class MLAPagedAttention(nn.Module):
             raise ValueError(f"MLAPagedAttention layer {self.layer_idx}: cache records are "
                              f"{ckv_layer.shape[-1]} + {kpe_layer.shape[-1]} wide, the model needs "
                              f"kv_lora_rank {self.kv_lora_rank} + rope dim {self.rope_dim}")
-        write_paged(ckv_layer, latent, context.batch.slot_mapping)
-        write_paged(kpe_layer, k_rope, context.batch.slot_mapping)
-        if context.attention is not None:
-            return context.attention.run_mla(q_latent, q_rope, ckv_layer, kpe_layer, self.scale)
-        return mla_attention_reference(q_latent, q_rope, ckv_layer, kpe_layer, context.batch, self.scale)
+        return _append_and_attend(self, q_latent, q_rope, latent, k_rope, ckv_layer, kpe_layer, context)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, rope_dim={self.rope_dim}, "
                 f"layer_idx={self.layer_idx}")
+
+
+# Opaque to torch.compile, for the reasons given at flare_core.ops.attention._append_and_attend.
+@torch.compiler.disable
+def _append_and_attend(module: MLAPagedAttention, q_latent: Tensor, q_rope: Tensor, latent: Tensor,
+                       k_rope: Tensor, ckv_layer: Tensor, kpe_layer: Tensor, context: ForwardContext) -> Tensor:
+    write_paged(ckv_layer, latent, context.batch.slot_mapping)
+    write_paged(kpe_layer, k_rope, context.batch.slot_mapping)
+    if context.attention is not None:
+        return context.attention.run_mla(q_latent, q_rope, ckv_layer, kpe_layer, module.scale)
+    return mla_attention_reference(q_latent, q_rope, ckv_layer, kpe_layer, context.batch, module.scale)

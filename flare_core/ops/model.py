@@ -49,6 +49,12 @@ class DecoderForServing(nn.Module):
 
     def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
         super().__init__()
+        # Transformers' default expert loop (MoE models) finds the experts in use with .nonzero(),
+        # a host sync that no CUDA graph can hold; its grouped_mm implementation computes the
+        # same from expert-sorted token rows with fixed shapes.
+        can_set = getattr(type(causal_lm), "_can_set_experts_implementation", None)
+        if can_set is not None and can_set():
+            causal_lm.set_experts_implementation("grouped_mm")
         self.model = causal_lm.model
         self.model.rotary_emb = rotary_emb
         # A tied head reads the embedding matrix in forward: prepared weights name each tensor once.

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flare_core.ops.transfer import to_device
 from flare_core.runtime.types import SamplingParams
 
 _WORD = 0xFFFFFFFF
@@ -155,19 +156,25 @@ class PenaltyState:
         self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
         if len(prompt_ids) > 0:
             self._check_ids(prompt_ids, "prompt_ids")
-            self.in_prompt[torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+            self.in_prompt[to_device(list(prompt_ids), torch.long, torch.device(device))] = True
 
     def append(self, token_id: int) -> None:
         """Record one generated token."""
         self._check_ids((token_id,), "token_id")
         self.output_counts[token_id] += 1
 
+    def record(self, token_id: torch.Tensor) -> None:
+        """Record one generated token given as a device tensor [1]: counted in stream order, so the
+        next step's sampling sees it even before the host has read it back."""
+        self.output_counts.index_add_(0, token_id.to(self.output_counts.device),
+                                      torch.ones(1, dtype=torch.int32, device=self.output_counts.device))
+
     def extend(self, token_ids: Sequence[int]) -> None:
         """Record several generated tokens (in any order: only counts matter)."""
         if len(token_ids) == 0:
             return
         self._check_ids(token_ids, "token_ids")
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.output_counts.device)
+        ids = to_device(list(token_ids), torch.long, self.output_counts.device)
         self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def _check_ids(self, ids: Sequence[int], name: str) -> None:
@@ -212,9 +219,9 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     counts = torch.stack([p.output_counts for p in penalties]).to(logits.dtype)
     in_output = counts > 0
     device = logits.device
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+    repetition = to_device([p.repetition_penalty for p in params], logits.dtype, device)[:, None]
+    frequency = to_device([p.frequency_penalty for p in params], logits.dtype, device)[:, None]
+    presence = to_device([p.presence_penalty for p in params], logits.dtype, device)[:, None]
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     penalised = torch.where(in_prompt | in_output, repeated, logits)
     return penalised - frequency * counts - presence * in_output.to(logits.dtype)
@@ -255,7 +262,7 @@ class Sampler:
         penalised_rows = [i for i in range(batch) if _has_penalties(params[i])]
         if penalised_rows:
             working = logits.clone()
-            index = torch.tensor(penalised_rows, dtype=torch.long, device=logits.device)
+            index = to_device(penalised_rows, torch.long, logits.device)
             working[index] = apply_penalties(
                 logits[index], [params[i] for i in penalised_rows], [penalties[i] for i in penalised_rows])
 
@@ -277,7 +284,7 @@ class Sampler:
         device = logits.device
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         unseeded_seed = torch.randint(0, 1 << 62, (), dtype=torch.int64, generator=self._generator,
                                       device=self._device)

@@ -1,10 +1,10 @@
 """GPU path vs the eager reference on the same random weights (opt in: FLARE_TEST_GPU=1).
 
-Two scheduler + executor pairs are driven in lockstep over the same requests: the eager
-reference (plain-torch attention) and the CUDA executor (FlashInfer prefill, decode graphs).
-Both complete every step with the reference's greedy tokens and the same fixed step duration,
-so their schedulers issue identical plans (chunked prefill mixed with decode, batch sizes
-changing between replays, prefix reuse, cancellation); every logits row is compared.
+Two scheduler + executor pairs are driven in lockstep over the same requests (tests/gpu/lockstep.py):
+the eager reference (plain-torch attention) and the CUDA executor (FlashInfer prefill, decode
+graphs). Both complete every step with the reference's greedy tokens and the same fixed step
+duration, so their schedulers issue identical plans (chunked prefill mixed with decode, batch
+sizes changing between replays, prefix reuse, cancellation); every logits row is compared.
 
 Tolerance: bf16 weights and activations. Hidden states pass through the same bf16 matmuls in
 both paths; only the attention kernels differ (FlashInfer accumulates in fp32 with a different
@@ -112,21 +112,13 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128):
     return Scheduler(config, pages, prefix)
 
 
-GRAPH_REPLAY_BUG = pytest.mark.xfail(strict=True, reason=(
-    "replayed decode graphs gave wrong logits for some rows on the H200 (2026-11-30) although the "
-    "same wrappers, plans and cache contents were right eagerly. Diagnosis by reading the code "
-    "afterwards: the capture-time AttentionBatch (its logits_indices, read by the graph's "
-    "index_select) was freed after capture; _DecodeGraph now keeps the context alive. Not re-run "
-    "on a GPU yet: when this XPASSes, drop the mark and turn graphs on in Engine."))
-
-
-@pytest.mark.parametrize("decode_capacities", [pytest.param((1, 2, 4, 8), marks=GRAPH_REPLAY_BUG), ()],
+@pytest.mark.parametrize("decode_capacities", [(1, 2, 4, 8), ()],
                          ids=["graphs", "flashinfer-eager"])
 def test_graph_path_matches_eager_reference(decode_capacities):
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.eager import EagerExecutor
     from flare_core.executor.graphs import GraphExecutor
-    from flare_core.scheduler import StepResult
+    from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
     config, (ref_model, gpu_model) = build_models(device)
@@ -139,54 +131,8 @@ def test_graph_path_matches_eager_reference(decode_capacities):
     graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities, context_length=2048)
     schedulers = [make_scheduler(num_pages), make_scheduler(num_pages)]
 
-    generator = torch.Generator().manual_seed(1)
-    shared = torch.randint(10, 4000, (150,), generator=generator).tolist()
-    prompts = {f"r{i}": (shared if i % 2 else []) + torch.randint(10, 4000, (n,), generator=generator).tolist()
-               for i, n in enumerate((5, 70, 131, 300, 17, 64, 200, 1))}
-    for sched in schedulers:
-        for rid, prompt in prompts.items():
-            sched.submit(rid, prompt, max_tokens=24)
-    compared, cancelled, generated = 0, False, {}
-    worst = 0.0
-    while not schedulers[0].is_idle():
-        plans = [s.schedule() for s in schedulers]
-        assert (plans[0] is None) == (plans[1] is None)
-        if plans[0] is None:
-            break
-        assert plans[0].decodes == plans[1].decodes and plans[0].prefills == plans[1].prefills
-        want = reference.run(plans[0]).float()
-        got = graphs.run(plans[1]).float()
-        if want.numel():
-            spread = (want.max() - want.min()).item()
-            diff = (want - got).abs().max().item()
-            worst = max(worst, diff / spread)
-            row_diff = (want - got).abs().amax(-1)
-            kinds = ["restore"] * (want.shape[0] - len(plans[0].decodes) - sum(c.samples for c in plans[0].prefills)) \
-                + ["decode"] * len(plans[0].decodes) + ["prefill"] * sum(c.samples for c in plans[0].prefills)
-            assert diff <= 0.02 * spread, (
-                f"step {plans[0].seq} ({plans[0].kind}, capacity {plans[0].capacity}): max |diff| {diff} vs range "
-                f"{spread}; per row {[(k, round(d, 3)) for k, d in zip(kinds, row_diff.tolist())]}; decodes "
-                f"{[(e.handle.request_id, e.position) for e in plans[0].decodes]}; prefills "
-                f"{[(c.handle.request_id, c.start, c.end) for c in plans[0].prefills]}; restores {plans[0].restores}")
-            top2 = want.topk(2, dim=-1).values
-            decisive = (top2[:, 0] - top2[:, 1]) > 0.02 * spread
-            assert torch.equal(want.argmax(-1)[decisive], got.argmax(-1)[decisive])
-            compared += want.shape[0]
-        tokens = want.argmax(-1) if want.numel() else torch.empty(0, dtype=torch.int64, device=device)
-        for executor, plan in ((reference, plans[0]), (graphs, plans[1])):
-            executor.record_sampled([h.slot for h in plan.samples], tokens)
-        confirmed = [sched.complete(plan, StepResult(tokens.tolist(), plan.estimated_s))
-                     for sched, plan in zip(schedulers, plans)]
-        for sampled in confirmed[0]:
-            rid = sampled.handle.request_id
-            generated[rid] = generated.get(rid, 0) + 1
-            if generated[rid] == 24:
-                for sched in schedulers:
-                    sched.finish(rid, "length")
-        if not cancelled and plans[0].seq >= 6:  # cancel with the request's pages in use
-            for sched in schedulers:
-                sched.cancel("r3")
-            cancelled = True
+    result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
+    compared, worst = result.compared, result.worst
     replays = sum(g.replays for g in graphs.graphs.values())
     if decode_capacities:
         assert replays > 0 and len({c for c, g in graphs.graphs.items() if g.replays}) >= 2, \

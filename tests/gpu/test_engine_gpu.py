@@ -1,0 +1,75 @@
+"""The engine on the CUDA executor (decode graphs, FlashInfer prefill, torch.compile) with two
+steps in flight vs one at a time (opt in: FLARE_TEST_GPU=1): same tokens, a stop token and a
+cancel while a step is in flight, and every page back once the prefix cache is emptied.
+
+The core is a small Qwen3 checkpoint (FlashInfer's head_dim 128; the CPU tests' 16 has no
+kernel) exported in bf16. Token equality between
+the two runs holds because both run the same kernels on the same batches: with random weights
+whose embeddings have std 1, greedy margins are far wider than bf16 noise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from test_engine_frames import REQUESTS, make_engine, run_requests
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(os.environ.get("FLARE_TEST_GPU") != "1" or not torch.cuda.is_available(),
+                                 reason="GPU tests run only with FLARE_TEST_GPU=1 on a CUDA machine")]
+
+
+@pytest.fixture(scope="module")
+def bf16_core(session_flare, tmp_path_factory):
+    from conftest import tiny_qwen3_config, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-head128"),
+                                  tiny_qwen3_config(hidden_size=256, intermediate_size=512, head_dim=128))
+    return session_flare.export(checkpoint, "--dtype", "bfloat16", "--max-concurrency", "8",
+                                "--context-length", "1024", "--prefill-chunk-size", "128")
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
+def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
+    one = make_engine(session_flare, bf16_core, 1, "cuda", compile_model)
+    reference = asyncio.run(run_requests(one, REQUESTS))
+    two = make_engine(session_flare, bf16_core, 2, "cuda", compile_model)
+    assert two._depth == 2 and two._executor.graphs
+    assert asyncio.run(run_requests(two, REQUESTS)) == reference
+
+    third = reference[4][0][2]
+    stopping = REQUESTS[4].__class__(prompt_ids=REQUESTS[4].prompt_ids, max_tokens=20, ignore_eos=True,
+                                     stop_token_ids=(third,), sampling=REQUESTS[4].sampling)
+    engine = make_engine(session_flare, bf16_core, 2, "cuda", compile_model)
+    results = asyncio.run(run_requests(engine, [*REQUESTS[:4], stopping], cancel_after={0: 4}))
+    assert results[4][2] == "stop" and results[4][0] == reference[4][0][:reference[4][0].index(third) + 1]
+    assert results[0][2] == "cancelled" and results[0][0] == reference[0][0][:len(results[0][0])]
+    assert results[1:4] == reference[1:4]
+    engine._prefix.evict_pages(engine._pages.num_pages)
+    assert engine._pages.free_count == engine._pages.num_pages
+    replays = sum(g.replays for g in engine._executor.graphs.values())
+    assert replays > 0
+
+
+def test_steps_never_wait_for_the_device(session_flare, bf16_core):
+    """With two steps in flight the host must never block on the device inside a step (an
+    implicit sync, e.g. indexing with a host list or a blocking copy, would make the host wait
+    for the step just launched and serialise host and GPU work). torch flags such operations in
+    its sync debug mode; only the engine's explicit wait for a finished step is allowed."""
+    import warnings
+
+    engine = make_engine(session_flare, bf16_core, 2, "cuda", False)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            asyncio.run(run_requests(engine, REQUESTS))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    print("\n".join(syncs[:10]))
+    assert not syncs, f"{len(syncs)} synchronising operations during steps, first: {syncs[:3]}"
