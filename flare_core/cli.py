@@ -229,7 +229,7 @@ def _pick_device(requested: str):
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
-               served_names: tuple[str, ...] = (), dashboard: bool = True) -> None:
+               served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines."""
     import time
@@ -265,14 +265,13 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                      memory.kv_cache_limit)
         engine = Engine(loaded, kv, registry, max_concurrency=concurrency,
                         queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
-                        served_names=served_names or None, telemetry=telemetry)
+                        served_names=served_names or None, telemetry=telemetry, compile_model=compile_model)
     except (MemoryPlanError, ValueError) as exc:
         raise FlareCommandError(str(exc)) from exc
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
              architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),
-             executor=("FlashInfer paged attention, eager steps (decode graphs disabled)" if torch_device.type == "cuda"
-                       else "eager reference (plain-torch paged attention)"),
+             executor=engine.executor_summary(),
              parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
              kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
              state_rows=concurrency + kv.snapshot_slots if loaded.cache_scheme.state else 0,
@@ -307,6 +306,8 @@ _SERVE_OPTIONS = [
                  help="Model name clients use (repeatable; default: the core's served names)."),
     click.option("--no-dashboard", is_flag=True,
                  help="Plain log lines instead of the live dashboard (which shows only when stderr is a terminal)."),
+    click.option("--no-compile", is_flag=True,
+                 help="CUDA: capture graphs over the uncompiled model (faster start, slower steps)."),
 ]
 
 
@@ -321,13 +322,13 @@ def _serve_options(func):
 @_serve_options
 @click.pass_context
 def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-        trust_publisher, no_prefix_cache, served_names, no_dashboard) -> None:
+        trust_publisher, no_prefix_cache, served_names, no_dashboard, no_compile) -> None:
     """Serve CORE (a core path, or a model name whose latest export is in the core cache)."""
     config = _config(ctx)
     serve_core(config, core, device=device or config.defaults.device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names, dashboard=not no_dashboard)
+               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile)
 
 
 DEMO_NAME = "flare-demo"
@@ -339,7 +340,7 @@ DEMO_NAME = "flare-demo"
 @_serve_options
 @click.pass_context
 def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-         trust_publisher, no_prefix_cache, served_names, no_dashboard) -> None:
+         trust_publisher, no_prefix_cache, served_names, no_dashboard, no_compile) -> None:
     """Serve a tiny RANDOM-WEIGHT model of a recipe's architecture with its real tokenizer and chat
     template: the whole path (export, signing, serving) with no download. Its text is gibberish."""
     import tempfile
@@ -371,7 +372,7 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
     serve_core(config, name, device=device or "auto", host=host, port=port, api_key_file=api_key_file,
                max_concurrency=max_concurrency, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit,
                trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache, served_names=served_names,
-               dashboard=not no_dashboard)
+               dashboard=not no_dashboard, compile_model=not no_compile)
 
 
 from flare_core.bench.command import bench  # noqa: E402  (the command module does not import this one)

@@ -170,3 +170,15 @@ def test_invalid_requests_name_the_problem() -> None:
         sampler.sample(logits, [GREEDY], [0])
     with pytest.raises(ValueError, match="float32"):
         sampler.sample(logits.half(), [GREEDY, GREEDY], [0, 0])
+
+
+def test_penalty_state_record_counts_device_tokens_like_append():
+    """`record` (the engine's path: the sampled token as a device tensor, counted before the host
+    reads it) and `append` (a host id) give the same counts."""
+    by_record, by_append = PenaltyState(10, prompt_ids=[3, 3, 4]), PenaltyState(10, prompt_ids=[3, 3, 4])
+    for token in (1, 7, 1, 9):
+        by_record.record(torch.tensor([token]))
+        by_append.append(token)
+    assert torch.equal(by_record.output_counts, by_append.output_counts)
+    assert by_record.output_counts.tolist() == [0, 2, 0, 0, 0, 0, 0, 1, 0, 1]
+    assert by_record.in_prompt.nonzero().flatten().tolist() == [3, 4]

@@ -14,16 +14,18 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import torch
 
 from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
 from flare_core.frontend import IncrementalDetokenizer
 from flare_core.frontend.stops import StopMatcher
-from flare_core.ops.sampling import PenaltyState, Sampler
+from flare_core.ops.sampling import PenaltyState, SampleOutput, Sampler
 from flare_core.plugins import Registry
 from flare_core.runtime.loaded import LoadedCore
 from flare_core.runtime.memory import KvPlan
@@ -97,6 +99,7 @@ class _Live:
     stop_ids: frozenset[int]
     submitted: float
     generated: int = 0
+    sampled: int = 0  # tokens sampled so far, including those of steps not yet read back
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -104,10 +107,22 @@ class _Live:
     text_tokens: list[int] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _Frame:
+    """One issued step whose results the host has not read yet."""
+
+    plan: StepPlan
+    issued: float  # perf_counter() at launch
+    output: SampleOutput | None = None  # host tensors; filled once `done` has passed
+    started: torch.cuda.Event | None = None  # CUDA only: bracket the step on the device's clock
+    done: torch.cuda.Event | None = None
+
+
 class Engine:
     def __init__(self, loaded: LoadedCore, kv: KvPlan, registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
-                 seed: int = 0, telemetry: Telemetry | None = None):
+                 seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
+                 frames_in_flight: int | None = None):
         self.loaded = loaded
         # Fed from the model thread only when the dashboard is on; None keeps the step path to one `if`.
         self.telemetry = telemetry
@@ -147,13 +162,19 @@ class Engine:
         if loaded.device.type == "cuda":
             from flare_core.executor.graphs import GraphExecutor
 
-            # Decode graphs stay off until tests/gpu/test_graph_executor.py[graphs] passes on a GPU:
-            # replays disagreed with the eager FlashInfer path (a freed capture-time tensor, since
-            # kept alive; the fix is not yet verified on a GPU), so every step runs FlashInfer eagerly.
+            decode_sizes = sorted(spec.capacity for spec in capacities.graph_catalog() if spec.kind == "decode")
+            covering = next(c for c in decode_sizes if c >= max_concurrency)
             self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, **executor_args,
-                                           decode_capacities=(), context_length=capacities.context_length)
+                                           decode_capacities=tuple(c for c in decode_sizes if c <= covering),
+                                           context_length=capacities.context_length, compile_model=compile_model)
         else:
             self._executor = EagerExecutor(loaded.model, loaded.cache_scheme, **executor_args)
+        # Steps issued ahead of the one whose results are read: with 2, the host plans, launches
+        # and later post-processes one step while the device runs the other.
+        self._depth = frames_in_flight or self._executor.frames_in_flight
+        if self._depth not in (1, 2):
+            raise ValueError(f"frames_in_flight must be 1 or 2, got {self._depth}")
+        self._cuda = loaded.device.type == "cuda"
         self._sampler = Sampler(seed=seed, device=loaded.device)
         self._vocab = loaded.model_config.vocab_size
         self._core_stop_ids = frozenset(int(i) for i in loaded.frontend["stop_token_ids"])
@@ -168,6 +189,15 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefix_seen = (0, 0, 0)
         self._thread = threading.Thread(target=self._run, name="flare-model", daemon=True)
+
+    def executor_summary(self) -> str:
+        """One line for the startup log: how steps run, and what was compiled and captured."""
+        executor = self._executor
+        if not hasattr(executor, "graphs"):
+            return "eager reference (plain-torch paged attention)"
+        compiled = f"torch.compile {executor.compile_s:.1f} s, " if executor.compile_s else "not compiled, "
+        return (f"CUDA graphs for decode batches {sorted(executor.graphs)} ({compiled}captured in "
+                f"{executor.capture_s:.1f} s), FlashInfer prefill, {self._depth} steps in flight")
 
     # ---- event-loop side -----------------------------------------------------------------
 
@@ -223,20 +253,23 @@ class Engine:
     # ---- model thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        frames: deque[_Frame] = deque()  # issued steps, oldest first, whose results are unread
         try:
             while True:
-                idle = self._scheduler.is_idle()
-                if not self._drain_inbox(block=idle):
+                if not self._drain_inbox(block=self._scheduler.is_idle()):
+                    while frames:  # a stop: settle the issued steps so that their fences pass
+                        self._consume(frames.popleft())
                     break
-                plan = self._scheduler.schedule()
-                if plan is None:
-                    if not self._scheduler.is_idle():
-                        # Work exists but nothing can run: requests wait for pages held by the cache
-                        # or for resources in flight. Block for the next message rather than spin.
-                        if not self._drain_inbox(block=True):
-                            break
-                    continue
-                self._step(plan)
+                plan = self._scheduler.schedule() if len(frames) < self._depth else None
+                if plan is not None:
+                    frames.append(self._launch(plan))
+                if frames and (plan is None or len(frames) >= self._depth):
+                    self._consume(frames.popleft())
+                elif plan is None and not self._scheduler.is_idle():
+                    # Work exists but nothing can run: requests wait for pages held by the cache
+                    # or for resources in flight. Block for the next message rather than spin.
+                    if not self._drain_inbox(block=True):
+                        break
         except Exception as exc:  # a failed step fails every request; the process can still exit
             log.exception("model worker failed")
             self._failure = f"{type(exc).__name__}: {exc}"
@@ -287,32 +320,54 @@ class Engine:
         if self.telemetry is not None:
             self.telemetry.request_queued(request_id, len(request.prompt_ids))
 
-    def _step(self, plan: StepPlan) -> None:
+    def _launch(self, plan: StepPlan) -> _Frame:
+        """Issue `plan` and its sampling; nothing here waits for the device. Sampled tokens stay
+        on the device as the next decode inputs; their host copies are read in `_consume`."""
         samples = plan.samples
-        started = time.perf_counter()
+        frame = _Frame(plan, time.perf_counter())
+        if self._cuda:
+            frame.started = torch.cuda.Event(enable_timing=True)
+            frame.started.record()
         logits = self._executor.run(plan)
-        tokens = None
-        sampled_logprobs = None
         if samples:
             lives = [self._live.get(h.request_id) for h in samples]
-            params = [live.request.sampling if live else None for live in lives]
-            steps = [live.generated if live else 0 for live in lives]
+            params = [live.request.sampling if live else SamplingParams(temperature=0.0) for live in lives]
+            steps = [live.sampled if live else 0 for live in lives]
             penalties = [live.penalties if live else None for live in lives]
             top_n = max((live.request.top_logprobs for live in lives if live and live.request.logprobs), default=0)
             want_logprobs = any(live and live.request.logprobs for live in lives)
-            output = self._sampler.sample(logits, [p or SamplingParams(temperature=0.0) for p in params], steps,
-                                          penalties, logprobs=want_logprobs, top_logprobs=top_n)
+            output = self._sampler.sample(logits, params, steps, penalties, logprobs=want_logprobs,
+                                          top_logprobs=top_n)
             tokens = output.token_ids
             self._executor.record_sampled([h.slot for h in samples], tokens)
-            sampled_logprobs = output
-        token_list = tokens.tolist() if tokens is not None else []
-        duration = time.perf_counter() - started
+            for row, live in enumerate(lives):
+                if live is not None:
+                    live.sampled += 1
+                    if live.penalties is not None:
+                        live.penalties.record(tokens[row:row + 1])
+            frame.output = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
+                                          (tokens, output.logprobs, output.top_ids, output.top_logprobs)))
+        if self._cuda:
+            frame.done = torch.cuda.Event(enable_timing=True)
+            frame.done.record()
+        return frame
+
+    def _consume(self, frame: _Frame) -> None:
+        """Read back the oldest issued step: confirm it with the scheduler, then stream its tokens."""
+        plan, samples = frame.plan, frame.plan.samples
+        if frame.done is not None:
+            frame.done.synchronize()
+            duration = frame.started.elapsed_time(frame.done) / 1000.0  # device time of this step
+        else:
+            duration = time.perf_counter() - frame.issued
+        output = frame.output
+        token_list = output.token_ids.tolist() if output is not None else []
         self._note_first_work(plan)
         confirmed = self._scheduler.complete(plan, StepResult(token_list, duration))
         if self.telemetry is not None:
             self.telemetry.record_step(plan.kind.value, plan.capacity, duration,
                                        prefill_tokens=sum(chunk.end - chunk.start for chunk in plan.prefills),
-                                       sampled=[sampled.handle.request_id for sampled in confirmed],
+                                       sampled=[s.handle.request_id for s in confirmed],
                                        **self._page_counts())
         index_of = {h: i for i, h in enumerate(samples)}
         now = time.monotonic()
@@ -321,7 +376,7 @@ class Engine:
             if live is None or live.finished:
                 continue
             row = index_of[sampled.handle]
-            self._on_token(live, sampled.token, row, sampled_logprobs, now)
+            self._on_token(live, sampled.token, row, output, now)
         self._sync_prefix_metrics()
         self._update_gauges()
 
@@ -342,8 +397,6 @@ class Engine:
 
     def _on_token(self, live: _Live, token: int, row: int, output, now: float) -> None:
         live.generated += 1
-        if live.penalties is not None:
-            live.penalties.append(token)
         if live.first_token_at is None:
             live.first_token_at = now
             self.metrics.observe_ttft(now - live.submitted)

@@ -1,0 +1,106 @@
+"""The engine with two steps in flight (what the CUDA path runs) against one at a time, on the
+CPU reference executor: the same requests must produce the same tokens, logprobs and usage.
+
+With two frames, step N+1 is issued before step N's tokens are read back: decode inputs come
+from the device, seeded sampling counts steps that are still in flight, penalties count tokens
+the host has not seen, and a request that stops or is cancelled still has a step in flight
+whose tokens must be dropped and whose pages must come back at its fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from flare_core.config import load_config
+from flare_core.plugins import load_registry
+from flare_core.runtime.engine import Engine
+from flare_core.runtime.loaded import load_core
+from flare_core.runtime.memory import plan_kv
+from flare_core.runtime.types import GenerationRequest, SamplingParams
+
+
+def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_model: bool = False) -> Engine:
+    from flare_core.cli import open_verified_core
+
+    config = load_config(flare.config_path)
+    loaded = load_core(open_verified_core(config, str(core_path), trust_publisher=True), load_registry(),
+                       torch.device(device))
+    kv = plan_kv(loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", "64M")
+    return Engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
+                  compile_model=compile_model)
+
+
+REQUESTS = [
+    GenerationRequest(prompt_ids=tuple(range(5, 40)), max_tokens=12, sampling=SamplingParams(temperature=0.0),
+                      ignore_eos=True, logprobs=True, top_logprobs=2),
+    GenerationRequest(prompt_ids=tuple(range(100, 300)), max_tokens=9, ignore_eos=True,
+                      sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=7)),
+    GenerationRequest(prompt_ids=tuple(range(50, 53)), max_tokens=15, ignore_eos=True,
+                      sampling=SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5,
+                                              repetition_penalty=1.3)),
+    GenerationRequest(prompt_ids=tuple(range(7, 80)), max_tokens=6, ignore_eos=True,
+                      sampling=SamplingParams(temperature=1.0, top_k=5, seed=3), stop_token_ids=()),
+    # Ends early on whatever it generates third (a per-request stop token): a step of it is in flight.
+    GenerationRequest(prompt_ids=tuple(range(300, 340)), max_tokens=20, ignore_eos=True,
+                      sampling=SamplingParams(temperature=0.0)),
+]
+
+
+async def run_requests(engine: Engine, requests, cancel_after: dict[int, int] | None = None):
+    engine.start()
+    try:
+        streams = [engine.submit(r) for r in requests]
+
+        async def collect(i, stream):
+            tokens, logprobs, last = [], [], None
+            async for event in stream:
+                tokens.extend(event.token_ids)
+                logprobs.extend((lp.token_id, round(lp.logprob, 4), tuple(t[0] for t in lp.top))
+                                for lp in event.logprobs)
+                if cancel_after and i in cancel_after and len(tokens) >= cancel_after[i]:
+                    stream.cancel()
+                last = event
+            return tokens, logprobs, last.finish_reason, last.usage
+
+        return await asyncio.gather(*(collect(i, s) for i, s in enumerate(streams)))
+    finally:
+        await engine.aclose()
+
+
+@pytest.fixture(scope="module")
+def reference(session_flare, qwen3_core):
+    engine = make_engine(session_flare, qwen3_core, frames=1)
+    return asyncio.run(run_requests(engine, REQUESTS))
+
+
+def test_two_frames_match_one(session_flare, qwen3_core, reference):
+    engine = make_engine(session_flare, qwen3_core, frames=2)
+    results = asyncio.run(run_requests(engine, REQUESTS))
+    assert results == reference
+    assert engine._depth == 2
+    stats = engine.stats()
+    assert stats["live"] == 0 and stats["waiting"] == 0
+
+
+def test_two_frames_stop_token_and_cancel_release_everything(session_flare, qwen3_core, reference):
+    # Request 4 stops on its third greedy token (found in the reference run); request 0 is
+    # cancelled after its fourth token. Both have a later step in flight when they end.
+    third = reference[4][0][2]
+    stopping = GenerationRequest(prompt_ids=REQUESTS[4].prompt_ids, max_tokens=20, ignore_eos=True,
+                                 stop_token_ids=(third,), sampling=SamplingParams(temperature=0.0))
+    requests = [*REQUESTS[:4], stopping]
+    engine = make_engine(session_flare, qwen3_core, frames=2)
+    results = asyncio.run(run_requests(engine, requests, cancel_after={0: 4}))
+    stop_tokens, _, stop_reason, stop_usage = results[4]
+    assert stop_tokens == reference[4][0][:reference[4][0].index(third) + 1] and stop_reason == "stop"
+    assert stop_usage.completion_tokens == len(stop_tokens)
+    cancelled_tokens, _, cancel_reason, _ = results[0]
+    assert cancel_reason == "cancelled" and cancelled_tokens == reference[0][0][:len(cancelled_tokens)]
+    assert results[1:4] == reference[1:4]  # the others are untouched
+    assert engine.stats()["live"] == 0
+    # Emptied of what the prefix cache keeps, the pool is whole: no finished request kept a page.
+    engine._prefix.evict_pages(engine._pages.num_pages)
+    assert engine._pages.free_count == engine._pages.num_pages
