@@ -4,7 +4,9 @@ One process, one run, one set of random bf16 weights of a real shape (default: Q
 36 layers, hidden 4096, 32/8 heads, head_dim 128, vocab 151936):
   * the device copy bandwidth (a large device-to-device copy),
   * Flare decode tok/s through the CUDA executor (FlashInfer + captured decode graphs) with a
-    `--context`-token context, greedy sampling and the token read back every step (as serving does),
+    `--context`-token context, greedy sampling and the token read back every step with two steps
+    in flight (as serving does), over the model as captured and compiled-then-captured; the
+    first tokens of both are reported next to the eager reference's,
   * the bandwidth roofline fraction: weight bytes x tok/s / bandwidth,
   * Hugging Face `generate` (dynamic cache, SDPA) on the same weights and prompt length.
 
@@ -40,29 +42,26 @@ def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> flo
     return 2 * gib * 2**30 * repeats / seconds
 
 
-def flare_decode(config, hf_model, device, context: int, steps: int) -> dict:
+def flare_decode(config, model, weight_bytes: int, device, context: int, steps: int, compile_model: bool,
+                 profile: Path | None = None) -> dict:
+    """Decode at concurrency 1 the way the engine runs it: two steps in flight, each step's
+    input token read on the device from the step before, its sampled token copied back to the
+    host and read one step later."""
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import GraphExecutor
-    from flare_core.ops.loading import load_prepared_weights
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
-    from flare_recipe_qwen.recipes import QWEN3
 
-    prepared = dict(QWEN3.map_weights(config, hf_model.state_dict(), torch.bfloat16))
-    model = QWEN3.build_model(config, torch.bfloat16)
-    load_prepared_weights(model, prepared, device)
-    del prepared
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = config.num_hidden_layers
     scheme = CacheScheme("attention-kv", (PagedStore("k", (8, 128), "bfloat16", layers),
                                           PagedStore("v", (8, 128), "bfloat16", layers)))
-    page_tokens, total = 64, context + steps + 1
+    page_tokens, total = 64, context + steps + 48
     num_pages = -(-total // page_tokens) + 4
     started = time.perf_counter()
     executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=1,
                              num_snapshot_slots=0, num_logits_slots=0, vocab_size=config.vocab_size, device=device,
-                             decode_capacities=(1,), context_length=total)
-    capture_s = time.perf_counter() - started
+                             decode_capacities=(1,), context_length=total, compile_model=compile_model)
+    startup_s = time.perf_counter() - started
     handle = RequestHandle("bench", 0, 1)
     pages = tuple(range(num_pages))
     prompt = torch.randint(1000, 100000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -70,22 +69,79 @@ def flare_decode(config, hf_model, device, context: int, steps: int) -> dict:
                                                                             True, None),), 0.0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    token = int(executor.run(prefill).argmax(-1).item())
+    first = executor.run(prefill).argmax(-1)
+    executor.record_sampled([0], first)
+    first_token = int(first.item())
     ttft = time.perf_counter() - t0
 
-    def decode(position: int, token: int) -> int:
-        plan = StepPlan(position, StepKind.DECODE, 1, (), (DecodeEntry(handle, position, token, pages),), (), 0.0)
-        return int(executor.run(plan).argmax(-1).item())
+    def launch(position: int):
+        plan = StepPlan(position, StepKind.DECODE, 1, (), (DecodeEntry(handle, position, None, pages),), (), 0.0)
+        token = executor.run(plan).argmax(-1)
+        executor.record_sampled([0], token)
+        host = token.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
-    for i in range(5):  # warm-up replays
-        token = decode(context + i, token)
+    def run(first_position: int, count: int) -> list[int]:
+        tokens, pending = [], launch(first_position)
+        for i in range(1, count):
+            following = launch(first_position + i)
+            pending[1].synchronize()
+            tokens.append(int(pending[0][0]))
+            pending = following
+        pending[1].synchronize()
+        return tokens + [int(pending[0][0])]
+
+    run(context, 8)  # warm-up replays
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for i in range(steps):
-        token = decode(context + 5 + i, token)
+    tokens = run(context + 8, steps)
     seconds = time.perf_counter() - start
+    if profile is not None:  # where a step's device time goes, by kernel
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(context + 8 + steps, 20)
+        profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
     return {"decode_c1_tok_s": steps / seconds, "decode_c1_ms_per_token": 1000 * seconds / steps,
-            "weight_bytes": weight_bytes, "graph_capture_s": capture_s, "prefill_ttft_ms": 1000 * ttft}
+            "weight_bytes": weight_bytes, "compile_and_capture_s": startup_s, "compile_s": executor.compile_s,
+            "prefill_ttft_ms": 1000 * ttft, "first_tokens": [first_token, *tokens[:8]]}
+
+
+def eager_greedy(model, device, context: int, steps: int) -> list[int]:
+    """The first greedy tokens through the eager reference executor on the same weights: the
+    graph paths above must produce the same ones (bf16 ties aside)."""
+    from flare_core.contract import CacheScheme, PagedStore
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
+    from flare_core.scheduler.estimates import StepKind
+
+    layers = model.model.config.num_hidden_layers
+    scheme = CacheScheme("attention-kv", (PagedStore("k", (8, 128), "bfloat16", layers),
+                                          PagedStore("v", (8, 128), "bfloat16", layers)))
+    num_pages = -(-(context + steps + 1) // 64)
+    executor = EagerExecutor(model, scheme, num_pages=num_pages, page_tokens=64, num_rows=1, num_snapshot_slots=0,
+                             num_logits_slots=0, vocab_size=model.model.embed_tokens.weight.shape[0], device=device)
+    handle, pages = RequestHandle("reference", 0, 1), tuple(range(num_pages))
+    prompt = torch.randint(1000, 100000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    plan = StepPlan(0, StepKind.PREFILL, context, (), (), (PrefillChunk(handle, 0, context, tuple(prompt), pages,
+                                                                         True, None),), 0.0)
+    tokens = [int(executor.run(plan).argmax(-1).item())]
+    for i in range(steps - 1):
+        plan = StepPlan(i + 1, StepKind.DECODE, 1, (), (DecodeEntry(handle, context + i, tokens[-1], pages),), (), 0.0)
+        tokens.append(int(executor.run(plan).argmax(-1).item()))
+    return tokens
+
+
+def serving_model(config, hf_model, device):
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_recipe_qwen.recipes import QWEN3
+
+    prepared = dict(QWEN3.map_weights(config, hf_model.state_dict(), torch.bfloat16))
+    model = QWEN3.build_model(config, torch.bfloat16)
+    load_prepared_weights(model, prepared, device)
+    return model
 
 
 def hf_generate(hf_model, device, context: int, new_tokens: int) -> float:
@@ -111,17 +167,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--hf-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 compiled decode steps here")
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     config = qwen3_config(args.layers, args.hidden, args.intermediate)
     hf_model = random_hf_model(config, device)
-    flare = flare_decode(config, hf_model, device, args.context, args.steps)
     hf_tok_s = hf_generate(hf_model, device, args.context, args.hf_new_tokens)
-    roofline_tok_s = bandwidth / flare["weight_bytes"]
+    model = serving_model(config, hf_model, device)
+    del hf_model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reference_tokens = eager_greedy(model, device, args.context, 9)
+    # Uncompiled first: compiling wraps the model's layers in place.
+    plain = flare_decode(config, model, weight_bytes, device, args.context, args.steps, compile_model=False)
+    compiled = flare_decode(config, model, weight_bytes, device, args.context, args.steps, compile_model=True,
+                            profile=args.profile)
+    flare = compiled if compiled["decode_c1_tok_s"] >= plain["decode_c1_tok_s"] else plain
+    roofline_tok_s = bandwidth / weight_bytes
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
         **flare,
+        "variant": "compiled" if flare is compiled else "not compiled",
+        "not_compiled_tok_s": plain["decode_c1_tok_s"], "compiled_tok_s": compiled["decode_c1_tok_s"],
+        "not_compiled_first_tokens": plain["first_tokens"], "compiled_first_tokens": compiled["first_tokens"],
+        "eager_reference_first_tokens": reference_tokens,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "roofline_tok_s": roofline_tok_s,
         "roofline_fraction_c1": flare["decode_c1_tok_s"] / roofline_tok_s,
