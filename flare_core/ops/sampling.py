@@ -156,7 +156,9 @@ class PenaltyState:
         self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
         if len(prompt_ids) > 0:
             self._check_ids(prompt_ids, "prompt_ids")
-            self.in_prompt[to_device(list(prompt_ids), torch.long, torch.device(device))] = True
+            # index_fill_ takes the value as a kernel argument; `[ids] = True` would copy it up
+            # synchronously (measured: the one host-device sync left in a served request).
+            self.in_prompt.index_fill_(0, to_device(list(prompt_ids), torch.long, torch.device(device)), True)
 
     def append(self, token_id: int) -> None:
         """Record one generated token."""
