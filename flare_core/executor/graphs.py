@@ -95,11 +95,14 @@ class GraphExecutor(EagerExecutor):
         self.prefill_attention = _FencedPlan(self.kernels.prefill())
         self._pages_per_context = -(-context_length // page_tokens)
         self.compile_s = 0.0
+        reserved = torch.cuda.memory_reserved(device)
         if compile_model:
             self._compile()
         self.graphs: dict[int, _DecodeGraph] = {}
         self.capture_s = 0.0
         self._capture(decode_capacities)
+        # What compilation, warm-up and the graphs' memory pool took beyond the cache storage.
+        self.graph_bytes = torch.cuda.memory_reserved(device) - reserved
 
     # ---- compile and capture ---------------------------------------------------------------
 

@@ -107,6 +107,11 @@ class _Live:
     text_tokens: list[int] = field(default_factory=list)
 
 
+def _deliver_all(batch: list[tuple[RequestStream, GenerationEvent]]) -> None:
+    for stream, event in batch:
+        stream._deliver(event)
+
+
 @dataclass(eq=False)
 class _Frame:
     """One issued step whose results the host has not read yet."""
@@ -187,6 +192,7 @@ class Engine:
         self._failure: str | None = None
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: list[tuple[RequestStream, GenerationEvent]] = []  # model thread: events not yet handed over
         self._prefix_seen = (0, 0, 0)
         self._thread = threading.Thread(target=self._run, name="flare-model", daemon=True)
 
@@ -197,7 +203,8 @@ class Engine:
             return "eager reference (plain-torch paged attention)"
         compiled = f"torch.compile {executor.compile_s:.1f} s, " if executor.compile_s else "not compiled, "
         return (f"CUDA graphs for decode batches {sorted(executor.graphs)} ({compiled}captured in "
-                f"{executor.capture_s:.1f} s), FlashInfer prefill, {self._depth} steps in flight")
+                f"{executor.capture_s:.1f} s, {executor.graph_bytes / 2**20:.0f} MiB), FlashInfer prefill, "
+                f"{self._depth} steps in flight")
 
     # ---- event-loop side -----------------------------------------------------------------
 
@@ -247,8 +254,16 @@ class Engine:
         self._inbox.put(message)
 
     def _emit(self, live: _Live, event: GenerationEvent) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(live.stream._deliver, event)
+        self._outbox.append((live.stream, event))
+
+    def _send_events(self) -> None:
+        """Hand the events gathered since the last flush to the event loop in one call: each
+        call_soon_threadsafe wakes the loop through a socket write, once per step instead of once
+        per token."""
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_deliver_all, batch)
 
     # ---- model thread ----------------------------------------------------------------------
 
@@ -277,10 +292,13 @@ class Engine:
                 self._finish(live, "error", error=f"execution failed: {self._failure}")
         finally:
             self._cancel_all()
+            self._send_events()
 
     def _drain_inbox(self, block: bool) -> bool:
         """Handle pending messages; False when asked to stop."""
         while True:
+            if block:
+                self._send_events()  # nothing else would deliver them while this thread waits
             try:
                 message = self._inbox.get(block=block)
             except queue.Empty:
@@ -377,6 +395,7 @@ class Engine:
                 continue
             row = index_of[sampled.handle]
             self._on_token(live, sampled.token, row, output, now)
+        self._send_events()
         self._sync_prefix_metrics()
         self._update_gauges()
 
