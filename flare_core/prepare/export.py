@@ -154,7 +154,11 @@ def _describe_source(source: ModelSource) -> str:
 
 
 def _config_dict(model_config) -> dict:
-    return json.loads(model_config.to_json_string(use_diff=False))
+    config = json.loads(model_config.to_json_string(use_diff=False))
+    # A core's tensors are all in the export dtype: a recipe that accepts a quantized checkpoint
+    # dequantizes it in map_weights, so the checkpoint's quantization no longer describes them.
+    config.pop("quantization_config", None)
+    return config
 
 
 def _manifest(recipe: Recipe, registry: Registry, source: ModelSource, model_config, dtype: str,

@@ -8,6 +8,7 @@ from typing import Any
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
 from flare_core.contract import ContractError
+from flare_recipe_deepseek.fp8 import Fp8ConfigError, fp8_blocks
 
 # Rope types whose frequencies are fixed at build time; dynamic ones rescale with sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -23,15 +24,10 @@ def check_deepseek_v3_config(config: Any) -> None:
     if not isinstance(config, DeepseekV3Config):
         raise ContractError(obj, "model_type", f"is {config.model_type!r}; the DeepSeek-V3 recipes need a "
                             "DeepseekV3Config")
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = (quantization.get("quant_method", "?") if isinstance(quantization, dict)
-                  else type(quantization).__name__)
-        raise ContractError(obj, "quantization_config",
-                            f"the checkpoint is quantized (quant_method {method!r}: fp8 weights with "
-                            "weight_scale_inv block scales); the DeepSeek-V3 recipes read bfloat16/float16/float32 "
-                            "weights only: use a bfloat16 checkpoint (for example one converted with DeepSeek's "
-                            "fp8_cast_bf16.py)")
+    try:
+        fp8_blocks(config)  # fp8 block-quantized weights are dequantized at export (flare_recipe_deepseek.fp8)
+    except Fp8ConfigError as exc:
+        raise ContractError(obj, f"quantization_config.{exc.field}", exc.problem) from exc
     if config.num_key_value_heads != config.num_attention_heads:
         raise ContractError(obj, "num_key_value_heads", f"{config.num_key_value_heads} differs from "
                             f"num_attention_heads {config.num_attention_heads}; multi-head latent attention "
@@ -64,7 +60,21 @@ def _check_routing_groups(config: Any, obj: str) -> None:
 
 
 def deepseek_v3_plan_notes(config: Any) -> tuple[str, ...]:
-    """What the export plan says about parts of the checkpoint that are not loaded."""
+    """What the export plan says about how the checkpoint is read: fp8 weights dequantized, parts
+    that are not loaded."""
+    return _fp8_notes(config) + _mtp_notes(config)
+
+
+def _fp8_notes(config: Any) -> tuple[str, ...]:
+    blocks = fp8_blocks(config)
+    if blocks is None:
+        return ()
+    rows, cols = blocks.block
+    return (f"fp8 checkpoint: float8_e4m3fn weights are dequantized (one weight_scale_inv per {rows}x{cols} block) "
+            "to the dtype of the weights line (--dtype); the core holds no fp8 weights",)
+
+
+def _mtp_notes(config: Any) -> tuple[str, ...]:
     mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
     if mtp <= 0:
         return ()

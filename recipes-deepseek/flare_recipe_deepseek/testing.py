@@ -4,6 +4,9 @@ export tests of this package and of recipes that reuse its model code (flare-rec
 The real DeepSeek and Kimi tokenizers are too large to keep as test fixtures, so a checkpoint
 gets a small real `tokenizer.json`: byte-level BPE over printable ASCII (every token decodes to
 one visible character, so generated text compares exactly) plus the family's special tokens.
+
+`quantize_fp8_checkpoint` rewrites a saved checkpoint the way DeepSeek and Moonshot publish theirs:
+float8_e4m3fn Linear weights with float32 `weight_scale_inv` block scales and a quantization_config.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
@@ -100,3 +104,138 @@ def write_frontend(directory: Path, *, vocab_size: int, special_tokens: Sequence
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos_token, "eos_token": eos_token}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.token_to_id(stop_token)}))
     return directory
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_quantization_config(block: tuple[int, int] = (128, 128), **extra) -> dict:
+    """config.json quantization_config of DeepSeek-V3's / Kimi K2's published checkpoints."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block),
+            **extra}
+
+
+def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors DeepSeek quantizes: the Linear weights of attention (q_a/q_b/kv_a_proj_with_mqa/
+    kv_b/o_proj) and of the dense and expert MLPs. Embeddings, lm_head, norms and the router
+    (`mlp.gate.weight`, its bias) stay as they are."""
+    return (tensor.dim() == 2 and name.endswith(".weight") and (".self_attn." in name or ".mlp." in name)
+            and not name.endswith(".mlp.gate.weight"))
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)]):
+    scale_inv = amax / 448 per block (edge blocks partial), weight / scale_inv rounded to e4m3."""
+    rows, cols = weight.shape
+    block_rows, block_cols = block
+    grid = (-(-rows // block_rows), -(-cols // block_cols))
+    padded = torch.zeros(grid[0] * block_rows, grid[1] * block_cols)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(grid[0], block_rows, grid[1], block_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:rows, :cols]
+    return quantized.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The float32 value of an fp8 block-quantized weight, block by block (a plain reference)."""
+    out = weight.float()
+    block_rows, block_cols = block
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * block_rows:(i + 1) * block_rows, j * block_cols:(j + 1) * block_cols] *= scale_inv[i, j]
+    return out
+
+
+def quantize_fp8_checkpoint(directory: Path, block: tuple[int, int] = (128, 128), keep: Sequence[str] = (),
+                            **quantization) -> dict[str, torch.Tensor]:
+    """Rewrite the single-file checkpoint in `directory` as an fp8 block-quantized one: every
+    quantized linear weight (`is_quantized_linear`) not under a module named in `keep` becomes
+    float8_e4m3fn with its `weight_scale_inv`; config.json gains `fp8_quantization_config(block)`
+    (plus `modules_to_not_convert: keep` when given, plus `quantization`). Returns the checkpoint's
+    tensors as a model would see them after dequantization (float32, names as on disk)."""
+    directory = Path(directory)
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    stored, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        module = name.removesuffix(".weight")
+        if is_quantized_linear(name, tensor) and not any(module == k or module.startswith(k + ".") for k in keep):
+            weight, scale_inv = quantize_fp8_blocks(tensor, block)
+            stored[name], stored[name + "_scale_inv"] = weight, scale_inv
+            dequantized[name] = dequantize_fp8_blocks(weight, scale_inv, block)
+        else:
+            stored[name] = dequantized[name] = tensor
+    save_file(stored, path, metadata={"format": "pt"})
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    declared = fp8_quantization_config(block, **quantization)
+    if keep:
+        declared["modules_to_not_convert"] = list(keep)
+    config_file.write_text(json.dumps({**config, "quantization_config": declared}))
+    return dequantized
+
+
+def dequantized_reference(directory: Path, tensors: dict[str, torch.Tensor], target: Path) -> torch.nn.Module:
+    """A float32 Transformers DeepseekV3ForCausalLM of `directory`'s config (minus its
+    quantization_config) loaded, every tensor accounted for, from `tensors` (on-disk names, e.g.
+    what `quantize_fp8_checkpoint` returns) saved under `target`."""
+    target = Path(target)
+    target.mkdir(parents=True)
+    config = json.loads((Path(directory) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    # Transformers maps per-expert tensors onto its packed experts for model_type deepseek_v3 only.
+    (target / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, target / "model.safetensors", metadata={"format": "pt"})
+    model, info = ds.DeepseekV3ForCausalLM.from_pretrained(target, dtype=torch.float32, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if problems:
+        raise AssertionError(f"the dequantized reference did not load exactly: {problems}")
+    return model.eval()
+
+
+def export_checkpoint(directory: Path, root: Path, *args: str) -> tuple[Path, str, Path]:
+    """Run `flare export DIRECTORY ARGS --no-progress` with a Flare config whose paths all live
+    under `root`. Returns (core path, what export printed, the config file)."""
+    from click.testing import CliRunner
+
+    from flare_core.cli import main
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / "config.toml"
+    config_path.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "hub"\nkeys = "keys"\n'
+                           'trust_store = "trust.json"\n[defaults]\ndevice = "cpu"\n')
+    result = CliRunner().invoke(main, ["--config", str(config_path), "export", str(directory), *args, "--no-progress"],
+                                catch_exceptions=False)
+    if result.exit_code != 0:
+        raise AssertionError(f"flare export failed:\n{result.output}")
+    return Path(result.output.strip().splitlines()[-1]), result.output, config_path
+
+
+def assert_core_matches(core: Path, config_path: Path, reference: torch.nn.Module,
+                        prompt_lens: Sequence[int] = (7, 45), decode_steps: int = 2, atol: float = 1e-4) -> None:
+    """The exported `core`, verified and loaded as `flare run` loads it, must serve `reference`'s
+    logits for random prompts (prefilled in shared chunks over shuffled pages) and decode steps."""
+    from flare_core.cli import open_verified_core
+    from flare_core.config import load_config
+    from flare_core.plugins import load_registry
+    from flare_core.runtime.loaded import load_core
+    from flare_core.testing import serve_paged
+
+    loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
+                       load_registry(), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(0, loaded.model_config.vocab_size, (n + decode_steps,), generator=generator).tolist()
+                 for n in prompt_lens]
+    with torch.no_grad():
+        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
+    rows = 0
+    for r, consumed, logits in serve_paged(loaded.model, loaded.cache_scheme, sequences, prompt_lens,
+                                           page_tokens=16, step_tokens=32):
+        torch.testing.assert_close(logits, expected[r][consumed - 1], atol=atol, rtol=atol,
+                                   msg=lambda m: f"request {r} after {consumed} tokens: {m}")
+        rows += 1
+    if rows < len(prompt_lens) * (decode_steps + 1):
+        raise AssertionError(f"only {rows} logits rows for {len(prompt_lens)} requests")

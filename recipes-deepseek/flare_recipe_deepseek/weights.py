@@ -13,8 +13,16 @@ has no such layer, so nothing asks for those tensors and they are never read. Th
 * `mlp.experts.down_proj`    = stack over experts of down_proj: [E, hidden, I]
 * everything else keeps its name.
 
-The split of kv_b_proj is done in float32 and cast once at the end. The prepared names, shapes
-and dtypes come from the serving model itself, so the mapping and the model cannot drift apart.
+fp8 block-quantized checkpoints (the published DeepSeek-V3 / V3.1 / Kimi K2 weights) are
+dequantized tensor by tensor (flare_recipe_deepseek.fp8): each float8_e4m3fn `X.weight` is read with
+its `X.weight_scale_inv`, turned into float32 and cast to the model dtype before the next tensor is
+read; only one checkpoint tensor is ever held in float32. Routed experts are written into one
+preallocated [E, ...] tensor of the model dtype, expert by expert.
+
+The split of kv_b_proj is done in float32 and cast once at the end; every other tensor is cast as
+it is read (concatenation and stacking do not round, so this equals casting the fused tensor). The
+prepared names, shapes and dtypes come from the serving model itself, so the mapping and the model
+cannot drift apart.
 """
 
 from __future__ import annotations
@@ -24,36 +32,53 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor
 
+from flare_recipe_deepseek.fp8 import FP8_DTYPES, SUPPORTED, Fp8Blocks, Fp8ConfigError, dequantize, fp8_blocks, \
+    scale_name
 from flare_recipe_deepseek.modeling import build_model
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """Yield (prepared name, tensor) for every tensor the serving model loads, in the model's dtype
-    for it (`dtype`; float32 for the router bias). Raises ValueError naming the checkpoint tensor
-    when one is missing or is stored in fp8."""
+    for it (`dtype`; float32 for the router bias). fp8 block-quantized weights are dequantized.
+    Raises ValueError naming the checkpoint tensor when one is missing or stored in a form the
+    recipes cannot read, and naming the config field when quantization_config is unsupported."""
+    try:
+        blocks = fp8_blocks(config)
+    except Fp8ConfigError as exc:
+        raise ValueError(f"config.json {exc}") from exc
+    source = _Source(checkpoint, blocks)
     for name, target in build_model(config, dtype).state_dict().items():
-        yield name, _prepare(name, checkpoint, config).to(target.dtype).contiguous()
+        yield name, _prepare(name, source, config, target.dtype).contiguous()
 
 
-def _prepare(name: str, checkpoint: Mapping[str, Tensor], config: Any) -> Tensor:
+def _prepare(name: str, source: "_Source", config: Any, dtype: torch.dtype) -> Tensor:
     prefix, _, leaf = name.rpartition(".mlp.experts.")
-    if leaf == "gate_up_proj":
-        return torch.stack([torch.cat([_take(checkpoint, f"{prefix}.mlp.experts.{e}.gate_proj.weight", name),
-                                       _take(checkpoint, f"{prefix}.mlp.experts.{e}.up_proj.weight", name)])
-                            for e in range(config.n_routed_experts)])
-    if leaf == "down_proj":
-        return torch.stack([_take(checkpoint, f"{prefix}.mlp.experts.{e}.down_proj.weight", name)
-                            for e in range(config.n_routed_experts)])
+    if leaf in ("gate_up_proj", "down_proj"):
+        parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+        return _experts(name, source, [[f"{prefix}.mlp.experts.{e}.{part}.weight" for part in parts]
+                                       for e in range(config.n_routed_experts)], dtype)
     if name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv"):
-        source = name.rpartition(".")[0] + ".kv_b_proj.weight"
-        w_uk, w_uv = split_kv_b_proj(_take(checkpoint, source, name), config)
-        return w_uk if name.endswith("w_uk") else w_uv
+        kv_b_proj = source.take(name.rpartition(".")[0] + ".kv_b_proj.weight", name, torch.float32)
+        w_uk, w_uv = split_kv_b_proj(kv_b_proj, config)
+        return (w_uk if name.endswith("w_uk") else w_uv).to(dtype)
     if name.endswith(".gate_up_proj.weight"):
         base = name.removesuffix("gate_up_proj.weight")
-        return torch.cat([_take(checkpoint, f"{base}{part}_proj.weight", name) for part in ("gate", "up")])
-    return _take(checkpoint, name, name)
+        return torch.cat([source.take(f"{base}{part}_proj.weight", name, dtype) for part in ("gate", "up")])
+    return source.take(name, name, dtype)
+
+
+def _experts(target: str, source: "_Source", names: list[list[str]], dtype: torch.dtype) -> Tensor:
+    """Stack over experts of cat(each expert's `names`), filled expert by expert."""
+    out = None
+    for e, parts in enumerate(names):
+        expert = torch.cat([source.take(part, target, dtype) for part in parts])
+        if out is None:
+            out = torch.empty((len(names), *expert.shape), dtype=dtype)
+        elif tuple(expert.shape) != tuple(out.shape[1:]):
+            raise ValueError(f"checkpoint tensors {', '.join(map(repr, parts))} have shape {tuple(expert.shape)} "
+                             f"together; expert 0 has {tuple(out.shape[1:])} (for prepared tensor {target!r})")
+        out[e] = expert
+    return out
 
 
 def split_kv_b_proj(kv_b_proj: Tensor, config: Any) -> tuple[Tensor, Tensor]:
@@ -68,11 +93,32 @@ def split_kv_b_proj(kv_b_proj: Tensor, config: Any) -> tuple[Tensor, Tensor]:
     return per_head[:, :nope, :].contiguous(), per_head[:, nope:, :].transpose(1, 2).contiguous()
 
 
-def _take(checkpoint: Mapping[str, Tensor], source: str, target: str) -> Tensor:
-    if source not in checkpoint:
-        raise ValueError(f"checkpoint lacks tensor {source!r} (needed for prepared tensor {target!r})")
-    tensor = checkpoint[source]
-    if tensor.dtype in _FP8:
-        raise ValueError(f"checkpoint tensor {source!r} is {tensor.dtype}: fp8 block-quantized checkpoints are not "
-                         "supported; use a bfloat16 checkpoint")
-    return tensor
+class _Source:
+    """Checkpoint tensors read one at a time, fp8 ones dequantized with their block scales.
+    Membership is answered from the checkpoint's names (iterating a lazy checkpoint reads no
+    tensor), so looking for a scale never loads anything."""
+
+    def __init__(self, checkpoint: Mapping[str, Tensor], blocks: Fp8Blocks | None):
+        self.checkpoint, self.blocks = checkpoint, blocks
+        self.names = frozenset(checkpoint)
+
+    def take(self, name: str, target: str, dtype: torch.dtype) -> Tensor:
+        """Checkpoint tensor `name` (needed for prepared tensor `target`) in `dtype`."""
+        if name not in self.names:
+            raise ValueError(f"checkpoint lacks tensor {name!r} (needed for prepared tensor {target!r})")
+        tensor = self.checkpoint[name]
+        scale = scale_name(name)
+        if tensor.dtype not in FP8_DTYPES:
+            if scale in self.names:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but has a block scale {scale!r}, "
+                                 f"which only fp8 weights carry; {SUPPORTED}")
+            return tensor.to(dtype)
+        if self.blocks is None:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but config.json declares no "
+                             f"quantization_config; {SUPPORTED}")
+        if tensor.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; {SUPPORTED}")
+        if scale not in self.names:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} without its block scales {scale!r}; "
+                             f"{SUPPORTED}")
+        return dequantize(name, tensor, self.checkpoint[scale], self.blocks).to(dtype)

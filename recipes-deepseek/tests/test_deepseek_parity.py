@@ -154,20 +154,9 @@ def test_missing_checkpoint_tensor_is_named(tmp_path):
         dict(DEEPSEEK_V3.map_weights(config, checkpoint, torch.float32))
 
 
-def test_fp8_checkpoint_tensor_is_rejected(tmp_path):
-    config = v3_config()
-    _, checkpoint = saved_checkpoint(config, tmp_path)
-    name = "model.layers.1.self_attn.q_a_proj.weight"
-    checkpoint[name] = checkpoint[name].to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"q_a_proj\.weight.*float8_e4m3fn.*bfloat16 checkpoint"):
-        dict(DEEPSEEK_V3.map_weights(config, checkpoint, torch.bfloat16))
-
-
-FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-
 @pytest.mark.parametrize("config, field", [
-    (v3_config(quantization_config=FP8), "quantization_config"),
+    # fp8 block quantization is dequantized at export (test_deepseek_fp8); other methods are refused.
+    (v3_config(quantization_config={"quant_method": "compressed-tensors"}), "quantization_config.quant_method"),
     (v3_config(num_key_value_heads=2), "num_key_value_heads"),
     (v3_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
      "rope_parameters.rope_type"),
@@ -183,11 +172,6 @@ def test_unsupported_structure_is_rejected(config, field):
     with pytest.raises(ContractError) as error:
         DEEPSEEK_V3.check_config(config)
     assert error.value.field == field
-
-
-def test_fp8_rejection_explains_what_to_do():
-    with pytest.raises(ContractError, match="weight_scale_inv.*bfloat16 checkpoint"):
-        DEEPSEEK_V3.check_config(v3_config(quantization_config=FP8))
 
 
 def test_recipes_are_declared_and_discovered():
