@@ -50,7 +50,8 @@ class FlashInferDecode:
     graph: the page-table buffers are allocated once for up to `max_pages` pages."""
 
     def __init__(self, workspace: Tensor, capacity: int, max_pages: int, *, num_heads: int, num_kv_heads: int,
-                 head_dim: int, page_tokens: int, dtype: torch.dtype, use_cuda_graph: bool):
+                 head_dim: int, page_tokens: int, dtype: torch.dtype, use_cuda_graph: bool,
+                 use_tensor_cores: bool = True):
         import flashinfer
 
         device = workspace.device
@@ -61,7 +62,7 @@ class FlashInferDecode:
         self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
         self._last = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=use_cuda_graph, use_tensor_cores=True,
+            workspace, "NHD", use_cuda_graph=use_cuda_graph, use_tensor_cores=use_tensor_cores,
             paged_kv_indptr_buffer=self._indptr, paged_kv_indices_buffer=self._indices,
             paged_kv_last_page_len_buffer=self._last)
         # Split-KV stays on under graphs: in CUDA-graph mode FlashInfer's planner always splits

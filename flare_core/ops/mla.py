@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from flare_core.ops.attention import AttentionBatch, ForwardContext, write_paged
+from flare_core.ops.opaque import bound_context
 
 
 class MLABackend(Protocol):
@@ -89,25 +90,38 @@ class MLAPagedAttention(nn.Module):
 
     def forward(self, q_latent: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
                 context: ForwardContext) -> Tensor:
-        ckv_layer = context.cache[self.latent_store][self.layer_idx]
-        kpe_layer = context.cache[self.rope_store][self.layer_idx]
+        ckv_layer = context.store(self.latent_store, self)
+        kpe_layer = context.store(self.rope_store, self)
         if ckv_layer.shape[-1] != self.kv_lora_rank or kpe_layer.shape[-1] != self.rope_dim:
             raise ValueError(f"MLAPagedAttention layer {self.layer_idx}: cache records are "
                              f"{ckv_layer.shape[-1]} + {kpe_layer.shape[-1]} wide, the model needs "
                              f"kv_lora_rank {self.kv_lora_rank} + rope dim {self.rope_dim}")
-        return _append_and_attend(self, q_latent, q_rope, latent, k_rope, ckv_layer, kpe_layer, context)
+        write_paged(ckv_layer, latent, context.batch.slot_mapping)
+        write_paged(kpe_layer, k_rope, context.batch.slot_mapping)
+        if torch.compiler.is_compiling():  # see flare_core.ops.opaque
+            return torch.ops.flare.latent_attention(q_latent, q_rope, ckv_layer, kpe_layer, self.scale)
+        return attend_latent(q_latent, q_rope, ckv_layer, kpe_layer, self.scale, context)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, rope_dim={self.rope_dim}, "
                 f"layer_idx={self.layer_idx}")
 
 
-# Opaque to torch.compile, for the reasons given at flare_core.ops.attention._append_and_attend.
-@torch.compiler.disable
-def _append_and_attend(module: MLAPagedAttention, q_latent: Tensor, q_rope: Tensor, latent: Tensor,
-                       k_rope: Tensor, ckv_layer: Tensor, kpe_layer: Tensor, context: ForwardContext) -> Tensor:
-    write_paged(ckv_layer, latent, context.batch.slot_mapping)
-    write_paged(kpe_layer, k_rope, context.batch.slot_mapping)
+def attend_latent(q_latent: Tensor, q_rope: Tensor, ckv_layer: Tensor, kpe_layer: Tensor, scale: float,
+                  context: ForwardContext) -> Tensor:
+    """Absorbed MLA over latent cache layers that already hold this step's records: the step's
+    planned kernel backend, or the plain-torch reference when it has none."""
     if context.attention is not None:
-        return context.attention.run_mla(q_latent, q_rope, ckv_layer, kpe_layer, module.scale)
-    return mla_attention_reference(q_latent, q_rope, ckv_layer, kpe_layer, context.batch, module.scale)
+        return context.attention.run_mla(q_latent, q_rope, ckv_layer, kpe_layer, scale)
+    return mla_attention_reference(q_latent, q_rope, ckv_layer, kpe_layer, context.batch, scale)
+
+
+@torch.library.custom_op("flare::latent_attention", mutates_args=())
+def _latent_attention_op(q_latent: Tensor, q_rope: Tensor, ckv_layer: Tensor, kpe_layer: Tensor,
+                         scale: float) -> Tensor:
+    return attend_latent(q_latent, q_rope, ckv_layer, kpe_layer, scale, bound_context("latent_attention"))
+
+
+@_latent_attention_op.register_fake
+def _(q_latent: Tensor, q_rope: Tensor, ckv_layer: Tensor, kpe_layer: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(q_latent)

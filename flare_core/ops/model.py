@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flare_core.ops.attention import ForwardContext
+from flare_core.ops.opaque import bound
 
 
 @runtime_checkable
@@ -61,12 +62,31 @@ class DecoderForServing(nn.Module):
         self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
 
     def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        hidden = self.model.embed_tokens(input_ids)[None]  # the decoder layers expect [batch, tokens, hidden]
+        with bound(context):  # compiled layers (compile_layers) find the step's attention plan here
+            return self._forward(input_ids, positions, context)
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        # The decoder layers expect [batch, tokens, hidden]. Embedding [1, T] ids (rather than
+        # viewing [T, hidden] as [1, T, hidden]) hands every layer a tensor that is no view, so
+        # compiled layers share one code: a view input would give the first layer its own.
+        hidden = self.model.embed_tokens(input_ids[None])
         # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
         cos, sin = self.model.rotary_emb(hidden, positions[None])
         position_embeddings = (cos[0], sin[0])
-        for layer in self.model.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
+        for index, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, position_embeddings=position_embeddings, context=context.for_layer(index))
         hidden = self.model.norm(hidden[0].index_select(0, context.batch.logits_indices))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer of a `DecoderForServing`, in place: one compiled code
+    shared by all layers (they differ only in weights, which are graph inputs), with symbolic
+    token counts. Attention is one opaque op inside it (flare_core.ops.opaque), so a layer is one
+    graph; `fullgraph` makes a graph break an error at compile time instead of a silent split.
+    Compilation happens at the first calls of each shape kind (one token, several tokens)."""
+    if not isinstance(model, DecoderForServing):
+        raise ValueError(f"compile_layers needs a flare_core.ops.model.DecoderForServing, got {type(model).__name__}")
+    for layer in model.model.layers:
+        layer.compile(dynamic=True, fullgraph=True)
