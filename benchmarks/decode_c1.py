@@ -4,8 +4,8 @@ One process, one run, one set of random bf16 weights of a real shape (default: Q
 36 layers, hidden 4096, 32/8 heads, head_dim 128, vocab 151936):
   * the device copy bandwidth (a large device-to-device copy),
   * Flare decode tok/s through the CUDA executor (FlashInfer + captured decode graphs) with a
-    `--context`-token context, greedy sampling and the token read back every step with two steps
-    in flight (as serving does), over the model as captured and compiled-then-captured; the
+    `--context`-token context, greedy sampling inside the graph and the token read back every
+    step with two steps in flight (as serving does), over the model as captured and compiled-then-captured; the
     first tokens of both are reported next to the eager reference's,
   * the bandwidth roofline fraction: weight bytes x tok/s / bandwidth,
   * Hugging Face `generate` (dynamic cache, SDPA) on the same weights and prompt length.
@@ -49,6 +49,8 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     host and read one step later."""
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import GraphExecutor
+    from flare_core.ops.sampling import StepSampling
+    from flare_core.runtime.types import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
 
@@ -74,10 +76,11 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     first_token = int(first.item())
     ttft = time.perf_counter() - t0
 
+    greedy = StepSampling([SamplingParams(temperature=0.0)], [0], [None])
+
     def launch(position: int):
         plan = StepPlan(position, StepKind.DECODE, 1, (), (DecodeEntry(handle, position, None, pages),), (), 0.0)
-        token = executor.run(plan).argmax(-1)
-        executor.record_sampled([0], token)
+        token = executor.step(plan, greedy).token_ids  # sampled inside the decode graph
         host = token.to("cpu", non_blocking=True)
         done = torch.cuda.Event()
         done.record()

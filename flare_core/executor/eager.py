@@ -9,6 +9,7 @@ import torch
 from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.sampling import SampleOutput, Sampler, StepSampling
 from flare_core.ops.transfer import to_device
 from flare_core.scheduler import StepPlan
 
@@ -20,7 +21,7 @@ class EagerExecutor:
 
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
-                 device: torch.device):
+                 device: torch.device, seed: int = 0):
         self.model = model
         self.scheme = scheme
         self.page_tokens = page_tokens
@@ -35,7 +36,9 @@ class EagerExecutor:
         self.logits_store = torch.zeros(num_logits_slots, vocab_size, dtype=torch.float32, device=device)
         # The token each slot sampled last: the input of a decode entry whose token the host
         # has not confirmed yet (a plan issued before its predecessor completed).
-        self.last_sampled = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        # One row beyond the live slots: where padding rows of a captured decode step write.
+        self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
+        self.sampler = Sampler(seed=seed, device=device)
 
     def storage_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layers in self.storage.values() for t in layers) + \
@@ -53,6 +56,19 @@ class EagerExecutor:
                     live[slot].copy_(saved[snapshot])
                 else:
                     saved[snapshot].copy_(live[slot])
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
+        """Execute `plan` and sample its rows (`plan.samples` order) as `sampling` says; the
+        sampled tokens are recorded as their slots' next decode inputs. Returns device tensors,
+        None for a step that samples nothing."""
+        logits = self.run(plan)
+        if not plan.samples:
+            return None
+        output = self.sampler.sample(logits, sampling.params, sampling.steps, sampling.penalties,
+                                     logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs)
+        self.record_sampled([h.slot for h in plan.samples], output.token_ids)
+        return output
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:

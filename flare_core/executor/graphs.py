@@ -9,8 +9,9 @@ FlashInfer plan (made on the host from the scheduler's page tables before the re
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
-the model's decoder layers run through torch.compile (Inductor fuses the norms, rotary and
-activation code between the matmuls) before the graphs are captured over them.
+the model's decoder layers run through torch.compile (Inductor fuses the norms, rotary, cache
+writes and activation code between the matmuls; attention is one opaque op, see
+flare_core.ops.opaque) before the graphs are captured over them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from flare_core.executor.eager import EagerExecutor
 from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.kernels import kernels_for
-from flare_core.ops.transfer import to_device
+from flare_core.ops.model import compile_layers
+from flare_core.ops.sampling import SampleOutput, StepSampling, row_columns, sample_rows, window
+from flare_core.ops.transfer import upload
 from flare_core.scheduler import StepPlan
 
 log = structlog.get_logger("flare.graphs")
@@ -60,14 +63,36 @@ class _FencedPlan:
         return self.backend.run_mla(*args)
 
 
+# A decode graph's inputs arrive in two blocks, one host-to-device copy each per step. Rows of
+# the int64 block [INT_ROWS, capacity]: the tokens the host knows, whether a row reads its token
+# from the step before on the device instead, the rows' request slots, positions and cache
+# slots, then the sampling columns (top-k, seeds, steps, seeded) and the unseeded key (column 0).
+(_IDS, _FROM_DEVICE, _ROW_SLOTS, _POSITIONS, _CACHE_SLOTS, _TOP_K, _SEEDS, _STEPS, _SEEDED, _KEY) = range(10)
+INT_ROWS = 10
+# Rows of the float32 block [3, capacity]: temperature, top-p, min-p.
+FLOAT_ROWS = 3
+
+# The candidate window of in-graph sampling: steps whose rows all keep their rank filters exact
+# within the 64 most probable tokens (top-k <= 64, and no top-p without a top-k) sample inside
+# the decode graph. Others (and rows with penalties) sample eagerly from the graph's logits.
+GRAPH_SAMPLING_WINDOW = 64
+
+
 @dataclass
 class _DecodeGraph:
+    """The graphs of one decode batch capacity: the forward (input block -> logits), and two
+    samplers over its logits (greedy, and `sample_rows` over the sampling columns) that record
+    the tokens as their slots' next inputs."""
+
     capacity: int
-    graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
+    forward: torch.cuda.CUDAGraph
+    greedy: torch.cuda.CUDAGraph
+    sampled: torch.cuda.CUDAGraph
+    ints: torch.Tensor
+    floats: torch.Tensor
     logits: torch.Tensor
+    greedy_tokens: torch.Tensor
+    sampled_tokens: torch.Tensor
     attention: _FencedPlan
     # A captured graph reads raw addresses and does not keep its inputs alive: hold every tensor
     # the capture read (e.g. the logits row indices) for as long as the graph may replay.
@@ -94,7 +119,10 @@ class GraphExecutor(EagerExecutor):
         self.scale = self.kernels.scale
         self.prefill_attention = _FencedPlan(self.kernels.prefill())
         self._pages_per_context = -(-context_length // page_tokens)
+        self.vocab_size = vocab_size
         self.compile_s = 0.0
+        # Inside the graphs, Inductor fuses sampling's passes over the [rows, vocab] logits.
+        self._sample_rows = torch.compile(sample_rows, dynamic=True) if compile_model else sample_rows
         reserved = torch.cuda.memory_reserved(device)
         if compile_model:
             self._compile()
@@ -111,11 +139,7 @@ class GraphExecutor(EagerExecutor):
         weights, which are graph inputs) with symbolic token counts, and run it once per step kind
         so that compilation happens at load, not in the first requests."""
         started = time.perf_counter()
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        if layers is None:
-            raise ValueError("compile_model needs a model with model.layers (flare_core.ops.model.DecoderForServing)")
-        for layer in layers:
-            layer.compile(dynamic=True)
+        compile_layers(self.model)
         for tokens in (3, 1):  # a prompt chunk, then a single decode row (size 1 compiles separately)
             self._warm_prefill(tokens)
         torch.cuda.synchronize()
@@ -139,66 +163,132 @@ class GraphExecutor(EagerExecutor):
     def _capture(self, capacities: tuple[int, ...]) -> None:
         started = time.perf_counter()
         pool = None
+        # The largest capacity is captured first; the other graphs reuse its memory pool.
         for capacity in sorted(capacities, reverse=True):
-            attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1)))
-            input_ids = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-            positions = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-            slots = torch.full((capacity,), self.scratch_page * self.page_tokens, dtype=torch.int64,
-                               device=self.device)
-            batch = AttentionBatch(
-                query_start=torch.arange(capacity + 1, dtype=torch.int32, device=self.device),
-                kv_lens=torch.ones(capacity, dtype=torch.int32, device=self.device),
-                page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=self.device),
-                slot_mapping=slots, logits_indices=torch.arange(capacity, device=self.device),
-                page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
-                kv_lens_host=(1,) * capacity)
-            context = ForwardContext(batch, self.storage, attention)
-            attention.plan(self._scratch_layout(capacity), self.scale)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up kernels and allocator outside the capture
-                    self.model(input_ids, positions, context)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # The largest capacity is captured first; the smaller ones reuse its memory pool.
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(input_ids, positions, context)
-            pool = graph.pool()
-            self.graphs[capacity] = _DecodeGraph(capacity, graph, input_ids, positions, slots, logits, attention,
-                                                 context)
+            graph = self._capture_capacity(capacity, pool)
+            pool = graph.forward.pool()
+            self.graphs[capacity] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - started
         if capacities:
             log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs), seconds=round(self.capture_s, 2))
 
+    def _capture_capacity(self, capacity: int, pool) -> _DecodeGraph:
+        device, scratch_row = self.device, self.last_sampled.shape[0] - 1
+        attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1)))
+        ints = torch.zeros(INT_ROWS, capacity, dtype=torch.int64, device=device)
+        ints[_ROW_SLOTS] = scratch_row
+        ints[_CACHE_SLOTS] = self.scratch_page * self.page_tokens
+        floats = torch.zeros(FLOAT_ROWS, capacity, dtype=torch.float32, device=device)
+        floats[1] = 1.0  # top-p off
+        batch = AttentionBatch(
+            query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
+            kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
+            page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
+            slot_mapping=ints[_CACHE_SLOTS], logits_indices=torch.arange(capacity, device=device),
+            page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
+            kv_lens_host=(1,) * capacity)
+        context = ForwardContext(batch, self.storage, attention)
+        attention.plan(self._scratch_layout(capacity), self.scale)
+
+        def forward() -> torch.Tensor:
+            ids = torch.where(ints[_FROM_DEVICE] != 0, self.last_sampled[ints[_ROW_SLOTS]], ints[_IDS])
+            return self.model(ids, ints[_POSITIONS], context)
+
+        def recorded(tokens: torch.Tensor) -> torch.Tensor:
+            self.last_sampled.index_put_((ints[_ROW_SLOTS],), tokens)
+            return tokens
+
+        forward_graph, logits = self._captured(forward, pool)
+        pool = forward_graph.pool()
+        greedy_graph, greedy_tokens = self._captured(lambda: recorded(logits.argmax(dim=-1)), pool)
+        sampled_graph, sampled_tokens = self._captured(lambda: recorded(self._sample_rows(
+            logits, temperature=floats[0], top_k=ints[_TOP_K], top_p=floats[1], min_p=floats[2],
+            seeds=ints[_SEEDS], steps=ints[_STEPS], seeded=ints[_SEEDED] != 0, unseeded_seed=ints[_KEY, 0],
+            candidates=min(GRAPH_SAMPLING_WINDOW, logits.shape[-1]))), pool)
+        return _DecodeGraph(capacity, forward_graph, greedy_graph, sampled_graph, ints, floats, logits,
+                            greedy_tokens, sampled_tokens, attention, context)
+
+    @staticmethod
+    def _captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels, compilation and the allocator outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn()
+        return graph, output
+
     # ---- steps -----------------------------------------------------------------------------
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
+    def _graph_for(self, plan: StepPlan) -> _DecodeGraph | None:
+        """The smallest captured capacity that covers a decode-only step, if any."""
+        if plan.prefills:
+            return None
         rows = len(plan.decodes)
-        graph = None
-        if not plan.prefills:
-            graph = next((self.graphs[c] for c in sorted(self.graphs) if c >= rows), None)
+        return next((self.graphs[c] for c in sorted(self.graphs) if c >= rows), None)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        graph = self._graph_for(plan)
         if graph is None:
             return self._forward_prefill(plan)
-        return self._replay(graph, plan)
+        self._replay(graph, plan, None)
+        return graph.logits[:len(plan.decodes)]
 
-    def _replay(self, graph: _DecodeGraph, plan: StepPlan) -> torch.Tensor:
+    @torch.inference_mode()
+    def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
+        graph = self._graph_for(plan)
+        if graph is None or sampling is None or plan.restores or not self._samples_in_graph(sampling):
+            return super().step(plan, sampling)
+        rows = len(plan.decodes)
+        self._replay(graph, plan, sampling)
+        if sampling.greedy:
+            graph.greedy.replay()
+            tokens = graph.greedy_tokens[:rows]
+        else:
+            graph.sampled.replay()
+            tokens = graph.sampled_tokens[:rows]
+        # Views of the graph's buffers: valid until the next replay, which is enqueued after
+        # everything the engine enqueues on them (host copies, penalty counts).
+        return self.sampler.with_logprobs(graph.logits[:rows], tokens, sampling.logprobs, sampling.top_logprobs)
+
+    def _samples_in_graph(self, sampling: StepSampling) -> bool:
+        if sampling.penalised:
+            return False
+        return sampling.greedy or window(sampling.params, self.vocab_size) <= GRAPH_SAMPLING_WINDOW
+
+    def _replay(self, graph: _DecodeGraph, plan: StepPlan, sampling: StepSampling | None) -> None:
         rows, capacity, page_tokens = len(plan.decodes), graph.capacity, self.page_tokens
         pad = capacity - rows
-        positions = [e.position for e in plan.decodes]
-        slots = [e.page_table[e.position // page_tokens] * page_tokens + e.position % page_tokens
-                 for e in plan.decodes]
-        graph.input_ids[:rows].copy_(self._input_ids(plan))
-        graph.positions.copy_(to_device(positions + [0] * pad, torch.int64, self.device))
-        graph.slots.copy_(to_device(slots + [self.scratch_page * page_tokens] * pad, torch.int64, self.device))
+        decodes = plan.decodes
+        positions = [e.position for e in decodes]
+        ints = [
+            [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
+            [int(e.input_token is None) for e in decodes] + [0] * pad,
+            [e.handle.slot for e in decodes] + [self.last_sampled.shape[0] - 1] * pad,
+            positions + [0] * pad,
+            [e.page_table[e.position // page_tokens] * page_tokens + e.position % page_tokens for e in decodes]
+            + [self.scratch_page * page_tokens] * pad,
+        ]
+        floats = [[0.0] * capacity, [1.0] * capacity, [0.0] * capacity]
+        if sampling is None or sampling.greedy:
+            ints += [[0] * capacity] * (INT_ROWS - len(ints))
+        else:
+            sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
+            ints += [column + [0] * pad for column in sampling_ints]
+            ints.append([self.sampler.unseeded_seed()] + [0] * (capacity - 1))
+            floats = [column + [default] * pad for column, default in zip(sampling_floats, (0.0, 1.0, 0.0))]
+        upload(graph.ints, ints)
+        upload(graph.floats, floats)
         layout = PagedLayout.from_requests(
             [p + 1 for p in positions] + [1] * pad, [1] * capacity,
-            [e.page_table for e in plan.decodes] + [[self.scratch_page]] * pad, page_tokens)
+            [e.page_table for e in decodes] + [[self.scratch_page]] * pad, page_tokens)
         graph.attention.plan(layout, self.scale)
-        graph.graph.replay()
+        graph.forward.replay()
         graph.replays += 1
-        return graph.logits[:rows]
 
     def _forward_prefill(self, plan: StepPlan) -> torch.Tensor:
         sequences = self._sequences(plan)

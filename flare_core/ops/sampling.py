@@ -229,7 +229,37 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return penalised - frequency * counts - presence * in_output.to(logits.dtype)
 
 
-def _window(params: Sequence[SamplingParams], vocab: int) -> int:
+@dataclass(frozen=True)
+class StepSampling:
+    """How to sample each row of a step, in the order of `plan.samples`: the rows' parameters,
+    how many tokens each row's request generated before (seeded noise is keyed by it), their
+    penalty histories (None where a row has no penalties), and the logprobs the step reports."""
+
+    params: Sequence[SamplingParams]
+    steps: Sequence[int]
+    penalties: Sequence[PenaltyState | None]
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    @property
+    def penalised(self) -> bool:
+        return any(_has_penalties(p) for p in self.params)
+
+
+def row_columns(params: Sequence[SamplingParams], steps: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """`sample_rows`' per-row parameters as host columns: ints (top_k, seeds, steps, seeded) and
+    floats (temperature, top_p, min_p)."""
+    ints = [[p.top_k for p in params], [_as_int64(p.seed) if p.seed is not None else 0 for p in params],
+            list(steps), [int(p.seed is not None) for p in params]]
+    floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]]
+    return ints, floats
+
+
+def window(params: Sequence[SamplingParams], vocab: int) -> int:
     """The narrowest `candidates` that keeps the sampled rows' rank filters exact."""
     sampled = [p for p in params if not p.greedy]
     if any(p.top_k == 0 and p.top_p < 1.0 for p in sampled):
@@ -249,8 +279,14 @@ class Sampler:
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self._device = torch.device(device)
-        self._generator = torch.Generator(device=self._device)
+        # On the host: the key of a step's unseeded rows goes up with the step's other inputs
+        # (a CUDA graph reads it from a buffer) instead of being drawn by a device kernel.
+        self._generator = torch.Generator()
         self._generator.manual_seed(seed)
+
+    def unseeded_seed(self) -> int:
+        """A fresh random key for one step's unseeded rows."""
+        return int(torch.randint(0, 1 << 62, (), dtype=torch.int64, generator=self._generator))
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                penalties: Sequence[PenaltyState | None] | None = None, *,
@@ -273,6 +309,11 @@ class Sampler:
         else:
             token_ids = self._sample_rows(working, params, steps)
 
+        return self.with_logprobs(logits, token_ids, logprobs, top_logprobs)
+
+    @staticmethod
+    def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, logprobs: bool, top_logprobs: int) -> SampleOutput:
+        """`token_ids` with the logprobs asked for, from the raw `logits` they were sampled from."""
         if not logprobs and top_logprobs == 0:
             return SampleOutput(token_ids)
         raw = logits.log_softmax(dim=-1)
@@ -284,23 +325,14 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
         device = logits.device
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, device)
-
-        unseeded_seed = torch.randint(0, 1 << 62, (), dtype=torch.int64, generator=self._generator,
-                                      device=self._device)
+        ints, floats = row_columns(params, steps)
+        int_columns = to_device(ints, torch.int64, device)
+        float_columns = to_device(floats, torch.float32, device)
         return sample_rows(
-            logits,
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.int64),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            seeds=column([_as_int64(p.seed) if p.seed is not None else 0 for p in params], torch.int64),
-            steps=column(list(steps), torch.int64),
-            seeded=column([p.seed is not None for p in params], torch.bool),
-            unseeded_seed=unseeded_seed,
-            candidates=_window(params, logits.shape[-1]))
+            logits, temperature=float_columns[0], top_k=int_columns[0], top_p=float_columns[1],
+            min_p=float_columns[2], seeds=int_columns[1], steps=int_columns[2], seeded=int_columns[3].bool(),
+            unseeded_seed=to_device(torch.tensor(self.unseeded_seed()), torch.int64, device),
+            candidates=window(params, logits.shape[-1]))
 
     def _check_batch(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                      penalties: Sequence[PenaltyState | None] | None, top_logprobs: int) -> int:

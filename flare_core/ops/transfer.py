@@ -22,3 +22,10 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch
     else:
         host = torch.tensor(values, dtype=dtype, pin_memory=True)
     return host.to(device, non_blocking=True)
+
+
+def upload(destination: torch.Tensor, values: Sequence) -> None:
+    """Copy host `values` (nested lists shaped like `destination`) into the existing device
+    tensor `destination`, enqueued without a host wait: one copy from pinned memory."""
+    host = torch.tensor(values, dtype=destination.dtype, pin_memory=destination.device.type == "cuda")
+    destination.copy_(host, non_blocking=True)

@@ -25,7 +25,7 @@ from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
 from flare_core.frontend import IncrementalDetokenizer
 from flare_core.frontend.stops import StopMatcher
-from flare_core.ops.sampling import PenaltyState, SampleOutput, Sampler
+from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
 from flare_core.plugins import Registry
 from flare_core.runtime.loaded import LoadedCore
 from flare_core.runtime.memory import KvPlan
@@ -163,7 +163,7 @@ class Engine:
                             capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)
         executor_args = dict(num_pages=kv.num_pages, page_tokens=page_tokens, num_rows=max_concurrency,
                              num_snapshot_slots=kv.snapshot_slots if has_state else 0, num_logits_slots=logits_slots,
-                             vocab_size=loaded.model_config.vocab_size, device=loaded.device)
+                             vocab_size=loaded.model_config.vocab_size, device=loaded.device, seed=seed)
         if loaded.device.type == "cuda":
             from flare_core.executor.graphs import GraphExecutor
 
@@ -180,7 +180,6 @@ class Engine:
         if self._depth not in (1, 2):
             raise ValueError(f"frames_in_flight must be 1 or 2, got {self._depth}")
         self._cuda = loaded.device.type == "cuda"
-        self._sampler = Sampler(seed=seed, device=loaded.device)
         self._vocab = loaded.model_config.vocab_size
         self._core_stop_ids = frozenset(int(i) for i in loaded.frontend["stop_token_ids"])
 
@@ -202,9 +201,9 @@ class Engine:
         if not hasattr(executor, "graphs"):
             return "eager reference (plain-torch paged attention)"
         compiled = f"torch.compile {executor.compile_s:.1f} s, " if executor.compile_s else "not compiled, "
-        return (f"CUDA graphs for decode batches {sorted(executor.graphs)} ({compiled}captured in "
-                f"{executor.capture_s:.1f} s, {executor.graph_bytes / 2**20:.0f} MiB), FlashInfer prefill, "
-                f"{self._depth} steps in flight")
+        return (f"CUDA graphs for decode batches {sorted(executor.graphs)} with sampling inside ({compiled}"
+                f"captured in {executor.capture_s:.1f} s, {executor.graph_bytes / 2**20:.0f} MiB), FlashInfer "
+                f"prefill, {self._depth} steps in flight")
 
     # ---- event-loop side -----------------------------------------------------------------
 
@@ -346,18 +345,19 @@ class Engine:
         if self._cuda:
             frame.started = torch.cuda.Event(enable_timing=True)
             frame.started.record()
-        logits = self._executor.run(plan)
+        sampling = None
         if samples:
             lives = [self._live.get(h.request_id) for h in samples]
-            params = [live.request.sampling if live else SamplingParams(temperature=0.0) for live in lives]
-            steps = [live.sampled if live else 0 for live in lives]
-            penalties = [live.penalties if live else None for live in lives]
-            top_n = max((live.request.top_logprobs for live in lives if live and live.request.logprobs), default=0)
-            want_logprobs = any(live and live.request.logprobs for live in lives)
-            output = self._sampler.sample(logits, params, steps, penalties, logprobs=want_logprobs,
-                                          top_logprobs=top_n)
+            sampling = StepSampling(
+                params=[live.request.sampling if live else SamplingParams(temperature=0.0) for live in lives],
+                steps=[live.sampled if live else 0 for live in lives],
+                penalties=[live.penalties if live else None for live in lives],
+                logprobs=any(live and live.request.logprobs for live in lives),
+                top_logprobs=max((live.request.top_logprobs for live in lives if live and live.request.logprobs),
+                                 default=0))
+        output = self._executor.step(plan, sampling)
+        if output is not None:
             tokens = output.token_ids
-            self._executor.record_sampled([h.slot for h in samples], tokens)
             for row, live in enumerate(lives):
                 if live is not None:
                     live.sampled += 1

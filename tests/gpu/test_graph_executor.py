@@ -139,3 +139,65 @@ def test_graph_path_matches_eager_reference(decode_capacities):
             "decode graphs of several batch sizes must have been replayed"
     assert compared > 100
     print(f"compared {compared} logits rows, worst max|diff|/range {worst:.4f}, replays {replays}")
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
+def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
+    """A decode step whose rows fit the in-graph window samples inside the captured graph; its
+    tokens equal the eager Sampler's on the same logits (greedy and seeded rows; the unseeded
+    key differs by design) and become the rows' next inputs. A row with penalties or top-p
+    without top-k sends the step to the eager sampler."""
+    from flare_core.contract import CacheScheme, PagedStore
+    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.ops.sampling import PenaltyState, Sampler, StepSampling
+    from flare_core.runtime.types import SamplingParams
+    from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
+    from flare_core.scheduler.estimates import StepKind
+
+    device = torch.device("cuda")
+    config, (_, model) = build_models(device)
+    scheme = CacheScheme("attention-kv", (PagedStore("k", (2, 128), "bfloat16", 4),
+                                          PagedStore("v", (2, 128), "bfloat16", 4)))
+    graphs = GraphExecutor(model, scheme, num_pages=64, page_tokens=64, num_rows=8, num_snapshot_slots=0,
+                           num_logits_slots=0, vocab_size=config.vocab_size, device=device,
+                           decode_capacities=(1, 2, 4, 8), context_length=512, compile_model=compile_model)
+    handles = [RequestHandle(f"r{i}", i, 1) for i in range(5)]
+    pages = [tuple(range(8 * i, 8 * i + 8)) for i in range(5)]
+    prompts = [list(range(10 + i, 40 + 7 * i)) for i in range(5)]
+    graphs.run(StepPlan(0, StepKind.PREFILL, 0, (), (), tuple(
+        PrefillChunk(h, 0, len(p), tuple(p), pg, True, None) for h, p, pg in zip(handles, prompts, pages)), 0.0))
+
+    def decode(seq: int, tokens) -> StepPlan:
+        return StepPlan(seq, StepKind.DECODE, 8, (), tuple(
+            DecodeEntry(h, len(p) + seq - 1, t, pg) for h, p, pg, t in zip(handles, prompts, pages, tokens)), (), 0.0)
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, seed=1),
+              SamplingParams(temperature=1.0, top_k=5, seed=2), SamplingParams(temperature=1.2, top_k=40, min_p=0.05,
+                                                                               seed=3),
+              SamplingParams(temperature=0.7, top_k=10)]
+    steps = [0, 3, 5, 0, 1]
+    eager_calls = []
+    real_sample = graphs.sampler.sample
+    graphs.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
+
+    out = graphs.step(decode(1, [7, 8, 9, 10, 11]), StepSampling(params, steps, [None] * 5, logprobs=True))
+    assert not eager_calls, "the step fits the graph window but was sampled eagerly"
+    logits = graphs.graphs[8].logits[:5].clone()
+    expected = Sampler().sample(logits, params, steps, logprobs=True)
+    assert out.token_ids[:4].tolist() == expected.token_ids[:4].tolist()
+    torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
+    assert graphs.last_sampled[:5].tolist() == out.token_ids.tolist()
+
+    # The next step reads those tokens on the device (inputs unknown to the host).
+    greedy = [SamplingParams(temperature=0.0)] * 5
+    following = graphs.step(decode(2, [None] * 5), StepSampling(greedy, [1] * 5, [None] * 5))
+    assert not eager_calls
+    reference = graphs.step(decode(2, out.token_ids.tolist()), StepSampling(greedy, [1] * 5, [None] * 5))
+    assert following.token_ids.tolist() == reference.token_ids.tolist()
+
+    penalised = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] + greedy[1:]
+    state = PenaltyState(config.vocab_size, prompts[0], device)
+    graphs.step(decode(2, out.token_ids.tolist()), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
+    top_p_only = [SamplingParams(temperature=0.9, top_p=0.9, seed=4)] + greedy[1:]
+    graphs.step(decode(2, out.token_ids.tolist()), StepSampling(top_p_only, [1] * 5, [None] * 5))
+    assert len(eager_calls) == 2
