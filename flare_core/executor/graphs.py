@@ -106,11 +106,11 @@ class GraphExecutor(EagerExecutor):
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
-                 compile_model: bool = False):
+                 compile_model: bool = False, seed: int = 0):
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         super().__init__(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens, num_rows=num_rows,
                          num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
-                         vocab_size=vocab_size, device=device)
+                         vocab_size=vocab_size, device=device, seed=seed)
         self.scratch_page = num_pages
         first_store = next(iter(self.storage.values()))
         dtype = first_store[0].dtype if first_store else next(model.parameters()).dtype

@@ -183,7 +183,7 @@ def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
     out = graphs.step(decode(1, [7, 8, 9, 10, 11]), StepSampling(params, steps, [None] * 5, logprobs=True))
     assert not eager_calls, "the step fits the graph window but was sampled eagerly"
     logits = graphs.graphs[8].logits[:5].clone()
-    expected = Sampler().sample(logits, params, steps, logprobs=True)
+    expected = Sampler(device=device).sample(logits, params, steps, logprobs=True)
     assert out.token_ids[:4].tolist() == expected.token_ids[:4].tolist()
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
     assert graphs.last_sampled[:5].tolist() == out.token_ids.tolist()
