@@ -91,8 +91,7 @@ class _DecodeGraph:
     ints: torch.Tensor
     floats: torch.Tensor
     logits: torch.Tensor
-    greedy_tokens: torch.Tensor
-    sampled_tokens: torch.Tensor
+    tokens: torch.Tensor  # what the last sampler replay sampled
     attention: _FencedPlan
     # A captured graph reads raw addresses and does not keep its inputs alive: hold every tensor
     # the capture read (e.g. the logits row indices) for as long as the graph may replay.
@@ -195,19 +194,24 @@ class GraphExecutor(EagerExecutor):
             ids = torch.where(ints[_FROM_DEVICE] != 0, self.last_sampled[ints[_ROW_SLOTS]], ints[_IDS])
             return self.model(ids, ints[_POSITIONS], context)
 
-        def recorded(tokens: torch.Tensor) -> torch.Tensor:
-            self.last_sampled.index_put_((ints[_ROW_SLOTS],), tokens)
+        # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
+        # the tokens must survive the replays of other capacities until the engine has read them.
+        tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
+
+        def recorded(sampled: torch.Tensor) -> torch.Tensor:
+            tokens.copy_(sampled)
+            self.last_sampled.index_put_((ints[_ROW_SLOTS],), sampled)
             return tokens
 
         forward_graph, logits = self._captured(forward, pool)
         pool = forward_graph.pool()
-        greedy_graph, greedy_tokens = self._captured(lambda: recorded(logits.argmax(dim=-1)), pool)
-        sampled_graph, sampled_tokens = self._captured(lambda: recorded(self._sample_rows(
+        greedy_graph, _ = self._captured(lambda: recorded(logits.argmax(dim=-1)), pool)
+        sampled_graph, _ = self._captured(lambda: recorded(self._sample_rows(
             logits, temperature=floats[0], top_k=ints[_TOP_K], top_p=floats[1], min_p=floats[2],
             seeds=ints[_SEEDS], steps=ints[_STEPS], seeded=ints[_SEEDED] != 0, unseeded_seed=ints[_KEY, 0],
             candidates=min(GRAPH_SAMPLING_WINDOW, logits.shape[-1]))), pool)
-        return _DecodeGraph(capacity, forward_graph, greedy_graph, sampled_graph, ints, floats, logits,
-                            greedy_tokens, sampled_tokens, attention, context)
+        return _DecodeGraph(capacity, forward_graph, greedy_graph, sampled_graph, ints, floats, logits, tokens,
+                            attention, context)
 
     @staticmethod
     def _captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -245,15 +249,11 @@ class GraphExecutor(EagerExecutor):
             return super().step(plan, sampling)
         rows = len(plan.decodes)
         self._replay(graph, plan, sampling)
-        if sampling.greedy:
-            graph.greedy.replay()
-            tokens = graph.greedy_tokens[:rows]
-        else:
-            graph.sampled.replay()
-            tokens = graph.sampled_tokens[:rows]
-        # Views of the graph's buffers: valid until the next replay, which is enqueued after
-        # everything the engine enqueues on them (host copies, penalty counts).
-        return self.sampler.with_logprobs(graph.logits[:rows], tokens, sampling.logprobs, sampling.top_logprobs)
+        (graph.greedy if sampling.greedy else graph.sampled).replay()
+        # Views of the graph's buffers: valid until this capacity's next replay, which is enqueued
+        # after everything the engine enqueues on them (host copies, penalty counts, logprobs).
+        return self.sampler.with_logprobs(graph.logits[:rows], graph.tokens[:rows], sampling.logprobs,
+                                          sampling.top_logprobs)
 
     def _samples_in_graph(self, sampling: StepSampling) -> bool:
         if sampling.penalised:

@@ -180,24 +180,30 @@ def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
     real_sample = graphs.sampler.sample
     graphs.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
 
+    # Step outputs are views of the capacity's buffers until its next replay: read them at once.
     out = graphs.step(decode(1, [7, 8, 9, 10, 11]), StepSampling(params, steps, [None] * 5, logprobs=True))
     assert not eager_calls, "the step fits the graph window but was sampled eagerly"
     logits = graphs.graphs[8].logits[:5].clone()
+    first = out.token_ids.tolist()
     expected = Sampler(device=device).sample(logits, params, steps, logprobs=True)
-    assert out.token_ids[:4].tolist() == expected.token_ids[:4].tolist()
+    assert first[:4] == expected.token_ids[:4].tolist()
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
-    assert graphs.last_sampled[:5].tolist() == out.token_ids.tolist()
+    assert graphs.last_sampled[:5].tolist() == first
 
-    # The next step reads those tokens on the device (inputs unknown to the host).
+    # The next step reads those tokens on the device (inputs unknown to the host); a replay of
+    # another capacity in between leaves them alone.
     greedy = [SamplingParams(temperature=0.0)] * 5
-    following = graphs.step(decode(2, [None] * 5), StepSampling(greedy, [1] * 5, [None] * 5))
+    graphs.step(decode(2, first[:1]), StepSampling(greedy[:1], [1], [None]))
+    inputs = graphs.last_sampled[:5].tolist()  # row 0 now holds the capacity-1 step's token
+    assert inputs[1:] == first[1:]
+    following = graphs.step(decode(2, [None] * 5), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
     assert not eager_calls
-    reference = graphs.step(decode(2, out.token_ids.tolist()), StepSampling(greedy, [1] * 5, [None] * 5))
-    assert following.token_ids.tolist() == reference.token_ids.tolist()
+    reference = graphs.step(decode(2, inputs), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
+    assert following == reference
 
     penalised = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] + greedy[1:]
     state = PenaltyState(config.vocab_size, prompts[0], device)
-    graphs.step(decode(2, out.token_ids.tolist()), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
+    graphs.step(decode(2, first), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
     top_p_only = [SamplingParams(temperature=0.9, top_p=0.9, seed=4)] + greedy[1:]
-    graphs.step(decode(2, out.token_ids.tolist()), StepSampling(top_p_only, [1] * 5, [None] * 5))
+    graphs.step(decode(2, first), StepSampling(top_p_only, [1] * 5, [None] * 5))
     assert len(eager_calls) == 2
