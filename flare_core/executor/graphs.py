@@ -25,7 +25,7 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.eager import EagerExecutor
-from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.attention import AttentionBatch, ForwardContext, cache_slot
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import compile_layers
@@ -69,8 +69,10 @@ class _FencedPlan:
 # slots, then the sampling columns (top-k, seeds, steps, seeded) and the unseeded key (column 0).
 (_IDS, _FROM_DEVICE, _ROW_SLOTS, _POSITIONS, _CACHE_SLOTS, _TOP_K, _SEEDS, _STEPS, _SEEDED, _KEY) = range(10)
 INT_ROWS = 10
-# Rows of the float32 block [3, capacity]: temperature, top-p, min-p.
+# Rows of the float32 block: temperature, top-p, min-p, and their values on rows that do not
+# sample with them (padding, greedy steps): greedy, no top-p, no min-p.
 FLOAT_ROWS = 3
+_FLOAT_DEFAULTS = (0.0, 1.0, 0.0)
 
 # The candidate window of in-graph sampling: steps whose rows all keep their rank filters exact
 # within the 64 most probable tokens (top-k <= 64, and no top-p without a top-k) sample inside
@@ -111,6 +113,7 @@ class GraphExecutor(EagerExecutor):
                          num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
                          vocab_size=vocab_size, device=device, seed=seed)
         self.scratch_page = num_pages
+        self.scratch_row = num_rows  # the extra row of `last_sampled` padding rows write to
         first_store = next(iter(self.storage.values()))
         dtype = first_store[0].dtype if first_store else next(model.parameters()).dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -173,13 +176,12 @@ class GraphExecutor(EagerExecutor):
             log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs), seconds=round(self.capture_s, 2))
 
     def _capture_capacity(self, capacity: int, pool) -> _DecodeGraph:
-        device, scratch_row = self.device, self.last_sampled.shape[0] - 1
+        device = self.device
         attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1)))
         ints = torch.zeros(INT_ROWS, capacity, dtype=torch.int64, device=device)
-        ints[_ROW_SLOTS] = scratch_row
+        ints[_ROW_SLOTS] = self.scratch_row
         ints[_CACHE_SLOTS] = self.scratch_page * self.page_tokens
-        floats = torch.zeros(FLOAT_ROWS, capacity, dtype=torch.float32, device=device)
-        floats[1] = 1.0  # top-p off
+        floats = torch.tensor([[value] * capacity for value in _FLOAT_DEFAULTS], dtype=torch.float32, device=device)
         batch = AttentionBatch(
             query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
             kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
@@ -268,19 +270,19 @@ class GraphExecutor(EagerExecutor):
         ints = [
             [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
             [int(e.input_token is None) for e in decodes] + [0] * pad,
-            [e.handle.slot for e in decodes] + [self.last_sampled.shape[0] - 1] * pad,
+            [e.handle.slot for e in decodes] + [self.scratch_row] * pad,
             positions + [0] * pad,
-            [e.page_table[e.position // page_tokens] * page_tokens + e.position % page_tokens for e in decodes]
+            [cache_slot(e.page_table, e.position, page_tokens) for e in decodes]
             + [self.scratch_page * page_tokens] * pad,
         ]
-        floats = [[0.0] * capacity, [1.0] * capacity, [0.0] * capacity]
+        floats = [[value] * capacity for value in _FLOAT_DEFAULTS]
         if sampling is None or sampling.greedy:
             ints += [[0] * capacity] * (INT_ROWS - len(ints))
         else:
             sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
             ints += [column + [0] * pad for column in sampling_ints]
             ints.append([self.sampler.unseeded_seed()] + [0] * (capacity - 1))
-            floats = [column + [default] * pad for column, default in zip(sampling_floats, (0.0, 1.0, 0.0))]
+            floats = [column + [default] * pad for column, default in zip(sampling_floats, _FLOAT_DEFAULTS)]
         upload(graph.ints, ints)
         upload(graph.floats, floats)
         layout = PagedLayout.from_requests(

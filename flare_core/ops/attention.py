@@ -27,6 +27,11 @@ from flare_core.ops.opaque import bound_context
 from flare_core.ops.transfer import to_device
 
 
+def cache_slot(pages: Sequence[int], position: int, page_tokens: int) -> int:
+    """The cache slot of the token at `position` of a request whose pages are `pages`."""
+    return pages[position // page_tokens] * page_tokens + position % page_tokens
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionBatch:
     """Where each request's new tokens sit in the flattened batch and in the paged cache.
@@ -88,7 +93,7 @@ class AttentionBatch:
                                  f"pages of {page_tokens} tokens, but only {len(pages)} page ids were given")
             page_table[b, :len(pages)] = torch.tensor(list(pages), dtype=torch.int32)
             for position in range(num_cached, total):
-                slots.append(pages[position // page_tokens] * page_tokens + position % page_tokens)
+                slots.append(cache_slot(pages, position, page_tokens))
             query_start.append(query_start[-1] + num_new)
             kv_lens.append(total)
             logits_rows.append(query_start[-1] - 1)
