@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from transformers import Qwen3ForCausalLM
 
 from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.gemv import use_gemv
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.ops.model import compile_layers
 from flare_core.ops.opaque import bound
@@ -35,8 +36,11 @@ def served(model, scheme, sequences, prompt_lens):
     return logits
 
 
-def test_compiled_layers_match_eager_logits_and_share_one_compilation():
-    config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=4)
+@pytest.mark.parametrize("gemv", [False, True], ids=["linear", "gemv-ops"])
+def test_compiled_layers_match_eager_logits_and_share_one_compilation(gemv):
+    """With `use_gemv` the matmuls are the flare::linear / flare::gated_linear ops (on the CPU
+    they compute F.linear): they must trace into the same single graph per group of layers."""
+    config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)
     scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
     generator = torch.Generator().manual_seed(3)
     prompt_lens = (5, 30, 17)
@@ -44,13 +48,19 @@ def test_compiled_layers_match_eager_logits_and_share_one_compilation():
 
     eager = served(serving_model(config), scheme, sequences, prompt_lens)
     compiled_model = serving_model(config)
+    if gemv:
+        # Per layer: qkv_proj, o_proj, gate_up_proj, down_proj, and the MLP itself (gated
+        # kernel); then the output head.
+        assert use_gemv(compiled_model) == 5 * config.num_hidden_layers + 1
     compile_layers(compiled_model)
     torch._dynamo.reset()
     counters.clear()
     compiled = served(compiled_model, scheme, sequences, prompt_lens)
-    # All layers share a code (their weights and cache layers are inputs); steps of one token
-    # compile separately from steps of several (torch specialises sizes 0 and 1).
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    # All groups of layers share a code (their weights and cache layers are inputs); steps of one
+    # token compile separately from steps of several (torch specialises sizes 0 and 1). So does
+    # the code after the layers (logits): at most 2 graphs each.
+    assert len(compiled_model.compiled_groups) == 2  # 8 layers, LAYERS_PER_GRAPH = 4
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
 
     assert [(r, c) for r, c, _ in compiled] == [(r, c) for r, c, _ in eager]

@@ -1,6 +1,7 @@
 """The CUDA executor: decode steps replay CUDA graphs captured at load, one per decode batch
 capacity of the core's graph catalog, all sharing one memory pool; steps with prompt chunks run
-FlashInfer paged prefill.
+FlashInfer paged prefill. Matmuls of one token (the capacity-1 graph: a single request decoding)
+run a Triton GEMV kernel (flare_core.ops.gemv) unless `gemv=False`.
 
 A decode step pads its rows to the smallest covering capacity. Padding rows read and write a
 scratch page that no request owns, so a replay never touches live cache pages beyond its own
@@ -9,9 +10,10 @@ FlashInfer plan (made on the host from the scheduler's page tables before the re
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
-the model's decoder layers run through torch.compile (Inductor fuses the norms, rotary, cache
-writes and activation code between the matmuls; attention is one opaque op, see
-flare_core.ops.opaque) before the graphs are captured over them.
+the model's decoder layers run through torch.compile in groups (flare_core.ops.model.compile_layers:
+Inductor fuses the norms, rotary, cache writes, activation code and residual adds between the
+matmuls; attention is one opaque op, see flare_core.ops.opaque) before the graphs are captured
+over them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flare_core.contract import CacheScheme
 from flare_core.executor.eager import EagerExecutor
 from flare_core.ops.attention import AttentionBatch, ForwardContext, cache_slot
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
+from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import compile_layers
 from flare_core.ops.sampling import SampleOutput, StepSampling, row_columns, sample_rows, window
@@ -107,7 +110,7 @@ class GraphExecutor(EagerExecutor):
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
-                 compile_model: bool = False, seed: int = 0):
+                 compile_model: bool = False, gemv: bool = True, seed: int = 0):
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         super().__init__(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens, num_rows=num_rows,
                          num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
@@ -126,6 +129,8 @@ class GraphExecutor(EagerExecutor):
         # Inside the graphs, Inductor fuses sampling's passes over the [rows, vocab] logits.
         self._sample_rows = torch.compile(sample_rows, dynamic=True) if compile_model else sample_rows
         reserved = torch.cuda.memory_reserved(device)
+        if gemv:  # one-token matmuls through the GEMV kernel (flare_core.ops.gemv), before compiling
+            use_gemv(self.model)
         if compile_model:
             self._compile()
         self.graphs: dict[int, _DecodeGraph] = {}

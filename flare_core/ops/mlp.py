@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 
@@ -14,7 +15,12 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = act_fn
+        # Set by flare_core.ops.gemv.use_gemv when act_fn is SiLU: one-token steps then read
+        # gate and up and apply silu(gate) * up in one GEMV kernel.
+        self.gated_kernel = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gated_kernel:
+            return self.down_proj(torch.ops.flare.gated_linear(x, self.gate_up_proj.weight))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)

@@ -1,0 +1,152 @@
+"""One-token matmuls on Qwen3-8B's weight shapes: cuBLAS (F.linear) vs Flare's Triton GEMV
+(flare_core.ops.gemv), side by side in one run, with a sweep of the kernel's launch
+configurations.
+
+Each figure is the device time of one call inside a CUDA graph that calls the op over enough
+distinct weight matrices (>= 2 GiB in all) that none is still in the 50 MB L2 cache when its
+turn comes, as in a decode step where each layer reads its own weights once.
+
+    python benchmarks/gemv.py --out benchmarks/results/h200-gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flare_core.ops.gemv import GemvConfig, gemv, gemv_config
+
+# name -> (out_features, in_features, gated): Qwen3-8B (hidden 4096, 32/8 heads of 128, MLP 12288).
+SHAPES = {
+    "qkv_proj": (6144, 4096, False),
+    "o_proj": (4096, 4096, False),
+    "gate_up_proj": (24576, 4096, False),
+    "gate_up_proj + silu*up": (24576, 4096, True),
+    "down_proj": (4096, 12288, False),
+    "lm_head": (151936, 4096, False),
+}
+ROTATION_BYTES = 2 * 2**30
+
+
+def sweep_configs() -> list[GemvConfig]:
+    configs = []
+    for rows in (1, 2, 4, 8, 16):
+        for columns in (256, 512, 1024, 2048):
+            if 1024 <= rows * columns <= 16384:
+                configs += [GemvConfig(rows, columns, warps, stages) for warps in (4, 8) for stages in (1, 3)]
+    return configs
+
+
+def device_us(call, weights: list[torch.Tensor], replays: int = 5) -> float:
+    """Device microseconds per call of `call(weight)`, over graphs of one call per weight (or
+    per item of `weights`)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            call(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * len(weights))
+
+
+def launch_effect(device: torch.device, generator: torch.Generator, layers: int = 36) -> dict:
+    """Device time per layer of a decode layer's four GEMVs in a row (qkv, o, gate_up + silu,
+    down; each reading the one before's output), launched plainly and as programmatic dependents."""
+    from dataclasses import replace
+
+    shapes = ((6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False))
+    weights = [[torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
+                for n, k, _ in shapes] for _ in range(layers)]
+    x = torch.randn(4096, device=device, dtype=torch.bfloat16, generator=generator)
+    row = {}
+    for pdl in (False, True):
+        configs = [replace(gemv_config(n // 2 if gated else n, k, gated), pdl=pdl) for n, k, gated in shapes]
+
+        def layer(i):
+            y = x
+            for w, config, (n, k, gated) in zip(weights[i], configs, shapes):
+                y = gemv(y[:k], w, config, gated=gated)
+        row["programmatic dependent launch" if pdl else "plain launch"] = round(device_us(layer, list(range(layers))), 2)
+    return {"us_per_layer": row}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the shipped configuration")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    results = {}
+    for name, (n, k, gated) in SHAPES.items():
+        bytes_per_weight = n * k * 2
+        copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
+                   for _ in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16, generator=generator)
+        reference = F.linear(x.float(), weights[0].float())[0]
+        if gated:
+            gate, up = reference.chunk(2)
+            reference = F.silu(gate) * up
+
+        def cublas(w):
+            y = F.linear(x, w)
+            if gated:
+                gate, up = y.chunk(2, dim=-1)
+                y = F.silu(gate) * up
+            return y
+
+        def kernel(config):
+            return lambda w: gemv(x[0], w, config, gated=gated)
+
+        def entry(us: float) -> dict:
+            return {"us": round(us, 2), "tb_s": round(bytes_per_weight / us / 1e6, 3)}
+
+        row = {"shape": [n, k], "gated": gated, "copies": copies, "cublas": entry(device_us(cublas, weights))}
+        shipped = gemv_config(n // 2 if gated else n, k, gated)
+        if shipped is not None:
+            error = (gemv(x[0], weights[0], shipped, gated=gated).float() - reference).abs().max().item()
+            row["flare"] = {**entry(device_us(kernel(shipped), weights)), "config": shipped.__dict__,
+                            "max_abs_error": error, "max_abs_reference": reference.abs().max().item()}
+        if not args.no_sweep:
+            sweep = []
+            for config in sweep_configs():
+                if k % config.columns:
+                    continue
+                sweep.append({**entry(device_us(kernel(config), weights)), "config": config.__dict__})
+            sweep.sort(key=lambda r: r["us"])
+            row["sweep_best"] = sweep[:8]
+            row["sweep_worst"] = sweep[-1]
+        results[name] = row
+        print(name, json.dumps({key: value for key, value in row.items() if key != "sweep_best"}),
+              "best:", row.get("sweep_best", [None])[0], flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    results["four GEMVs of a layer in a row"] = launch_effect(device, generator)
+    print(json.dumps(results["four GEMVs of a layer in a row"]), flush=True)
+    result = {"results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

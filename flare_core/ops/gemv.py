@@ -1,0 +1,186 @@
+"""Matmuls of one token (GEMV): a Triton kernel that streams the weight matrix at close to the
+device's bandwidth, for the decode steps of a single request.
+
+At one token a linear layer is a matrix-vector product whose time is the time to read its
+weights. cuBLAS serves these shapes with GEMM tiles (and split-K plus a reduce kernel for the
+square ones); on the H200 that reads Qwen3-8B's attention and down projections at 2.7-3.4 TB/s
+(benchmarks/gemv.py). The kernel here gives each program a few weight rows, reads them in long
+contiguous chunks and reduces in float32, with no second kernel.
+
+`use_gemv(model)` switches a model's bias-free linear layers to `GemvLinear`, whose forward is
+the custom op `flare::linear`: one token on a CUDA device -> this kernel, anything else ->
+`F.linear`. Being an op, it is one opaque node in compiled layers (its choice is made when it
+runs, so symbolic token counts stay symbolic), and a launch CUDA graphs capture like any other.
+`FusedGatedMLP` calls `flare::gated_linear`, which also applies act(gate) * up in the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: every call takes the F.linear path
+    triton = None
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Weight rows per program, columns per loop iteration, warps per program, pipeline stages,
+    and whether the kernel launches as a programmatic dependent (`pdl`, below)."""
+
+    rows: int
+    columns: int
+    warps: int
+    stages: int
+    pdl: bool = False
+
+
+@functools.cache
+def _pdl(device_index: int) -> bool:
+    """Programmatic dependent launch: Hopper and later, with a Triton that can launch it. The
+    kernel then starts while the one before it finishes and loads its first weights meanwhile."""
+    if triton is None or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: bool = False) -> GemvConfig | None:
+    """The launch configuration for a [out_features, in_features] weight (gated: twice as many
+    rows), or None when the kernel does not take the shape (then `F.linear` runs).
+
+    Rows per program: 16 for matrices of at most 4,096 rows (256 programs or fewer), else 2;
+    1,024 columns per iteration (2,048 for the gated kernel, which reads two tiles per
+    iteration); four warps. On the H200 these were the best, or within 1 %, of 52 configurations
+    on each Qwen3-8B shape (benchmarks/gemv.py, benchmarks/results/h200-gemv-sweep.json)."""
+    rows = 16 if out_features <= 4096 else 2
+    for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
+        if in_features % columns == 0:
+            return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
+    return None
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, ROWS: tl.constexpr, COLUMNS: tl.constexpr, GATED: tl.constexpr,
+                     PDL: tl.constexpr):
+        # Program p reads weight rows [p * ROWS, (p + 1) * ROWS) (and, gated, the up rows N below
+        # them) across all K columns, COLUMNS at a time; x is small and stays in L2.
+        if PDL:  # the kernel after this one may start now: it waits for our output itself
+            tl.extra.cuda.gdc_launch_dependents()
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows[:, None] < N
+        columns = tl.arange(0, COLUMNS)
+        offsets = rows[:, None].to(tl.int64) * K + columns[None, :]
+        up_shift = N.to(tl.int64) * K
+        # The weights do not depend on the kernel before: the first columns load while it ends.
+        w = tl.load(w_ptr + offsets, mask=row_mask, other=0.0)
+        up = tl.load(w_ptr + offsets + up_shift, mask=row_mask, other=0.0) if GATED else w
+        if PDL:  # x is the previous kernel's output
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptr + columns).to(tl.float32)
+        acc = w.to(tl.float32) * x[None, :]
+        up_acc = up.to(tl.float32) * x[None, :]
+        for start in range(COLUMNS, K, COLUMNS):
+            x = tl.load(x_ptr + start + columns).to(tl.float32)
+            w = tl.load(w_ptr + offsets + start, mask=row_mask, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            if GATED:
+                up = tl.load(w_ptr + offsets + up_shift + start, mask=row_mask, other=0.0)
+                up_acc += up.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if GATED:  # silu(gate) * up
+            y = y * tl.sigmoid(y) * tl.sum(up_acc, axis=1)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False) -> Tensor:
+    """x [K] @ weight[N, K]^T -> [N] (gated: weight is [2N, K], gate rows first, and the result
+    is silu(gate) * up, [N])."""
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = x.new_empty(out_features)
+    _gemv_kernel[(triton.cdiv(out_features, config.rows),)](
+        x, weight, out, out_features, weight.shape[1], ROWS=config.rows, COLUMNS=config.columns, GATED=gated,
+        PDL=config.pdl, num_warps=config.warps, num_stages=config.stages, launch_pdl=config.pdl)
+    return out
+
+
+def _gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
+    """The kernel's configuration when this call is one token it serves, else None."""
+    if (triton is None or not x.is_cuda or x.numel() != weight.shape[1] or weight.dtype not in (torch.bfloat16,
+            torch.float16) or x.dtype != weight.dtype or not weight.is_contiguous()):
+        return None
+    return gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
+
+
+@torch.library.custom_op("flare::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(x, weight) without bias; one token through the GEMV kernel."""
+    config = _gemv_path(x, weight, weight.shape[0])
+    if config is None:
+        return F.linear(x, weight)
+    return gemv(x.reshape(-1).contiguous(), weight, config).view(*x.shape[:-1], weight.shape[0])
+
+
+@linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flare::gated_linear", mutates_args=())
+def gated_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """silu(gate) * up of F.linear(x, weight).chunk(2, -1); one token through the GEMV kernel."""
+    half = weight.shape[0] // 2
+    config = _gemv_path(x, weight, half, gated=True)
+    if config is None:
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return gemv(x.reshape(-1).contiguous(), weight, config, gated=True).view(*x.shape[:-1], half)
+
+
+@gated_linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+class GemvLinear(nn.Linear):
+    """A bias-free nn.Linear whose one-token calls run the GEMV kernel (same parameters, same
+    state dict)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.flare.linear(x, self.weight)
+
+
+def _is_silu(module: nn.Module) -> bool:
+    from transformers.activations import ACT2FN
+
+    return isinstance(module, (nn.SiLU, type(ACT2FN["silu"])))
+
+
+def use_gemv(model: nn.Module) -> int:
+    """Switch every bias-free nn.Linear of `model` to `GemvLinear`, every SiLU `FusedGatedMLP`
+    to the gated kernel and a `DecoderForServing`'s output head to `flare::linear`, in place;
+    returns how many modules changed. Weights stay where they are. Without Triton or a CUDA device the ops compute what the modules did."""
+    switched = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.bias is None:
+            module.__class__ = GemvLinear  # adds no state: only forward differs
+            switched += 1
+        elif isinstance(module, FusedGatedMLP) and _is_silu(module.act_fn):
+            module.gated_kernel = True
+            switched += 1
+        elif isinstance(module, DecoderForServing):
+            module.gemv_head = True
+            switched += 1
+    return switched
