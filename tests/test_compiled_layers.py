@@ -104,3 +104,30 @@ def test_attention_op_outside_a_bound_context_says_so():
 def test_compile_layers_needs_a_serving_decoder():
     with pytest.raises(ValueError, match="DecoderForServing"):
         compile_layers(torch.nn.Linear(2, 2))
+
+
+def _flare_ops_called(model, scheme, tokens_per_request: list[int]) -> set[str]:
+    from torch.profiler import profile
+
+    from flare_core.executor.storage import allocate_cache_storage
+
+    storage = allocate_cache_storage(scheme, 4, 16, "cpu")
+    batch = AttentionBatch.build([(n, 0, [1 + r]) for r, n in enumerate(tokens_per_request)], 16, "cpu")
+    with torch.no_grad(), profile() as prof:
+        model(torch.arange(sum(tokens_per_request)), batch.positions(), ForwardContext(batch, storage))
+    return {event.name for event in prof.events() if event.name in ("flare::linear", "flare::gated_linear")}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gemv_ops_serve_one_token_steps_only(compiled):
+    """After `use_gemv`, a step of one token runs its matmuls (the gated MLP and the head
+    included) through the GEMV ops; a step of several tokens and logits rows keeps plain
+    matmuls, which Inductor fuses with the code around them."""
+    config = tiny_qwen3_config(vocab_size=512)
+    scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
+    model = serving_model(config)
+    use_gemv(model)
+    if compiled:
+        compile_layers(model)
+    assert _flare_ops_called(model, scheme, [1]) == {"flare::linear", "flare::gated_linear"}
+    assert _flare_ops_called(model, scheme, [2, 1]) == set()

@@ -7,11 +7,12 @@ square ones); on the H200 that reads Qwen3-8B's attention and down projections a
 (benchmarks/gemv.py). The kernel here gives each program a few weight rows, reads them in long
 contiguous chunks and reduces in float32, with no second kernel.
 
-`use_gemv(model)` switches a model's bias-free linear layers to `GemvLinear`, whose forward is
-the custom op `flare::linear`: one token on a CUDA device -> this kernel, anything else ->
-`F.linear`. Being an op, it is one opaque node in compiled layers (its choice is made when it
-runs, so symbolic token counts stay symbolic), and a launch CUDA graphs capture like any other.
-`FusedGatedMLP` calls `flare::gated_linear`, which also applies act(gate) * up in the kernel.
+`use_gemv(model)` switches a model's bias-free linear layers to `GemvLinear`, whose one-token
+calls go to the custom op `flare::linear`: this kernel on a CUDA device for the shapes it
+takes, `F.linear` otherwise. Being an op, it is one opaque node in compiled layers and a launch
+that CUDA graphs capture like any other. `FusedGatedMLP` calls `flare::gated_linear`, which
+also applies silu(gate) * up in the kernel, and `DecoderForServing` the head through
+`flare::linear`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from flare_core.ops.mlp import FusedGatedMLP
-from flare_core.ops.model import DecoderForServing
 
 try:
     import triton
@@ -154,12 +152,21 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
+def one_token(x: Tensor) -> bool:
+    """Whether activations [..., features] hold a single token. Under torch.compile this is
+    settled when tracing (one-token steps compile apart from others), so steps of several tokens
+    keep plain matmuls that Inductor schedules and fuses with the code around them."""
+    return x.numel() == x.shape[-1]
+
+
 class GemvLinear(nn.Linear):
     """A bias-free nn.Linear whose one-token calls run the GEMV kernel (same parameters, same
     state dict)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.flare.linear(x, self.weight)
+        if one_token(x):
+            return torch.ops.flare.linear(x, self.weight)
+        return F.linear(x, self.weight)
 
 
 def _is_silu(module: nn.Module) -> bool:
@@ -171,7 +178,11 @@ def _is_silu(module: nn.Module) -> bool:
 def use_gemv(model: nn.Module) -> int:
     """Switch every bias-free nn.Linear of `model` to `GemvLinear`, every SiLU `FusedGatedMLP`
     to the gated kernel and a `DecoderForServing`'s output head to `flare::linear`, in place;
-    returns how many modules changed. Weights stay where they are. Without Triton or a CUDA device the ops compute what the modules did."""
+    returns how many modules changed. Weights stay where they are. Without Triton or a CUDA
+    device the ops compute what the modules did."""
+    from flare_core.ops.mlp import FusedGatedMLP  # both call this module's ops
+    from flare_core.ops.model import DecoderForServing
+
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear and module.bias is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from flare_core.ops.gemv import one_token
+
 
 class FusedGatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up stored as one [2 * intermediate, hidden]
@@ -20,7 +22,7 @@ class FusedGatedMLP(nn.Module):
         self.gated_kernel = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gated_kernel:
+        if self.gated_kernel and one_token(x):
             return self.down_proj(torch.ops.flare.gated_linear(x, self.gate_up_proj.weight))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)

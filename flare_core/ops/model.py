@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flare_core.ops.attention import ForwardContext
+from flare_core.ops.gemv import one_token
 from flare_core.ops.opaque import bound
 
 
@@ -93,7 +94,7 @@ class DecoderForServing(nn.Module):
         """Float32 logits of the rows `logits_indices` of the last layer's output."""
         hidden = self.model.norm(hidden[0].index_select(0, logits_indices))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv_head:
+        if self.gemv_head and one_token(hidden):
             return torch.ops.flare.linear(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
