@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -261,13 +262,15 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
     memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)
     try:
-        kv = plan_kv(loaded.cache_scheme, capacities, concurrency, torch_device, memory.memory_limit,
-                     memory.kv_cache_limit)
-        engine = Engine(loaded, kv, registry, max_concurrency=concurrency,
+        # Called by the engine once compilation and graphs have taken their memory (on CUDA).
+        kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
+                                    memory.memory_limit, memory.kv_cache_limit)
+        engine = Engine(loaded, kv_plan, registry, max_concurrency=concurrency,
                         queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
                         served_names=served_names or None, telemetry=telemetry, compile_model=compile_model)
     except (MemoryPlanError, ValueError) as exc:
         raise FlareCommandError(str(exc)) from exc
+    kv = engine.kv
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
              architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),

@@ -9,6 +9,8 @@ whose tokens must be dropped and whose pages must come back at its fence.
 
 from __future__ import annotations
 
+import functools
+
 import asyncio
 
 import pytest
@@ -28,7 +30,7 @@ def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_mode
     config = load_config(flare.config_path)
     loaded = load_core(open_verified_core(config, str(core_path), trust_publisher=True), load_registry(),
                        torch.device(device))
-    kv = plan_kv(loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", "64M")
+    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", "64M")
     return Engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
                   compile_model=compile_model)
 

@@ -26,8 +26,8 @@ class EagerExecutor:
         self.scheme = scheme
         self.page_tokens = page_tokens
         self.device = device
-        self.storage = allocate_cache_storage(scheme, num_pages, page_tokens, device,
-                                              num_rows=num_rows if scheme.state else 0)
+        self.num_rows = num_rows
+        self.storage = self._allocate_storage(num_pages)
         self._paged = [s.name for s in scheme.paged]
         self._state = [s.name for s in scheme.state]
         # Continuation-state rows of live slots are in `storage`; prefix checkpoints keep theirs here.
@@ -39,6 +39,10 @@ class EagerExecutor:
         # One row beyond the live slots: where padding rows of a captured decode step write.
         self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self.sampler = Sampler(seed=seed, device=device)
+
+    def _allocate_storage(self, num_pages: int) -> dict[str, list[torch.Tensor]]:
+        return allocate_cache_storage(self.scheme, num_pages, self.page_tokens, self.device,
+                                      num_rows=self.num_rows if self.scheme.state else 0)
 
     def storage_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layers in self.storage.values() for t in layers) + \

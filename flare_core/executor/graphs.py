@@ -110,7 +110,7 @@ class GraphExecutor(EagerExecutor):
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
-                 compile_model: bool = False, gemv: bool = True, seed: int = 0):
+                 compile_model: bool = False, gemv: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         super().__init__(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens, num_rows=num_rows,
                          num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
@@ -133,11 +133,29 @@ class GraphExecutor(EagerExecutor):
             use_gemv(self.model)
         if compile_model:
             self._compile()
+        if prefill_chunk_size:
+            # The largest prompt chunk: the allocator keeps its activations' memory reserved, so a
+            # KV pool sized afterwards (`resize_cache`) leaves room for it.
+            self._warm_prefill(prefill_chunk_size)
         self.graphs: dict[int, _DecodeGraph] = {}
         self.capture_s = 0.0
+        self._capacities = decode_capacities
         self._capture(decode_capacities)
         # What compilation, warm-up and the graphs' memory pool took beyond the cache storage.
         self.graph_bytes = torch.cuda.memory_reserved(device) - reserved
+
+    def resize_cache(self, num_pages: int) -> None:
+        """Replace the cache storage by one of `num_pages` pages (plus the scratch page) and
+        capture the decode graphs again over it: they read the storage's addresses. Compiled
+        code is kept (the page count is a symbolic size). Meant for start-up: the executor is
+        first built over a small cache, so that the pool can be sized from the memory that
+        compilation, the graphs and the largest prompt chunk leave free."""
+        self.graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
+        self.storage = None
+        torch.cuda.synchronize(self.device)
+        self.storage = self._allocate_storage(num_pages + 1)
+        self.scratch_page = num_pages
+        self._capture(self._capacities)
 
     # ---- compile and capture ---------------------------------------------------------------
 

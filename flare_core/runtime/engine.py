@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 import torch
@@ -28,7 +28,7 @@ from flare_core.frontend.stops import StopMatcher
 from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
 from flare_core.plugins import Registry
 from flare_core.runtime.loaded import LoadedCore
-from flare_core.runtime.memory import KvPlan
+from flare_core.runtime.memory import KvPlan, snapshot_slots_for
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
                                      TokenLogprob, Usage)
@@ -124,7 +124,7 @@ class _Frame:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedCore, kv: KvPlan, registry: Registry, *, max_concurrency: int,
+    def __init__(self, loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
                  frames_in_flight: int | None = None):
@@ -148,32 +148,38 @@ class Engine:
         self.sampling_policy = loaded.sampling_policy
         self.registry = registry  # the server looks up the core's output parsers here
         self.metrics = RuntimeMetrics()
-        self.kv = kv
-
         page_tokens = capacities.page_tokens
-        self._pages = PageAllocator(kv.num_pages)
         logits_slots = LOGITS_SLOTS_PER_SLOT * max_concurrency if prefix_cache else 0
         has_state = bool(loaded.cache_scheme.state)
-        self._prefix = PrefixCache(loaded.identity, self._pages, page_tokens, continuation_state=has_state,
-                                   snapshot_slots=kv.snapshot_slots if has_state else 0,
-                                   logits_slots=logits_slots) if prefix_cache else None
-        catalog = GraphCapacities.from_specs(capacities.graph_catalog())
-        self._scheduler = Scheduler(
-            SchedulerConfig(max_concurrency=max_concurrency, prefill_chunk_size=capacities.prefill_chunk_size,
-                            capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)
-        executor_args = dict(num_pages=kv.num_pages, page_tokens=page_tokens, num_rows=max_concurrency,
-                             num_snapshot_slots=kv.snapshot_slots if has_state else 0, num_logits_slots=logits_slots,
-                             vocab_size=loaded.model_config.vocab_size, device=loaded.device, seed=seed)
+        snapshot_slots = snapshot_slots_for(loaded.cache_scheme, max_concurrency)
+        executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_slots=snapshot_slots,
+                             num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size,
+                             device=loaded.device, seed=seed)
         if loaded.device.type == "cuda":
             from flare_core.executor.graphs import GraphExecutor
 
             decode_sizes = sorted(spec.capacity for spec in capacities.graph_catalog() if spec.kind == "decode")
             covering = next(c for c in decode_sizes if c >= max_concurrency)
-            self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, **executor_args,
+            # Compiled, captured and run over the largest prompt chunk with a one-page cache
+            # first; the KV pool is then sized from the memory all that left free (`plan_kv`
+            # reads the device's free memory) and the graphs are captured again over it.
+            self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
                                            decode_capacities=tuple(c for c in decode_sizes if c <= covering),
-                                           context_length=capacities.context_length, compile_model=compile_model)
+                                           context_length=capacities.context_length, compile_model=compile_model,
+                                           prefill_chunk_size=capacities.prefill_chunk_size)
+            self.kv = plan_kv()
+            self._executor.resize_cache(self.kv.num_pages)
         else:
-            self._executor = EagerExecutor(loaded.model, loaded.cache_scheme, **executor_args)
+            self.kv = plan_kv()
+            self._executor = EagerExecutor(loaded.model, loaded.cache_scheme, num_pages=self.kv.num_pages,
+                                           **executor_args)
+        self._pages = PageAllocator(self.kv.num_pages)
+        self._prefix = PrefixCache(loaded.identity, self._pages, page_tokens, continuation_state=has_state,
+                                   snapshot_slots=snapshot_slots, logits_slots=logits_slots) if prefix_cache else None
+        catalog = GraphCapacities.from_specs(capacities.graph_catalog())
+        self._scheduler = Scheduler(
+            SchedulerConfig(max_concurrency=max_concurrency, prefill_chunk_size=capacities.prefill_chunk_size,
+                            capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)
         # Steps issued ahead of the one whose results are read: with 2, the host plans, launches
         # and later post-processes one step while the device runs the other.
         self._depth = frames_in_flight or self._executor.frames_in_flight

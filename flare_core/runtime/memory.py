@@ -47,11 +47,16 @@ def parse_size(text: str, flag: str) -> tuple[int, bool]:
     return int(float(number) * _UNITS[unit.upper()]), negative == "-"
 
 
+def snapshot_slots_for(scheme: CacheScheme, max_concurrency: int) -> int:
+    """Prefix-cache checkpoints of continuation state: two per slot (none without state)."""
+    return 2 * max_concurrency if scheme.state else 0
+
+
 def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, device: torch.device,
             memory_limit: str, kv_cache_limit: str | None) -> KvPlan:
     page_bytes = scheme.page_bytes(capacities.page_tokens)
     context_pages = -(-capacities.context_length // capacities.page_tokens)
-    snapshot_slots = 2 * max_concurrency if scheme.state else 0
+    snapshot_slots = snapshot_slots_for(scheme, max_concurrency)
     state_bytes = scheme.state_row_bytes() * (max_concurrency + snapshot_slots)
 
     if kv_cache_limit == "context":
