@@ -24,13 +24,16 @@ from flare_core.runtime.memory import plan_kv
 from flare_core.runtime.types import GenerationRequest, SamplingParams
 
 
-def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_model: bool = False) -> Engine:
+def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_model: bool = False,
+                kv_pages: int | None = None) -> Engine:
     from flare_core.cli import open_verified_core
 
     config = load_config(flare.config_path)
     loaded = load_core(open_verified_core(config, str(core_path), trust_publisher=True), load_registry(),
                        torch.device(device))
-    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", "64M")
+    kv_limit = "64M" if kv_pages is None else str(kv_pages * loaded.cache_scheme.page_bytes(
+        loaded.capacities.page_tokens))
+    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", kv_limit)
     return Engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
                   compile_model=compile_model)
 
@@ -106,3 +109,17 @@ def test_two_frames_stop_token_and_cancel_release_everything(session_flare, qwen
     # Emptied of what the prefix cache keeps, the pool is whole: no finished request kept a page.
     engine._prefix.evict_pages(engine._pages.num_pages)
     assert engine._pages.free_count == engine._pages.num_pages
+
+
+def test_penalties_follow_a_request_that_is_preempted_into_another_slot(session_flare, qwen3_core):
+    """Penalty histories live in the executor's rows of request slots. A request preempted for
+    pages comes back in another slot (or the same one, after other requests used it): its
+    history must come back with it, so its tokens match a run with room for everyone."""
+    requests = [GenerationRequest(prompt_ids=tuple(range(5 + 40 * i, 105 + 40 * i)), max_tokens=250, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.0, frequency_penalty=1.0,
+                                                          repetition_penalty=1.2)) for i in range(4)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, qwen3_core, frames=2), requests))
+    tight = make_engine(session_flare, qwen3_core, frames=2, kv_pages=16)  # one full context: 4 x 350 tokens need 24
+    results = asyncio.run(run_requests(tight, requests))
+    assert tight._scheduler.preemptions > 0
+    assert [r[0] for r in results] == [r[0] for r in reference]

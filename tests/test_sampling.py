@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flare_core.ops.sampling import PenaltyState, Sampler, apply_penalties
+from flare_core.ops.sampling import PenaltyBook, PenaltyState, Sampler, apply_penalties
 from flare_core.runtime.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -172,13 +172,27 @@ def test_invalid_requests_name_the_problem() -> None:
         sampler.sample(logits.half(), [GREEDY, GREEDY], [0, 0])
 
 
-def test_penalty_state_record_counts_device_tokens_like_append():
-    """`record` (the engine's path: the sampled token as a device tensor, counted before the host
-    reads it) and `append` (a host id) give the same counts."""
-    by_record, by_append = PenaltyState(10, prompt_ids=[3, 3, 4]), PenaltyState(10, prompt_ids=[3, 3, 4])
+def test_penalty_book_counts_every_sampled_token_and_starts_rows_over():
+    """The executor's history book (what the graphs read by slot): `record` counts device
+    tokens per slot, repeated pairs included, like `append`; `start` makes a row one request's
+    history again (its prompt, and tokens it generated before a preemption moved it)."""
+    book = PenaltyBook(3, 10, "cpu")
+    by_append = PenaltyState(10, prompt_ids=[3, 3, 4])
     for token in (1, 7, 1, 9):
-        by_record.record(torch.tensor([token]))
         by_append.append(token)
-    assert torch.equal(by_record.output_counts, by_append.output_counts)
-    assert by_record.output_counts.tolist() == [0, 2, 0, 0, 0, 0, 0, 1, 0, 1]
-    assert by_record.in_prompt.nonzero().flatten().tolist() == [3, 4]
+    state = book.start(1, [3, 3, 4])
+    book.record(torch.tensor([1, 1, 0]), torch.tensor([1, 7, 5]))
+    book.record(torch.tensor([1, 1, 2]), torch.tensor([1, 9, 5]))
+    assert torch.equal(state.output_counts, by_append.output_counts)
+    assert state.output_counts.tolist() == [0, 2, 0, 0, 0, 0, 0, 1, 0, 1]
+    assert state.in_prompt.nonzero().flatten().tolist() == [3, 4]
+    assert book.output_counts[0, 5] == 1 and book.output_counts[2, 5] == 1
+
+    resumed = book.start(1, [8], generated=[2, 2, 6])
+    assert resumed.output_counts.tolist() == [0, 0, 2, 0, 0, 0, 1, 0, 0, 0]
+    assert book.in_prompt[1].nonzero().flatten().tolist() == [8]
+    logits = random_logits(1, 10, seed=8)
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)]
+    expected = PenaltyState(10, prompt_ids=[8])
+    expected.extend([2, 2, 6])
+    assert torch.equal(apply_penalties(logits, params, [resumed]), apply_penalties(logits, params, [expected]))

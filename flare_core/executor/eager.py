@@ -9,7 +9,7 @@ import torch
 from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.ops.attention import AttentionBatch, ForwardContext
-from flare_core.ops.sampling import SampleOutput, Sampler, StepSampling
+from flare_core.ops.sampling import PenaltyBook, SampleOutput, Sampler, StepSampling
 from flare_core.ops.transfer import to_device
 from flare_core.scheduler import StepPlan
 
@@ -38,6 +38,8 @@ class EagerExecutor:
         # has not confirmed yet (a plan issued before its predecessor completed).
         # One row beyond the live slots: where padding rows of a captured decode step write.
         self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
+        # Token histories for penalties, per slot (and the padding row): every sampled token is counted.
+        self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)
         self.sampler = Sampler(seed=seed, device=device)
 
     def _allocate_storage(self, num_pages: int) -> dict[str, list[torch.Tensor]]:
@@ -88,20 +90,9 @@ class EagerExecutor:
 
         if not plan.decodes and not plan.prefills:
             return torch.stack(restored_logits) if restored_logits else self.logits_store[:0]
-        for chunk in plan.prefills:
-            if chunk.start == 0:  # a fresh request starts from zeroed continuation state
-                for name in self._state:
-                    for layer in self.storage[name]:
-                        layer[chunk.handle.slot].zero_()
+        self._start_chunks(plan)
         logits = self._forward(plan)
-
-        rows = list(range(len(plan.decodes)))
-        for i, chunk in enumerate(plan.prefills):
-            row = len(plan.decodes) + i
-            if chunk.save is not None:
-                self._save(chunk, logits[row])
-            if chunk.samples:
-                rows.append(row)
+        rows = self._finish_chunks(plan, logits)
         # Indexing with a host list would copy it synchronously (the host would wait for the step).
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
@@ -109,6 +100,26 @@ class EagerExecutor:
         if restored_logits:
             sampled = torch.cat([torch.stack(restored_logits), sampled])
         return sampled
+
+    def _start_chunks(self, plan: StepPlan) -> None:
+        """A fresh request (a chunk at position 0) starts from zeroed continuation state."""
+        for chunk in plan.prefills:
+            if chunk.start == 0:
+                for name in self._state:
+                    for layer in self.storage[name]:
+                        layer[chunk.handle.slot].zero_()
+
+    def _finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
+        """Take the checkpoints the chunks save (`logits`: the step's rows, decodes first); return
+        the rows that sample (each decode, then each chunk that ends its prompt)."""
+        rows = list(range(len(plan.decodes)))
+        for i, chunk in enumerate(plan.prefills):
+            row = len(plan.decodes) + i
+            if chunk.save is not None:
+                self._save(chunk, logits[row])
+            if chunk.samples:
+                rows.append(row)
+        return rows
 
     def _sequences(self, plan: StepPlan) -> list[tuple[int, int, tuple[int, ...]]]:
         """(new tokens, cached tokens before, pages) per row: decodes first, then prefill chunks."""
@@ -143,6 +154,16 @@ class EagerExecutor:
         if save.logits_slot is not None:
             self.logits_store[save.logits_slot].copy_(logits_row)
 
+    def to_host(self, output: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
+        """Host copies of a step's output, enqueued without a host wait; and the event that marks
+        them complete (None: complete once the step's own work is, as here, on one stream)."""
+        return SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
+                              (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs))), None
+
     def record_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
+        """`tokens` [len(slots)] become the slots' next decode inputs and count in their histories."""
         if slots:
-            self.last_sampled[to_device(slots, torch.int64, self.device)] = tokens.to(self.device)
+            rows = to_device(slots, torch.int64, self.device)
+            tokens = tokens.to(self.device)
+            self.last_sampled[rows] = tokens
+            self.penalties.record(rows, tokens)

@@ -1,12 +1,17 @@
-"""The CUDA executor: decode steps replay CUDA graphs captured at load, one per decode batch
-capacity of the core's graph catalog, all sharing one memory pool; steps with prompt chunks run
-FlashInfer paged prefill. Matmuls of one token (the capacity-1 graph: a single request decoding)
-run a Triton GEMV kernel (flare_core.ops.gemv) unless `gemv=False`.
+"""The CUDA executor: steps replay CUDA graphs captured at load, one per capacity of the core's
+graph catalog, all sharing one memory pool: decode batch capacities (rows) and prefill token
+capacities (prompt chunks of several requests). Matmuls of one token (the capacity-1 decode
+graph: a single request decoding) run a Triton GEMV kernel (flare_core.ops.gemv) unless
+`gemv=False`. Steps no graph covers (decode rows mixed with prompt chunks, steps that restore
+prefix checkpoints, prompt chunks of kernels without prefill graphs) run the same model eagerly
+over FlashInfer paged prefill.
 
-A decode step pads its rows to the smallest covering capacity. Padding rows read and write a
-scratch page that no request owns, so a replay never touches live cache pages beyond its own
-rows. Between replays only buffer contents change: token ids, positions, cache slots, and the
-FlashInfer plan (made on the host from the scheduler's page tables before the replay).
+A step pads to the smallest covering capacity. Padding rows and tokens read and write a scratch
+page that no request owns, so a replay never touches live cache pages beyond its own rows.
+Between replays only buffer contents change: token ids, positions, cache slots, sampling
+columns, and the FlashInfer plan (made on the host from the scheduler's page tables before the
+replay). Sampling runs in graphs too, over the forward graph's logits (`_Samplers`): every
+request parameter, per-request seeds, and penalties read from the executor's history book.
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
@@ -18,6 +23,7 @@ over them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +38,8 @@ from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import compile_layers
-from flare_core.ops.sampling import SampleOutput, StepSampling, row_columns, sample_rows, window
-from flare_core.ops.transfer import upload
+from flare_core.ops.sampling import SampleOutput, StepSampling, penalise, row_columns, sample_rows, window
+from flare_core.ops.transfer import to_device, upload
 from flare_core.scheduler import StepPlan
 
 log = structlog.get_logger("flare.graphs")
@@ -66,40 +72,81 @@ class _FencedPlan:
         return self.backend.run_mla(*args)
 
 
-# A decode graph's inputs arrive in two blocks, one host-to-device copy each per step. Rows of
-# the int64 block [INT_ROWS, capacity]: the tokens the host knows, whether a row reads its token
-# from the step before on the device instead, the rows' request slots, positions and cache
-# slots, then the sampling columns (top-k, seeds, steps, seeded) and the unseeded key (column 0).
+# A graph's per-row inputs arrive in two blocks, one host-to-device copy each per step. Rows of
+# the int64 block [INT_ROWS, rows]: for a decode graph, the tokens the host knows and whether a
+# row reads its token from the step before on the device instead (a prefill graph's rows are its
+# requests: the first row holds the flattened index of each one's last token, whose logits it
+# gets); then every graph's rows' request slots, positions and cache slots (decode), the sampling
+# columns (top-k, seeds, steps, seeded) and the unseeded key (column 0).
 (_IDS, _FROM_DEVICE, _ROW_SLOTS, _POSITIONS, _CACHE_SLOTS, _TOP_K, _SEEDS, _STEPS, _SEEDED, _KEY) = range(10)
+_LOGITS_ROWS = _IDS
 INT_ROWS = 10
-# Rows of the float32 block: temperature, top-p, min-p, and their values on rows that do not
-# sample with them (padding, greedy steps): greedy, no top-p, no min-p.
-FLOAT_ROWS = 3
-_FLOAT_DEFAULTS = (0.0, 1.0, 0.0)
+# Rows of the float32 block: temperature, top-p, min-p, repetition, frequency and presence
+# penalties, and their values on rows that sample without them (padding, greedy steps).
+FLOAT_ROWS = 6
+_FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+# A prefill graph's token block [3, capacity]: token ids, positions, cache slots.
+_TOKEN_ROWS = 3
 
-# The candidate window of in-graph sampling: steps whose rows all keep their rank filters exact
-# within the 64 most probable tokens (top-k <= 64, and no top-p without a top-k) sample inside
-# the decode graph. Others (and rows with penalties) sample eagerly from the graph's logits.
+# The candidate window of the windowed sampler: steps whose rows keep their rank filters exact
+# within the 64 most probable tokens (top-k <= 64, and no top-p without a top-k) sample with one
+# `topk` of that width; others sort the whole vocabulary (the full sampler).
 GRAPH_SAMPLING_WINDOW = 64
 
 
 @dataclass
+class _Samplers:
+    """Graphs that sample a graph's logits rows on the device and record the tokens as their
+    slots' next decode inputs and in their penalty histories: greedy, windowed, full-vocabulary,
+    and with penalties (full vocabulary). `tokens` holds what the last replay sampled."""
+
+    greedy: torch.cuda.CUDAGraph
+    windowed: torch.cuda.CUDAGraph
+    full: torch.cuda.CUDAGraph
+    penalised: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+
+    def for_step(self, sampling: StepSampling, vocab_size: int) -> torch.cuda.CUDAGraph:
+        if sampling.penalised:
+            return self.penalised
+        if sampling.greedy:
+            return self.greedy
+        return self.windowed if window(sampling.params, vocab_size) <= GRAPH_SAMPLING_WINDOW else self.full
+
+
+@dataclass
 class _DecodeGraph:
-    """The graphs of one decode batch capacity: the forward (input block -> logits), and two
-    samplers over its logits (greedy, and `sample_rows` over the sampling columns) that record
-    the tokens as their slots' next inputs."""
+    """The graphs of one decode batch capacity (rows): the forward (input block -> logits) and
+    its samplers."""
 
     capacity: int
     forward: torch.cuda.CUDAGraph
-    greedy: torch.cuda.CUDAGraph
-    sampled: torch.cuda.CUDAGraph
+    samplers: _Samplers
     ints: torch.Tensor
     floats: torch.Tensor
     logits: torch.Tensor
-    tokens: torch.Tensor  # what the last sampler replay sampled
     attention: _FencedPlan
     # A captured graph reads raw addresses and does not keep its inputs alive: hold every tensor
     # the capture read (e.g. the logits row indices) for as long as the graph may replay.
+    context: ForwardContext
+    replays: int = 0
+
+
+@dataclass
+class _PrefillGraph:
+    """The graphs of one prefill token capacity: prompt chunks of up to `capacity` tokens from
+    up to `requests - 1` requests. The last request (and any unused ones) pads: it owns the
+    tokens beyond the chunks', over the scratch page. Logits rows: one per request."""
+
+    capacity: int
+    requests: int
+    forward: torch.cuda.CUDAGraph
+    samplers: _Samplers
+    tokens_in: torch.Tensor
+    ints: torch.Tensor
+    floats: torch.Tensor
+    logits: torch.Tensor
+    attention: _FencedPlan
     context: ForwardContext
     replays: int = 0
 
@@ -110,7 +157,8 @@ class GraphExecutor(EagerExecutor):
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
-                 compile_model: bool = False, gemv: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
+                 prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
+                 prefill_chunk_size: int = 0, seed: int = 0):
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         super().__init__(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens, num_rows=num_rows,
                          num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
@@ -126,7 +174,8 @@ class GraphExecutor(EagerExecutor):
         self._pages_per_context = -(-context_length // page_tokens)
         self.vocab_size = vocab_size
         self.compile_s = 0.0
-        # Inside the graphs, Inductor fuses sampling's passes over the [rows, vocab] logits.
+        # Inside the graphs, Inductor fuses the windowed sampler's passes over the [rows, vocab]
+        # logits. The full-vocabulary samplers are dominated by their sort and run as they are.
         self._sample_rows = torch.compile(sample_rows, dynamic=True) if compile_model else sample_rows
         reserved = torch.cuda.memory_reserved(device)
         if gemv:  # one-token matmuls through the GEMV kernel (flare_core.ops.gemv), before compiling
@@ -134,28 +183,36 @@ class GraphExecutor(EagerExecutor):
         if compile_model:
             self._compile()
         if prefill_chunk_size:
-            # The largest prompt chunk: the allocator keeps its activations' memory reserved, so a
-            # KV pool sized afterwards (`resize_cache`) leaves room for it.
+            # The largest prompt chunk, eagerly: the allocator keeps its activations' memory
+            # reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that
+            # run eagerly (those restoring prefix checkpoints, or prompt chunks without graphs).
             self._warm_prefill(prefill_chunk_size)
         self.graphs: dict[int, _DecodeGraph] = {}
+        self.prefill_graphs: dict[int, _PrefillGraph] = {}
         self.capture_s = 0.0
-        self._capacities = decode_capacities
-        self._capture(decode_capacities)
+        self._decode_capacities = decode_capacities
+        self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
+        # Completions go to the host on their own stream (`to_host`), so the compute stream never
+        # holds a step behind a device-to-host copy; `_copied` marks the last such copy.
+        self._copy_stream = torch.cuda.Stream(device)
+        self._copied: torch.cuda.Event | None = None
+        self._capture()
         # What compilation, warm-up and the graphs' memory pool took beyond the cache storage.
         self.graph_bytes = torch.cuda.memory_reserved(device) - reserved
 
     def resize_cache(self, num_pages: int) -> None:
         """Replace the cache storage by one of `num_pages` pages (plus the scratch page) and
-        capture the decode graphs again over it: they read the storage's addresses. Compiled
-        code is kept (the page count is a symbolic size). Meant for start-up: the executor is
-        first built over a small cache, so that the pool can be sized from the memory that
+        capture the graphs again over it: they read the storage's addresses. Compiled code is
+        kept (the page count is a symbolic size). Meant for start-up: the executor is first
+        built over a small cache, so that the pool can be sized from the memory that
         compilation, the graphs and the largest prompt chunk leave free."""
         self.graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
+        self.prefill_graphs.clear()
         self.storage = None
         torch.cuda.synchronize(self.device)
         self.storage = self._allocate_storage(num_pages + 1)
         self.scratch_page = num_pages
-        self._capture(self._capacities)
+        self._capture()
 
     # ---- compile and capture ---------------------------------------------------------------
 
@@ -185,26 +242,30 @@ class GraphExecutor(EagerExecutor):
         return PagedLayout.from_requests([1] * rows, [1] * rows, [[self.scratch_page]] * rows, self.page_tokens)
 
     @torch.inference_mode()
-    def _capture(self, capacities: tuple[int, ...]) -> None:
+    def _capture(self) -> None:
         started = time.perf_counter()
         pool = None
-        # The largest capacity is captured first; the other graphs reuse its memory pool.
-        for capacity in sorted(capacities, reverse=True):
-            graph = self._capture_capacity(capacity, pool)
+        # The largest graphs are captured first; the others reuse their memory pool.
+        for capacity in sorted(self._prefill_capacities, reverse=True):
+            graph = self._capture_prefill(capacity, pool)
+            pool = graph.forward.pool()
+            self.prefill_graphs[capacity] = graph
+        for capacity in sorted(self._decode_capacities, reverse=True):
+            graph = self._capture_decode(capacity, pool)
             pool = graph.forward.pool()
             self.graphs[capacity] = graph
         torch.cuda.synchronize()
-        self.capture_s = time.perf_counter() - started
-        if capacities:
-            log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs), seconds=round(self.capture_s, 2))
+        self.capture_s += time.perf_counter() - started  # over every capture, `resize_cache`'s included
+        log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs),
+                 prefill_capacities=sorted(self.prefill_graphs), seconds=round(self.capture_s, 2))
 
-    def _capture_capacity(self, capacity: int, pool) -> _DecodeGraph:
+    def _capture_decode(self, capacity: int, pool) -> _DecodeGraph:
         device = self.device
         attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1)))
         ints = torch.zeros(INT_ROWS, capacity, dtype=torch.int64, device=device)
         ints[_ROW_SLOTS] = self.scratch_row
         ints[_CACHE_SLOTS] = self.scratch_page * self.page_tokens
-        floats = torch.tensor([[value] * capacity for value in _FLOAT_DEFAULTS], dtype=torch.float32, device=device)
+        floats = self._default_floats(capacity)
         batch = AttentionBatch(
             query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
             kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
@@ -219,24 +280,71 @@ class GraphExecutor(EagerExecutor):
             ids = torch.where(ints[_FROM_DEVICE] != 0, self.last_sampled[ints[_ROW_SLOTS]], ints[_IDS])
             return self.model(ids, ints[_POSITIONS], context)
 
+        forward_graph, logits = self._captured(forward, pool)
+        samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
+        return _DecodeGraph(capacity, forward_graph, samplers, ints, floats, logits, attention, context)
+
+    def _capture_prefill(self, capacity: int, pool) -> _PrefillGraph:
+        device = self.device
+        # Each request of a step has at least one token and holds a slot: at most this many.
+        requests = min(capacity, self.scratch_row) + 1
+        pad_pages = -(-capacity // self.page_tokens)
+        attention = _FencedPlan(self.kernels.prefill(
+            graph=(requests, (requests - 1) * self._pages_per_context + pad_pages + requests)))
+        tokens_in = torch.zeros(_TOKEN_ROWS, capacity, dtype=torch.int64, device=device)
+        tokens_in[2] = self.scratch_page * self.page_tokens
+        ints = torch.zeros(INT_ROWS, requests, dtype=torch.int64, device=device)
+        ints[_ROW_SLOTS] = self.scratch_row
+        ints[_LOGITS_ROWS] = capacity - 1
+        floats = self._default_floats(requests)
+        # Only slot_mapping and logits_indices are read on the FlashInfer path; the rest describes
+        # the capture's layout (all tokens in the padding request).
+        batch = AttentionBatch(
+            query_start=torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
+            kv_lens=torch.tensor([capacity] + [1] * (requests - 1), dtype=torch.int32, device=device),
+            page_table=torch.full((requests, 1), self.scratch_page, dtype=torch.int32, device=device),
+            slot_mapping=tokens_in[2], logits_indices=ints[_LOGITS_ROWS], page_tokens=self.page_tokens,
+            query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1))
+        context = ForwardContext(batch, self.storage, attention)
+        attention.plan(self._prefill_layout((), capacity, requests), self.scale)
+        forward_graph, logits = self._captured(lambda: self.model(tokens_in[0], tokens_in[1], context), pool)
+        samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
+        return _PrefillGraph(capacity, requests, forward_graph, samplers, tokens_in, ints, floats, logits, attention,
+                             context)
+
+    def _default_floats(self, rows: int) -> torch.Tensor:
+        return torch.tensor([[value] * rows for value in _FLOAT_DEFAULTS], dtype=torch.float32, device=self.device)
+
+    def _capture_samplers(self, logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, pool) -> _Samplers:
+        slots = ints[_ROW_SLOTS]
+        vocab = logits.shape[-1]
         # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
-        # the tokens must survive the replays of other capacities until the engine has read them.
-        tokens = torch.zeros(capacity, dtype=torch.int64, device=device)
+        # the tokens must survive the replays of other graphs until the engine has read them.
+        tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device)
 
         def recorded(sampled: torch.Tensor) -> torch.Tensor:
             tokens.copy_(sampled)
-            self.last_sampled.index_put_((ints[_ROW_SLOTS],), sampled)
+            self.last_sampled.index_put_((slots,), sampled)
+            self.penalties.record(slots, sampled)
             return tokens
 
-        forward_graph, logits = self._captured(forward, pool)
-        pool = forward_graph.pool()
-        greedy_graph, _ = self._captured(lambda: recorded(logits.argmax(dim=-1)), pool)
-        sampled_graph, _ = self._captured(lambda: recorded(self._sample_rows(
-            logits, temperature=floats[0], top_k=ints[_TOP_K], top_p=floats[1], min_p=floats[2],
-            seeds=ints[_SEEDS], steps=ints[_STEPS], seeded=ints[_SEEDED] != 0, unseeded_seed=ints[_KEY, 0],
-            candidates=min(GRAPH_SAMPLING_WINDOW, logits.shape[-1]))), pool)
-        return _DecodeGraph(capacity, forward_graph, greedy_graph, sampled_graph, ints, floats, logits, tokens,
-                            attention, context)
+        def sampled(working: torch.Tensor, sample, candidates: int) -> torch.Tensor:
+            return recorded(sample(
+                working, temperature=floats[0], top_k=ints[_TOP_K], top_p=floats[1], min_p=floats[2],
+                seeds=ints[_SEEDS], steps=ints[_STEPS], seeded=ints[_SEEDED] != 0, unseeded_seed=ints[_KEY, 0],
+                candidates=candidates))
+
+        def penalised() -> torch.Tensor:
+            working = penalise(logits, self.penalties.in_prompt[slots], self.penalties.output_counts[slots],
+                               floats[3], floats[4], floats[5])
+            return sampled(working, sample_rows, vocab)
+
+        graphs = [self._captured(fn, pool)[0] for fn in (
+            lambda: recorded(logits.argmax(dim=-1)),
+            lambda: sampled(logits, self._sample_rows, min(GRAPH_SAMPLING_WINDOW, vocab)),
+            lambda: sampled(logits, sample_rows, vocab),
+            penalised)]
+        return _Samplers(*graphs, tokens)
 
     @staticmethod
     def _captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -253,10 +361,13 @@ class GraphExecutor(EagerExecutor):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _graph_for(self, plan: StepPlan) -> _DecodeGraph | None:
-        """The smallest captured capacity that covers a decode-only step, if any."""
-        if plan.prefills:
+    def _graph_for(self, plan: StepPlan) -> _DecodeGraph | _PrefillGraph | None:
+        """The smallest captured graph that covers a decode-only or prefill-only step, if any."""
+        if plan.prefills and plan.decodes:
             return None
+        if plan.prefills:
+            tokens = sum(c.end - c.start for c in plan.prefills)
+            return next((self.prefill_graphs[c] for c in sorted(self.prefill_graphs) if c >= tokens), None)
         rows = len(plan.decodes)
         return next((self.graphs[c] for c in sorted(self.graphs) if c >= rows), None)
 
@@ -265,27 +376,82 @@ class GraphExecutor(EagerExecutor):
         if graph is None:
             return self._forward_prefill(plan)
         self._replay(graph, plan, None)
-        return graph.logits[:len(plan.decodes)]
+        return graph.logits[:len(plan.decodes) + len(plan.prefills)]
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
         graph = self._graph_for(plan)
-        if graph is None or sampling is None or plan.restores or not self._samples_in_graph(sampling):
+        if graph is None or sampling is None or plan.restores:
             return super().step(plan, sampling)
-        rows = len(plan.decodes)
+        self._start_chunks(plan)
         self._replay(graph, plan, sampling)
-        (graph.greedy if sampling.greedy else graph.sampled).replay()
-        # Views of the graph's buffers: valid until this capacity's next replay, which is enqueued
-        # after everything the engine enqueues on them (host copies, penalty counts, logprobs).
-        return self.sampler.with_logprobs(graph.logits[:rows], graph.tokens[:rows], sampling.logprobs,
-                                          sampling.top_logprobs)
+        rows = self._finish_chunks(plan, graph.logits)
+        if self._copied is not None:
+            # The samplers rewrite the tokens buffer the copy stream may still be reading for an
+            # earlier step of this graph; the forward is already queued ahead of this wait.
+            torch.cuda.current_stream().wait_event(self._copied)
+        graph.samplers.for_step(sampling, self.vocab_size).replay()
+        # Views of the graph's buffers: valid until this graph's next replay, which is enqueued
+        # after everything the engine enqueues on them (host copies, logprobs).
+        logits, tokens = graph.logits, graph.samplers.tokens
+        if rows == list(range(len(rows))):
+            logits, tokens = logits[:len(rows)], tokens[:len(rows)]
+        else:  # prompt chunks that do not end their prompts sit between those that do
+            index = to_device(rows, torch.int64, self.device)
+            logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+        return self.sampler.with_logprobs(logits, tokens, sampling.logprobs, sampling.top_logprobs)
 
-    def _samples_in_graph(self, sampling: StepSampling) -> bool:
-        if sampling.penalised:
-            return False
-        return sampling.greedy or window(sampling.params, self.vocab_size) <= GRAPH_SAMPLING_WINDOW
+    def to_host(self, output: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event]:
+        """Host copies of a step's output, made on the copy stream once the step has produced it;
+        the returned event marks them complete."""
+        ready = torch.cuda.Event()
+        ready.record()
+        self._copy_stream.wait_event(ready)
+        tensors = (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs)
+        with torch.cuda.stream(self._copy_stream):
+            host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
+            copied = torch.cuda.Event()
+            copied.record()
+        for t in tensors:
+            if t is not None:  # the allocator must not hand their memory out before the copy has read it
+                t.record_stream(self._copy_stream)
+        self._copied = copied
+        return host, copied
 
-    def _replay(self, graph: _DecodeGraph, plan: StepPlan, sampling: StepSampling | None) -> None:
+    def _replay(self, graph: _DecodeGraph | _PrefillGraph, plan: StepPlan, sampling: StepSampling | None) -> None:
+        """Upload the step's inputs, plan its attention and replay the forward graph."""
+        if isinstance(graph, _DecodeGraph):
+            ints = self._decode_inputs(graph, plan)
+        else:
+            ints = self._prefill_inputs(graph, plan)
+        rows = graph.ints.shape[1]
+        floats = [[value] * rows for value in _FLOAT_DEFAULTS]
+        if sampling is None or (sampling.greedy and not sampling.penalised):
+            ints += [[0] * rows] * (INT_ROWS - len(ints))
+        else:
+            # Sampling columns go to the rows that sample, in plan.samples order: every decode
+            # row, or the chunks that end their prompts.
+            where = range(len(plan.decodes)) if plan.decodes else [
+                i for i, chunk in enumerate(plan.prefills) if chunk.samples]
+            sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
+            ints += [self._scatter(column, where, rows, 0) for column in sampling_ints]
+            ints.append([self.sampler.unseeded_seed()] + [0] * (rows - 1))
+            floats = [self._scatter(column, where, rows, default)
+                      for column, default in zip(sampling_floats, _FLOAT_DEFAULTS)]
+        upload(graph.ints, ints)
+        upload(graph.floats, floats)
+        graph.forward.replay()
+        graph.replays += 1
+
+    @staticmethod
+    def _scatter(values: list, where, rows: int, default) -> list:
+        column = [default] * rows
+        for index, value in zip(where, values):
+            column[index] = value
+        return column
+
+    def _decode_inputs(self, graph: _DecodeGraph, plan: StepPlan) -> list[list[int]]:
+        """Plan the decode rows' attention; return their input rows of the int block (up to _TOP_K)."""
         rows, capacity, page_tokens = len(plan.decodes), graph.capacity, self.page_tokens
         pad = capacity - rows
         decodes = plan.decodes
@@ -298,22 +464,42 @@ class GraphExecutor(EagerExecutor):
             [cache_slot(e.page_table, e.position, page_tokens) for e in decodes]
             + [self.scratch_page * page_tokens] * pad,
         ]
-        floats = [[value] * capacity for value in _FLOAT_DEFAULTS]
-        if sampling is None or sampling.greedy:
-            ints += [[0] * capacity] * (INT_ROWS - len(ints))
-        else:
-            sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
-            ints += [column + [0] * pad for column in sampling_ints]
-            ints.append([self.sampler.unseeded_seed()] + [0] * (capacity - 1))
-            floats = [column + [default] * pad for column, default in zip(sampling_floats, _FLOAT_DEFAULTS)]
-        upload(graph.ints, ints)
-        upload(graph.floats, floats)
         layout = PagedLayout.from_requests(
             [p + 1 for p in positions] + [1] * pad, [1] * capacity,
             [e.page_table for e in decodes] + [[self.scratch_page]] * pad, page_tokens)
         graph.attention.plan(layout, self.scale)
-        graph.forward.replay()
-        graph.replays += 1
+        return ints
+
+    def _prefill_inputs(self, graph: _PrefillGraph, plan: StepPlan) -> list[list[int]]:
+        """Upload the chunks' tokens and plan their attention; return the requests' rows of the
+        int block (up to _TOP_K)."""
+        chunks, capacity, page_tokens = plan.prefills, graph.capacity, self.page_tokens
+        pad = capacity - sum(c.end - c.start for c in chunks)
+        ids = [t for c in chunks for t in c.tokens] + [0] * pad
+        positions = [p for c in chunks for p in range(c.start, c.end)] + list(range(pad))
+        slots = [cache_slot(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
+        slots += [self.scratch_page * page_tokens + p % page_tokens for p in range(pad)]
+        upload(graph.tokens_in, [ids, positions, slots])
+        unused = graph.requests - len(chunks)
+        ends = list(itertools.accumulate(c.end - c.start for c in chunks))
+        graph.attention.plan(self._prefill_layout(chunks, capacity, graph.requests), self.scale)
+        return [
+            [end - 1 for end in ends] + [capacity - 1] * unused,
+            [0] * graph.requests,
+            [c.handle.slot if c.samples else self.scratch_row for c in chunks] + [self.scratch_row] * unused,
+            [0] * graph.requests, [0] * graph.requests,
+        ]
+
+    def _prefill_layout(self, chunks, capacity: int, requests: int) -> PagedLayout:
+        """The chunks, then the padding request (the remaining tokens, on the scratch page), then
+        empty requests (no new tokens; one scratch token cached) up to `requests`."""
+        pad = capacity - sum(c.end - c.start for c in chunks)
+        empty = requests - len(chunks) - 1
+        return PagedLayout.from_requests(
+            [c.end for c in chunks] + [max(pad, 1)] + [1] * empty,
+            [c.end - c.start for c in chunks] + [pad] + [0] * empty,
+            [c.page_table for c in chunks] + [[self.scratch_page] * -(-max(pad, 1) // self.page_tokens)]
+            + [[self.scratch_page]] * empty, self.page_tokens)
 
     def _forward_prefill(self, plan: StepPlan) -> torch.Tensor:
         sequences = self._sequences(plan)

@@ -85,19 +85,47 @@ class FlashInferDecode:
 
 
 class FlashInferPrefill:
-    """Ragged batch of prompt chunks (and single decode tokens) over the paged cache, causal."""
+    """Ragged batch of prompt chunks (and single decode tokens) over the paged cache, causal.
+
+    With `graph=(requests, max_pages)` the wrapper runs in FlashInfer's CUDA-graph mode for a
+    graph of a fixed token capacity: every plan has exactly `requests` requests (the executor
+    pads with empty ones) and the same total token count, over at most `max_pages` pages, and
+    its metadata goes into buffers that stay put. FlashInfer then sizes the captured grid for
+    the worst ragged split of those tokens, so any later plan of the same shape replays."""
 
     def __init__(self, workspace: Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, graph: tuple[int, int] | None = None):
         import flashinfer
 
         self._shape = (num_heads, num_kv_heads, head_dim, page_tokens)
         self._dtype = dtype
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._device = workspace.device
+        self._graph = graph
+        buffers = {}
+        if graph is not None:
+            requests, max_pages = graph
+
+            def zeros(n: int) -> Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=workspace.device)
+
+            buffers = dict(use_cuda_graph=True, qo_indptr_buf=zeros(requests + 1),
+                           paged_kv_indptr_buf=zeros(requests + 1), paged_kv_indices_buf=zeros(max_pages),
+                           paged_kv_last_page_len_buf=zeros(requests))
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **buffers)
 
     def plan(self, layout: PagedLayout, scale: float) -> None:
         num_heads, num_kv_heads, head_dim, page_tokens = self._shape
-        self.wrapper.plan(layout.qo_indptr, layout.indptr, layout.indices, layout.last_page_len, num_heads,
+        indices = layout.indices
+        if self._graph is not None:
+            requests, max_pages = self._graph
+            if layout.kv_lens.numel() != requests or indices.numel() > max_pages:
+                raise ValueError(f"FlashInferPrefill graph backend for {requests} requests over at most {max_pages} "
+                                 f"pages: the layout has {layout.kv_lens.numel()} requests and {indices.numel()} "
+                                 "pages (pad the batch)")
+            # Up asynchronously first: the wrapper copies host page ids into its buffer with a
+            # blocking copy, which would make the host wait for the steps still running.
+            indices = to_device(indices, torch.int32, self._device)
+        self.wrapper.plan(layout.qo_indptr, layout.indptr, indices, layout.last_page_len, num_heads,
                           num_kv_heads, head_dim, page_tokens, causal=True, sm_scale=scale,
                           q_data_type=self._dtype, kv_data_type=self._dtype, non_blocking=True)
 

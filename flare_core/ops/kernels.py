@@ -33,8 +33,15 @@ class AttentionKernels(Protocol):
         CUDA graph captured over it replays after each new plan."""
         ...
 
-    def prefill(self) -> Any:
-        """A backend for ragged batches of prompt chunks and single decode tokens, causal."""
+    def prefill(self, graph: tuple[int, int] | None = None) -> Any:
+        """A backend for ragged batches of prompt chunks and single decode tokens, causal. With
+        `graph=(requests, max_pages)` (only where `graph_prefill`), one whose buffers stay put,
+        for a CUDA graph of a fixed token capacity planned with exactly `requests` requests."""
+        ...
+
+    @property
+    def graph_prefill(self) -> bool:
+        """Whether prefill backends can be captured in CUDA graphs."""
         ...
 
 
@@ -57,8 +64,10 @@ class _PagedKernels:
     def decode(self, capacity: int, max_pages: int) -> FlashInferDecode:
         return FlashInferDecode(self.workspace, capacity, max_pages, use_cuda_graph=True, **self._shape())
 
-    def prefill(self) -> FlashInferPrefill:
-        return FlashInferPrefill(self.workspace, **self._shape())
+    def prefill(self, graph: tuple[int, int] | None = None) -> FlashInferPrefill:
+        return FlashInferPrefill(self.workspace, graph=graph, **self._shape())
+
+    graph_prefill = True
 
 
 @dataclass
@@ -82,10 +91,17 @@ class _LatentKernels:
 
         return FlashInferMLA(self.workspace, capacity, max_pages, use_cuda_graph=True, **self._shape())
 
-    def prefill(self):
+    def prefill(self, graph: tuple[int, int] | None = None):
         from flare_core.ops.flashinfer_mla import FlashInferMLA
 
+        if graph is not None:
+            raise ValueError("FlashInfer MLA prefill backends cannot be captured in CUDA graphs (graph_prefill)")
         return FlashInferMLA(self.workspace, None, None, use_cuda_graph=False, **self._shape())
+
+    # A graph over FlashInfer's MLA kernel is known to stay valid across plans for one-token rows
+    # (flare_core.ops.flashinfer_mla); for ragged prompt chunks that was not established, so MLA
+    # models run their prompt chunks eagerly.
+    graph_prefill = False
 
 
 def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dtype: torch.dtype) -> AttentionKernels:

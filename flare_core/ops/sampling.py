@@ -146,30 +146,31 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 class PenaltyState:
     """One request's token history in the form penalties need, updated per generated token:
-    which tokens the prompt contains and how often each token has been generated."""
+    which tokens the prompt contains and how often each token has been generated. Held in its
+    own tensors, or in one row of a `PenaltyBook` (`storage`: the row's two views)."""
 
-    def __init__(self, vocab_size: int, prompt_ids: Sequence[int], device: torch.device | str = "cpu") -> None:
+    def __init__(self, vocab_size: int, prompt_ids: Sequence[int], device: torch.device | str = "cpu", *,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         if vocab_size <= 0:
             raise ValueError(f"PenaltyState.vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
-        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        if storage is None:
+            self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        else:
+            self.in_prompt, self.output_counts = storage
+            self.in_prompt.zero_()
+            self.output_counts.zero_()
         if len(prompt_ids) > 0:
             self._check_ids(prompt_ids, "prompt_ids")
             # index_fill_ takes the value as a kernel argument; `[ids] = True` would copy it up
             # synchronously (measured: the one host-device sync left in a served request).
-            self.in_prompt.index_fill_(0, to_device(list(prompt_ids), torch.long, torch.device(device)), True)
+            self.in_prompt.index_fill_(0, to_device(list(prompt_ids), torch.long, self.in_prompt.device), True)
 
     def append(self, token_id: int) -> None:
         """Record one generated token."""
         self._check_ids((token_id,), "token_id")
         self.output_counts[token_id] += 1
-
-    def record(self, token_id: torch.Tensor) -> None:
-        """Record one generated token given as a device tensor [1]: counted in stream order, so the
-        next step's sampling sees it even before the host has read it back."""
-        self.output_counts.index_add_(0, token_id.to(self.output_counts.device),
-                                      torch.ones(1, dtype=torch.int32, device=self.output_counts.device))
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Record several generated tokens (in any order: only counts matter)."""
@@ -185,6 +186,33 @@ class PenaltyState:
             raise ValueError(f"PenaltyState.{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
 
+class PenaltyBook:
+    """The token histories of an executor's request slots, one row per slot, in two tensors that
+    a CUDA graph reads by slot index: which tokens each slot's prompt contains, and how often each
+    token was sampled for the slot. Every sampled token is counted (`record`, in stream order);
+    a request that uses penalties starts its slot's row over (`start`) before its first sample."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.in_prompt = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=device)
+
+    def start(self, row: int, prompt_ids: Sequence[int], generated: Sequence[int] = ()) -> PenaltyState:
+        """Reset `row` to a request's history: its prompt, and the tokens it generated so far (a
+        request that was preempted resumes in another slot). Enqueued in stream order."""
+        state = PenaltyState(self.vocab_size, prompt_ids, storage=(self.in_prompt[row], self.output_counts[row]))
+        state.extend(generated)
+        return state
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count `tokens` [B] (device) as sampled for the slots `rows` [B] (device)."""
+        self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+
+    def nbytes(self) -> int:
+        return self.in_prompt.numel() * self.in_prompt.element_size() + \
+            self.output_counts.numel() * self.output_counts.element_size()
+
+
 @dataclass(frozen=True)
 class SampleOutput:
     """Sampled tokens for a batch of B rows. Logprob fields are None unless asked for."""
@@ -193,11 +221,6 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [B] float32: raw log_softmax of each sampled token
     top_ids: torch.Tensor | None = None  # [B, N] int64, most probable first
     top_logprobs: torch.Tensor | None = None  # [B, N] float32
-
-
-def _has_penalties(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
 
 
 def _check_params(row: int, params: SamplingParams) -> None:
@@ -214,19 +237,26 @@ def _check_params(row: int, params: SamplingParams) -> None:
         raise ValueError(f"{where}.repetition_penalty must be > 0, got {params.repetition_penalty}")
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    penalties: Sequence[PenaltyState]) -> torch.Tensor:
-    """Penalised copy of `logits` [R, V] for rows with the given params and histories."""
-    in_prompt = torch.stack([p.in_prompt for p in penalties])
-    counts = torch.stack([p.output_counts for p in penalties]).to(logits.dtype)
-    in_output = counts > 0
-    device = logits.device
-    repetition = to_device([p.repetition_penalty for p in params], logits.dtype, device)[:, None]
-    frequency = to_device([p.frequency_penalty for p in params], logits.dtype, device)[:, None]
-    presence = to_device([p.presence_penalty for p in params], logits.dtype, device)[:, None]
+def penalise(logits: torch.Tensor, in_prompt: torch.Tensor, output_counts: torch.Tensor, repetition: torch.Tensor,
+             frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Penalised copy of `logits` [B, V] given each row's history (in_prompt bool [B, V],
+    output_counts int [B, V]) and penalties [B] (1, 0, 0 leave a row unchanged). Graph-capturable."""
+    counts = output_counts.to(logits.dtype)
+    in_output = output_counts > 0
+    repetition, frequency, presence = repetition[:, None], frequency[:, None], presence[:, None]
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     penalised = torch.where(in_prompt | in_output, repeated, logits)
     return penalised - frequency * counts - presence * in_output.to(logits.dtype)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    penalties: Sequence[PenaltyState]) -> torch.Tensor:
+    """Penalised copy of `logits` [R, V] for rows with the given params and histories."""
+    device = logits.device
+    columns = [to_device([getattr(p, name) for p in params], logits.dtype, device)
+               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")]
+    return penalise(logits, torch.stack([p.in_prompt for p in penalties]),
+                    torch.stack([p.output_counts for p in penalties]), *columns)
 
 
 @dataclass(frozen=True)
@@ -247,15 +277,18 @@ class StepSampling:
 
     @property
     def penalised(self) -> bool:
-        return any(_has_penalties(p) for p in self.params)
+        return any(p.penalised for p in self.params)
 
 
 def row_columns(params: Sequence[SamplingParams], steps: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
-    """`sample_rows`' per-row parameters as host columns: ints (top_k, seeds, steps, seeded) and
-    floats (temperature, top_p, min_p)."""
+    """Per-row sampling parameters as host columns: `sample_rows`' ints (top_k, seeds, steps,
+    seeded) and floats (temperature, top_p, min_p), then the penalties (repetition, frequency,
+    presence) `penalise` takes."""
     ints = [[p.top_k for p in params], [_as_int64(p.seed) if p.seed is not None else 0 for p in params],
             list(steps), [int(p.seed is not None) for p in params]]
-    floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]]
+    floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
+              [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+              [p.presence_penalty for p in params]]
     return ints, floats
 
 
@@ -297,7 +330,7 @@ class Sampler:
         probable tokens per row (implies logprobs)."""
         batch = self._check_batch(logits, params, steps, penalties, top_logprobs)
         working = logits
-        penalised_rows = [i for i in range(batch) if _has_penalties(params[i])]
+        penalised_rows = [i for i in range(batch) if params[i].penalised]
         if penalised_rows:
             working = logits.clone()
             index = to_device(penalised_rows, torch.long, logits.device)
@@ -352,7 +385,7 @@ class Sampler:
             _check_params(row, row_params)
             if steps[row] < 0:
                 raise ValueError(f"Sampler.sample: steps[{row}] must be >= 0, got {steps[row]}")
-            if _has_penalties(row_params):
+            if row_params.penalised:
                 state = None if penalties is None else penalties[row]
                 if state is None:
                     raise ValueError(f"Sampler.sample: batch row {row} has penalties but no PenaltyState")

@@ -32,7 +32,7 @@ from flare_core.runtime.memory import KvPlan, snapshot_slots_for
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
                                      TokenLogprob, Usage)
-from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepPlan, StepResult
+from flare_core.scheduler import GraphCapacities, RequestHandle, Scheduler, SchedulerConfig, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is needed here
     from flare_core.dashboard.telemetry import Telemetry
@@ -93,7 +93,7 @@ class _Live:
 
     request: GenerationRequest
     stream: RequestStream
-    penalties: PenaltyState | None
+    penalties: PenaltyState | None  # bound to the executor's row of the slot that samples next
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher
     stop_ids: frozenset[int]
@@ -104,7 +104,8 @@ class _Live:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
-    text_tokens: list[int] = field(default_factory=list)
+    penalty_handle: RequestHandle | None = None  # the slot `penalties` is bound to
+    output_ids: list[int] = field(default_factory=list)  # kept for penalised requests: re-bound after preemption
 
 
 def _deliver_all(batch: list[tuple[RequestStream, GenerationEvent]]) -> None:
@@ -118,9 +119,10 @@ class _Frame:
 
     plan: StepPlan
     issued: float  # perf_counter() at launch
-    output: SampleOutput | None = None  # host tensors; filled once `done` has passed
+    output: SampleOutput | None = None  # host tensors; filled once `done` and `copied` have passed
     started: torch.cuda.Event | None = None  # CUDA only: bracket the step on the device's clock
     done: torch.cuda.Event | None = None
+    copied: torch.cuda.Event | None = None  # the output's copy to the host, where it has its own stream
 
 
 class Engine:
@@ -159,12 +161,14 @@ class Engine:
             from flare_core.executor.graphs import GraphExecutor
 
             decode_sizes = sorted(spec.capacity for spec in capacities.graph_catalog() if spec.kind == "decode")
+            prefill_sizes = tuple(spec.capacity for spec in capacities.graph_catalog() if spec.kind == "prefill")
             covering = next(c for c in decode_sizes if c >= max_concurrency)
             # Compiled, captured and run over the largest prompt chunk with a one-page cache
             # first; the KV pool is then sized from the memory all that left free (`plan_kv`
             # reads the device's free memory) and the graphs are captured again over it.
             self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
                                            decode_capacities=tuple(c for c in decode_sizes if c <= covering),
+                                           prefill_capacities=prefill_sizes,
                                            context_length=capacities.context_length, compile_model=compile_model,
                                            prefill_chunk_size=capacities.prefill_chunk_size)
             self.kv = plan_kv()
@@ -207,9 +211,11 @@ class Engine:
         if not hasattr(executor, "graphs"):
             return "eager reference (plain-torch paged attention)"
         compiled = f"torch.compile {executor.compile_s:.1f} s, " if executor.compile_s else "not compiled, "
-        return (f"CUDA graphs for decode batches {sorted(executor.graphs)} with sampling inside ({compiled}"
-                f"captured in {executor.capture_s:.1f} s, {executor.graph_bytes / 2**20:.0f} MiB), FlashInfer "
-                f"prefill, {self._depth} steps in flight")
+        prefill = (f"prompt chunks up to {sorted(executor.prefill_graphs)} tokens" if executor.prefill_graphs
+                   else "no prompt-chunk graphs (eager FlashInfer prefill)")
+        return (f"CUDA graphs for decode batches {sorted(executor.graphs)} and {prefill}, sampling inside "
+                f"({compiled}captured in {executor.capture_s:.1f} s, {executor.graph_bytes / 2**20:.0f} MiB), "
+                f"{self._depth} steps in flight")
 
     # ---- event-loop side -----------------------------------------------------------------
 
@@ -322,14 +328,10 @@ class Engine:
             self._update_gauges()
 
     def _admit(self, request_id: str, request: GenerationRequest, stream: RequestStream, submitted: float) -> None:
-        needs_penalties = (request.sampling.presence_penalty != 0.0 or request.sampling.frequency_penalty != 0.0
-                           or request.sampling.repetition_penalty != 1.0)
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self._core_stop_ids
-        live = _Live(request, stream,
-                     PenaltyState(self._vocab, request.prompt_ids, device=self.loaded.device) if needs_penalties
-                     else None,
+        live = _Live(request, stream, None,
                      IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
                      StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)
         try:
@@ -354,6 +356,13 @@ class Engine:
         sampling = None
         if samples:
             lives = [self._live.get(h.request_id) for h in samples]
+            for handle, live in zip(samples, lives):
+                if live is not None and live.request.sampling.penalised and live.penalty_handle != handle:
+                    # The slot's row of the executor's history book becomes this request's (again,
+                    # after a preemption moved it), before the step that samples its next token.
+                    live.penalties = self._executor.penalties.start(handle.slot, live.request.prompt_ids,
+                                                                    live.output_ids)
+                    live.penalty_handle = handle
             sampling = StepSampling(
                 params=[live.request.sampling if live else SamplingParams(temperature=0.0) for live in lives],
                 steps=[live.sampled if live else 0 for live in lives],
@@ -363,14 +372,10 @@ class Engine:
                                  default=0))
         output = self._executor.step(plan, sampling)
         if output is not None:
-            tokens = output.token_ids
-            for row, live in enumerate(lives):
+            for live in lives:
                 if live is not None:
                     live.sampled += 1
-                    if live.penalties is not None:
-                        live.penalties.record(tokens[row:row + 1])
-            frame.output = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
-                                          (tokens, output.logprobs, output.top_ids, output.top_logprobs)))
+            frame.output, frame.copied = self._executor.to_host(output)
         if self._cuda:
             frame.done = torch.cuda.Event(enable_timing=True)
             frame.done.record()
@@ -379,6 +384,8 @@ class Engine:
     def _consume(self, frame: _Frame) -> None:
         """Read back the oldest issued step: confirm it with the scheduler, then stream its tokens."""
         plan, samples = frame.plan, frame.plan.samples
+        if frame.copied is not None:
+            frame.copied.synchronize()
         if frame.done is not None:
             frame.done.synchronize()
             duration = frame.started.elapsed_time(frame.done) / 1000.0  # device time of this step
@@ -422,6 +429,8 @@ class Engine:
 
     def _on_token(self, live: _Live, token: int, row: int, output, now: float) -> None:
         live.generated += 1
+        if live.penalties is not None:
+            live.output_ids.append(token)
         if live.first_token_at is None:
             live.first_token_at = now
             self.metrics.observe_ttft(now - live.submitted)

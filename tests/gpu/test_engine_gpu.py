@@ -53,6 +53,7 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     assert engine._pages.free_count == engine._pages.num_pages
     replays = sum(g.replays for g in engine._executor.graphs.values())
     assert replays > 0
+    assert sum(g.replays for g in engine._executor.prefill_graphs.values()) > 0
 
 
 def test_steps_never_wait_for_the_device(session_flare, bf16_core):

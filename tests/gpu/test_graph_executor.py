@@ -112,9 +112,9 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128):
     return Scheduler(config, pages, prefix)
 
 
-@pytest.mark.parametrize("decode_capacities", [(1, 2, 4, 8), ()],
+@pytest.mark.parametrize("decode_capacities,prefill_capacities", [((1, 2, 4, 8), (64, 128)), ((), ())],
                          ids=["graphs", "flashinfer-eager"])
-def test_graph_path_matches_eager_reference(decode_capacities):
+def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacities):
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.eager import EagerExecutor
     from flare_core.executor.graphs import GraphExecutor
@@ -128,7 +128,8 @@ def test_graph_path_matches_eager_reference(decode_capacities):
     common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_slots=0, num_logits_slots=16,
                   vocab_size=config.vocab_size, device=device)
     reference = EagerExecutor(ref_model, scheme, **common)
-    graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities, context_length=2048)
+    graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities,
+                           prefill_capacities=prefill_capacities, context_length=2048)
     schedulers = [make_scheduler(num_pages), make_scheduler(num_pages)]
 
     result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
@@ -137,16 +138,19 @@ def test_graph_path_matches_eager_reference(decode_capacities):
     if decode_capacities:
         assert replays > 0 and len({c for c, g in graphs.graphs.items() if g.replays}) >= 2, \
             "decode graphs of several batch sizes must have been replayed"
+        assert len({c for c, g in graphs.prefill_graphs.items() if g.replays}) == 2, \
+            "prefill graphs of both token capacities must have been replayed"
     assert compared > 100
     print(f"compared {compared} logits rows, worst max|diff|/range {worst:.4f}, replays {replays}")
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
-def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
-    """A decode step whose rows fit the in-graph window samples inside the captured graph; its
-    tokens equal the eager Sampler's on the same logits (greedy and seeded rows; the unseeded
-    key differs by design) and become the rows' next inputs. A row with penalties or top-p
-    without top-k sends the step to the eager sampler."""
+def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
+    """Every step a graph covers samples inside its graphs, whatever its parameters: greedy,
+    windowed (top-k), full vocabulary (top-p without top-k), penalties from the executor's
+    history book. Tokens equal the eager Sampler's on the same logits (greedy and seeded rows;
+    the unseeded key differs by design) and become the rows' next inputs. A prefill step samples
+    the chunks that end their prompts, skipping one that does not."""
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import PenaltyState, Sampler, StepSampling
@@ -160,12 +164,18 @@ def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
                                           PagedStore("v", (2, 128), "bfloat16", 4)))
     graphs = GraphExecutor(model, scheme, num_pages=64, page_tokens=64, num_rows=8, num_snapshot_slots=0,
                            num_logits_slots=0, vocab_size=config.vocab_size, device=device,
-                           decode_capacities=(1, 2, 4, 8), context_length=512, compile_model=compile_model)
-    handles = [RequestHandle(f"r{i}", i, 1) for i in range(5)]
-    pages = [tuple(range(8 * i, 8 * i + 8)) for i in range(5)]
-    prompts = [list(range(10 + i, 40 + 7 * i)) for i in range(5)]
+                           decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 256), context_length=512,
+                           compile_model=compile_model)
+    handles = [RequestHandle(f"r{i}", i, 1) for i in range(8)]
+    pages = [tuple(range(8 * i, 8 * i + 8)) for i in range(8)]
+    prompts = [list(range(10 + i, 40 + 7 * i)) for i in range(8)]
+    eager_calls = []
+    real_sample = graphs.sampler.sample
+    graphs.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
     graphs.run(StepPlan(0, StepKind.PREFILL, 0, (), (), tuple(
-        PrefillChunk(h, 0, len(p), tuple(p), pg, True, None) for h, p, pg in zip(handles, prompts, pages)), 0.0))
+        PrefillChunk(h, 0, len(p), tuple(p), pg, True, None)
+        for h, p, pg in zip(handles[:5], prompts[:5], pages[:5])), 0.0))
+    assert graphs.prefill_graphs[256].replays == 1
 
     def decode(seq: int, tokens) -> StepPlan:
         return StepPlan(seq, StepKind.DECODE, 8, (), tuple(
@@ -176,13 +186,9 @@ def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
                                                                                seed=3),
               SamplingParams(temperature=0.7, top_k=10)]
     steps = [0, 3, 5, 0, 1]
-    eager_calls = []
-    real_sample = graphs.sampler.sample
-    graphs.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
 
-    # Step outputs are views of the capacity's buffers until its next replay: read them at once.
+    # Step outputs are views of the graph's buffers until its next replay: read them at once.
     out = graphs.step(decode(1, [7, 8, 9, 10, 11]), StepSampling(params, steps, [None] * 5, logprobs=True))
-    assert not eager_calls, "the step fits the graph window but was sampled eagerly"
     logits = graphs.graphs[8].logits[:5].clone()
     first = out.token_ids.tolist()
     expected = Sampler(device=device).sample(logits, params, steps, logprobs=True)
@@ -197,13 +203,39 @@ def test_sampling_inside_decode_graphs_matches_the_eager_sampler(compile_model):
     inputs = graphs.last_sampled[:5].tolist()  # row 0 now holds the capacity-1 step's token
     assert inputs[1:] == first[1:]
     following = graphs.step(decode(2, [None] * 5), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
-    assert not eager_calls
     reference = graphs.step(decode(2, inputs), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
     assert following == reference
 
-    penalised = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] + greedy[1:]
-    state = PenaltyState(config.vocab_size, prompts[0], device)
-    graphs.step(decode(2, first), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
+    # Penalties: row 0's history says it generated the step's greedy token many times; the graph
+    # reads the book, so it picks another token, and counts the one it samples.
+    unpenalised = graphs.step(decode(2, first), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids[0].item()
+    penalised = [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=2.0)] + greedy[1:]
+    state = graphs.penalties.start(handles[0].slot, prompts[0], generated=[unpenalised] * 50)
+    history = PenaltyState(config.vocab_size, prompts[0], device)
+    history.extend([unpenalised] * 50)
+    out = graphs.step(decode(2, first), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
+    logits = graphs.graphs[8].logits[:5].clone()
+    token = out.token_ids[0].item()
+    want = Sampler(device=device).sample(logits, penalised, [1] * 5, [history] + [None] * 4).token_ids
+    assert token == want[0].item() and token != unpenalised
+    assert state.output_counts[token].item() == history.output_counts[token].item() + 1
+
     top_p_only = [SamplingParams(temperature=0.9, top_p=0.9, seed=4)] + greedy[1:]
-    graphs.step(decode(2, first), StepSampling(top_p_only, [1] * 5, [None] * 5))
-    assert len(eager_calls) == 2
+    out = graphs.step(decode(2, first), StepSampling(top_p_only, [1] * 5, [None] * 5))
+    logits = graphs.graphs[8].logits[:5].clone()
+    assert out.token_ids.tolist() == Sampler(device=device).sample(logits, top_p_only, [1] * 5).token_ids.tolist()
+
+    # A prefill step of three new requests; the middle chunk does not end its prompt.
+    chunks = (PrefillChunk(handles[5], 0, len(prompts[5]), tuple(prompts[5]), pages[5], True, None),
+              PrefillChunk(handles[6], 0, 20, tuple(prompts[6][:20]), pages[6], False, None),
+              PrefillChunk(handles[7], 0, len(prompts[7]), tuple(prompts[7]), pages[7], True, None))
+    chunk_params = [SamplingParams(temperature=1.0, top_p=0.8, seed=9), SamplingParams(temperature=0.0)]
+    out = graphs.step(StepPlan(3, StepKind.PREFILL, 256, (), (), chunks, 0.0),
+                      StepSampling(chunk_params, [0, 0], [None, None], logprobs=True))
+    logits = graphs.prefill_graphs[256].logits[[0, 2]].clone()
+    tokens = out.token_ids.tolist()
+    assert tokens == Sampler(device=device).sample(logits, chunk_params, [0, 0]).token_ids.tolist()
+    torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
+    assert graphs.last_sampled[[5, 7]].tolist() == tokens
+    assert graphs.prefill_graphs[256].replays == 2
+    assert not eager_calls, "every step here is covered by a graph and must sample inside it"
