@@ -38,7 +38,7 @@ class EagerExecutor:
         # has not confirmed yet (a plan issued before its predecessor completed).
         # One row beyond the live slots: where padding rows of a captured decode step write.
         self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
-        # Token histories for penalties, per slot (and the padding row): every sampled token is counted.
+        # Token histories for penalties, per slot (and the padding row).
         self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)
         self.sampler = Sampler(seed=seed, device=device)
 
@@ -73,7 +73,7 @@ class EagerExecutor:
             return None
         output = self.sampler.sample(logits, sampling.params, sampling.steps, sampling.penalties,
                                      logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs)
-        self.record_sampled([h.slot for h in plan.samples], output.token_ids)
+        self.record_sampled([h.slot for h in plan.samples], output.token_ids, penalised=sampling.penalised)
         return output
 
     @torch.inference_mode()
@@ -160,10 +160,12 @@ class EagerExecutor:
         return SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
                               (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs))), None
 
-    def record_sampled(self, slots: list[int], tokens: torch.Tensor) -> None:
-        """`tokens` [len(slots)] become the slots' next decode inputs and count in their histories."""
+    def record_sampled(self, slots: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
+        """`tokens` [len(slots)] become the slots' next decode inputs, and count in their penalty
+        histories when the step has penalties."""
         if slots:
             rows = to_device(slots, torch.int64, self.device)
             tokens = tokens.to(self.device)
             self.last_sampled[rows] = tokens
-            self.penalties.record(rows, tokens)
+            if penalised:
+                self.penalties.record(rows, tokens)

@@ -97,8 +97,9 @@ GRAPH_SAMPLING_WINDOW = 64
 @dataclass
 class _Samplers:
     """Graphs that sample a graph's logits rows on the device and record the tokens as their
-    slots' next decode inputs and in their penalty histories: greedy, windowed, full-vocabulary,
-    and with penalties (full vocabulary). `tokens` holds what the last replay sampled."""
+    slots' next decode inputs: greedy, windowed, full-vocabulary, and with penalties (full
+    vocabulary; it also counts the tokens in the slots' penalty histories). `tokens` holds what
+    the last replay sampled."""
 
     greedy: torch.cuda.CUDAGraph
     windowed: torch.cuda.CUDAGraph
@@ -325,7 +326,6 @@ class GraphExecutor(EagerExecutor):
         def recorded(sampled: torch.Tensor) -> torch.Tensor:
             tokens.copy_(sampled)
             self.last_sampled.index_put_((slots,), sampled)
-            self.penalties.record(slots, sampled)
             return tokens
 
         def sampled(working: torch.Tensor, sample, candidates: int) -> torch.Tensor:
@@ -337,7 +337,9 @@ class GraphExecutor(EagerExecutor):
         def penalised() -> torch.Tensor:
             working = penalise(logits, self.penalties.in_prompt[slots], self.penalties.output_counts[slots],
                                floats[3], floats[4], floats[5])
-            return sampled(working, sample_rows, vocab)
+            chosen = sampled(working, sample_rows, vocab)
+            self.penalties.record(slots, chosen)  # the histories of the rows that have penalties
+            return chosen
 
         graphs = [self._captured(fn, pool)[0] for fn in (
             lambda: recorded(logits.argmax(dim=-1)),
