@@ -6,8 +6,9 @@ One process, one run, one set of random bf16 weights of a real shape (default: Q
   * Flare decode tok/s through the CUDA executor (FlashInfer + captured decode graphs) with a
     `--context`-token context, greedy sampling inside the graph and the token read back every
     step with two steps in flight (as serving does), for each of VARIANTS side by side: the
-    model as captured, compiled then captured with cuBLAS matmuls, and compiled then captured
-    with the one-token GEMV kernel; their first tokens are reported next to the eager reference's,
+    model as captured, compiled then captured with cuBLAS matmuls, compiled then captured with
+    the one-token GEMV kernel, and that with the Triton decode attention instead of FlashInfer's;
+    their first tokens are reported next to the eager reference's,
   * the bandwidth roofline fraction: weight bytes x tok/s / bandwidth,
   * Hugging Face `generate` (dynamic cache, SDPA) on the same weights and prompt length.
 
@@ -28,8 +29,10 @@ import torch
 from random_qwen3 import qwen3_config, random_hf_model
 
 
-# (name, compile the decoder layers, one-token matmuls through the GEMV kernel), run in this order.
-VARIANTS = (("not compiled", False, False), ("compiled, cuBLAS", True, False), ("compiled, GEMV", True, True))
+# (name, compile the decoder layers, one-token matmuls through the GEMV kernel, one-token attention
+# through the Triton decode kernels instead of FlashInfer's), run in this order.
+VARIANTS = (("not compiled", False, False, False), ("compiled, cuBLAS", True, False, False),
+            ("compiled, GEMV", True, True, False), ("compiled, GEMV, Triton attention", True, True, True))
 
 
 def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> float:
@@ -48,7 +51,7 @@ def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> flo
 
 
 def flare_decode(config, model, weight_bytes: int, device, context: int, steps: int, compile_model: bool,
-                 gemv: bool, profile: Path | None = None) -> dict:
+                 gemv: bool, triton_attention: bool, profile: Path | None = None) -> dict:
     """Decode at concurrency 1 the way the engine runs it: two steps in flight, each step's
     input token read on the device from the step before, its sampled token copied back to the
     host and read one step later."""
@@ -68,7 +71,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=1,
                              num_snapshot_slots=0, num_logits_slots=0, vocab_size=config.vocab_size, device=device,
                              decode_capacities=(1,), context_length=total, compile_model=compile_model,
-                             gemv=gemv)
+                             gemv=gemv, triton_attention=triton_attention)
     startup_s = time.perf_counter() - started
     handle = RequestHandle("bench", 0, 1)
     pages = tuple(range(num_pages))
@@ -187,13 +190,13 @@ def main() -> None:
     reference_tokens: list[int] = []
     variants: dict[str, dict] = {}
     # Each variant on its own copy of the weights: compiling and the GEMV switch change a model in place.
-    for name, compile_model, gemv in VARIANTS:
+    for name, compile_model, gemv, triton_attention in VARIANTS:
         model = serving_model(config, hf_model, device)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if not reference_tokens:
             reference_tokens = eager_greedy(model, device, args.context, 9)
         variants[name] = flare_decode(config, model, weight_bytes, device, args.context, args.steps,
-                                      compile_model=compile_model, gemv=gemv,
+                                      compile_model=compile_model, gemv=gemv, triton_attention=triton_attention,
                                       profile=args.profile if name == VARIANTS[-1][0] else None)
         print(name, round(variants[name]["decode_c1_tok_s"], 1), "tok/s", flush=True)
         del model

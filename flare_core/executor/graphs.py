@@ -159,7 +159,7 @@ class GraphExecutor(EagerExecutor):
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
                  prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
-                 prefill_chunk_size: int = 0, seed: int = 0):
+                 triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         super().__init__(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens, num_rows=num_rows,
                          num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
@@ -173,6 +173,10 @@ class GraphExecutor(EagerExecutor):
         self.scale = self.kernels.scale
         self.prefill_attention = _FencedPlan(self.kernels.prefill())
         self._pages_per_context = -(-context_length // page_tokens)
+        # The capacity-1 decode graph (one request decoding) attends through the Triton kernels of
+        # flare_core.ops.decode_attention where the model's shape allows, unless `triton_attention`
+        # is off; wider batches keep FlashInfer's decode.
+        self._triton_rows = 1 if triton_attention and self.kernels.triton_decode else 0
         self.vocab_size = vocab_size
         self.compile_s = 0.0
         # Inside the graphs, Inductor fuses the windowed sampler's passes over the [rows, vocab]
@@ -262,7 +266,8 @@ class GraphExecutor(EagerExecutor):
 
     def _capture_decode(self, capacity: int, pool) -> _DecodeGraph:
         device = self.device
-        attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1)))
+        attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1),
+                                                    triton=capacity <= self._triton_rows))
         ints = torch.zeros(INT_ROWS, capacity, dtype=torch.int64, device=device)
         ints[_ROW_SLOTS] = self.scratch_row
         ints[_CACHE_SLOTS] = self.scratch_page * self.page_tokens

@@ -51,11 +51,12 @@ class FlashInferDecode:
 
     def __init__(self, workspace: Tensor, capacity: int, max_pages: int, *, num_heads: int, num_kv_heads: int,
                  head_dim: int, page_tokens: int, dtype: torch.dtype, use_cuda_graph: bool,
-                 use_tensor_cores: bool = True):
+                 use_tensor_cores: bool = True, split_pages: int | None = None):
         import flashinfer
 
         device = workspace.device
         self.capacity = capacity
+        self._split_pages = split_pages  # KV pages per split-KV chunk; None: FlashInfer's planner decides
         self._shape = (num_heads, num_kv_heads, head_dim, page_tokens)
         self._dtype = dtype
         self._indptr = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
@@ -78,7 +79,7 @@ class FlashInferDecode:
         indices = to_device(layout.indices, torch.int32, self._indptr.device)
         self.wrapper.plan(layout.indptr, indices, layout.last_page_len, num_heads, num_kv_heads, head_dim,
                           page_tokens, q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
-                          non_blocking=True)
+                          non_blocking=True, fixed_split_size=self._split_pages)
 
     def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor:
         return self.wrapper.run(q, (k_layer, v_layer))

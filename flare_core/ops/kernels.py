@@ -16,7 +16,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from flare_core.ops import decode_attention
 from flare_core.ops.attention import PagedAttention
+from flare_core.ops.decode_attention import TritonDecode
 from flare_core.ops.flashinfer_attention import FlashInferDecode, FlashInferPrefill, PagedLayout
 from flare_core.ops.mla import MLAPagedAttention
 
@@ -28,9 +30,15 @@ class PlannedAttention(Protocol):
 class AttentionKernels(Protocol):
     scale: float
 
-    def decode(self, capacity: int, max_pages: int) -> Any:
+    def decode(self, capacity: int, max_pages: int, triton: bool = False) -> Any:
         """A backend for decode batches of exactly `capacity` rows whose buffers stay put, so a
-        CUDA graph captured over it replays after each new plan."""
+        CUDA graph captured over it replays after each new plan; with `triton` (only where
+        `triton_decode`), the Triton kernels of flare_core.ops.decode_attention."""
+        ...
+
+    @property
+    def triton_decode(self) -> bool:
+        """Whether `decode(..., triton=True)` serves this model's attention shape."""
         ...
 
     def prefill(self, graph: tuple[int, int] | None = None) -> Any:
@@ -61,8 +69,17 @@ class _PagedKernels:
         return dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                     page_tokens=self.page_tokens, dtype=self.dtype)
 
-    def decode(self, capacity: int, max_pages: int) -> FlashInferDecode:
+    def decode(self, capacity: int, max_pages: int, triton: bool = False) -> FlashInferDecode | TritonDecode:
+        if triton:
+            shape = self._shape()
+            del shape["dtype"]
+            return TritonDecode(capacity, -(-max_pages // capacity), device=self.workspace.device, **shape)
         return FlashInferDecode(self.workspace, capacity, max_pages, use_cuda_graph=True, **self._shape())
+
+    @property
+    def triton_decode(self) -> bool:
+        m = self.module
+        return decode_attention.supported(m.num_heads, m.num_kv_heads, m.head_dim, self.page_tokens)
 
     def prefill(self, graph: tuple[int, int] | None = None) -> FlashInferPrefill:
         return FlashInferPrefill(self.workspace, graph=graph, **self._shape())
@@ -86,9 +103,13 @@ class _LatentKernels:
         return dict(num_heads=m.num_heads, kv_lora_rank=m.kv_lora_rank, rope_dim=m.rope_dim,
                     page_tokens=self.page_tokens, dtype=self.dtype)
 
-    def decode(self, capacity: int, max_pages: int):
+    triton_decode = False  # the Triton decode kernels attend over K/V pages, not latent ones
+
+    def decode(self, capacity: int, max_pages: int, triton: bool = False):
         from flare_core.ops.flashinfer_mla import FlashInferMLA
 
+        if triton:
+            raise ValueError("MLA models have no Triton decode backend (triton_decode)")
         return FlashInferMLA(self.workspace, capacity, max_pages, use_cuda_graph=True, **self._shape())
 
     def prefill(self, graph: tuple[int, int] | None = None):
