@@ -116,10 +116,14 @@ class _Samplers:
 
 
 @dataclass
-class _DecodeGraph:
-    """The graphs of one decode batch capacity (rows): the forward (input block -> logits) and
-    its samplers."""
+class _Graph:
+    """The graphs of one capacity of the catalog: the forward (input blocks -> logits) and its
+    samplers. A decode graph's rows are its `capacity` decode rows, whose tokens come in `ints`.
+    A prefill graph holds `capacity` prompt tokens (`tokens_in`) from up to `requests - 1`
+    requests; its rows are the requests, the last one (and any unused ones) padding: it owns the
+    tokens beyond the chunks', over the scratch page."""
 
+    kind: str  # "decode" or "prefill"
     capacity: int
     forward: torch.cuda.CUDAGraph
     samplers: _Samplers
@@ -130,26 +134,12 @@ class _DecodeGraph:
     # A captured graph reads raw addresses and does not keep its inputs alive: hold every tensor
     # the capture read (e.g. the logits row indices) for as long as the graph may replay.
     context: ForwardContext
+    tokens_in: torch.Tensor | None = None
     replays: int = 0
 
-
-@dataclass
-class _PrefillGraph:
-    """The graphs of one prefill token capacity: prompt chunks of up to `capacity` tokens from
-    up to `requests - 1` requests. The last request (and any unused ones) pads: it owns the
-    tokens beyond the chunks', over the scratch page. Logits rows: one per request."""
-
-    capacity: int
-    requests: int
-    forward: torch.cuda.CUDAGraph
-    samplers: _Samplers
-    tokens_in: torch.Tensor
-    ints: torch.Tensor
-    floats: torch.Tensor
-    logits: torch.Tensor
-    attention: _FencedPlan
-    context: ForwardContext
-    replays: int = 0
+    @property
+    def requests(self) -> int:
+        return self.ints.shape[1]
 
 
 class GraphExecutor(EagerExecutor):
@@ -192,8 +182,8 @@ class GraphExecutor(EagerExecutor):
             # reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that
             # run eagerly (those restoring prefix checkpoints, or prompt chunks without graphs).
             self._warm_prefill(prefill_chunk_size)
-        self.graphs: dict[int, _DecodeGraph] = {}
-        self.prefill_graphs: dict[int, _PrefillGraph] = {}
+        self.graphs: dict[int, _Graph] = {}  # decode graphs by batch capacity
+        self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.capture_s = 0.0
         self._decode_capacities = decode_capacities
         self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
@@ -264,7 +254,7 @@ class GraphExecutor(EagerExecutor):
         log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs),
                  prefill_capacities=sorted(self.prefill_graphs), seconds=round(self.capture_s, 2))
 
-    def _capture_decode(self, capacity: int, pool) -> _DecodeGraph:
+    def _capture_decode(self, capacity: int, pool) -> _Graph:
         device = self.device
         attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1),
                                                     triton=capacity <= self._triton_rows))
@@ -288,9 +278,9 @@ class GraphExecutor(EagerExecutor):
 
         forward_graph, logits = self._captured(forward, pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
-        return _DecodeGraph(capacity, forward_graph, samplers, ints, floats, logits, attention, context)
+        return _Graph("decode", capacity, forward_graph, samplers, ints, floats, logits, attention, context)
 
-    def _capture_prefill(self, capacity: int, pool) -> _PrefillGraph:
+    def _capture_prefill(self, capacity: int, pool) -> _Graph:
         device = self.device
         # Each request of a step has at least one token and holds a slot: at most this many.
         requests = min(capacity, self.scratch_row) + 1
@@ -315,8 +305,8 @@ class GraphExecutor(EagerExecutor):
         attention.plan(self._prefill_layout((), capacity, requests), self.scale)
         forward_graph, logits = self._captured(lambda: self.model(tokens_in[0], tokens_in[1], context), pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
-        return _PrefillGraph(capacity, requests, forward_graph, samplers, tokens_in, ints, floats, logits, attention,
-                             context)
+        return _Graph("prefill", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
+                      tokens_in)
 
     def _default_floats(self, rows: int) -> torch.Tensor:
         return torch.tensor([[value] * rows for value in _FLOAT_DEFAULTS], dtype=torch.float32, device=self.device)
@@ -368,7 +358,7 @@ class GraphExecutor(EagerExecutor):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _graph_for(self, plan: StepPlan) -> _DecodeGraph | _PrefillGraph | None:
+    def _graph_for(self, plan: StepPlan) -> _Graph | None:
         """The smallest captured graph that covers a decode-only or prefill-only step, if any."""
         if plan.prefills and plan.decodes:
             return None
@@ -425,9 +415,9 @@ class GraphExecutor(EagerExecutor):
         self._copied = copied
         return host, copied
 
-    def _replay(self, graph: _DecodeGraph | _PrefillGraph, plan: StepPlan, sampling: StepSampling | None) -> None:
+    def _replay(self, graph: _Graph, plan: StepPlan, sampling: StepSampling | None) -> None:
         """Upload the step's inputs, plan its attention and replay the forward graph."""
-        if isinstance(graph, _DecodeGraph):
+        if graph.kind == "decode":
             ints = self._decode_inputs(graph, plan)
         else:
             ints = self._prefill_inputs(graph, plan)
@@ -457,7 +447,7 @@ class GraphExecutor(EagerExecutor):
             column[index] = value
         return column
 
-    def _decode_inputs(self, graph: _DecodeGraph, plan: StepPlan) -> list[list[int]]:
+    def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> list[list[int]]:
         """Plan the decode rows' attention; return their input rows of the int block (up to _TOP_K)."""
         rows, capacity, page_tokens = len(plan.decodes), graph.capacity, self.page_tokens
         pad = capacity - rows
@@ -477,7 +467,7 @@ class GraphExecutor(EagerExecutor):
         graph.attention.plan(layout, self.scale)
         return ints
 
-    def _prefill_inputs(self, graph: _PrefillGraph, plan: StepPlan) -> list[list[int]]:
+    def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> list[list[int]]:
         """Upload the chunks' tokens and plan their attention; return the requests' rows of the
         int block (up to _TOP_K)."""
         chunks, capacity, page_tokens = plan.prefills, graph.capacity, self.page_tokens
