@@ -54,9 +54,12 @@ class AttentionKernels(Protocol):
 
 
 @dataclass
-class _PagedKernels:
+class _Kernels:
+    """What every kernel factory holds: the shared FlashInfer workspace, the model's first
+    attention module (its shape and softmax scale), the page size and the cache dtype."""
+
     workspace: torch.Tensor
-    module: PagedAttention
+    module: PagedAttention | MLAPagedAttention
     page_tokens: int
     dtype: torch.dtype
 
@@ -64,6 +67,8 @@ class _PagedKernels:
     def scale(self) -> float:
         return self.module.scale
 
+
+class _PagedKernels(_Kernels):
     def _shape(self) -> dict:
         m = self.module
         return dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
@@ -87,17 +92,7 @@ class _PagedKernels:
     graph_prefill = True
 
 
-@dataclass
-class _LatentKernels:
-    workspace: torch.Tensor
-    module: MLAPagedAttention
-    page_tokens: int
-    dtype: torch.dtype
-
-    @property
-    def scale(self) -> float:
-        return self.module.scale
-
+class _LatentKernels(_Kernels):
     def _shape(self) -> dict:
         m = self.module
         return dict(num_heads=m.num_heads, kv_lora_rank=m.kv_lora_rank, rope_dim=m.rope_dim,
