@@ -208,14 +208,10 @@ class PenaltyBook:
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count `tokens` [B] (device) as sampled for the slots `rows` [B] (device)."""
         # One atomic add per token into the flattened rows: an accumulating index_put_ with two
-        # index tensors would sort them and check their bounds, eleven kernels (measured in a
+        # index tensors would sort them and check their bounds, about a dozen kernels (in a
         # decode graph's profile on the H200).
         flat = rows * self.vocab_size + tokens
         self.output_counts.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-
-    def nbytes(self) -> int:
-        return self.in_prompt.numel() * self.in_prompt.element_size() + \
-            self.output_counts.numel() * self.output_counts.element_size()
 
 
 @dataclass(frozen=True)
