@@ -83,7 +83,6 @@ _LOGITS_ROWS = _IDS
 INT_ROWS = 10
 # Rows of the float32 block: temperature, top-p, min-p, repetition, frequency and presence
 # penalties, and their values on rows that sample without them (padding, greedy steps).
-FLOAT_ROWS = 6
 _FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
 # A prefill graph's token block [3, capacity]: token ids, positions, cache slots.
 _TOKEN_ROWS = 3
@@ -404,12 +403,11 @@ class GraphExecutor(EagerExecutor):
         ready = torch.cuda.Event()
         ready.record()
         self._copy_stream.wait_event(ready)
-        tensors = (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs)
         with torch.cuda.stream(self._copy_stream):
-            host = SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
+            host, _ = super().to_host(output)
             copied = torch.cuda.Event()
             copied.record()
-        for t in tensors:
+        for t in (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs):
             if t is not None:  # the allocator must not hand their memory out before the copy has read it
                 t.record_stream(self._copy_stream)
         self._copied = copied
