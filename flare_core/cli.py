@@ -241,7 +241,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     from flare_core.runtime.engine import Engine
     from flare_core.runtime.loaded import CoreLoadError, load_core
     from flare_core.runtime.memory import MemoryPlanError, plan_kv
-    from flare_core.server.serve import ServeError, serve
+    from flare_core.server.serve import ServeError, WorkerFailed, serve
 
     telemetry = logs = None
     if dashboard and sys.stderr.isatty():
@@ -292,6 +292,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         serve(engine, server, while_serving=while_serving)
     except ServeError as exc:
         raise FlareCommandError(str(exc)) from exc
+    except WorkerFailed as exc:  # exit status 1, so a supervisor restarts the server
+        raise FlareCommandError(f"the model worker failed ({exc}); the server stopped") from exc
 
 
 _SERVE_OPTIONS = [

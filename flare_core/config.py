@@ -44,17 +44,49 @@ class MemoryConfig:
     kv_cache_limit: str | None = None
 
 
+# Request body bytes allowed per token of the core's context when `max_body_bytes` is not set:
+# room for JSON escapes (6 bytes per escaped character) of long tokens, plus a fixed allowance
+# for everything besides the prompt (tool schemas, sampling fields).
+BODY_BYTES_PER_CONTEXT_TOKEN = 32
+BODY_BYTES_BASE = 1 << 20
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key_file: Path | None = None
     queue_capacity: int = 64
-    max_body_bytes: int = 8 * 1024 * 1024
+    # None: derived from the core's context length (see `body_limit`).
+    max_body_bytes: int | None = None
     shutdown_grace_s: float = 5.0
+    # A connection that has not sent a complete request head this long after it opened, or after
+    # its previous response, is closed: idle keep-alive connections and slowly sent headers alike.
+    idle_timeout_s: float = 15.0
+    # Time to receive a request's whole body once its head has arrived (408 past it).
+    body_timeout_s: float = 30.0
+    # A streaming client that accepts no bytes for this long is treated as gone (its request is cancelled).
+    send_timeout_s: float = 30.0
+    # Threads that render chat templates and tokenize prompts, off the event loop.
+    frontend_workers: int = 2
 
     def __post_init__(self) -> None:
         _expand_paths(self)
+        for name in ("queue_capacity", "max_body_bytes", "frontend_workers"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"server.{name} must be a positive integer, got {value!r}")
+        for name in ("shutdown_grace_s", "idle_timeout_s", "body_timeout_s", "send_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 86_400:
+                raise ConfigError(f"server.{name} must be a number of seconds in (0, 86400), got {value!r}")
+
+    def body_limit(self, context_length: int) -> int:
+        """Largest request body accepted: `max_body_bytes`, or what a prompt filling the context
+        could take (BODY_BYTES_PER_CONTEXT_TOKEN per token + BODY_BYTES_BASE)."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return BODY_BYTES_BASE + BODY_BYTES_PER_CONTEXT_TOKEN * context_length
 
 
 @dataclass(frozen=True)

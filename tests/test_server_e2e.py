@@ -6,7 +6,7 @@ Three servers start together for the module:
 - main: the protocol tests and the error matrix (two served names, a 64 KiB body limit);
 - guarded: API key, --max-concurrency 1, queue_capacity 1, --no-prefix-cache: auth, admission
   (503), ingress (429) and disconnects, with KV pages checked back to their startup count;
-- draining: SIGTERM during active streams (shutdown_grace_s 2).
+- draining: SIGTERM during active streams (a grace period that a second SIGTERM ends).
 The MoE core's untied random head gives near-uniform logits, so seeded sampling is a real test
 (different seeds give different text) and generations do not stop early.
 """
@@ -35,7 +35,7 @@ CONTEXT = 1024  # the qwen3_moe_core fixture's --context-length
 BODY_LIMIT = 65536
 API_KEY = "sk-flare-e2e-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-GRACE_S = 3.0
+GRACE_S = 600.0  # longer than any test: the draining test ends it with a second signal
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 LONG = 900  # tokens: a generation that outlasts any test that holds it open
 EVENT_TIMEOUT_S = 60.0
@@ -258,10 +258,14 @@ def test_clamped_sampling_values_are_reported(oai, main):
     assert raw.parse().choices[0].finish_reason == "length"
 
     stream = SseReader(main.url, "/v1/completions", {"model": SERVED, "prompt": "Hi", "max_tokens": 2,
-                                                     "stream": True, "top_p": 7})
-    assert stream.response.getheader("x-flare-clamped") == "top_p=7.0->1.0"
+                                                     "stream": True, "temperature": 7})
+    assert stream.response.getheader("x-flare-clamped") == "temperature=7.0->2.0"
     assert stream.events()[-1] == "[DONE]"
     stream.close()
+
+    # Outside what the parameter can mean at all is a 400 naming the field and the limit, not a clamp.
+    refused = main.post("/v1/completions", {"model": SERVED, "prompt": "Hi", "max_tokens": 2, "top_p": 7})
+    assert _openai_error(refused, 400)["message"] == "'top_p': must be at most 1.0, got 7"
 
     response = oai.responses.create(model=SERVED, input="Hi", max_output_tokens=2, temperature=3.0)
     assert response.temperature == 2.0
@@ -458,7 +462,7 @@ def _long_completion(stream: bool = True) -> dict:
 
 
 def _open_body(server: ServerProcess) -> http.client.HTTPConnection:
-    """A request whose body never finishes arriving: it holds an ingress reservation."""
+    """A request whose body never finishes arriving (until the server's body timeout)."""
     host, port = server.url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=EVENT_TIMEOUT_S)
     connection.putrequest("POST", "/v1/completions")
@@ -494,12 +498,11 @@ def test_admission_full_is_503_and_ingress_full_is_429(servers):
                                                    "messages": _user("hi")}, headers=AUTH)
         assert overloaded.status == 503 and overloaded.json()["error"]["type"] == "overloaded_error"
 
-        # Ingress holds twice what the engine admits: two requests still reading their bodies fill it.
+        # Requests still receiving their bodies hold no ingress reservation (test_hostile_clients
+        # covers the ingress 429 and the upload limit): other clients are still served.
         open_bodies = [_open_body(guarded) for _ in range(2)]
-        guarded.wait_metrics({"flare_http_requests_in_flight": 4.0})
-        busy = guarded.get("/v1/models", headers=AUTH)
-        error = _openai_error(busy, 429)
-        assert error["type"] == "rate_limit_error" and "already holds 4 requests" in error["message"]
+        guarded.wait_metrics({"flare_http_uploads_in_progress": 2.0, "flare_http_requests_in_flight": 2.0})
+        assert guarded.get("/v1/models", headers=AUTH).status == 200
         assert guarded.get("/health").status == 200 and guarded.get("/metrics").status == 200
     finally:
         for connection in open_bodies:
@@ -510,8 +513,6 @@ def test_admission_full_is_503_and_ingress_full_is_429(servers):
     after = _settled(servers)
     assert after['flare_requests_rejected_total{status="503"}'] == \
         before.get('flare_requests_rejected_total{status="503"}', 0.0) + 2
-    assert after['flare_requests_rejected_total{status="429"}'] == \
-        before.get('flare_requests_rejected_total{status="429"}', 0.0) + 1
     assert after["flare_requests_cancelled_total"] == before["flare_requests_cancelled_total"] + 2
     # The slot is usable again.
     reply = guarded.post("/v1/completions", {"model": SERVED, "prompt": "Hi", "max_tokens": 3}, headers=AUTH)
@@ -554,12 +555,14 @@ def test_client_disconnect_mid_stream_frees_the_slot(servers, disconnect):
 
 # ---- SIGTERM (draining server) -----------------------------------------------------------------
 
-def test_sigterm_ends_active_streams_cleanly_and_exits_0(servers):
+def test_sigterm_drains_then_marks_cut_streams_and_exits_0(servers):
+    """Ordering, not timing: the grace period is longer than the test, so the short stream always
+    completes; a second SIGTERM then ends the grace and the long streams are cut, each ending with
+    its protocol's error event (never a finish reason of a complete answer)."""
     server = servers.draining
     started = {key: threading.Event() for key in ("short", "openai", "anthropic")}
 
     def short() -> list:
-        # Finishes within the grace period: it must run to its full length.
         stream = SseReader(server.url, "/v1/completions", {"model": SERVED, "prompt": "Short", "max_tokens": 40,
                                                            "temperature": 0, "ignore_eos": True, "stream": True,
                                                            "stream_options": {"include_usage": True}})
@@ -567,26 +570,33 @@ def test_sigterm_ends_active_streams_cleanly_and_exits_0(servers):
         started["short"].set()
         return events + stream.events()
 
-    def with_openai() -> list:
+    def with_openai() -> tuple[list, Exception | None]:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         chunks = []
-        for chunk in client.chat.completions.create(model=SERVED, messages=_user("Go on"), max_tokens=LONG,
-                                                    temperature=0, stream=True, stream_options={"include_usage": True},
-                                                    extra_body={"ignore_eos": True}):
-            chunks.append(chunk)
-            if chunk.choices and chunk.choices[0].delta.content:
-                started["openai"].set()
-        return chunks
+        try:
+            for chunk in client.chat.completions.create(model=SERVED, messages=_user("Go on"), max_tokens=LONG,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True}):
+                chunks.append(chunk)
+                if chunk.choices and chunk.choices[0].delta.content:
+                    started["openai"].set()
+        except openai.APIError as error:
+            return chunks, error
+        return chunks, None
 
-    def with_anthropic() -> list:
+    def with_anthropic() -> tuple[list, Exception | None]:
         client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
         events = []
-        for event in client.messages.create(model=SERVED, max_tokens=LONG, messages=_user("Go on"), stream=True,
-                                            extra_body={"temperature": 0}):
-            events.append(event)
-            if event.type == "content_block_delta":
-                started["anthropic"].set()
-        return events
+        try:
+            for event in client.messages.create(model=SERVED, max_tokens=LONG, messages=_user("Go on"), stream=True,
+                                                extra_body={"temperature": 0}):
+                events.append(event)
+                if event.type == "content_block_delta":
+                    started["anthropic"].set()
+        except anthropic.APIError as error:
+            return events, error
+        return events, None
 
     with ThreadPoolExecutor(3) as pool:
         long_futures = [pool.submit(with_openai), pool.submit(with_anthropic)]
@@ -596,25 +606,32 @@ def test_sigterm_ends_active_streams_cleanly_and_exits_0(servers):
         assert started["short"].wait(EVENT_TIMEOUT_S)
         server.terminate()
 
-        # Draining: admission is closed while the active streams finish or run out their grace.
+        # Draining: admission is closed while the active streams finish.
         wait_until(lambda: server.get("/health").status == 503, EVENT_TIMEOUT_S, "/health to report draining")
         assert server.get("/health").json() == {"status": "draining"}
         refused = server.post("/v1/completions", {"model": SERVED, "prompt": "Hi", "max_tokens": 2})
         assert "shutting down" in _openai_error(refused, 503)["message"]
 
+        # The grace period outlasts the short stream: it runs to its full length.
         short_events = short_future.result(timeout=EVENT_TIMEOUT_S)
-        chunks, events = (future.result(timeout=EVENT_TIMEOUT_S) for future in long_futures)
+        assert short_events[-1] == "[DONE]"
+        assert short_events[-2]["usage"]["completion_tokens"] == 40
+        assert short_events[-3]["choices"][0]["finish_reason"] == "length"
 
-    assert short_events[-1] == "[DONE]"
-    assert short_events[-2]["usage"]["completion_tokens"] == 40
-    assert short_events[-3]["choices"][0]["finish_reason"] == "length"
+        # Decode steps batch all three, so the long streams are far from their end: a second
+        # signal ends the grace and cuts them.
+        server.terminate()
+        (chunks, openai_error), (events, anthropic_error) = (future.result(timeout=EVENT_TIMEOUT_S)
+                                                             for future in long_futures)
 
-    # Past the grace period the long streams are cancelled, each with a clean ending.
-    assert chunks[-2].choices[0].finish_reason == "stop"
-    assert chunks[-1].choices == [] and 0 < chunks[-1].usage.completion_tokens < LONG
-    assert [event.type for event in events[-2:]] == ["message_delta", "message_stop"]
-    assert events[-2].delta.stop_reason == "end_turn" and 0 < events[-2].usage.output_tokens < LONG
+    assert chunks and all(chunk.choices[0].finish_reason is None for chunk in chunks if chunk.choices)
+    assert isinstance(openai_error, openai.APIError) and "shut down before this response was complete" in \
+        str(openai_error)
+    assert events[-1].type == "content_block_delta"  # no message_delta with a stop reason
+    assert isinstance(anthropic_error, anthropic.APIError) and "shut down before this response was complete" in \
+        str(anthropic_error)
 
     assert server.wait_exit() == 0
     log = server.log()
-    assert re.search(r"draining\s+active_responses=3 ", log) and re.search(r"cancelled_after_grace\s+requests=2\b", log)
+    assert re.search(r"draining\s+active_responses=[23] ", log)
+    assert re.search(r"cancelled_after_grace\s+requests=2\b", log)

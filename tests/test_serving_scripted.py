@@ -65,12 +65,17 @@ class Scripted:
         return {"model": SERVED, "messages": QUESTION, "tools": ANTHROPIC_TOOLS, "max_tokens": MAX_TOKENS}
 
 
-def write_scripted_checkpoint(directory: Path, prompt_length: int, script: list[int]) -> Path:
-    """A qwen3-type config naming ScriptedForCausalLM, the script tensors, the real Qwen3 frontend."""
+def write_scripted_checkpoint(directory: Path, prompt_length: int, script: list[int],
+                              fail_at_step: int | None = None) -> Path:
+    """A qwen3-type config naming ScriptedForCausalLM, the script tensors, the real Qwen3 frontend;
+    with `fail_at_step`, the model raises on that forward call."""
     directory.mkdir(parents=True)
     tiny_qwen3_config(architectures=["ScriptedForCausalLM"]).save_pretrained(directory)
-    save_file({"script": torch.tensor(script, dtype=torch.int64),
-               "prompt_length": torch.tensor(prompt_length, dtype=torch.int64)}, str(directory / "model.safetensors"))
+    tensors = {"script": torch.tensor(script, dtype=torch.int64),
+               "prompt_length": torch.tensor(prompt_length, dtype=torch.int64)}
+    if fail_at_step is not None:
+        tensors["fail_at_step"] = torch.tensor(fail_at_step, dtype=torch.int64)
+    save_file(tensors, str(directory / "model.safetensors"))
     add_qwen_frontend_files(directory)
     return directory
 

@@ -3,12 +3,25 @@
 Text arrives in deltas (from the incremental detokenizer). A stop string may span several
 deltas, so the matcher withholds the longest tail of the text that could still grow into a
 stop string, and releases it once the next delta shows it cannot (or at `flush()`).
+
+All stop strings of a request are matched by one Aho-Corasick automaton: each character of
+output moves one state (failure links amortised), so the cost per token depends on the token's
+text, not on how many stop strings a request sets or how long they are. The automaton is built
+once per set of stop strings (`stop_automaton`, cached) and the servers' request parsing builds
+it off the model thread.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+# Limits a request's stop strings must respect (the server answers 400 past them): they bound
+# the automaton's size and the text a stream may withhold.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
 
 
 def partial_match_length(text: str, patterns: Iterable[str]) -> int:
@@ -21,6 +34,62 @@ def partial_match_length(text: str, patterns: Iterable[str]) -> int:
                 longest = length
                 break
     return longest
+
+
+class StopAutomaton:
+    """The Aho-Corasick automaton of a set of stop strings (immutable once built).
+
+    State 0 is the root. For each state: `depth` (length of the prefix it stands for), its
+    transitions, its failure link, and `ending`: the longest stop string that is a suffix of
+    the state's prefix, if any (the longest is the one that starts earliest)."""
+
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        for stop in stop_strings:
+            if not isinstance(stop, str) or stop == "":
+                raise ValueError(f"StopMatcher.stop_strings: every stop string must be a non-empty str, got {stop!r}")
+        self.stops = tuple(dict.fromkeys(stop_strings))
+        self.depth = [0]
+        self.goto: list[dict[str, int]] = [{}]
+        self.ending: list[str | None] = [None]
+        for stop in self.stops:
+            state = 0
+            for char in stop:
+                following = self.goto[state].get(char)
+                if following is None:
+                    following = len(self.depth)
+                    self.goto[state][char] = following
+                    self.depth.append(self.depth[state] + 1)
+                    self.goto.append({})
+                    self.ending.append(None)
+                state = following
+            self.ending[state] = stop
+        self.fail = [0] * len(self.depth)
+        queue = deque(self.goto[0].values())
+        while queue:  # breadth first: a state's failure link is settled before its children's
+            state = queue.popleft()
+            if self.ending[state] is None:  # a stop string of its own is its longest suffix one
+                self.ending[state] = self.ending[self.fail[state]]
+            for char, child in self.goto[state].items():
+                link = self.fail[state]
+                while link and char not in self.goto[link]:
+                    link = self.fail[link]
+                self.fail[child] = self.goto[link].get(char, 0)
+                queue.append(child)
+
+    def step(self, state: int, char: str) -> int:
+        while True:
+            following = self.goto[state].get(char)
+            if following is not None:
+                return following
+            if state == 0:
+                return 0
+            state = self.fail[state]
+
+
+@functools.lru_cache(maxsize=256)
+def stop_automaton(stop_strings: tuple[str, ...]) -> StopAutomaton:
+    """The automaton for `stop_strings`, built once per distinct set (requests often repeat theirs)."""
+    return StopAutomaton(stop_strings)
 
 
 @dataclass(frozen=True)
@@ -42,11 +111,10 @@ class StopMatcher:
     """
 
     def __init__(self, stop_strings: Sequence[str]) -> None:
-        for stop in stop_strings:
-            if not isinstance(stop, str) or stop == "":
-                raise ValueError(f"StopMatcher.stop_strings: every stop string must be a non-empty str, got {stop!r}")
-        self._stops = tuple(dict.fromkeys(stop_strings))
-        self._held = ""
+        self._automaton = stop_automaton(tuple(stop_strings))
+        self._state = 0
+        # The withheld tail: exactly the characters of the automaton's current state.
+        self._held: deque[str] = deque()
         self._matched: str | None = None
 
     @property
@@ -57,29 +125,27 @@ class StopMatcher:
     def feed(self, delta: str) -> StopResult:
         if self._matched is not None:
             return StopResult()
-        text = self._held + delta
-        match = self._earliest_match(text)
-        if match is not None:
-            start, stop = match
-            self._held = ""
-            self._matched = stop
-            return StopResult(text[:start], stop)
-        held = partial_match_length(text, self._stops)
-        self._held = text[len(text) - held:] if held else ""
-        return StopResult(text[:len(text) - held])
+        automaton, held, state = self._automaton, self._held, self._state
+        released: list[str] = []
+        for char in delta:
+            state = automaton.step(state, char)
+            held.append(char)
+            stop = automaton.ending[state]
+            if stop is not None:
+                # The stop string is the last len(stop) held characters; what precedes it is text.
+                for _ in range(len(held) - len(stop)):
+                    released.append(held.popleft())
+                held.clear()
+                self._state, self._matched = 0, stop
+                return StopResult("".join(released), stop)
+            for _ in range(len(held) - automaton.depth[state]):
+                released.append(held.popleft())
+        self._state = state
+        return StopResult("".join(released))
 
     def flush(self) -> str:
         """Release the withheld tail at the end of generation (empty after a match)."""
-        held, self._held = self._held, ""
+        held = "".join(self._held)
+        self._held.clear()
+        self._state = 0
         return held
-
-    def _earliest_match(self, text: str) -> tuple[int, str] | None:
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = text.find(stop)
-            if start < 0:
-                continue
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        return None if best is None else (best[1], best[2])

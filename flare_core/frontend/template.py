@@ -202,7 +202,8 @@ def _cut_marks(marked_text: str, sentinel: str, nonce: str) -> RenderedPrompt:
     marks: list[int] = []
     offset = 0
     for piece in pieces[:-1]:
-        offset += len(piece.encode("utf-8"))
+        # surrogatepass: escaped special-token spellings carry lone-surrogate brackets (see literals)
+        offset += len(piece.encode("utf-8", "surrogatepass"))
         if not marks or marks[-1] != offset:
             marks.append(offset)
     return RenderedPrompt(text=text, marks=tuple(marks))

@@ -7,11 +7,18 @@ uses Transformers' own conversion, so the result is what Transformers would enco
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import tokenizers
+
+from flare_core.frontend.literals import (EncodedPrompt, encode_rendered, encode_text, escape_literals,
+                                         special_pattern)
+from flare_core.frontend.template import RenderedPrompt
 
 
 class Tokenizer:
@@ -33,11 +40,33 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised, none are added unless asked."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return encode_text(self._backend, text, add_special_tokens).ids
 
     def encoding(self, text: str, *, add_special_tokens: bool = False) -> tokenizers.Encoding:
         """The full encoding of `text`: ids plus character offsets (used to map marks to token counts)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens)
+        return encode_text(self._backend, text, add_special_tokens)
+
+    def escape_special_text(self, value: Any) -> Any:
+        """JSON data from a client with its special-token spellings marked as text (see
+        `flare_core.frontend.literals`); render it, then `encode_prompt` the result."""
+        return escape_literals(value, self._special_pattern)
+
+    def encode_prompt(self, rendered: RenderedPrompt) -> EncodedPrompt:
+        """Token ids and mark endpoints of a template rendering: the template's markup with
+        special-token parsing, the client's escaped spellings as ordinary text."""
+        return encode_rendered(rendered, self._backend, self.literal_backend)
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        return special_pattern(self._special_tokens)
+
+    @functools.cache  # noqa: B019 - one per tokenizer, for its lifetime
+    def literal_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token spellings as text. Building it holds
+        the GIL for a while (large vocabularies): a server builds it at start-up."""
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True  # special-token spellings are split like any text
+        return backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

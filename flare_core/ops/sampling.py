@@ -225,17 +225,7 @@ class SampleOutput:
 
 
 def _check_params(row: int, params: SamplingParams) -> None:
-    where = f"SamplingParams (batch row {row})"
-    if not params.temperature >= 0.0:
-        raise ValueError(f"{where}.temperature must be >= 0, got {params.temperature}")
-    if not 0.0 <= params.top_p <= 1.0:
-        raise ValueError(f"{where}.top_p must be in [0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise ValueError(f"{where}.top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"{where}.min_p must be in [0, 1], got {params.min_p}")
-    if not params.repetition_penalty > 0.0:
-        raise ValueError(f"{where}.repetition_penalty must be > 0, got {params.repetition_penalty}")
+    params.check(f"SamplingParams (batch row {row})")
 
 
 def penalise(logits: torch.Tensor, in_prompt: torch.Tensor, output_counts: torch.Tensor, repetition: torch.Tensor,

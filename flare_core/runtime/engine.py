@@ -31,7 +31,7 @@ from flare_core.runtime.loaded import LoadedCore
 from flare_core.runtime.memory import KvPlan, snapshot_slots_for
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
-                                     TokenLogprob, Usage)
+                                     TokenLogprob, Usage, check_request)
 from flare_core.scheduler import GraphCapacities, RequestHandle, Scheduler, SchedulerConfig, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is needed here
@@ -145,6 +145,7 @@ class Engine:
             architecture=manifest["architecture"]["name"], dtype=manifest["dtype"],
             parameters=loaded.parameters, core_path=str(loaded.core.path))
         self.tokenizer = loaded.tokenizer
+        self.tokenizer.literal_backend()  # built now, not on the frontend pool at the first request needing it
         self.chat_template = loaded.chat_template
         self.frontend = loaded.frontend
         self.sampling_policy = loaded.sampling_policy
@@ -198,7 +199,9 @@ class Engine:
         self._accepted = 0  # submitted and not finished: bounded by max_concurrency + queue_capacity
         self._accepted_lock = threading.Lock()
         self._draining = False
-        self._failure: str | None = None
+        # Why the model worker stopped, once a step has failed; then every request is refused.
+        self.failure: str | None = None
+        self._failure_callbacks: list[Callable[[str], None]] = []
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: list[tuple[RequestStream, GenerationEvent]] = []  # model thread: events not yet handed over
@@ -226,8 +229,8 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Call from the event loop thread (the loop that consumes the returned stream)."""
         self._loop = asyncio.get_running_loop()
-        if self._failure is not None:
-            raise AdmissionError(f"the model worker failed: {self._failure}", status=500)
+        if self.failure is not None:
+            raise AdmissionError(f"the model worker failed ({self.failure}); the server is exiting", status=503)
         if self._draining:
             raise AdmissionError("the server is shutting down and admits no new requests", status=503)
         limit = self.info.max_concurrency + self.info.queue_capacity
@@ -254,6 +257,14 @@ class Engine:
 
     def active_requests(self) -> int:
         return self._accepted
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(cause)` once the model worker has failed; it runs on the model thread
+        (use loop.call_soon_threadsafe to reach an event loop). Registered after a failure, it
+        runs at once."""
+        self._failure_callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
 
     async def aclose(self) -> None:
         """Cancel what is left, stop the model thread and wait for it."""
@@ -296,14 +307,17 @@ class Engine:
                     # or for resources in flight. Block for the next message rather than spin.
                     if not self._drain_inbox(block=True):
                         break
-        except Exception as exc:  # a failed step fails every request; the process can still exit
+        except Exception as exc:  # a failed step fails every request; the server then exits
             log.exception("model worker failed")
-            self._failure = f"{type(exc).__name__}: {exc}"
+            self.failure = f"{type(exc).__name__}: {exc}"
             for live in list(self._live.values()):
-                self._finish(live, "error", error=f"execution failed: {self._failure}")
+                self._finish(live, "error", error=f"execution failed: {self.failure}")
         finally:
             self._cancel_all()
             self._send_events()
+        if self.failure is not None:
+            for callback in self._failure_callbacks:
+                callback(self.failure)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Handle pending messages; False when asked to stop."""
@@ -331,15 +345,21 @@ class Engine:
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self._core_stop_ids
-        live = _Live(request, stream, None,
-                     IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
-                     StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)
         try:
+            # The server validated the request; checked again here so that one that got past it
+            # fails alone rather than inside a step it shares with others.
+            check_request(request, self._vocab, self.info.context_length)
+            live = _Live(request, stream, None,
+                         IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
+                         StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)
             self._scheduler.submit(request_id, request.prompt_ids, request.max_tokens,
                                    marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)))
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
+            log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
+            live = _Live(request, stream, None, IncrementalDetokenizer(self.tokenizer), StopMatcher(()),
+                         frozenset(), submitted)
             self._live[request_id] = live
-            self._finish(live, "error", error=str(exc))
+            self._finish(live, "error", error=f"invalid request: {type(exc).__name__}: {exc}")
             return
         self._live[request_id] = live
         if self.telemetry is not None:
@@ -407,7 +427,11 @@ class Engine:
             if live is None or live.finished:
                 continue
             row = index_of[sampled.handle]
-            self._on_token(live, sampled.token, row, output, now)
+            try:
+                self._on_token(live, sampled.token, row, output, now)
+            except Exception as exc:  # noqa: BLE001 - its output processing failed: that request alone ends
+                log.exception("request output failed", request_id=sampled.handle.request_id)
+                self._finish(live, "error", error=f"output processing failed: {type(exc).__name__}: {exc}")
         self._send_events()
         self._sync_prefix_metrics()
         self._update_gauges()
@@ -510,7 +534,7 @@ class Engine:
                              frozenset(), submitted)
                 stream_id = stream.request_id
                 self._live[stream_id] = live
-                self._finish(live, "cancelled" if self._failure is None else "error", error=self._failure)
+                self._finish(live, "cancelled" if self.failure is None else "error", error=self.failure)
 
     def _sync_prefix_metrics(self) -> None:
         if self._prefix is None:

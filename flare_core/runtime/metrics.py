@@ -54,6 +54,9 @@ class RuntimeMetrics:
         self._waiting = Gauge("flare_requests_waiting", "Admitted requests waiting for a slot.", registry=r)
         self._http_in_flight = Gauge("flare_http_requests_in_flight",
                                      "HTTP requests holding an ingress reservation.", registry=r)
+        self._http_uploads = Gauge("flare_http_uploads_in_progress",
+                                   "HTTP requests whose body is still arriving (they hold no ingress reservation).",
+                                   registry=r)
         self._ttft = Histogram("flare_time_to_first_token_seconds", "Time from admission to the first token.",
                                buckets=_TTFT_BUCKETS, registry=r)
         self._itl = Histogram("flare_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
@@ -104,6 +107,9 @@ class RuntimeMetrics:
 
     def set_waiting(self, requests: int) -> None:
         self._waiting.set(requests)
+
+    def set_http_uploads(self, count: int) -> None:
+        self._http_uploads.set(count)
 
     def set_http_in_flight(self, requests: int) -> None:
         self._http_in_flight.set(requests)

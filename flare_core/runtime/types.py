@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# A signed 64-bit integer: seeds and counts from clients are checked against it.
+_INT64 = (-2**63, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,26 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def check(self, where: str = "SamplingParams") -> None:
+        """ValueError naming the first value no sampler can use (not finite, out of its domain)."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{where}.{name} must be a finite number, got {value!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"{where}.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"{where}.top_p must be in [0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"{where}.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"{where}.min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"{where}.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not _INT64[0] <= self.seed <= _INT64[1]):
+            raise ValueError(f"{where}.seed must be a 64-bit integer, got {self.seed!r}")
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -42,6 +66,30 @@ class GenerationRequest:
     checkpoints: tuple[int, ...] = ()
     skip_special_tokens: bool = True
     request_id: str = ""
+
+
+def check_request(request: GenerationRequest, vocab_size: int, context_length: int) -> None:
+    """ValueError naming the first field of `request` the runtime cannot serve. The server
+    validates every field before admission; the runtime checks again, so that a request that got
+    past it fails alone instead of inside a step shared with others."""
+    if not request.prompt_ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    for name, ids in (("prompt_ids", request.prompt_ids), ("stop_token_ids", request.stop_token_ids)):
+        # min / max run at C speed over long prompts; a non-integer id makes them raise TypeError.
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            raise ValueError(f"{name}: every id must be a token id in [0, {vocab_size}), got ids from "
+                             f"{min(ids)} to {max(ids)}")
+    if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+    if len(request.prompt_ids) + request.max_tokens > context_length:
+        raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                         f"the context length {context_length}")
+    if not 0 <= request.top_logprobs <= 20:
+        raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
+    request.sampling.check("sampling")
+    for stop in request.stop_strings:
+        if not isinstance(stop, str) or not stop:
+            raise ValueError(f"stop_strings: every stop string must be a non-empty string, got {stop!r}")
 
 
 @dataclass(frozen=True)

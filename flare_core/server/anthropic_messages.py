@@ -17,6 +17,7 @@ from aiohttp import web
 
 from flare_core.runtime.types import GenerationRequest, Usage
 from flare_core.server.generation import (
+    INTERRUPTED,
     EventSink,
     Generation,
     Outcome,
@@ -47,7 +48,7 @@ from flare_core.server.validation import (
     get_str,
     invalid,
     json_type,
-    read_json_body,
+    json_body,
     reject_unknown,
 )
 
@@ -239,7 +240,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 
 def stop_reason(outcome: Outcome, stop_sequences: tuple[str, ...], tool_use: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence). A shutdown cancellation ends the message cleanly as end_turn."""
+    """(stop_reason, stop_sequence) of a complete generation."""
     if outcome.finish_reason == "length":
         return "max_tokens", None
     if tool_use:
@@ -297,8 +298,9 @@ class MessageBuilder:
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]:
         """The whole message; after an execution error, the error event that ends the stream instead."""
-        if outcome.finish_reason == "error":
-            error = _error_event(execution_error(outcome.error).message)
+        if outcome.finish_reason in ("error", "cancelled"):  # failed, or cut short by shutdown
+            error = (_error_event(execution_error(outcome.error).message) if outcome.finish_reason == "error"
+                     else _error_event(INTERRUPTED.message, "overloaded_error"))
             await self._sink(error)
             return error
         await self._close()
@@ -334,15 +336,14 @@ class MessageBuilder:
         await self._sink({"type": "content_block_stop", "index": len(self.content) - 1})
 
 
-def _error_event(message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": "api_error", "message": message}}
+def _error_event(message: str, error_type: str = "api_error") -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     record = request[RECORD]
-    body = await read_json_body(request, state.config.max_body_bytes)
-    call = parse_messages_request(state, body, record.request_id)
+    call = await state.prepare(lambda: parse_messages_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
     parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)
@@ -354,9 +355,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await read_json_body(request, state.config.max_body_bytes)
-    reject_unknown(body, _COUNT_TOKENS_FIELDS)
-    model, prompt, _ = build_prompt(state, body)
+
+    def count() -> tuple[str, Prompt]:
+        body = json_body(request)
+        reject_unknown(body, _COUNT_TOKENS_FIELDS)
+        model, prompt, _ = build_prompt(state, body)
+        return model, prompt
+
+    model, prompt = await state.prepare(count)
     request[RECORD].model = model
     request[RECORD].prompt_tokens = len(prompt.ids)
     return web.json_response({"input_tokens": len(prompt.ids)})

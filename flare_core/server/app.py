@@ -7,11 +7,14 @@ Middlewares run outermost first:
    and aiohttp's own HTTP errors become JSON in the format of the path's API family.
 2. auth: when an API key is configured, `Authorization: Bearer <key>` or `x-api-key: <key>`
    (Anthropic clients) must match it (constant-time compare). /health and /metrics stay open.
-3. ingress: while draining every request is a 503; past `ingress_limit(...)` requests in
-   flight a 429 — both decided before any body is read. The reservation lasts until the
-   response (streams included) is complete. The limit is twice what the engine admits
-   (`max_concurrency + queue_capacity`), so a full engine answers generation requests with
-   its own 503 while the other half bounds requests reading bodies or asking light routes.
+3. ingress: while draining, or once the model worker has failed, every request is a 503.
+   The body is then received whole: at most `max_body_bytes` (413), within `body_timeout_s`
+   (408), with at most `upload_limit` bodies arriving at once (429); shutdown ends the reads
+   still waiting (503). Only then is the ingress reservation taken: past `ingress_limit(...)`
+   requests in flight a 429. The reservation lasts until the response (streams included) is
+   complete. The limit is twice what the engine admits (`max_concurrency + queue_capacity`),
+   so a full engine answers generation requests with its own 503 while the other half bounds
+   light routes. Clients that stall their uploads hold no reservation.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from flare_core.config import ServerConfig
 from flare_core.server import (
@@ -37,10 +43,11 @@ from flare_core.server.errors import ApiError, error_response, flavor_of_path
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sse import ClientGone
 from flare_core.server.state import STATE, Engine, ServerState, read_api_key
+from flare_core.server.validation import BODY
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Statuses that refuse a request before it reaches the engine (counted in flare_requests_rejected).
-_REJECTIONS = (401, 413, 429, 503)
+_REJECTIONS = (401, 408, 413, 429, 503)
 # Status logged for a request whose client went away before its response was complete (nginx's).
 CLIENT_CLOSED = 499
 
@@ -62,7 +69,10 @@ async def _log_and_errors(request: web.Request, handler: Handler) -> web.StreamR
         status, error = exc.status, exc.message
         if status in _REJECTIONS:
             request.app[STATE].engine.metrics.request_rejected(status)
-        return error_response(flavor, exc)
+        response = error_response(flavor, exc)
+        if status in (408, 413):  # the rest of the body may still be on its way: never read it as a request
+            response.force_close()
+        return response
     except web.HTTPException as exc:  # aiohttp's routing: unknown path, wrong method
         status = exc.status
         message = f"{request.method} {request.path}: {exc.reason}"
@@ -94,7 +104,9 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         presented = token.strip()
-    if presented is None or not hmac.compare_digest(presented.encode("utf-8"), api_key.encode("utf-8")):
+    # Header bytes that are not UTF-8 reach here as surrogate escapes; they simply do not match.
+    if presented is None or not hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
+                                                    api_key.encode("utf-8")):
         raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
     return await handler(request)
 
@@ -104,8 +116,10 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
     state = request.app[STATE]
     if request.path in OPEN_PATHS:
         return await handler(request)
-    if state.draining:
-        raise ApiError(503, "the server is shutting down and accepts no new requests")
+    refuse_if_unavailable(state)
+    if request.method == "POST":
+        request[BODY] = await _receive_body(request, state)
+        refuse_if_unavailable(state)
     if state.in_flight >= state.ingress_limit:
         info = state.engine.info
         raise ApiError(429, f"the server already holds {state.in_flight} requests, its limit (twice "
@@ -118,8 +132,54 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
         state.release()
 
 
+def refuse_if_unavailable(state: ServerState) -> None:
+    """503 once the model worker has failed or shutdown has begun."""
+    failure = state.engine.failure
+    if failure is not None:
+        raise ApiError(503, f"the model worker failed ({failure}); the server is exiting")
+    if state.draining:
+        raise ApiError(503, "the server is shutting down and accepts no new requests")
+
+
+async def _receive_body(request: web.Request, state: ServerState) -> bytes:
+    """The whole body, within the size, time and concurrent-upload limits (see the module docstring)."""
+    limit = state.max_body_bytes
+    too_large = ApiError(413, f"request body exceeds the server's limit of {limit} bytes (server.max_body_bytes "
+                              f"in the config; by default derived from the core's context length)")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    if state.uploads >= state.upload_limit:
+        raise ApiError(429, f"{state.uploads} request bodies are arriving at once, the server's limit; retry later")
+    state.uploads += 1
+    state.engine.metrics.set_http_uploads(state.uploads)
+    read = asyncio.ensure_future(request.read())
+    shutdown = asyncio.ensure_future(state.shutting_down.wait())
+    try:
+        done, _ = await asyncio.wait((read, shutdown), timeout=state.config.body_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if read in done:
+            return read.result()
+        if shutdown in done:
+            raise ApiError(503, "the server is shutting down and accepts no new requests")
+        raise ApiError(408, f"the request body did not arrive within {state.config.body_timeout_s:g} s "
+                            f"(server.body_timeout_s in the config)")
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # e.g. gzip declared, body not gzip
+        raise ApiError(400, f"the request body cannot be read: {exc}") from None
+    finally:
+        state.uploads -= 1
+        state.engine.metrics.set_http_uploads(state.uploads)
+        for task in (read, shutdown):
+            task.cancel()
+        await asyncio.gather(read, shutdown, return_exceptions=True)
+
+
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    failure = state.engine.failure
+    if failure is not None:
+        return web.json_response({"status": "failed", "cause": failure}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     return web.json_response({"status": "ok", "models": list(state.engine.info.served_names),
@@ -139,12 +199,19 @@ def ingress_limit(max_concurrency: int, queue_capacity: int) -> int:
 
 
 def build_app(engine: Engine, config: ServerConfig) -> web.Application:
-    """The server for `engine`; `config.api_key_file` is read here (ValueError if unreadable or empty)."""
+    """The server for `engine`; `config.api_key_file` is read here (ValueError if unreadable or empty).
+    Its frontend pool is shut down with the app (`on_cleanup`)."""
     state = ServerState(engine=engine, config=config, api_key=read_api_key(config.api_key_file),
-                        ingress_limit=ingress_limit(engine.info.max_concurrency, engine.info.queue_capacity))
+                        ingress_limit=ingress_limit(engine.info.max_concurrency, engine.info.queue_capacity),
+                        frontend_pool=ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="flare-frontend"))
     # client_max_size bounds bodies without a Content-Length too (chunked uploads).
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_log_and_errors, _auth, _ingress])
+    app = web.Application(client_max_size=state.max_body_bytes, middlewares=[_log_and_errors, _auth, _ingress])
     app[STATE] = state
+
+    async def close_pool(app: web.Application) -> None:
+        state.frontend_pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(close_pool)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", _health)
     for module in (metrics, models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama):

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import structlog
 from aiohttp import web
 
 from flare_core.frontend.parsers import OutputParser, ParsedDelta, ParsedOutput, prompt_opens_reasoning
@@ -20,6 +21,9 @@ from flare_core.server.errors import ApiError
 from flare_core.server.request_log import RequestRecord
 from flare_core.server.sse import EventStream
 from flare_core.server.state import Engine, RequestStream, ServerState
+
+
+_log = structlog.get_logger("flare.server")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,22 @@ class Collected:
 def execution_error(message: str | None) -> ApiError:
     """A generation that failed while running: the engine's message, or a generic one."""
     return ApiError(500, f"generation failed: {message or 'execution error'}")
+
+
+# A response cut short by shutdown is never passed off as complete: non-streaming requests get
+# this 503 (SDKs retry it), streams end with their protocol's error event carrying its message.
+INTERRUPTED = ApiError(503, "the server shut down before this response was complete; retry the request",
+                       code="server_shutdown")
+
+
+def unfinished_error(outcome: Outcome) -> ApiError | None:
+    """The error a non-streaming response answers for an outcome that is not a complete
+    generation (execution failure, shutdown), or None."""
+    if outcome.finish_reason == "error":
+        return execution_error(outcome.error)
+    if outcome.finish_reason == "cancelled":
+        return INTERRUPTED
+    return None
 
 
 def output_parser(engine: Engine, prompt_text: str | None, tools: bool) -> OutputParser:
@@ -104,9 +124,16 @@ class Generation:
         async for event in self._stream:
             if event.token_ids and self._record.ttft_s is None:
                 self._record.ttft_s = time.monotonic() - self._submitted_at
-            delta = self._parser.feed(event.text) if event.text else ParsedDelta()
+            try:
+                delta = self._parser.feed(event.text) if event.text else ParsedDelta()
+                if event.finish_reason is not None:
+                    delta = delta + self._parser.finish()
+            except Exception as exc:  # noqa: BLE001 - a parser fault ends this response alone
+                _log.exception("output parsing failed", request_id=self._record.request_id)
+                self._stream.cancel()
+                self._fail(f"output parsing failed: {type(exc).__name__}: {exc}", event.usage)
+                return
             if event.finish_reason is not None:
-                delta = delta + self._parser.finish()
                 usage = event.usage or Usage(self.prompt_tokens, 0, 0)
                 self.outcome = Outcome(event.finish_reason, usage, event.stop, event.error)
                 self._record.finish_reason = event.finish_reason
@@ -116,7 +143,10 @@ class Generation:
             if self.outcome is not None:
                 return
         # The runtime always ends a stream with a final event; reaching here is a runtime fault.
-        self.outcome = Outcome("error", Usage(self.prompt_tokens, 0, 0), error="the request stream ended early")
+        self._fail("the request stream ended early")
+
+    def _fail(self, error: str, usage: Usage | None = None) -> None:
+        self.outcome = Outcome("error", usage or Usage(self.prompt_tokens, 0, 0), error=error)
         self._record.finish_reason = "error"
 
     async def collect(self) -> Collected:
@@ -126,8 +156,9 @@ class Generation:
             collected.output.add(piece.delta)
             collected.logprobs.extend(piece.logprobs)
         assert self.outcome is not None
-        if self.outcome.finish_reason == "error":
-            raise execution_error(self.outcome.error)
+        error = unfinished_error(self.outcome)
+        if error is not None:
+            raise error
         return collected
 
 
@@ -152,13 +183,15 @@ async def builder_response(request: web.Request, generation: Generation, new_bui
                            OutputBuilder], *, stream: bool, headers: dict[str, str]) -> web.StreamResponse:
     """Answer with a builder's final object, or stream its typed SSE events (the event name is the
     event's "type"). Both paths run the same builder, so they agree by construction; an execution
-    error is a 500 before anything is sent, and the builder's own to report once streaming."""
+    error (500) or a shutdown (503) is answered before anything is sent, and the builder's own to
+    report once streaming."""
     if not stream:
         builder = new_builder(no_events)
         async for piece in generation.pieces():
             await builder.add(piece)
-        if generation.outcome.finish_reason == "error":
-            raise execution_error(generation.outcome.error)
+        error = unfinished_error(generation.outcome)
+        if error is not None:
+            raise error
         return web.json_response(await builder.finish(generation.outcome), headers=headers)
     events = EventStream(request, headers=headers)
     await events.open()

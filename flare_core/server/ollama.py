@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from aiohttp import web
 import flare_core
 from flare_core.runtime.types import GenerationRequest
 from flare_core.server.errors import ApiError
-from flare_core.server.generation import Generation, Outcome, execution_error, output_parser
+from flare_core.server.generation import INTERRUPTED, Generation, Outcome, execution_error, output_parser
 from flare_core.server.models import resolve_model
 from flare_core.server.prompts import (
     Prompt,
@@ -41,9 +42,10 @@ from flare_core.server.validation import (
     get_object,
     get_str,
     invalid,
-    read_json_body,
+    json_body,
 )
 
+_ROLES = ("system", "user", "assistant", "tool")
 _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                   "repetition_penalty": "repeat_penalty"}
@@ -90,7 +92,7 @@ async def tags(request: web.Request) -> web.Response:
 
 async def show(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await read_json_body(request, state.config.max_body_bytes)
+    body = json_body(request)
     name = get_str(body, "model") or get_str(body, "name")
     _served(state, name)
     engine = state.engine
@@ -133,6 +135,8 @@ def _ollama_messages(raw: list | None) -> list[dict[str, Any]]:
         if message.get("images"):
             raise invalid(f"{where}.images", "images are not supported: this server takes text only")
         role = get_str(message, "role", where=f"{where}.role", required=True)
+        if role not in _ROLES:
+            raise invalid(f"{where}.role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
         converted: dict[str, Any] = {"role": role, "content": get_str(message, "content", where=f"{where}.content",
                                                                       default="")}
         thinking = get_str(message, "thinking", where=f"{where}.thinking")
@@ -155,14 +159,24 @@ def _ollama_messages(raw: list | None) -> list[dict[str, Any]]:
     return messages
 
 
-def _generation(state: ServerState, body: dict[str, Any], prompt: Prompt, request_id: str
-                ) -> tuple[GenerationRequest, Sampling]:
+@dataclass(frozen=True)
+class OllamaCall:
+    model: str
+    stream: bool
+    parse_tools: bool
+    prompt: Prompt
+    request: GenerationRequest
+    sampling: Sampling
+
+
+def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, parse_tools: bool,
+          request_id: str) -> OllamaCall:
     engine = state.engine
     if body.get("format"):
         raise invalid("format", "structured output formats are not supported")
     options = get_object(body, "options") or {}
     sampling = read_sampling(engine.sampling_policy, options, _OPTION_FIELDS, where="options.")
-    num_predict = get_int(options, "num_predict", where="options.num_predict")
+    num_predict = get_int(options, "num_predict", where="options.num_predict", minimum=-2)
     # Ollama's -1 (no limit) and -2 (fill the context) both mean: as much as the context allows.
     requested = None if num_predict is None or num_predict < 0 else num_predict
     if requested == 0:
@@ -171,7 +185,7 @@ def _generation(state: ServerState, body: dict[str, Any], prompt: Prompt, reques
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 checkpoints=prompt.checkpoints, request_id=request_id)
-    return request, sampling
+    return OllamaCall(model, get_bool(body, "stream", default=True), parse_tools, prompt, request, sampling)
 
 
 def _final_fields(outcome: Outcome, started: float, ttft: float | None) -> dict[str, Any]:
@@ -183,15 +197,14 @@ def _final_fields(outcome: Outcome, started: float, ttft: float | None) -> dict[
             "eval_duration": max(total_ns - prompt_ns, 0)}
 
 
-async def _respond(request: web.Request, state: ServerState, body: dict[str, Any], model: str, prompt: Prompt,
-                   parse_tools: bool, text_key: str | None) -> web.StreamResponse:
+async def _respond(request: web.Request, state: ServerState, call: OllamaCall,
+                   text_key: str | None) -> web.StreamResponse:
     """Run a chat (`text_key` None: output under "message") or generate ("response") request."""
     record = request[RECORD]
-    generation_request, sampling = _generation(state, body, prompt, record.request_id)
-    stream = get_bool(body, "stream", default=True)
+    model, stream, sampling = call.model, call.stream, call.sampling
     record.model, record.stream = model, stream
-    parser = output_parser(state.engine, prompt.text, parse_tools)
-    generation = Generation(state, record, generation_request, parser)
+    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    generation = Generation(state, record, call.request, parser)
     started = time.monotonic()
 
     def line(content: str, thinking: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -235,6 +248,8 @@ async def _respond(request: web.Request, state: ServerState, body: dict[str, Any
         outcome = generation.outcome
         if outcome.finish_reason == "error":
             await events.line({"error": execution_error(outcome.error).message})
+        elif outcome.finish_reason == "cancelled":  # cut short by shutdown
+            await events.line({"error": INTERRUPTED.message})
         else:
             final = line("", "", [])
             final.update(_final_fields(outcome, started, record.ttft_s))
@@ -250,20 +265,30 @@ def _safe_arguments(text: str) -> dict[str, Any]:
         return {}
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body = await read_json_body(request, state.config.max_body_bytes)
+def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
     model = _served(state, get_str(body, "model"))
     messages = _ollama_messages(get_list(body, "messages", required=True))
     tools = openai_tools(get_list(body, "tools"))
     prompt = chat_prompt(state.engine, messages, tools=tools, options=template_options(state.engine,
                                                                                         thinking=_think(body)))
-    return await _respond(request, state, body, model, prompt, tools is not None, None)
+    return _call(state, body, model, prompt, tools is not None, request_id)
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    request_id = request[RECORD].request_id
+    call = await state.prepare(lambda: parse_chat_request(state, json_body(request), request_id))
+    return await _respond(request, state, call, None)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json_body(request, state.config.max_body_bytes)
+    request_id = request[RECORD].request_id
+    call = await state.prepare(lambda: parse_generate_request(state, json_body(request), request_id))
+    return await _respond(request, state, call, "response")
+
+
+def parse_generate_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
     model = _served(state, get_str(body, "model"))
     text = get_str(body, "prompt", required=True)
     if body.get("images"):
@@ -280,7 +305,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         messages.append({"role": "user", "content": text})
         prompt = chat_prompt(state.engine, messages, tools=None,
                              options=template_options(state.engine, thinking=_think(body)))
-    return await _respond(request, state, body, model, prompt, False, "response")
+    return _call(state, body, model, prompt, False, request_id)
 
 
 def add_routes(app: web.Application) -> None:

@@ -35,7 +35,7 @@ from flare_core.server.prompts import (
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import get_bool, get_int, get_list, get_object, get_str, invalid, read_json_body
+from flare_core.server.validation import get_bool, get_int, get_list, get_object, get_str, invalid, json_body
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,7 @@ def tool_call_deltas_json(deltas: tuple[ToolCallDelta, ...]) -> list[dict[str, A
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     record = request[RECORD]
-    body = await read_json_body(request, state.config.max_body_bytes)
-    call = parse_chat_request(state, body, record.request_id)
+    call = await state.prepare(lambda: parse_chat_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
     parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)

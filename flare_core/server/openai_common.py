@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
-from flare_core.server.generation import Outcome, execution_error
+from flare_core.server.generation import INTERRUPTED, Outcome, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (
     OPENAI_SAMPLING_FIELDS,
@@ -74,9 +74,9 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 
 def finish_reason(runtime_reason: str, tool_calls: bool) -> str:
-    """OpenAI finish reasons. A shutdown cancellation ends the response cleanly as "stop"."""
-    if runtime_reason == "error":
-        raise ValueError("an execution error has no OpenAI finish reason; answer it as an error")
+    """OpenAI finish reasons of complete generations."""
+    if runtime_reason in ("error", "cancelled"):
+        raise ValueError(f"a {runtime_reason} generation has no OpenAI finish reason; answer it as an error")
     if runtime_reason == "length":
         return "length"
     return "tool_calls" if tool_calls else "stop"
@@ -111,6 +111,8 @@ class ChoiceStream:
     async def finish(self, outcome: Outcome, last_content: Any, tool_calls: bool) -> web.StreamResponse:
         if outcome.finish_reason == "error":
             await self._events.event(error_chunk(execution_error(outcome.error).message))
+        elif outcome.finish_reason == "cancelled":  # cut short by shutdown
+            await self._events.event(error_chunk(INTERRUPTED.message, INTERRUPTED.code))
         else:
             await self.chunk(last_content, finish=finish_reason(outcome.finish_reason, tool_calls))
             if self._include_usage:
@@ -120,9 +122,9 @@ class ChoiceStream:
         return self._events.response
 
 
-def error_chunk(message: str) -> dict[str, Any]:
+def error_chunk(message: str, code: str = "execution_failed") -> dict[str, Any]:
     """The body of the SSE event that reports a failure mid-stream (the openai SDK raises on it)."""
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": "execution_failed"}}
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
 
 def _token_bytes(text: str) -> list[int]:

@@ -25,7 +25,7 @@ from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
 from flare_core.server.state import STATE, Engine, ServerState
-from flare_core.server.validation import get_bool, get_int, get_str, invalid, json_type, read_json_body
+from flare_core.server.validation import get_bool, get_int, get_str, invalid, json_body, json_type
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,7 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     record = request[RECORD]
-    body = await read_json_body(request, state.config.max_body_bytes)
-    call = parse_completion_request(state, body, record.request_id)
+    call = await state.prepare(lambda: parse_completion_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
     generation = Generation(state, record, call.request)
     completion_id = f"cmpl-{record.request_id}"

@@ -54,7 +54,7 @@ from flare_core.server.validation import (
     get_str,
     invalid,
     json_type,
-    read_json_body,
+    json_body,
 )
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -331,8 +331,7 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
 async def responses(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     record = request[RECORD]
-    body = await read_json_body(request, state.config.max_body_bytes)
-    call = parse_responses_request(state, body, record.request_id)
+    call = await state.prepare(lambda: parse_responses_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
     parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flare_core.frontend import RenderedPrompt, TemplateError, mark_token_endpoints
+from flare_core.frontend import RenderedPrompt, TemplateError
 from flare_core.server.errors import ApiError
 from flare_core.server.state import Engine
 from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_type
@@ -56,7 +56,7 @@ def template_options(engine: Engine, overrides: Mapping[str, Any] | None = None,
     for name, value in (overrides or {}).items():
         if name in _RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
             raise invalid(f"chat_template_kwargs.{name}", "is set by the server and cannot be overridden")
-        options[name] = value
+        options[name] = engine.tokenizer.escape_special_text(value)
     return options
 
 
@@ -76,17 +76,20 @@ def chat_prompt(engine: Engine, messages: Sequence[Mapping[str, Any]], *, tools:
                             "send a raw prompt to /v1/completions instead")
     if not messages:
         raise invalid("messages", "must contain at least one message")
+    # Client strings keep special-token spellings as text; only the template's markup is special.
+    tokenizer = engine.tokenizer
+    messages = tokenizer.escape_special_text(messages)
     try:
-        rendered = template.render(messages, tools=tools or None, add_generation_prompt=not continue_final_message,
-                                   **options)
+        rendered = template.render(messages, tools=tokenizer.escape_special_text(tools) or None,
+                                   add_generation_prompt=not continue_final_message, **options)
+        if continue_final_message:
+            rendered = _open_final_message(rendered, messages[-1])
+        encoded = tokenizer.encode_prompt(rendered)
     except TemplateError as exc:
         raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
     except (TypeError, ValueError) as exc:
         raise ApiError(400, f"messages cannot be rendered: {exc}", param="messages") from exc
-    if continue_final_message:
-        rendered = _open_final_message(rendered, messages[-1])
-    encoding = engine.tokenizer.encoding(rendered.text)
-    return Prompt(tuple(encoding.ids), mark_token_endpoints(rendered, encoding), rendered.text)
+    return Prompt(encoded.ids, encoded.checkpoints, encoded.text)
 
 
 def _open_final_message(rendered: RenderedPrompt, final: Mapping[str, Any]) -> RenderedPrompt:
@@ -100,7 +103,7 @@ def _open_final_message(rendered: RenderedPrompt, final: Mapping[str, Any]) -> R
         raise ApiError(400, "the chat template does not reproduce the final assistant message's text, "
                             "so it cannot be continued", param="messages")
     cut = rendered.text[: end + len(text)]
-    cut_bytes = len(cut.encode("utf-8"))
+    cut_bytes = len(cut.encode("utf-8", "surrogatepass"))  # escaped spellings carry lone-surrogate brackets
     return RenderedPrompt(cut, tuple(mark for mark in rendered.marks if mark <= cut_bytes))
 
 

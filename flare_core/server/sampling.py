@@ -13,16 +13,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flare_core.contract import SamplingPolicy
+from flare_core.frontend.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_automaton
 from flare_core.runtime.types import SamplingParams
 from flare_core.server.validation import get_int, get_number, invalid, json_type
 
 CLAMPED_HEADER = "x-flare-clamped"
+MAX_STOP_TOKEN_IDS = 256
 
 # The name each sampling parameter has in OpenAI-style request bodies (vLLM's extensions included).
 OPENAI_SAMPLING_FIELDS: Mapping[str, str] = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
+}
+
+
+# The values each sampling parameter can mean at all; outside them a request is a 400 naming the
+# field and the limit. Inside them the recipe's ranges clamp (reported, see above).
+_DOMAINS: Mapping[str, Mapping[str, float]] = {
+    "temperature": {"minimum": 0.0},
+    "top_p": {"minimum": 0.0, "maximum": 1.0},
+    "min_p": {"minimum": 0.0, "maximum": 1.0},
+    "repetition_penalty": {"above": 0.0},
 }
 
 
@@ -50,7 +62,8 @@ def read_sampling(policy: SamplingPolicy, body: Mapping[str, Any], fields: Mappi
             # -1 is the common "no top-k cut" spelling (vLLM); the runtime spells it 0.
             requested["top_k"] = None if top_k is None else max(top_k, 0)
         else:
-            requested[parameter] = get_number(body, field_name, where=where + field_name)
+            requested[parameter] = get_number(body, field_name, where=where + field_name,
+                                              **_DOMAINS.get(parameter, {}))
     seed = get_int(body, seed_field, where=where + seed_field) if seed_field else None
     values, clamped = policy.resolve(requested)
     return Sampling(SamplingParams(**values, seed=seed),
@@ -66,12 +79,19 @@ def read_stop(body: Mapping[str, Any], name: str, *, where: str | None = None) -
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
         raise invalid(field_name, f"must be a string or an array of strings, got {json_type(value)}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid(field_name, f"may hold at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
     for index, item in enumerate(items):
         if not isinstance(item, str):
             raise invalid(f"{field_name}[{index}]", f"must be a string, got {json_type(item)}")
         if item == "":
             raise invalid(f"{field_name}[{index}]", "must not be empty")
-    return tuple(dict.fromkeys(items))
+        if len(item) > MAX_STOP_CHARS:
+            raise invalid(f"{field_name}[{index}]", f"must be at most {MAX_STOP_CHARS} characters long, "
+                                                    f"got {len(item)}")
+    stops = tuple(dict.fromkeys(items))
+    stop_automaton(stops)  # built here, off the model thread; the runtime's matcher finds it cached
+    return stops
 
 
 def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple[int, ...]:
@@ -80,6 +100,8 @@ def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple
         return ()
     if not isinstance(value, list):
         raise invalid(name, f"must be an array of token ids, got {json_type(value)}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise invalid(name, f"may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}")
     for index, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
             raise invalid(f"{name}[{index}]", f"must be a token id in [0, {vocab_size}), got {item!r}")

@@ -1,9 +1,14 @@
 """Running the server until SIGTERM / Ctrl-C, then shutting down gracefully.
 
-Shutdown: stop admission (new requests get 503, /health reports draining), give active
-responses `shutdown_grace_s` to finish, cancel what is left (each such response still ends
-cleanly: a final event with its finish reason), close the listener and connections, stop the
-engine. A second signal skips the rest of the grace period.
+Shutdown: stop admission (new requests get 503, /health reports draining, bodies still
+arriving are refused), give active responses `shutdown_grace_s` to finish, cancel what is left
+(each such response still ends in its protocol's way of saying it was cut short), close the
+listener and connections, stop the engine. A second signal skips the rest of the grace period.
+
+A failed model worker ends the server the same way, without the grace period: the engine has
+already ended every request with an error; once their responses are written (or after the
+cancel wait) the server stops and `serve` raises WorkerFailed, so `flare run` exits with status 1
+and a supervisor can restart it.
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _log = structlog.get_logger("flare.server")
 
 
+# How long aiohttp waits for handlers when the runner closes; drain has already ended them.
+_RUNNER_SHUTDOWN_S = 2.0
+
+
 class ServeError(RuntimeError):
     """The server could not start (e.g. the address is in use)."""
+
+
+class WorkerFailed(RuntimeError):
+    """The model worker failed while serving; the server has stopped. The message is the cause."""
 
 
 async def serve_async(engine: Engine, config: ServerConfig, *,
@@ -39,6 +52,7 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
     when it is cancelled. The engine is closed (`aclose`) on every way out; start-up failures
     raise ServeError."""
     companion: asyncio.Task | None = None
+    failure: str | None = None
     try:
         try:
             app = build_app(engine, config)
@@ -46,7 +60,10 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
             raise ServeError(str(exc)) from exc
         state = app[STATE]
         # handler_cancellation: a client that disconnects cancels its handler, hence its engine request.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout: aiohttp closes a connection whose request head is incomplete this long
+        # after it opened or after its last response (idle and slow-header connections alike).
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=config.idle_timeout_s, shutdown_timeout=_RUNNER_SHUTDOWN_S)
         await runner.setup()
         try:
             site = web.TCPSite(runner, config.host, config.port)
@@ -62,7 +79,7 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
                 on_listening(url)
             if while_serving is not None:
                 companion = asyncio.create_task(while_serving(url))
-            await _until_signal_then_drain(state, config.shutdown_grace_s)
+            failure = await _until_signal_then_drain(state, config.shutdown_grace_s)
         finally:
             await runner.cleanup()
     finally:
@@ -72,21 +89,31 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
             if companion is not None:
                 companion.cancel()
                 await asyncio.gather(companion, return_exceptions=True)
+    if failure is not None:
+        _log.error("stopped after the model worker failed", cause=failure)
+        raise WorkerFailed(failure)
     _log.info("stopped")
 
 
-async def _until_signal_then_drain(state: ServerState, grace_s: float) -> None:
+async def _until_signal_then_drain(state: ServerState, grace_s: float) -> str | None:
+    """Serve until a signal (then drain; None) or a failure of the model worker (then end the
+    open responses; the cause)."""
     loop = asyncio.get_running_loop()
-    first, second = asyncio.Event(), asyncio.Event()
+    first, second, failed = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:
         (second if first.is_set() else first).set()
 
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, on_signal)
+    state.engine.on_failure(lambda cause: loop.call_soon_threadsafe(failed.set))
     try:
-        await first.wait()
+        await _first_of([first.wait(), failed.wait()], None)
+        if failed.is_set():
+            await drain(state, 0.0, hurry=second)
+            return state.engine.failure
         await drain(state, grace_s, hurry=second)
+        return None
     finally:
         for sig in _SIGNALS:
             loop.remove_signal_handler(sig)
@@ -96,6 +123,7 @@ async def drain(state: ServerState, grace_s: float, hurry: asyncio.Event | None 
     """Stop admission, wait up to `grace_s` for active responses, then cancel the rest and wait
     for their handlers to write their final events."""
     state.draining = True
+    state.shutting_down.set()
     state.engine.begin_drain()
     _log.info("draining", active_responses=state.in_flight, grace_s=grace_s)
     waits = [state.idle.wait()] + ([hurry.wait()] if hurry is not None else [])
@@ -108,8 +136,9 @@ async def drain(state: ServerState, grace_s: float, hurry: asyncio.Event | None 
             _log.warning("responses_still_open", active_responses=state.in_flight)
 
 
-async def _first_of(waits: list, timeout: float) -> bool:
-    """Whether any of the awaitables finished within `timeout` seconds (the rest are cancelled)."""
+async def _first_of(waits: list, timeout: float | None) -> bool:
+    """Whether any of the awaitables finished within `timeout` seconds (None: no limit; the rest
+    are cancelled)."""
     tasks = [asyncio.ensure_future(wait) for wait in waits]
     done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

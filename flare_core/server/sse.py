@@ -1,16 +1,20 @@
 """Streaming response bodies: Server-Sent Events (OpenAI, Anthropic) and NDJSON (Ollama).
 
 A write to a client that went away raises `ClientGone`; the handler lets it propagate, which
-ends the generation context and so cancels the engine request and frees its slot.
+ends the generation context and so cancels the engine request and frees its slot. A client that
+accepts no bytes for `send_timeout_s` (its socket buffers full) counts as gone too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
+
+from flare_core.server.state import STATE
 
 
 class ClientGone(Exception):
@@ -31,6 +35,7 @@ class EventStream:
     def __init__(self, request: web.Request, *, content_type: str = "text/event-stream",
                  headers: Mapping[str, str] | None = None):
         self._request = request
+        self._send_timeout_s = request.app[STATE].config.send_timeout_s
         self.response = web.StreamResponse(status=200, headers={
             "Content-Type": f"{content_type}; charset=utf-8",
             "Cache-Control": "no-cache",
@@ -53,12 +58,12 @@ class EventStream:
 
     async def close(self) -> None:
         try:
-            await self.response.write_eof()
-        except ConnectionResetError as exc:
+            await asyncio.wait_for(self.response.write_eof(), self._send_timeout_s)
+        except (ConnectionResetError, asyncio.TimeoutError) as exc:
             raise ClientGone(self.response) from exc
 
     async def _write(self, text: str) -> None:
         try:
-            await self.response.write(text.encode("utf-8"))
-        except ConnectionResetError as exc:
+            await asyncio.wait_for(self.response.write(text.encode("utf-8")), self._send_timeout_s)
+        except (ConnectionResetError, asyncio.TimeoutError) as exc:
             raise ClientGone(self.response) from exc

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -47,10 +48,17 @@ class Engine(Protocol):
     registry: Any
     metrics: RuntimeMetrics
 
+    # Set once the model worker has failed (the cause); the server then refuses work and exits.
+    failure: str | None
+
     def submit(self, request: GenerationRequest) -> RequestStream: ...
     def begin_drain(self) -> None: ...
     def active_requests(self) -> int: ...
+    def on_failure(self, callback: Callable[[str], None]) -> None: ...
     async def aclose(self) -> None: ...
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,14 +69,34 @@ class ServerState:
     # Requests that may hold an ingress reservation at once: every one of them may be reading its
     # body, waiting for a slot, or streaming; more is refused with 429 before any body is read.
     ingress_limit: int
+    # Largest request body accepted (`ServerConfig.body_limit` of the core's context); 0: derive it.
+    max_body_bytes: int = 0
     in_flight: int = 0
+    # Requests whose body is still arriving: bounded separately (`upload_limit`), so clients that
+    # stall their uploads cannot take the reservations generation requests need.
+    uploads: int = 0
+    upload_limit: int = 0
     draining: bool = False
+    # Set when shutdown begins: body reads still waiting for bytes end at once with a 503.
+    shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     # Engine streams of responses still being written, so shutdown can end them cleanly.
     streams: set[RequestStream] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    frontend_pool: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
+        if not self.max_body_bytes:
+            self.max_body_bytes = self.config.body_limit(self.engine.info.context_length)
+        if not self.upload_limit:
+            self.upload_limit = upload_limit(self.ingress_limit)
+
+    async def prepare(self, work: Callable[[], T]) -> T:
+        """Run `work` (parsing, template rendering, tokenization) on the frontend pool, so a large
+        prompt never stalls the event loop; without a pool (unit tests) it runs inline."""
+        if self.frontend_pool is None:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self.frontend_pool, work)
 
     def reserve(self) -> None:
         self.in_flight += 1
@@ -87,6 +115,12 @@ class ServerState:
 
 
 STATE = web.AppKey("flare_state", ServerState)
+
+
+def upload_limit(ingress_limit: int) -> int:
+    """Bodies read at once: well above the ingress limit, so that stalled uploads (ended by
+    `body_timeout_s`) leave room for every client the engine could serve."""
+    return max(8 * ingress_limit, 256)
 
 
 def read_api_key(path: Path | None) -> str | None:

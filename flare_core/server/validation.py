@@ -1,14 +1,30 @@
-"""Typed reading of JSON request fields: each wrong type is a 400 naming the field and what it must be."""
+"""Typed reading of JSON request fields: each wrong type is a 400 naming the field and what it must be.
+
+Bodies are parsed strictly before any field is read: the `NaN` / `Infinity` literals Python's
+`json` accepts, numbers that overflow to infinity, integers of more than MAX_INTEGER_DIGITS digits,
+nesting deeper than MAX_NESTING and strings that are not valid Unicode (lone surrogates) are a 400,
+so no handler, template or model ever sees them.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from flare_core.server.errors import ApiError
+
+# Deepest nesting of arrays and objects a request body may have. Real requests (tool schemas
+# included) stay far below it; templates and parsers recurse over what they are given.
+MAX_NESTING = 64
+# Longest integer literal accepted: int64 needs 19 digits; longer ones are never a valid value and
+# Python refuses to convert more than 4,300 digits anyway.
+MAX_INTEGER_DIGITS = 20
+# Integers every integer field is checked against (a signed 64-bit value), besides its own range.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
 # bool comes before int: Python's True is an int, JSON's true is not a number.
@@ -34,11 +50,91 @@ def _wrong_type(field: str, expected: str, value: Any) -> ApiError:
     return invalid(field, f"must be {expected}, got {json_type(value)}")
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+class _NotJson(ValueError):
+    """A body Flare refuses although Python's `json` parses it; `field` names where."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"'{field}': {problem}")
+        self.field = field
+
+
+class _Refused:
+    """A literal that parsed but is refused, kept in place so the tree walk can name its field."""
+
+    __slots__ = ("problem",)
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
+def _refuse_constant(name: str) -> _Refused:
+    return _Refused(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float | _Refused:
+    value = float(text)
+    if not math.isfinite(value):
+        return _Refused(f"the number {text[:40]} is too large (it overflows to infinity)")
+    return value
+
+
+def _bounded_int(text: str) -> int | _Refused:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INTEGER_DIGITS:
+        return _Refused(f"an integer of {digits} digits is beyond the {MAX_INTEGER_DIGITS} digits any field accepts")
+    return int(text)
+
+
+def _field_name(path: tuple) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    name = ""
+    for part in path:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name or "(the body)"
+
+
+def _check_tree(data: Any) -> None:
+    """Refused literals, depth and Unicode over the parsed value, iteratively (no recursion to
+    exhaust); the first problem found is raised with the field it is in."""
+    pending: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while pending:
+        value, path, depth = pending.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, _Refused):
+            raise _NotJson(_field_name(path), value.problem)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_NESTING:
+                raise _NotJson(_field_name(path), f"arrays and objects are nested deeper than {MAX_NESTING} levels")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _check_text(key, path)
+                    pending.append((item, path + (key,), depth + 1))
+            else:
+                pending.extend((item, path + (index,), depth + 1) for index, item in enumerate(value))
+
+
+def _check_text(text: str, path: tuple) -> None:
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _NotJson(_field_name(path), f"a string holds a lone surrogate (\\u{ord(text[exc.start]):04x}), which "
+                                          f"is not valid Unicode") from None
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; 400 for anything strict JSON, MAX_NESTING or
+    MAX_INTEGER_DIGITS refuse, naming the field where there is one."""
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        _check_tree(data)
+    except RecursionError:
+        raise ApiError(400, f"request body is not valid JSON: arrays and objects are nested deeper than "
+                            f"{MAX_NESTING} levels") from None
+    except _NotJson as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", param=exc.field) from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {json_type(data)}")
     return data
@@ -93,6 +189,8 @@ def get_int(body: Mapping[str, Any], name: str, *, where: str | None = None, req
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise _wrong_type(field, "an integer", value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise invalid(field, f"must be a 64-bit integer (from {INT64_MIN} to {INT64_MAX}), got {value}")
     if minimum is not None and value < minimum:
         raise invalid(field, f"must be at least {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -100,13 +198,28 @@ def get_int(body: Mapping[str, Any], name: str, *, where: str | None = None, req
     return value
 
 
-def get_number(body: Mapping[str, Any], name: str, *, where: str | None = None) -> float | None:
+def get_number(body: Mapping[str, Any], name: str, *, where: str | None = None, minimum: float | None = None,
+               maximum: float | None = None, above: float | None = None) -> float | None:
+    """A finite number, checked against the inclusive `minimum` / `maximum` and the exclusive
+    `above` where given; None when absent or null."""
+    field = where or name
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(where or name, "a number", value)
-    return float(value)
+        raise _wrong_type(field, "a number", value)
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise invalid(field, f"must be a number of at most 64-bit magnitude, got {value}")
+    number = float(value)
+    if not math.isfinite(number):  # parse_json_object never lets one through; bodies built in code might
+        raise invalid(field, f"must be a finite number, got {number}")
+    if minimum is not None and number < minimum:
+        raise invalid(field, f"must be at least {minimum}, got {value}")
+    if maximum is not None and number > maximum:
+        raise invalid(field, f"must be at most {maximum}, got {value}")
+    if above is not None and not number > above:
+        raise invalid(field, f"must be greater than {above}, got {value}")
+    return number
 
 
 def get_list(body: Mapping[str, Any], name: str, *, where: str | None = None, required: bool = False) -> list | None:
@@ -125,14 +238,9 @@ def as_object(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
-async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object body, refused with 413 past `max_bytes` (declared or actual)."""
-    too_large = ApiError(413, f"request body exceeds the server's limit of {max_bytes} bytes "
-                              f"(server.max_body_bytes in the config)")
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise too_large
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise too_large from exc
-    return parse_json_object(raw)
+BODY = web.RequestKey("flare_body", bytes)
+
+
+def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's body (received whole by the ingress middleware) as a JSON object."""
+    return parse_json_object(request.get(BODY, b""))

@@ -4,7 +4,9 @@ A checkpoint is a qwen3-type `config.json` whose architecture is `ScriptedForCau
 int64 tensors: `script` (the token ids to emit, at most SCRIPT_CAPACITY) and `prompt_length`
 (a scalar: the length of the one prompt the script answers). For the token at position p the
 model puts all probability on script[p - prompt_length + 1], so the first generated token is
-script[0]; past the end of the script it emits the config's `eos_token_id`. It keeps no cache
+script[0]; past the end of the script it emits the config's `eos_token_id`. An optional scalar
+`fail_at_step` (default -1: never) makes the N-th forward call raise, to test what a failing
+model worker does to the server. It keeps no cache
 records: its output depends on positions only, so the ordinary "attention-kv" scheme serves it
 (the pages are allocated and simply left unwritten).
 """
@@ -42,8 +44,13 @@ class ScriptedModel(nn.Module):
         self.vocab_size = vocab_size
         self.register_buffer("script", torch.empty(SCRIPT_CAPACITY, dtype=torch.int64))
         self.register_buffer("prompt_length", torch.empty((), dtype=torch.int64))
+        self.register_buffer("fail_at_step", torch.empty((), dtype=torch.int64))
+        self.steps = 0
 
     def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        self.steps += 1
+        if self.steps == int(self.fail_at_step):
+            raise RuntimeError(f"scripted model failure at step {self.steps}")
         rows = positions.index_select(0, context.batch.logits_indices)
         index = (rows - self.prompt_length + 1).clamp(0, SCRIPT_CAPACITY - 1)
         logits = torch.full((rows.shape[0], self.vocab_size), OFF_SCRIPT_LOGIT, dtype=torch.float32,
@@ -71,3 +78,6 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
     padded[:script.numel()] = script
     yield "script", padded
     yield "prompt_length", checkpoint["prompt_length"].to(torch.int64).reshape(())
+    # Iterated, not `in`: a checkpoint mapping raises its own error for a name it lacks.
+    fail_at_step = checkpoint["fail_at_step"] if "fail_at_step" in list(checkpoint) else torch.tensor(-1)
+    yield "fail_at_step", fail_at_step.to(torch.int64).reshape(())
