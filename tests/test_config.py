@@ -23,6 +23,11 @@ def test_config_file_sections_and_relative_paths(tmp_path):
     ("[nope]\n", r"unknown section \[nope\]"),
     ("[server]\nprot = 1\n", r"unknown key server\.prot"),
     ('[server]\nport = "80"\n', r"server\.port must be int"),
+    ("[server]\nfrontend_workers = 0\n", r"server\.frontend_workers must be a positive integer"),
+    ("[server]\nmax_body_bytes = -5\n", r"server\.max_body_bytes must be a positive integer"),
+    ('[server]\nmax_body_bytes = "8M"\n', r"server\.max_body_bytes must be a positive integer"),
+    ("[server]\nbody_timeout_s = 0\n", r"server\.body_timeout_s must be a number of seconds"),
+    ("[server]\nidle_timeout_s = nan\n", r"server\.idle_timeout_s must be a number of seconds"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, message):
     cfg = tmp_path / "config.toml"
@@ -46,3 +51,14 @@ def test_home_in_paths_is_expanded(tmp_path):
         assert path.is_absolute() and "~" not in path.parts, path
     server = with_overrides(ServerConfig(), api_key_file=Path("~/key"))
     assert server.api_key_file == Path.home() / "key"
+
+
+def test_body_limit_follows_the_context_unless_set(tmp_path):
+    from flare_core.config import BODY_BYTES_BASE, BODY_BYTES_PER_CONTEXT_TOKEN, ServerConfig
+
+    assert ServerConfig().body_limit(32768) == BODY_BYTES_BASE + BODY_BYTES_PER_CONTEXT_TOKEN * 32768
+    assert ServerConfig(max_body_bytes=4096).body_limit(32768) == 4096
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("[server]\nmax_body_bytes = 65536\nidle_timeout_s = 5\nfrontend_workers = 4\n")
+    server = load_config(cfg).server
+    assert (server.max_body_bytes, server.idle_timeout_s, server.frontend_workers) == (65536, 5, 4)

@@ -116,3 +116,60 @@ def test_no_stop_strings_passes_text_through() -> None:
 def test_empty_stop_string_is_rejected(bad: object) -> None:
     with pytest.raises(ValueError, match="stop_strings"):
         StopMatcher(["ok", bad])  # type: ignore[list-item]
+
+
+def _reference(stops: list[str], text: str) -> tuple[str, str | None]:
+    """The definition, by brute force: the stop completing first (ties: starting first) cuts."""
+    best = None
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0 and (best is None or (start + len(stop), start) < (best[0], best[1])):
+            best = (start + len(stop), start, stop)
+    return (text, None) if best is None else (text[:best[1]], best[2])
+
+
+def test_automaton_agrees_with_the_definition_on_random_stops_texts_and_splits() -> None:
+    rng = random.Random(3)
+    for _ in range(400):
+        alphabet = "ab" if rng.random() < 0.5 else "abc"
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6))})
+        text = "".join(rng.choice(alphabet + "x") for _ in range(rng.randint(0, 30)))
+        assert run(stops, splits(text, rng))[:2] == _reference(stops, text), (stops, text)
+
+
+class _CountingAutomaton:
+    """Counts the state moves a matcher makes (transitions plus failure links taken)."""
+
+    def __init__(self, automaton) -> None:
+        self.automaton = automaton
+        self.moves = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.automaton, name)
+
+    def step(self, state: int, char: str) -> int:
+        while True:
+            self.moves += 1
+            following = self.automaton.goto[state].get(char)
+            if following is not None:
+                return following
+            if state == 0:
+                return 0
+            state = self.automaton.fail[state]
+
+
+def test_work_per_character_does_not_grow_with_the_number_or_length_of_stop_strings() -> None:
+    # Adversarial for a naive matcher: 32 stop strings of 256 characters that each stay a
+    # candidate for 255 characters of a long run of "a", then fail on their last one.
+    text = "a" * 5000
+    moves = {}
+    for count, length in ((1, 2), (32, 256)):
+        stops = [("a" * (length - 1)) + chr(ord("b") + index) for index in range(count)]
+        matcher = StopMatcher(stops)
+        counting = _CountingAutomaton(matcher._automaton)
+        matcher._automaton = counting
+        emitted = "".join(matcher.feed(char).text for char in text) + matcher.flush()
+        assert emitted == text
+        moves[(count, length)] = counting.moves
+    # Each character costs at most two moves (one transition, failure links amortised).
+    assert all(total <= 2 * len(text) for total in moves.values()), moves
