@@ -119,6 +119,11 @@ def test_ollama_options_are_range_checked(server):
     raw = b'{"model": "hostile", "prompt": "Hi", "stream": false, "options": {"temperature": NaN}}'
     reply = http_request("POST", server.url + "/api/generate", raw=raw)
     assert reply.status == 400 and "options.temperature" in reply.json()["error"]
+    reply = server.process.post("/api/generate", {**body, "options": {"num_predict": 2, "num_ctx": "big"}})
+    assert reply.status == 400 and "options.num_ctx" in reply.json()["error"]
+    reply = server.process.post("/api/generate", {**body, "options": {"num_predict": 2, "num_ctx": 4096,
+                                                                      "use_mmap": True}})
+    assert reply.status == 200  # Ollama clients send these routinely: checked, then ignored
     reply = server.process.post("/api/chat", {"model": SERVED, "stream": False, "options": {"num_predict": 2},
                                               "messages": [{"role": "wizard", "content": "hi"}]})
     assert reply.status == 400 and "messages[0].role" in reply.json()["error"]

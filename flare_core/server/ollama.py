@@ -39,6 +39,7 @@ from flare_core.server.validation import (
     get_bool,
     get_int,
     get_list,
+    get_number,
     get_object,
     get_str,
     invalid,
@@ -46,6 +47,13 @@ from flare_core.server.validation import (
 )
 
 _ROLES = ("system", "user", "assistant", "tool")
+# Ollama options Flare has no use for (the core fixes the context and the hardware settings;
+# mirostat, typical_p and tfs_z sampling are not implemented). Clients send them routinely, so
+# they are accepted, type-checked like every number, and ignored.
+_IGNORED_INTEGER_OPTIONS = ("num_keep", "repeat_last_n", "mirostat", "num_ctx", "num_batch", "num_gpu", "main_gpu",
+                            "num_thread")
+_IGNORED_NUMBER_OPTIONS = ("typical_p", "mirostat_tau", "mirostat_eta", "tfs_z")
+_IGNORED_BOOLEAN_OPTIONS = ("penalize_newline", "numa", "low_vram", "vocab_only", "use_mmap", "use_mlock")
 _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                   "repetition_penalty": "repeat_penalty"}
@@ -176,6 +184,12 @@ def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, 
         raise invalid("format", "structured output formats are not supported")
     options = get_object(body, "options") or {}
     sampling = read_sampling(engine.sampling_policy, options, _OPTION_FIELDS, where="options.")
+    for name in _IGNORED_INTEGER_OPTIONS:
+        get_int(options, name, where=f"options.{name}")
+    for name in _IGNORED_NUMBER_OPTIONS:
+        get_number(options, name, where=f"options.{name}")
+    for name in _IGNORED_BOOLEAN_OPTIONS:
+        get_bool(options, name, where=f"options.{name}")
     num_predict = get_int(options, "num_predict", where="options.num_predict", minimum=-2)
     # Ollama's -1 (no limit) and -2 (fill the context) both mean: as much as the context allows.
     requested = None if num_predict is None or num_predict < 0 else num_predict
