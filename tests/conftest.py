@@ -26,6 +26,13 @@ def write_config(directory: Path) -> Path:
     return path
 
 
+def write_server_config(directory: Path, server_section: str) -> Path:
+    """`write_config` plus a [server] section (TOML lines)."""
+    path = write_config(directory)
+    path.write_text(path.read_text() + "[server]\n" + server_section)
+    return path
+
+
 def add_qwen_frontend_files(directory: Path) -> None:
     for name in QWEN3_TOKENIZER_FILES:
         shutil.copy(FIXTURES / "tokenizers" / "qwen3" / name, directory / name)

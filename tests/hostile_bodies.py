@@ -161,6 +161,8 @@ def _bodies(rng: random.Random) -> dict[str, list[Hostile]]:
             for value in HUGE_INTS:
                 families["huge_ints"].append(Hostile("huge_ints", route, encode(with_value(base, path, value))))
             for value in NEGATIVE:
+                if path == "options.num_predict" and value in (-1, -2):
+                    continue  # Ollama's "no limit": valid, and the whole context would be generated
                 families["negative"].append(Hostile("negative", route, encode(with_value(base, path, value))))
             for value in WRONG_TYPES:
                 families["wrong_types"].append(Hostile("wrong_types", route, encode(with_value(base, path, value))))
@@ -168,6 +170,8 @@ def _bodies(rng: random.Random) -> dict[str, list[Hostile]]:
             for value in WRONG_TYPES + [None]:
                 if path in MAX_TOKEN_FIELDS and value is None:
                     continue  # absent: the whole context would be generated
+                if path == "options" and isinstance(value, dict):
+                    value = {**value, "num_predict": 2}  # an object is valid here: keep the output short
                 families["wrong_types"].append(Hostile("wrong_types", route, encode(with_value(base, path, value))))
         for path in text + ["chat_template_kwargs.enable_thinking", "metadata"]:
             for value in SURROGATES:

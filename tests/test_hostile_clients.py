@@ -20,9 +20,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import write_config
+from conftest import write_config, write_server_config
 from hostile_bodies import BASES, SERVED, Hostile, hostile_bodies
-from server_process import HttpReply, ServerProcess, SseReader, http_request, wait_until
+from server_process import HttpReply, ServerProcess, SseReader, http_request
 
 SEED = 20261201
 PER_FAMILY = 250  # 16 families: a little over 2,000 bodies
@@ -44,9 +44,7 @@ class HostileServer:
 
 
 def _config(root: Path, name: str, server_section: str) -> Path:
-    path = write_config(root / name)
-    path.write_text(path.read_text() + "[server]\n" + server_section)
-    return path
+    return write_server_config(root / name, server_section)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import write_config
+from conftest import write_server_config
 from server_process import ServerProcess, SseReader, wait_until
 
 SERVED = "flare-e2e"
@@ -50,9 +50,7 @@ class Servers:
 
 
 def _config(root: Path, name: str, server_section: str) -> Path:
-    path = write_config(root / name)
-    path.write_text(path.read_text() + "[server]\n" + server_section)
-    return path
+    return write_server_config(root / name, server_section)
 
 
 @pytest.fixture(scope="module")

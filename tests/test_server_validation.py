@@ -277,6 +277,16 @@ def test_chat_request_translation(state):
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "an object"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
+     "tools[0].function.description"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": " ", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"top_p": 2}, "top_p"),
+    ({"seed": -2**64}, "seed"),
 ])
 def test_chat_request_errors_name_the_field(state, fields, param):
     assert bad_request(parse_chat_request, state, chat_body(**fields), "rid").param == param

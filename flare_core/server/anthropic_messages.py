@@ -35,6 +35,8 @@ from flare_core.server.prompts import (
     template_options,
     template_tool_call,
     text_of_parts,
+    tool_function,
+    tool_name,
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
@@ -141,7 +143,7 @@ def _assistant_blocks(blocks: list, where: str) -> list[dict[str, Any]]:
             tool_input = get_object(block, "input", where=f"{where}.{index}.input") or {}
             message.setdefault("tool_calls", []).append(template_tool_call(
                 get_str(block, "id", where=f"{where}.{index}.id", required=True),
-                get_str(block, "name", where=f"{where}.{index}.name", required=True), tool_input))
+                tool_name(block, "name", f"{where}.{index}.name"), tool_input))
         else:
             raise invalid(f"{where}.{index}.type", f"{block_type!r} blocks are not supported in assistant "
                                                    f"messages (supported: text, thinking, tool_use)")
@@ -158,12 +160,7 @@ def anthropic_tools(raw: list | None) -> list[dict[str, Any]] | None:
         tool = as_object(tool, f"tools.{index}")
         if tool.get("type") not in (None, "custom"):
             raise invalid(f"tools.{index}.type", f"server tools are not supported, got {tool.get('type')!r}")
-        function = {"name": get_str(tool, "name", where=f"tools.{index}.name", required=True)}
-        description = get_str(tool, "description", where=f"tools.{index}.description")
-        if description is not None:
-            function["description"] = description
-        function["parameters"] = get_object(tool, "input_schema", where=f"tools.{index}.input_schema",
-                                            required=True)
+        function = tool_function(tool, f"tools.{index}", schema_key="input_schema", schema_required=True)
         tools.append({"type": "function", "function": function})
     return tools
 

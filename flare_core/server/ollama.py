@@ -29,6 +29,7 @@ from flare_core.server.prompts import (
     template_tool_call,
     text_prompt,
     tool_arguments,
+    tool_name,
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
@@ -157,7 +158,7 @@ def _ollama_messages(raw: list | None) -> list[dict[str, Any]]:
                 function = get_object(as_object(call, f"{where}.tool_calls[{j}]"), "function",
                                       where=f"{where}.tool_calls[{j}].function", required=True)
                 converted["tool_calls"].append(template_tool_call(
-                    None, get_str(function, "name", where=f"{where}.tool_calls[{j}].function.name", required=True),
+                    None, tool_name(function, "name", f"{where}.tool_calls[{j}].function.name"),
                     tool_arguments(function.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")))
         for key in ("tool_name", "tool_call_id"):
             value = get_str(message, key, where=f"{where}.{key}")

@@ -41,6 +41,8 @@ from flare_core.server.prompts import (
     template_tool_call,
     text_of_parts,
     tool_arguments,
+    tool_function,
+    tool_name,
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
@@ -86,11 +88,7 @@ def _tools(raw: list | None) -> list[dict[str, Any]] | None:
         tool = as_object(tool, f"tools[{index}]")
         if tool.get("type") != "function":
             raise invalid(f"tools[{index}].type", f"only function tools are supported, got {tool.get('type')!r}")
-        function = {"name": get_str(tool, "name", where=f"tools[{index}].name", required=True)}
-        for key in ("description", "parameters"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        tools.append({"type": "function", "function": function})
+        tools.append({"type": "function", "function": tool_function(tool, f"tools[{index}]")})
     return tools
 
 
@@ -130,7 +128,7 @@ def responses_messages(instructions: str | None, raw_input: Any) -> list[dict[st
         elif item_type == "function_call":
             call = template_tool_call(
                 get_str(item, "call_id", where=f"{where}.call_id", required=True),
-                get_str(item, "name", where=f"{where}.name", required=True),
+                tool_name(item, "name", f"{where}.name"),
                 tool_arguments(item.get("arguments"), f"{where}.arguments"))
             last = messages[-1] if messages else None
             target = last if last is not None and last["role"] == "assistant" and pending_reasoning is None \

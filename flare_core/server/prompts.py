@@ -180,6 +180,33 @@ def text_of_parts(content: Any, field: str, text_types: tuple[str, ...] = ("text
     return "\n".join(texts)
 
 
+MAX_TOOL_NAME_CHARS = 256
+
+
+def tool_name(body: Mapping[str, Any], name: str, where: str) -> str:
+    """A tool's (or tool call's) name: a non-empty string of at most MAX_TOOL_NAME_CHARS."""
+    value = get_str(body, name, where=where, required=True)
+    if not value.strip():
+        raise invalid(where, "must not be empty")
+    if len(value) > MAX_TOOL_NAME_CHARS:
+        raise invalid(where, f"must be at most {MAX_TOOL_NAME_CHARS} characters long, got {len(value)}")
+    return value
+
+
+def tool_function(body: Mapping[str, Any], where: str, *, schema_key: str = "parameters",
+                  schema_required: bool = False) -> dict[str, Any]:
+    """{"name", "description", "parameters"} of a tool definition, each checked: a name, a string
+    description, a JSON-schema object."""
+    function: dict[str, Any] = {"name": tool_name(body, "name", f"{where}.name")}
+    description = get_str(body, "description", where=f"{where}.description")
+    if description is not None:
+        function["description"] = description
+    parameters = get_object(body, schema_key, where=f"{where}.{schema_key}", required=schema_required)
+    if parameters is not None:
+        function["parameters"] = parameters
+    return function
+
+
 def openai_tools(tools: list | None, field: str = "tools") -> list[dict[str, Any]] | None:
     """OpenAI chat tool definitions, checked: each {"type": "function", "function": {"name", ...}}."""
     if not tools:
@@ -190,8 +217,8 @@ def openai_tools(tools: list | None, field: str = "tools") -> list[dict[str, Any
         if tool.get("type", "function") != "function":
             raise invalid(f"{field}[{index}].type", f"only function tools are supported, got {tool.get('type')!r}")
         function = get_object(tool, "function", where=f"{field}[{index}].function", required=True)
-        get_str(function, "name", where=f"{field}[{index}].function.name", required=True)
-        checked.append({**tool, "type": "function"})
+        checked.append({**tool, "type": "function",
+                        "function": {**function, **tool_function(function, f"{field}[{index}].function")}})
     return checked
 
 
@@ -231,7 +258,7 @@ def openai_messages(raw: list | None, field: str = "messages") -> list[dict[str,
 def _openai_tool_call(call: Any, where: str) -> dict[str, Any]:
     call = as_object(call, where)
     function = get_object(call, "function", where=f"{where}.function", required=True)
-    name = get_str(function, "name", where=f"{where}.function.name", required=True)
+    name = tool_name(function, "name", f"{where}.function.name")
     arguments = tool_arguments(function.get("arguments"), f"{where}.function.arguments")
     return template_tool_call(get_str(call, "id", where=f"{where}.id"), name, arguments)
 
