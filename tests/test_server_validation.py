@@ -25,7 +25,7 @@ from flare_core.server.anthropic_messages import (
     parse_messages_request,
 )
 from flare_core.server.errors import ApiError, Flavor, error_body
-from flare_core.server.generation import Outcome, Piece, output_parser
+from flare_core.server.generation import INTERRUPTED, Outcome, Piece, output_parser, unfinished_error
 from flare_core.server.openai_chat import parse_chat_request
 from flare_core.server.openai_completions import parse_completion_request
 from flare_core.server.openai_responses import ResponseBuilder, parse_responses_request, responses_messages
@@ -499,3 +499,11 @@ def test_json_bodies_and_error_formats():
                                                           "param": "model", "code": "model_not_found"}}
     assert error_body(Flavor.ANTHROPIC, error)["error"]["type"] == "not_found_error"
     assert error_body(Flavor.OLLAMA, error) == {"error": "no such model"}
+
+
+def test_responses_cut_by_shutdown_or_failed_are_never_answered_as_complete():
+    usage = Usage(5, 2, 0)
+    assert unfinished_error(Outcome("stop", usage)) is None and unfinished_error(Outcome("length", usage)) is None
+    assert unfinished_error(Outcome("cancelled", usage)) is INTERRUPTED and INTERRUPTED.status == 503
+    failed = unfinished_error(Outcome("error", usage, error="boom"))
+    assert failed.status == 500 and "boom" in failed.message

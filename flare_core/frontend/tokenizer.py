@@ -60,12 +60,14 @@ class Tokenizer:
     def _special_pattern(self) -> re.Pattern[str] | None:
         return special_pattern(self._special_tokens)
 
-    @functools.cache  # noqa: B019 - one per tokenizer, for its lifetime
     def literal_backend(self) -> tokenizers.Tokenizer:
-        """A copy of the backend that encodes special-token spellings as text. Building it holds
-        the GIL for a while (large vocabularies): a server builds it at start-up."""
-        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
-        backend.encode_special_tokens = True  # special-token spellings are split like any text
+        """A copy of the backend that encodes special-token spellings as text, built on first use.
+        Building it holds the GIL for a while (large vocabularies): a server builds it at start-up."""
+        backend = self.__dict__.get("_literal")
+        if backend is None:  # two threads may both build one: the same copy, the last one kept
+            backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            backend.encode_special_tokens = True  # special-token spellings are split like any text
+            self._literal = backend
         return backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
