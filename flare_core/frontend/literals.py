@@ -24,13 +24,13 @@ from flare_core.frontend.marks import mark_token_endpoints
 from flare_core.frontend.template import RenderedPrompt, TemplateError
 
 LITERAL = "\udfff"
+_LITERAL_BYTES = len(LITERAL.encode("utf-8", "surrogatepass"))
 
 
 def encode_text(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool = False) -> tokenizers.Encoding:
     """`backend.encode`, but through `encode_batch`, which releases the GIL while it works
     (`encode` holds it: a long prompt on the frontend pool would stall the event loop)."""
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-_LITERAL_BYTES = len(LITERAL.encode("utf-8", "surrogatepass"))
 
 
 def special_pattern(special_tokens: Mapping[str, int] | Any) -> re.Pattern[str] | None:

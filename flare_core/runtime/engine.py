@@ -348,7 +348,7 @@ class Engine:
         try:
             # The server validated the request; checked again here so that one that got past it
             # fails alone rather than inside a step it shares with others.
-            check_request(request, self._vocab, self.info.context_length)
+            check_request(request, self._vocab)
             live = _Live(request, stream, None,
                          IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
                          StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)

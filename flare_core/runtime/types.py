@@ -68,28 +68,19 @@ class GenerationRequest:
     request_id: str = ""
 
 
-def check_request(request: GenerationRequest, vocab_size: int, context_length: int) -> None:
+def check_request(request: GenerationRequest, vocab_size: int) -> None:
     """ValueError naming the first field of `request` the runtime cannot serve. The server
     validates every field before admission; the runtime checks again, so that a request that got
-    past it fails alone instead of inside a step shared with others."""
-    if not request.prompt_ids:
-        raise ValueError("the prompt is empty: at least one token is needed")
+    past it fails alone instead of inside a step shared with others. (`Engine.submit` checks the
+    prompt against the context, the scheduler the token budget, `StopMatcher` the stop strings.)"""
     for name, ids in (("prompt_ids", request.prompt_ids), ("stop_token_ids", request.stop_token_ids)):
         # min / max run at C speed over long prompts; a non-integer id makes them raise TypeError.
         if ids and not (0 <= min(ids) and max(ids) < vocab_size):
             raise ValueError(f"{name}: every id must be a token id in [0, {vocab_size}), got ids from "
                              f"{min(ids)} to {max(ids)}")
-    if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
-    if len(request.prompt_ids) + request.max_tokens > context_length:
-        raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                         f"the context length {context_length}")
     if not 0 <= request.top_logprobs <= 20:
         raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
     request.sampling.check("sampling")
-    for stop in request.stop_strings:
-        if not isinstance(stop, str) or not stop:
-            raise ValueError(f"stop_strings: every stop string must be a non-empty string, got {stop!r}")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,6 @@ async def _until_signal_then_drain(state: ServerState, grace_s: float) -> str | 
 async def drain(state: ServerState, grace_s: float, hurry: asyncio.Event | None = None) -> None:
     """Stop admission, wait up to `grace_s` for active responses, then cancel the rest and wait
     for their handlers to write their final events."""
-    state.draining = True
     state.shutting_down.set()
     state.engine.begin_drain()
     _log.info("draining", active_responses=state.in_flight, grace_s=grace_s)

@@ -66,30 +66,33 @@ class ServerState:
     engine: Engine
     config: ServerConfig
     api_key: str | None
-    # Requests that may hold an ingress reservation at once: every one of them may be reading its
-    # body, waiting for a slot, or streaming; more is refused with 429 before any body is read.
+    # Requests that may hold an ingress reservation at once: each has its whole body and is being
+    # prepared, waiting for a slot, or streaming; more is refused with 429.
     ingress_limit: int
-    # Largest request body accepted (`ServerConfig.body_limit` of the core's context); 0: derive it.
-    max_body_bytes: int = 0
     in_flight: int = 0
     # Requests whose body is still arriving: bounded separately (`upload_limit`), so clients that
     # stall their uploads cannot take the reservations generation requests need.
     uploads: int = 0
-    upload_limit: int = 0
-    draining: bool = False
-    # Set when shutdown begins: body reads still waiting for bytes end at once with a 503.
+    # Set when shutdown begins: admission stops and body reads still waiting for bytes end at once
+    # with a 503.
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     # Engine streams of responses still being written, so shutdown can end them cleanly.
     streams: set[RequestStream] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     frontend_pool: ThreadPoolExecutor | None = None
+    # Derived: the largest body accepted (`ServerConfig.body_limit` of the core's context) and
+    # how many bodies may arrive at once.
+    max_body_bytes: int = field(init=False)
+    upload_limit: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.idle.set()
-        if not self.max_body_bytes:
-            self.max_body_bytes = self.config.body_limit(self.engine.info.context_length)
-        if not self.upload_limit:
-            self.upload_limit = upload_limit(self.ingress_limit)
+        self.max_body_bytes = self.config.body_limit(self.engine.info.context_length)
+        self.upload_limit = upload_limit(self.ingress_limit)
+
+    @property
+    def draining(self) -> bool:
+        return self.shutting_down.is_set()
 
     async def prepare(self, work: Callable[[], T]) -> T:
         """Run `work` (parsing, template rendering, tokenization) on the frontend pool, so a large
