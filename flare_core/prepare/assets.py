@@ -14,6 +14,7 @@ from typing import Any
 
 from flare_core.contract import FrontendSpec, Recipe
 from flare_core.plugins import Registry
+from flare_core.prepare.checkpoint import Checkpoint
 
 TOKENIZER_ASSET = "tokenizer.json"
 TEMPLATE_ASSET = "chat_template.jinja"
@@ -53,18 +54,30 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(checkpoint: Checkpoint, name: str) -> dict | None:
+    raw = checkpoint.read(name)
+    if raw is None:
+        return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise AssetError(f"{path}: unreadable JSON ({exc})") from exc
+        return json.loads(raw)
+    except ValueError as exc:
+        raise AssetError(f"{_where(checkpoint, name)}: unreadable JSON ({exc})") from exc
 
 
-def _tokenizer_json(directory: Path, recipe: Recipe) -> tuple[str, str]:
+def _where(checkpoint: Checkpoint, name: str) -> str:
+    """Where a frontend file came from, for messages and the plan."""
+    if name in checkpoint.files:
+        return f"{checkpoint.path} ({name} converted from its metadata)"
+    return str(checkpoint.directory / name)
+
+
+def _tokenizer_json(checkpoint: Checkpoint, recipe: Recipe) -> tuple[str, str]:
     from flare_core.frontend import build_tokenizer_json
 
-    if (directory / TOKENIZER_ASSET).exists():
-        return (directory / TOKENIZER_ASSET).read_bytes().decode("utf-8"), str(directory / TOKENIZER_ASSET)
+    directory = checkpoint.directory
+    own = checkpoint.read(TOKENIZER_ASSET)
+    if own is not None:
+        return own.decode("utf-8"), _where(checkpoint, TOKENIZER_ASSET)
     if recipe.tokenizer_builder is not None:
         try:
             return recipe.tokenizer_builder(directory), f"built by recipe {recipe.name} from {directory}"
@@ -84,31 +97,29 @@ def _tokenizer_json(directory: Path, recipe: Recipe) -> tuple[str, str]:
                      f"ships no tokenizer")
 
 
-def _chat_template(directory: Path, recipe: Recipe, tokenizer_config: dict) -> tuple[str | None, str]:
-    if (directory / TEMPLATE_ASSET).exists():
-        return (directory / TEMPLATE_ASSET).read_bytes().decode("utf-8"), str(directory / TEMPLATE_ASSET)
+def _chat_template(checkpoint: Checkpoint, recipe: Recipe, tokenizer_config: dict) -> tuple[str | None, str]:
+    own = checkpoint.read(TEMPLATE_ASSET)
+    if own is not None:
+        return own.decode("utf-8"), _where(checkpoint, TEMPLATE_ASSET)
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if isinstance(template, str):
-        return template, f"{directory / 'tokenizer_config.json'} chat_template"
+        return template, f"{_where(checkpoint, 'tokenizer_config.json')} chat_template"
     if TEMPLATE_ASSET in recipe.assets:
         return recipe.assets[TEMPLATE_ASSET]().decode("utf-8"), f"recipe {recipe.name} asset"
     return None, "none"
 
 
-def collect_frontend_assets(directory: Path, recipe: Recipe, registry: Registry, model_config) -> FrontendAssets:
+def collect_frontend_assets(checkpoint: Checkpoint, recipe: Recipe, registry: Registry) -> FrontendAssets:
     from flare_core.frontend import Tokenizer, apply_template_patch
 
     notes: list[str] = []
-    tokenizer_config_path = directory / "tokenizer_config.json"
-    if tokenizer_config_path.exists():
-        tokenizer_config = _read_json(tokenizer_config_path)
-    elif "tokenizer_config.json" in recipe.assets:
-        tokenizer_config = json.loads(recipe.assets["tokenizer_config.json"]())
-    else:
-        tokenizer_config = {}
-    tokenizer_text, tokenizer_description = _tokenizer_json(directory, recipe)
+    tokenizer_config = _read_json(checkpoint, "tokenizer_config.json")
+    if tokenizer_config is None:
+        tokenizer_config = (json.loads(recipe.assets["tokenizer_config.json"]())
+                            if "tokenizer_config.json" in recipe.assets else {})
+    tokenizer_text, tokenizer_description = _tokenizer_json(checkpoint, recipe)
     tokenizer = Tokenizer.from_str(tokenizer_text)
 
     spec = recipe.frontend
@@ -116,19 +127,22 @@ def collect_frontend_assets(directory: Path, recipe: Recipe, registry: Registry,
         if tokenizer.token_to_id(token) is None:
             raise AssetError(f"tokenizer ({tokenizer_description}) has no token {token!r}, which recipe "
                              f"{recipe.name} requires")
-    vocab = getattr(model_config, "vocab_size", None)
+    vocab = getattr(checkpoint.config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise AssetError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     stop_ids = [tokenizer.token_to_id(t) for t in spec.stop_tokens]
-    generation_config = directory / "generation_config.json"
-    if generation_config.exists():
-        eos = _read_json(generation_config).get("eos_token_id")
-        for token_id in (eos if isinstance(eos, list) else [eos] if eos is not None else []):
-            if token_id not in stop_ids:
-                stop_ids.append(int(token_id))
+    # The checkpoint's own end-of-sequence tokens end generation too: the EOS its tokenizer
+    # settings name (what a GGUF file's tokenizer.ggml.eos_token_id becomes) and those of
+    # generation_config.json.
+    eos_ids = [tokenizer.token_to_id(t) for t in [_token_text(tokenizer_config.get("eos_token"))] if t]
+    eos = (_read_json(checkpoint, "generation_config.json") or {}).get("eos_token_id")
+    eos_ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    for token_id in eos_ids:
+        if token_id is not None and int(token_id) not in stop_ids:
+            stop_ids.append(int(token_id))
 
     files = {TOKENIZER_ASSET: tokenizer_text.encode("utf-8")}
-    template, template_description = _chat_template(directory, recipe, tokenizer_config)
+    template, template_description = _chat_template(checkpoint, recipe, tokenizer_config)
     patch_id = None
     if template is None:
         notes.append("no chat template: chat endpoints will be unavailable, completions only")

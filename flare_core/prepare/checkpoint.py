@@ -1,10 +1,12 @@
-"""Reading a Hugging Face style checkpoint directory: config and lazily loaded safetensors."""
+"""What export reads from a model: a Hugging Face style checkpoint directory (config.json,
+safetensors, tokenizer files) or a GGUF file (flare_core.prepare.gguf)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -93,3 +95,87 @@ def load_config(directory: Path):
         return AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
         raise CheckpointError(f"{config_file}: Transformers cannot read this config ({exc})") from exc
+
+
+class Checkpoint:
+    """A model's config, its tensors under Transformers names (indexed on first use, each read on
+    access), and its frontend files: read from the directory, except those `files` holds (a GGUF
+    file's tokenizer and template, converted from its metadata)."""
+
+    def __init__(self, path: Path, config: Any, open_tensors: Callable[[], Mapping[str, torch.Tensor]],
+                 files: Mapping[str, bytes] | None = None, notes: tuple[str, ...] = ()):
+        self.path = Path(path)  # the checkpoint directory, or the GGUF file
+        self.config = config
+        self.files = dict(files or {})
+        self.notes = notes  # what the export plan says about reading it (dequantized types)
+        self._open_tensors = open_tensors
+        self._tensors: Mapping[str, torch.Tensor] | None = None
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = self._open_tensors()
+        return self._tensors
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+    def read(self, name: str) -> bytes | None:
+        """A frontend file's bytes, or None when the checkpoint has no such file."""
+        if name in self.files:
+            return self.files[name]
+        if not self.path.is_dir():
+            return None
+        file = self.path / name
+        return file.read_bytes() if file.is_file() else None
+
+    def token_strings(self) -> set[str] | None:
+        """Every token its tokenizer files spell (vocabulary and added tokens), or None when it
+        has neither tokenizer.json nor vocab.json (a recipe builds its tokenizer)."""
+        tokenizer, vocab, settings = (self._json(n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+        if tokenizer is None and vocab is None:
+            return None
+        tokens: set[str] = set()
+        if tokenizer is not None:
+            model_vocab = (tokenizer.get("model") or {}).get("vocab") or {}
+            tokens.update(model_vocab if isinstance(model_vocab, dict) else (entry[0] for entry in model_vocab))
+            tokens.update(t.get("content") for t in tokenizer.get("added_tokens") or [])
+        if vocab is not None:
+            tokens.update(vocab)
+        if settings is not None:
+            tokens.update(t.get("content") for t in (settings.get("added_tokens_decoder") or {}).values())
+        return tokens
+
+    def _json(self, name: str) -> Any:
+        raw = self.read(name)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CheckpointError(f"{self.path}: {name} is not valid JSON ({exc})") from exc
+
+
+GGUF_SUFFIX = ".gguf"
+
+
+def open_checkpoint(path: Path, dtype_name: str) -> Checkpoint:
+    """The checkpoint at `path`: a GGUF file, or a Hugging Face checkpoint directory."""
+    path = Path(path)
+    if path.suffix.lower() != GGUF_SUFFIX:
+        return Checkpoint(path, load_config(path), lambda: CheckpointTensors(path))
+    from flare_core.prepare.gguf import GGUFFile, GGUFTensors
+
+    file = GGUFFile(path)
+    config = file.config()
+    tensors = GGUFTensors(file, config)
+    notes = []
+    quantized = tensors.quantized()
+    if quantized:
+        counts = ", ".join(f"{kind} x{count}" for kind, count in quantized.items())
+        notes.append(f"GGUF quantized tensors ({counts}) dequantized to {dtype_name}; the core does not keep "
+                     f"GGUF quantizations packed")
+    if tensors.unmapped:
+        notes.append(f"GGUF tensors without a Transformers name, not read: {', '.join(tensors.unmapped)}")
+    return Checkpoint(path, config, lambda: tensors, file.frontend_files(), tuple(notes))

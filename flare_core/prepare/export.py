@@ -7,7 +7,7 @@ import datetime
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -16,7 +16,7 @@ from flare_core.config import Config
 from flare_core.contract import CONTRACT_VERSION, Recipe
 from flare_core.plugins import Registry
 from flare_core.prepare.assets import FrontendAssets, collect_frontend_assets
-from flare_core.prepare.checkpoint import CheckpointTensors, load_config
+from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
 
@@ -43,11 +43,12 @@ class ExportResult:
     plan: ExportPlan
 
 
-def choose_recipe(registry: Registry, source: ModelSource, config, forced: str | None) -> Recipe:
+def choose_recipe(registry: Registry, source: ModelSource, checkpoint: Checkpoint, forced: str | None) -> Recipe:
     if forced is not None:
         return registry.recipe(forced)
     if source.recipe is not None:
         return source.recipe
+    config = checkpoint.config
     architectures = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
     for arch in architectures:
@@ -55,6 +56,8 @@ def choose_recipe(registry: Registry, source: ModelSource, config, forced: str |
                       if arch in r.architectures and (not r.model_types or model_type in r.model_types)]
         # A recipe naming the checkpoint's model_type is more specific than one accepting any.
         candidates = [r for r in candidates if model_type in r.model_types] or candidates
+        if len(candidates) > 1:
+            candidates = _by_tokens(candidates, checkpoint, arch)
         if len(candidates) > 1:
             raise ExportError(f"architecture {arch} with model_type {model_type!r} is served by recipes "
                               f"{', '.join(r.name for r in candidates)}; choose one with --recipe NAME "
@@ -66,6 +69,21 @@ def choose_recipe(registry: Registry, source: ModelSource, config, forced: str |
                       f"installed recipes support: {supported}")
 
 
+def _by_tokens(candidates: list[Recipe], checkpoint: Checkpoint, arch: str) -> list[Recipe]:
+    """Recipes of one architecture serve different tokenizer families (Llama 3 headers, ChatML):
+    keep those whose required tokens the checkpoint's tokenizer spells."""
+    tokens = checkpoint.token_strings()
+    if tokens is None:
+        return candidates
+    fitting = [r for r in candidates if set(r.frontend.required_tokens) <= tokens]
+    if not fitting:
+        needs = "; ".join(f"{r.name} needs {', '.join(sorted(set(r.frontend.required_tokens) - tokens))}"
+                          for r in candidates)
+        raise ExportError(f"architecture {arch}: the checkpoint's tokenizer lacks tokens every recipe of this "
+                          f"architecture requires ({needs})")
+    return fitting
+
+
 def export_model(request: ExportRequest, config: Config, registry: Registry,
                  echo: Callable[[str], None] = print) -> ExportResult:
     from flare_core.core import CoreStore, load_or_create_signing_key, TrustStore
@@ -73,18 +91,18 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     if request.dtype not in DTYPES:
         raise ExportError(f"--dtype {request.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     source = resolve_model(request.model, registry, config.paths.hub_cache, request.offline)
-    model_config = load_config(source.directory)
-    recipe = choose_recipe(registry, source, model_config, request.recipe)
+    checkpoint = open_checkpoint(source.path, request.dtype)
+    model_config = checkpoint.config
+    recipe = choose_recipe(registry, source, checkpoint, request.recipe)
     if recipe.check_config is not None:
         try:
             recipe.check_config(model_config)
         except ValueError as exc:
-            raise ExportError(f"{source.directory}/config.json is not supported by recipe {recipe.name}: {exc}") \
-                from exc
+            where = source.path if source.kind == "gguf" else source.path / "config.json"
+            raise ExportError(f"{where}: the config is not supported by recipe {recipe.name}: {exc}") from exc
     capacities = plan_capacities(recipe, model_config, request.capacities)
     scheme = registry.cache_schemes[recipe.cache_scheme].build(model_config, request.dtype)
-    assets = collect_frontend_assets(source.directory, recipe, registry, model_config)
-    checkpoint = CheckpointTensors(source.directory)
+    assets = collect_frontend_assets(checkpoint, recipe, registry)
 
     torch_dtype = DTYPES[request.dtype]
     skeleton = _skeleton(recipe, model_config, torch_dtype)
@@ -95,12 +113,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
-        notes=assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ()),
+        notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ()),
     )
     for line in plan.lines():
         echo(line)
 
-    tensors = _map_weights(recipe, model_config, checkpoint, torch_dtype, skeleton, request.progress)
+    tensors = _map_weights(recipe, model_config, checkpoint.tensors, torch_dtype, skeleton, request.progress)
     manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
     key = load_or_create_signing_key(config.paths.keys)
     TrustStore(config.paths.trust_store).trust(key.publisher)
@@ -120,7 +138,7 @@ def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, tor
     return dict(model.state_dict())
 
 
-def _map_weights(recipe: Recipe, model_config, checkpoint: CheckpointTensors, dtype: torch.dtype,
+def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  skeleton: dict[str, torch.Tensor], progress: bool) -> dict[str, torch.Tensor]:
     from tqdm import tqdm
 
@@ -149,8 +167,8 @@ def _map_weights(recipe: Recipe, model_config, checkpoint: CheckpointTensors, dt
 
 def _describe_source(source: ModelSource) -> str:
     if source.repo:
-        return f"{source.repo}@{source.revision or 'main'} ({source.directory})"
-    return str(source.directory)
+        return f"{source.repo}@{source.revision or 'main'} ({source.path})"
+    return f"{source.path} (GGUF)" if source.kind == "gguf" else str(source.path)
 
 
 def _config_dict(model_config) -> dict:
@@ -184,5 +202,5 @@ def _manifest(recipe: Recipe, registry: Registry, source: ModelSource, model_con
         "frontend": assets.manifest_entry(recipe.frontend),
         "served_names": list(dict.fromkeys(source.served_names)),
         "source": {"kind": source.kind, "repo": source.repo, "revision": source.revision,
-                   "directory": str(source.directory)},
+                   "path": str(source.path)},
     }

@@ -1,5 +1,6 @@
-"""Resolving the MODEL argument of `flare export`: a local checkpoint directory, a recipe alias,
-or a Hugging Face repository id (downloaded into the configured hub cache)."""
+"""Resolving the MODEL argument of `flare export`: a local checkpoint directory, a GGUF file (or a
+directory holding exactly one), a recipe alias, or a Hugging Face repository id (downloaded into
+the configured hub cache)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from flare_core.contract import Recipe
 from flare_core.plugins import Registry
+from flare_core.prepare.checkpoint import GGUF_SUFFIX
 
 # Only what export reads: configs, tokenizer and template files, safetensors weights.
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
@@ -21,8 +23,8 @@ class ModelNotFound(LookupError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    directory: Path
-    kind: str  # "local", "alias" or "repo"
+    path: Path  # the checkpoint directory or GGUF file
+    kind: str  # "local", "gguf", "alias" or "repo"
     served_names: tuple[str, ...]  # names `flare run` accepts for this model
     repo: str | None = None
     revision: str | None = None
@@ -31,6 +33,9 @@ class ModelSource:
 
 def resolve_model(model: str, registry: Registry, hub_cache: Path, offline: bool) -> ModelSource:
     local = Path(model).expanduser()
+    gguf = _gguf_file(local)
+    if gguf is not None:
+        return ModelSource(gguf, "gguf", (gguf.stem.lower(),))
     if local.is_dir():
         return ModelSource(local.resolve(), "local", (local.resolve().name.lower(),))
     found = registry.recipe_for_alias(model)
@@ -50,6 +55,23 @@ def resolve_model(model: str, registry: Registry, hub_cache: Path, offline: bool
     raise ModelNotFound(
         f"unknown model {model!r}: not a checkpoint directory, not a recipe alias and not a Hugging Face "
         f"repo id (owner/name). Known aliases: {', '.join(known) or 'none (no recipes installed)'}")
+
+
+def _gguf_file(local: Path) -> Path | None:
+    """The GGUF file MODEL names: the file itself, or the one *.gguf in a directory without a
+    config.json (a Hugging Face checkpoint directory is read as one even if it holds GGUF files)."""
+    if local.is_file():
+        if local.suffix.lower() != GGUF_SUFFIX:
+            raise ModelNotFound(f"{local} is a file but not a GGUF file (*.gguf); a Hugging Face checkpoint is "
+                                f"given as its directory")
+        return local.resolve()
+    if not local.is_dir() or (local / "config.json").exists():
+        return None
+    files = sorted(p for p in local.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+    if len(files) > 1:
+        raise ModelNotFound(f"{local} holds {len(files)} GGUF files ({', '.join(p.name for p in files)}); "
+                            f"export one by its path")
+    return files[0].resolve() if files else None
 
 
 def _download(repo: str, revision: str | None, hub_cache: Path, offline: bool) -> Path:

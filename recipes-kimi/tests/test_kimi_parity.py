@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import flare_recipe_deepseek.modeling
 import flare_recipe_deepseek.weights
 from flare_core.plugins import load_registry
-from flare_core.prepare.checkpoint import load_config
+from flare_core.prepare.checkpoint import Checkpoint, load_config
 from flare_core.prepare.export import ExportError, choose_recipe
 from flare_core.prepare.source import ModelSource
 from flare_core.testing import assert_logits_parity
@@ -96,12 +96,12 @@ def test_kimi_checkpoint_config_reads_without_remote_code(saved):
 def test_export_chooses_by_model_type():
     registry = load_registry()
     local = ModelSource(Path("."), "local", ("tiny",))
-    assert choose_recipe(registry, local, kimi_config(), None).name == "kimi-k2"
-    deepseek_config = ds.DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"])
+    assert choose_recipe(registry, local, Checkpoint(Path("."), kimi_config(), dict), None).name == "kimi-k2"
+    deepseek = Checkpoint(Path("."), ds.DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]), dict)
     # DeepSeek-V3 and V3.1 checkpoints share architecture and model_type: the choice must be explicit.
     with pytest.raises(ExportError, match=r"deepseek-v3, deepseek-v3\.1; choose one with --recipe"):
-        choose_recipe(registry, local, deepseek_config, None)
-    assert choose_recipe(registry, local, deepseek_config, "deepseek-v3.1").name == "deepseek-v3.1"
+        choose_recipe(registry, local, deepseek, None)
+    assert choose_recipe(registry, local, deepseek, "deepseek-v3.1").name == "deepseek-v3.1"
 
 
 def test_recipe_declarations():

@@ -154,10 +154,11 @@ def test_config_ids_outside_the_special_range_are_rejected(checkpoint, tmp_path)
 def test_export_builds_the_tokenizer_through_the_recipe(checkpoint):
     """A Kimi checkpoint ships tiktoken.model and no tokenizer.json: export asks the recipe."""
     from flare_core.prepare.assets import _tokenizer_json
+    from flare_core.prepare.checkpoint import Checkpoint
     from flare_recipe_kimi.recipes import KIMI_K2
 
     directory = checkpoint[0]
     assert not (directory / "tokenizer.json").exists()
-    text, description = _tokenizer_json(directory, KIMI_K2)
+    text, description = _tokenizer_json(Checkpoint(directory, None, dict), KIMI_K2)
     assert description == f"built by recipe kimi-k2 from {directory}"
     assert text == convert_tiktoken_checkpoint(directory)

@@ -1,10 +1,14 @@
-"""The plugin entry point (group "flare", name "llama"): the Llama recipe and the hook that
-registers it. Flare validates the Recipe when the plugin loads and reports any problem by
-plugin and field."""
+"""The plugin entry point (group "flare", name "llama"): recipes for LlamaForCausalLM checkpoints
+and the hooks that register them. Flare validates each Recipe when the plugin loads and reports
+any problem by plugin and field.
+
+Two checkpoint families share the architecture and the model code but not the text side:
+Llama 3.x (its header tokens and template) and SmolLM2 (ChatML). Export tells them apart by
+the tokens each recipe requires, so a checkpoint's tokenizer picks its recipe."""
 
 from __future__ import annotations
 
-from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
+from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy, TemplatePatch
 from flare_core.plugins import hookimpl
 from flare_recipe_llama.model import build_model, check_config
 from flare_recipe_llama.weights import map_weights
@@ -37,6 +41,49 @@ LLAMA = Recipe(
 )
 
 
+# SmolLM2-Instruct's ChatML template (as its GGUF files carry it): every message closes with
+# `<|im_end|>\n`, so the marks sit after the default system block and after each message.
+SMOLLM2_TEMPLATE_PATCH = TemplatePatch(
+    id="smollm2-v1",
+    source_sha256="872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
+    result_sha256="518811473ffd300e594d156597e11bac019352bd2f89a5bf9e65f9533360b09c",
+    insertions=((201, "{% mark %}"), (285, "{% mark %}")),
+)
+
+SMOLLM2 = Recipe(
+    name="smollm2",
+    version="0.1.0",
+    architectures=("LlamaForCausalLM",),
+    aliases=(
+        Alias("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        Alias("smollm2-360m-instruct", "HuggingFaceTB/SmolLM2-360M-Instruct"),
+        Alias("smollm2-1.7b-instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct"),
+    ),
+    sampling=SamplingPolicy(
+        # The model card's usage example samples with temperature=0.2, top_p=0.9.
+        defaults={"temperature": 0.2, "top_p": 0.9},
+        source="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct (model card, How to use)",
+    ),
+    frontend=FrontendSpec(
+        template_patches=("smollm2-v1",),
+        required_tokens=("<|im_start|>", "<|im_end|>"),
+        # <|im_end|> closes each turn (the tokenizer's EOS); <|endoftext|> separates documents.
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    ),
+    cache_scheme="attention-kv",
+    capacities=Capacities(),
+    build_model=build_model,
+    map_weights=map_weights,
+    description="SmolLM2 (Llama architecture, ChatML template)",
+    check_config=check_config,
+)
+
+
 @hookimpl
 def flare_recipes() -> list[Recipe]:
-    return [LLAMA]
+    return [LLAMA, SMOLLM2]
+
+
+@hookimpl
+def flare_template_patches() -> list[TemplatePatch]:
+    return [SMOLLM2_TEMPLATE_PATCH]

