@@ -106,6 +106,18 @@ def test_synthetic_prompts_have_exact_lengths_and_share_the_prefix():
         random_requests(1, input_len=0, output_len=1, seed=0)
 
 
+def test_synthetic_token_ids_stay_below_the_servers_vocabulary():
+    small = random_requests(4, input_len=500, output_len=1, seed=0, vocab_size=49_152)
+    ids = [token for r in small for token in r.body["prompt"]]
+    assert min(ids) >= TOKEN_ID_RANGE[0] and max(ids) < 49_152 and max(ids) > 40_000
+    assert random_requests(2, input_len=50, output_len=1, seed=0, vocab_size=151_936) == \
+        random_requests(2, input_len=50, output_len=1, seed=0)
+    shared = shared_prefix_requests(2, prefix_len=300, suffix_len=300, output_len=1, seed=0, vocab_size=5_000)
+    assert max(token for r in shared for token in r.body["prompt"]) < 5_000
+    with pytest.raises(ValueError, match=r"vocabulary \(1500 tokens\) is too small"):
+        random_requests(1, input_len=5, output_len=1, seed=0, vocab_size=1_500)
+
+
 def test_conversation_file(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}) + "\n\n"

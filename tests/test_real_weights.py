@@ -63,6 +63,17 @@ def test_seeded_sampling_with_model_card_defaults_is_reproducible(smollm2_server
     assert text and text == second.json()["choices"][0]["message"]["content"]
 
 
+def test_bench_fits_its_prompts_to_the_served_vocabulary(smollm2_server, session_flare):
+    """SmolLM2's 49,152-token vocabulary is below the ids synthetic prompts are drawn from by
+    default: `flare bench` reads vocab_size from /v1/models and stays below it."""
+    result = session_flare("bench", "--base-url", smollm2_server.url, "--num-prompts", "2",
+                           "--random-input-len", "300", "--random-output-len", "2", "--seed", "5")
+    assert "Successful requests:                    2" in result.output and "Failed requests:                        0" \
+        in result.output, result.output
+    card = smollm2_server.get("/v1/models").json()["data"][0]
+    assert card["vocab_size"] == 49_152 and card["max_model_len"] == 2048
+
+
 def _demo(config: Path, log: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flare_core.cli", "--config", str(config), "demo", "--port", "0",
                              "--no-dashboard", "--trust-publisher", *flags],

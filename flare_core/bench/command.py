@@ -27,15 +27,16 @@ def _read_api_key(path: Path | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def _build_requests(params: dict) -> list[BenchRequest]:
+def _build_requests(params: dict, card: dict) -> list[BenchRequest]:
+    """The workload for the served model `card` (its vocab_size, where the server reports one,
+    bounds synthetic token ids)."""
     dataset, count, seed = params["dataset"], params["num_prompts"], params["seed"]
+    vocab_size = card.get("vocab_size") if isinstance(card.get("vocab_size"), int) else None
     if dataset == "random":
-        return random_requests(count, params["random_input_len"], params["random_output_len"], seed)
+        return random_requests(count, params["random_input_len"], params["random_output_len"], seed, vocab_size)
     if dataset == "shared-prefix":
         return shared_prefix_requests(count, params["shared_prefix_len"], params["shared_suffix_len"],
-                                      params["shared_output_len"], seed)
-    if params["dataset_path"] is None:
-        raise click.BadParameter("--dataset jsonl needs --dataset-path FILE", param_hint="--dataset-path")
+                                      params["shared_output_len"], seed, vocab_size)
     return conversation_requests(params["dataset_path"], count, params["jsonl_output_len"])
 
 
@@ -74,18 +75,21 @@ def bench(**params) -> None:
     if not params["request_rate"] > 0:
         raise click.BadParameter(f"must be positive (or inf), got {params['request_rate']}",
                                  param_hint="--request-rate")
-    try:
-        requests = _build_requests(params)
-    except (ValueError, OSError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    if params["dataset"] == "jsonl" and params["dataset_path"] is None:
+        raise click.BadParameter("--dataset jsonl needs --dataset-path FILE", param_hint="--dataset-path")
     headers = _read_api_key(params["api_key_file"])
-    click.echo(f"sending {len(requests)} {params['dataset']} requests to {params['base_url']}", err=True)
+
+    def workload(card: dict) -> list[BenchRequest]:
+        requests = _build_requests(params, card)
+        click.echo(f"sending {len(requests)} {params['dataset']} requests to {params['base_url']}", err=True)
+        return requests
+
     try:
         run = asyncio.run(run_benchmark(
-            params["base_url"], requests, model=params["model"], headers=headers, ignore_eos=params["ignore_eos"],
+            params["base_url"], workload, model=params["model"], headers=headers, ignore_eos=params["ignore_eos"],
             max_concurrency=params["max_concurrency"], request_rate=params["request_rate"], seed=params["seed"],
             num_warmups=params["num_warmups"]))
-    except BenchError as exc:
+    except (BenchError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     metrics = compute_metrics(run.results, run.duration_s)
     click.echo(format_table(metrics, max_concurrency=params["max_concurrency"], request_rate=params["request_rate"]))

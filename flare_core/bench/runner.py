@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Union
 
 import aiohttp
 
@@ -22,6 +22,8 @@ from flare_core.bench.client import BenchError, RequestResult, Target, fetch_mod
 from flare_core.bench.datasets import BenchRequest
 
 _CONNECT_TIMEOUT_S = 30.0
+# The requests to send, or how to build them from the served model's /v1/models card.
+Workload = Union[Sequence[BenchRequest], Callable[[Mapping[str, Any]], Sequence[BenchRequest]]]
 
 
 @dataclass(frozen=True)
@@ -61,17 +63,16 @@ def _choose_model(models: Mapping[str, Any], requested: str | None) -> str:
     return requested
 
 
-async def run_benchmark(base_url: str, requests: Sequence[BenchRequest], *, model: str | None = None,
+async def run_benchmark(base_url: str, requests: Workload, *, model: str | None = None,
                         headers: Mapping[str, str] | None = None, ignore_eos: bool = False,
                         max_concurrency: int | None = None, request_rate: float = math.inf, seed: int = 0,
                         num_warmups: int = 0) -> BenchRun:
     """Send `requests` to the server at `base_url`; `model` defaults to its first served model.
-    Warmups (the first requests, not measured) must succeed: they check the server works."""
-    if not requests:
-        raise ValueError("a benchmark needs at least one request")
+    `requests` may be a function of the chosen model's /v1/models card (its vocabulary bounds
+    synthetic token ids). Warmups (the first requests, not measured) must succeed: they check
+    the server works."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max concurrency must be at least 1, got {max_concurrency}")
-    offsets = arrival_offsets(len(requests), request_rate, seed)
     base_url = normalize_base_url(base_url)
     headers = dict(headers or {})
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
@@ -79,6 +80,11 @@ async def run_benchmark(base_url: str, requests: Sequence[BenchRequest], *, mode
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         models = await fetch_models(session, base_url, headers)
         target = Target(base_url, _choose_model(models, model), headers, ignore_eos)
+        if callable(requests):
+            requests = requests(next(card for card in models["data"] if str(card.get("id")) == target.model))
+        if not requests:
+            raise ValueError("a benchmark needs at least one request")
+        offsets = arrival_offsets(len(requests), request_rate, seed)
         for index in range(num_warmups):
             warmup = await send_request(session, target, requests[index % len(requests)])
             if not warmup.ok:

@@ -2,7 +2,8 @@
 
 OpenAI and Anthropic clients both read /v1/models, so each object carries both vocabularies
 (OpenAI: object, created, owned_by; Anthropic: type, display_name, created_at), plus vLLM's
-max_model_len: the core's context length.
+max_model_len (the core's context length) and vocab_size (token ids a prompt may hold are
+below it; `flare bench` draws its synthetic prompts from that range).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def model_card(state: ServerState, name: str) -> dict[str, Any]:
     created_at = datetime.datetime.fromtimestamp(info.created, datetime.timezone.utc).isoformat()
     return {"id": name, "object": "model", "created": info.created, "owned_by": "flare",
             "type": "model", "display_name": name, "created_at": created_at,
-            "root": name, "parent": None, "max_model_len": info.context_length}
+            "root": name, "parent": None, "max_model_len": info.context_length,
+            "vocab_size": state.engine.tokenizer.vocab_size}
 
 
 async def list_models(request: web.Request) -> web.Response:
