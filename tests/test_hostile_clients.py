@@ -119,9 +119,16 @@ def test_ollama_options_are_range_checked(server):
     assert reply.status == 400 and "options.temperature" in reply.json()["error"]
     reply = server.process.post("/api/generate", {**body, "options": {"num_predict": 2, "num_ctx": "big"}})
     assert reply.status == 400 and "options.num_ctx" in reply.json()["error"]
-    reply = server.process.post("/api/generate", {**body, "options": {"num_predict": 2, "num_ctx": 4096,
-                                                                      "use_mmap": True}})
-    assert reply.status == 200  # Ollama clients send these routinely: checked, then ignored
+    reply = server.process.post("/api/generate", {**body, "options": {"num_predict": 2, "num_ctx": CONTEXT,
+                                                                      "use_mmap": True, "mirostat": 0}})
+    assert reply.status == 200  # Ollama clients send these routinely: checked, then ignored (mirostat 0 is off)
+    reply = server.process.post("/api/generate", {**body, "options": {"num_ctx": 4096}})
+    assert reply.status == 400 and "options.num_ctx: 4096 exceeds this core's context length of 1024" in \
+        reply.json()["error"]
+    for option, value in (("mirostat", 2), ("typical_p", 0.5), ("tfs_z", 0.9)):
+        reply = server.process.post("/api/generate", {**body, "options": {option: value}})
+        assert reply.status == 400 and f"options.{option}: {option} sampling is not supported" in \
+            reply.json()["error"], reply.body
     reply = server.process.post("/api/chat", {"model": SERVED, "stream": False, "options": {"num_predict": 2},
                                               "messages": [{"role": "wizard", "content": "hi"}]})
     assert reply.status == 400 and "messages[0].role" in reply.json()["error"]

@@ -74,6 +74,35 @@ def test_bench_fits_its_prompts_to_the_served_vocabulary(smollm2_server, session
     assert card["vocab_size"] == 49_152 and card["max_model_len"] == 2048
 
 
+def test_ollama_chat_generate_preload_and_num_ctx(smollm2_server):
+    model = "smollm2-135m-instruct.q4_1:latest"
+    greedy = {"temperature": 0, "num_predict": 40}
+    chat = {"model": model, "stream": False, "options": greedy, "messages": [{"role": "user", "content": QUESTION}]}
+    reply = smollm2_server.post("/api/chat", chat)
+    assert reply.status == 200 and reply.json()["done_reason"] == "stop", reply.body
+    answer = reply.json()["message"]["content"]
+    assert "Paris" in answer
+    streamed = smollm2_server.post("/api/chat", {**chat, "stream": True})
+    lines = [json.loads(line) for line in streamed.body.decode().splitlines()]
+    assert "".join(line["message"]["content"] for line in lines) == answer and lines[-1]["done"] is True
+    generated = smollm2_server.post("/api/generate", {"model": model, "prompt": QUESTION, "stream": False,
+                                                      "options": greedy})
+    assert generated.status == 200 and generated.json()["response"] == answer
+
+    # Preloading (no prompt / no messages) answers at once, as Ollama does.
+    for route, body in (("/api/generate", {"model": model}), ("/api/chat", {"model": model, "messages": []})):
+        reply = smollm2_server.post(route, body)
+        assert reply.status == 200 and reply.json()["done"] is True and reply.json()["done_reason"] == "load"
+    assert smollm2_server.post("/api/generate", {"model": "absent"}).status == 404
+
+    # num_ctx is the request's window: generation ends when prompt + output fill it.
+    window = smollm2_server.post("/api/generate", {"model": model, "prompt": "Count from one to one hundred.",
+                                                   "stream": False, "options": {"temperature": 0, "num_ctx": 48}})
+    final = window.json()
+    assert window.status == 200 and final["done_reason"] == "length", window.body
+    assert final["prompt_eval_count"] + final["eval_count"] == 48
+
+
 def _demo(config: Path, log: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flare_core.cli", "--config", str(config), "demo", "--port", "0",
                              "--no-dashboard", "--trust-publisher", *flags],

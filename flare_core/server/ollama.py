@@ -48,13 +48,14 @@ from flare_core.server.validation import (
 )
 
 _ROLES = ("system", "user", "assistant", "tool")
-# Ollama options Flare has no use for (the core fixes the context and the hardware settings;
-# mirostat, typical_p and tfs_z sampling are not implemented). Clients send them routinely, so
-# they are accepted, type-checked like every number, and ignored.
-_IGNORED_INTEGER_OPTIONS = ("num_keep", "repeat_last_n", "mirostat", "num_ctx", "num_batch", "num_gpu", "main_gpu",
-                            "num_thread")
-_IGNORED_NUMBER_OPTIONS = ("typical_p", "mirostat_tau", "mirostat_eta", "tfs_z")
+# Ollama options about loading and hardware (the core and `flare run` fix those) and the
+# parameters of samplers that are off. Clients send them routinely, so they are accepted,
+# type-checked like every number, and have no effect.
+_IGNORED_INTEGER_OPTIONS = ("num_keep", "repeat_last_n", "num_batch", "num_gpu", "main_gpu", "num_thread")
+_IGNORED_NUMBER_OPTIONS = ("mirostat_tau", "mirostat_eta")
 _IGNORED_BOOLEAN_OPTIONS = ("penalize_newline", "numa", "low_vram", "vocab_only", "use_mmap", "use_mlock")
+# Samplers Flare does not implement: accepted only at the value that switches them off.
+_OFF_SAMPLERS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
 _OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                   "repetition_penalty": "repeat_penalty"}
@@ -191,16 +192,36 @@ def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, 
         get_number(options, name, where=f"options.{name}")
     for name in _IGNORED_BOOLEAN_OPTIONS:
         get_bool(options, name, where=f"options.{name}")
+    for name, off in _OFF_SAMPLERS.items():
+        value = get_number(options, name, where=f"options.{name}")
+        if value is not None and value != off:
+            raise invalid(f"options.{name}", f"{name} sampling is not supported (only {off:g}, which switches it off)")
     num_predict = get_int(options, "num_predict", where="options.num_predict", minimum=-2)
     # Ollama's -1 (no limit) and -2 (fill the context) both mean: as much as the context allows.
     requested = None if num_predict is None or num_predict < 0 else num_predict
     if requested == 0:
         raise invalid("options.num_predict", "must be positive, or -1 for no limit")
+    requested = _within_num_ctx(options, len(prompt.ids), requested, engine.info.context_length)
     max_tokens = fit_max_tokens(len(prompt.ids), requested, "options.num_predict", engine.info.context_length)
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 checkpoints=prompt.checkpoints, request_id=request_id)
     return OllamaCall(model, get_bool(body, "stream", default=True), parse_tools, prompt, request, sampling)
+
+
+def _within_num_ctx(options: dict[str, Any], prompt_tokens: int, requested: int | None, context: int) -> int | None:
+    """`num_ctx` is the request's context window, at most the core's: the prompt must fit in it,
+    and generation ends (done_reason "length") when it is full, as in Ollama."""
+    num_ctx = get_int(options, "num_ctx", where="options.num_ctx", minimum=1)
+    if num_ctx is None:
+        return requested
+    if num_ctx > context:
+        raise invalid("options.num_ctx", f"{num_ctx} exceeds this core's context length of {context} tokens (fixed "
+                                         f"when the core is exported: flare export --context-length)")
+    if prompt_tokens >= num_ctx:
+        raise invalid("options.num_ctx", f"the prompt has {prompt_tokens} tokens, which leaves no room to generate "
+                                         f"within num_ctx {num_ctx}")
+    return min(requested or num_ctx, num_ctx - prompt_tokens)
 
 
 def _final_fields(outcome: Outcome, started: float, ttft: float | None) -> dict[str, Any]:
@@ -289,18 +310,45 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     return _call(state, body, model, prompt, tools is not None, request_id)
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
+def _load_reply(state: ServerState, body: dict[str, Any], text_key: str | None) -> dict[str, Any] | None:
+    """Ollama clients preload a model with a request that has no prompt (/api/generate) or no
+    messages (/api/chat); Ollama answers at once with done_reason "load". The core is always
+    loaded, so Flare answers the same (keep_alive is accepted and has no effect)."""
+    if text_key is None:
+        empty = not get_list(body, "messages")
+    else:
+        empty = not get_str(body, "prompt")
+    if not empty:
+        return None
+    model = _served(state, get_str(body, "model"))
+    data: dict[str, Any] = {"model": model, "created_at": _iso(time.time())}
+    if text_key is None:
+        data["message"] = {"role": "assistant", "content": ""}
+    else:
+        data[text_key] = ""
+    return {**data, "done": True, "done_reason": "load"}
+
+
+async def _answer(request: web.Request, parse, text_key: str | None) -> web.StreamResponse:
     state = request.app[STATE]
     request_id = request[RECORD].request_id
-    call = await state.prepare(lambda: parse_chat_request(state, json_body(request), request_id))
-    return await _respond(request, state, call, None)
+
+    def prepare() -> OllamaCall | dict[str, Any]:
+        body = json_body(request)
+        return _load_reply(state, body, text_key) or parse(state, body, request_id)
+
+    call = await state.prepare(prepare)
+    if isinstance(call, dict):
+        return web.json_response(call)
+    return await _respond(request, state, call, text_key)
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, parse_chat_request, None)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    request_id = request[RECORD].request_id
-    call = await state.prepare(lambda: parse_generate_request(state, json_body(request), request_id))
-    return await _respond(request, state, call, "response")
+    return await _answer(request, parse_generate_request, "response")
 
 
 def parse_generate_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
