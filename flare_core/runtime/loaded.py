@@ -23,6 +23,9 @@ class CoreLoadError(RuntimeError):
     pass
 
 
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
+
 @dataclass
 class LoadedCore:
     core: RuntimeCore
@@ -91,6 +94,11 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device) -> Lo
                             f"recipe is {recipe.version} (major versions differ: re-export the model)")
     model_config = model_config_from_manifest(manifest)
     dtype = DTYPES[manifest["dtype"]]
+    if device.type == "cuda" and dtype not in CUDA_DTYPES:
+        # FlashInfer's attention kernels take 16-bit queries and caches only.
+        raise CoreLoadError(f"core weights are {manifest['dtype']}, which the CUDA path does not serve (FlashInfer "
+                            f"attention is bfloat16 / float16): serve it with --device cpu, or export the model "
+                            f"again with --dtype bfloat16")
     model = recipe.build_model(model_config, dtype)
     load_prepared_weights(model, core.load_tensors(device="cpu"), device)
 

@@ -26,24 +26,40 @@ pytestmark = [pytest.mark.gpu,
                                  reason="GPU tests run only with FLARE_TEST_GPU=1 on a CUDA machine")]
 
 
-def build_models(device):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# Model shapes the lockstep test covers: Qwen3 (head_dim 128, 4 query heads per KV head) and
+# SmolLM2-135M's Llama shape (head_dim 64, 3 query heads per KV head, tied embeddings), each
+# through its own recipe.
+SHAPES = {
+    "qwen3": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=128, tie_word_embeddings=False),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, tie_word_embeddings=True),
+}
+
+
+def build_models(device, shape="qwen3"):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from flare_core.ops.loading import load_prepared_weights
-    from flare_recipe_qwen.recipes import QWEN3
 
-    config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
-                         tie_word_embeddings=False)
+    common = dict(vocab_size=4096, num_hidden_layers=4, max_position_embeddings=4096, **SHAPES[shape])
+    if shape == "qwen3":
+        from flare_recipe_qwen.recipes import QWEN3 as recipe
+
+        config, causal_lm = Qwen3Config(**common), Qwen3ForCausalLM
+    else:
+        from flare_recipe_llama.plugin import SMOLLM2 as recipe
+
+        config, causal_lm = LlamaConfig(**common), LlamaForCausalLM
     torch.manual_seed(0)
-    reference = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    reference = causal_lm(config).to(torch.bfloat16)
     with torch.no_grad():
         reference.model.embed_tokens.weight.normal_(0.0, 1.0)
     checkpoint = {k: v.contiguous() for k, v in reference.state_dict().items()}
-    prepared = dict(QWEN3.map_weights(config, checkpoint, torch.bfloat16))
+    prepared = dict(recipe.map_weights(config, checkpoint, torch.bfloat16))
     models = []
     for _ in range(2):
-        model = QWEN3.build_model(config, torch.bfloat16)
+        model = recipe.build_model(config, torch.bfloat16)
         load_prepared_weights(model, prepared, device)
         models.append(model)
     return config, models
@@ -112,18 +128,20 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128):
     return Scheduler(config, pages, prefix)
 
 
-@pytest.mark.parametrize("decode_capacities,prefill_capacities", [((1, 2, 4, 8), (64, 128)), ((), ())],
-                         ids=["graphs", "flashinfer-eager"])
-def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacities):
+@pytest.mark.parametrize("decode_capacities,prefill_capacities,shape",
+                         [((1, 2, 4, 8), (64, 128), "qwen3"), ((), (), "qwen3"), ((1, 2, 4, 8), (64, 128), "smollm2")],
+                         ids=["graphs", "flashinfer-eager", "graphs-smollm2-shape"])
+def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacities, shape):
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.eager import EagerExecutor
     from flare_core.executor.graphs import GraphExecutor
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
-    config, (ref_model, gpu_model) = build_models(device)
-    scheme = CacheScheme("attention-kv", (PagedStore("k", (2, 128), "bfloat16", 4),
-                                          PagedStore("v", (2, 128), "bfloat16", 4)))
+    config, (ref_model, gpu_model) = build_models(device, shape)
+    record = (config.num_key_value_heads, config.head_dim)
+    scheme = CacheScheme("attention-kv", (PagedStore("k", record, "bfloat16", 4),
+                                          PagedStore("v", record, "bfloat16", 4)))
     num_pages = 256
     common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_slots=0, num_logits_slots=16,
                   vocab_size=config.vocab_size, device=device)

@@ -24,8 +24,11 @@ LLAMA = Recipe(
         Alias("llama-3.2-3b-instruct", "meta-llama/Llama-3.2-3B-Instruct"),
     ),
     sampling=SamplingPolicy(
+        # The model card sends readers to Meta's reference code for generation parameters; its
+        # chat example samples with temperature=0.6, top_p=0.9.
         defaults={"temperature": 0.6, "top_p": 0.9},
-        source="https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/generation_config.json",
+        source="https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct (model card) -> "
+               "https://github.com/meta-llama/llama3/blob/main/example_chat_completion.py",
     ),
     frontend=FrontendSpec(
         required_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
