@@ -392,7 +392,8 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
     config = _config(ctx)
     registry = _registry()
     device = device or config.defaults.device
-    # The CPU path computes in float32 (fast there, and exact); the CUDA path in bfloat16.
+    # The CPU path computes in float32 (the reference numerics); the CUDA path in bfloat16,
+    # the 16-bit type FlashInfer attention takes.
     dtype = "bfloat16" if _pick_device(device)[0].type == "cuda" else "float32"
     gguf = demo_gguf() if recipe_name is None else None
     if gguf is not None:
