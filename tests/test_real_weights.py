@@ -103,6 +103,51 @@ def test_ollama_chat_generate_preload_and_num_ctx(smollm2_server):
     assert final["prompt_eval_count"] + final["eval_count"] == 48
 
 
+def test_echo_scores_the_prompt_as_transformers_does(smollm2_server, smollm2_gguf):
+    """Legacy completions with echo, logprobs and max_tokens 0 (lm-evaluation-harness's
+    log-likelihood request) return every prompt token's logprob; they match Transformers' model
+    loaded from the same GGUF file, also for a prompt longer than one prefill chunk (256) and
+    when the prefix cache already holds the prompt."""
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import torch
+
+    client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = "smollm2-135m-instruct.q4_1"
+    reference = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                     dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    short = "The capital of France is Paris."
+    long = " ".join(f"Item {i} is a {('red', 'green', 'blue')[i % 3]} ball." for i in range(80))
+    for text in (short, long, short):  # the second `short` finds its prompt in the prefix cache
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0].log_softmax(-1)
+        want = [expected[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+        reply = client.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=1)
+        choice = reply.choices[0]
+        assert choice.text == text and choice.finish_reason == "length" and reply.usage.completion_tokens == 0
+        got = choice.logprobs.token_logprobs
+        assert got[0] is None and len(got) == len(ids) > (300 if text is long else 5)
+        assert max(abs(a - b) for a, b in zip(got[1:], want)) < 2e-3
+        assert "".join(choice.logprobs.tokens) == text and choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
+        best = max(choice.logprobs.top_logprobs[1].values())
+        assert best == pytest.approx(expected[0].max().item(), abs=2e-3)
+
+    # Streamed, and followed by generated tokens: the echo chunk carries the prompt's logprobs.
+    stream = client.completions.create(model=model, prompt=short, max_tokens=3, echo=True, logprobs=0,
+                                       temperature=0, stream=True)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert chunks[0].text == short and chunks[0].logprobs.token_logprobs[0] is None
+    assert len(chunks[0].logprobs.token_logprobs) == len(tokenizer(short)["input_ids"])
+    generated = [c for c in chunks[1:] if c.text]
+    assert generated and all(len(c.logprobs.token_logprobs) >= 1 for c in generated)
+
+    refused = smollm2_server.post("/v1/completions", {"model": model, "prompt": short, "max_tokens": 0})
+    assert refused.status == 400 and "0 is allowed only with echo" in refused.json()["error"]["message"]
+
+
 def _demo(config: Path, log: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flare_core.cli", "--config", str(config), "demo", "--port", "0",
                              "--no-dashboard", "--trust-publisher", *flags],

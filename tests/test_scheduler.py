@@ -423,6 +423,27 @@ def test_exact_hit_resumes_sampling_without_prefill():
     assert_all_returned(scheduler)
 
 
+def test_a_prompt_scoring_request_computes_its_whole_prompt_with_targets():
+    """A request that scores its prompt never restores from the prefix cache (every position's
+    logits are needed), and its chunks carry the prompt tokens their rows predict."""
+    scheduler = make_scheduler(chunk=64)
+    driver = Driver(scheduler)
+    text = prompt(150, 71)
+    driver.submit("a", text, 5)
+    driver.run()
+    driver.scheduler.submit("b", text, 1, score_prompt=True)
+    driver.max_tokens["b"] = 1
+    driver.run()
+    chunks = [c for p in driver.plans for c in p.prefills if c.handle.request_id == "b"]
+    assert not any(r.handle.request_id == "b" for p in driver.plans for r in p.restores)
+    assert [(c.start, c.end) for c in chunks] == [(0, 64), (64, 128), (128, 150)]
+    assert [len(c.prompt_targets) for c in chunks] == [64, 64, 21]
+    assert sum((c.prompt_targets for c in chunks), ()) == tuple(text[1:])
+    assert all(not c.prompt_targets for p in driver.plans for c in p.prefills if c.handle.request_id == "a")
+    assert driver.outputs["b"] == reference(text, 1)
+    assert_all_returned(scheduler)
+
+
 def test_multi_turn_chat_through_real_template_reuses_turn_one():
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(FIXTURES / "tokenizers" / "qwen3"))

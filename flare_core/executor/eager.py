@@ -4,12 +4,15 @@ serves with; it is never a silent fallback for the graph path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.ops.attention import AttentionBatch, ForwardContext
-from flare_core.ops.sampling import PenaltyBook, SampleOutput, Sampler, StepSampling
+from flare_core.ops.sampling import PenaltyBook, PromptScores, SampleOutput, Sampler, StepSampling
+from flare_core.runtime.types import MAX_TOP_LOGPROBS
 from flare_core.ops.transfer import to_device
 from flare_core.scheduler import StepPlan
 
@@ -67,18 +70,22 @@ class EagerExecutor:
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
         """Execute `plan` and sample its rows (`plan.samples` order) as `sampling` says; the
         sampled tokens are recorded as their slots' next decode inputs. Returns device tensors,
-        None for a step that samples nothing."""
-        logits = self.run(plan)
+        None for a step that samples and scores nothing."""
+        logits, scores = self.run_scored(plan)
         if not plan.samples:
-            return None
+            return SampleOutput(logits.new_zeros(0, dtype=torch.int64), prompt_scores=scores) if scores else None
         output = self.sampler.sample(logits, sampling.params, sampling.steps, sampling.penalties,
                                      logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs)
         self.record_sampled([h.slot for h in plan.samples], output.token_ids, penalised=sampling.penalised)
-        return output
+        return dataclasses.replace(output, prompt_scores=scores)
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Execute `plan`; return float32 logits [len(plan.samples), vocab] in `plan.samples` order."""
+        return self.run_scored(plan)[0]
+
+    @torch.inference_mode()
+    def run_scored(self, plan: StepPlan) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
+        """`run`, and the prompt scores of the chunks that carry prompt targets."""
         restored_logits = []
         for restore in plan.restores:
             if restore.tail_copy is not None:
@@ -89,9 +96,9 @@ class EagerExecutor:
                 restored_logits.append(self.logits_store[restore.logits_slot])
 
         if not plan.decodes and not plan.prefills:
-            return torch.stack(restored_logits) if restored_logits else self.logits_store[:0]
+            return (torch.stack(restored_logits) if restored_logits else self.logits_store[:0]), ()
         self._start_chunks(plan)
-        logits = self._forward(plan)
+        logits, scores = self._scores(plan, self._forward(plan))
         rows = self._finish_chunks(plan, logits)
         # Indexing with a host list would copy it synchronously (the host would wait for the step).
         if rows != list(range(logits.shape[0])):
@@ -99,7 +106,30 @@ class EagerExecutor:
         sampled = logits
         if restored_logits:
             sampled = torch.cat([torch.stack(restored_logits), sampled])
-        return sampled
+        return sampled, scores
+
+    @staticmethod
+    def scores_prompt(plan: StepPlan) -> bool:
+        return any(chunk.prompt_targets for chunk in plan.prefills)
+
+    def _every_row(self, plan: StepPlan) -> list[bool]:
+        """Per row of the step (decodes, then chunks): whether it needs logits at every token."""
+        return [False] * len(plan.decodes) + [bool(chunk.prompt_targets) for chunk in plan.prefills]
+
+    def _scores(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
+        """Split the forward's logits: each scoring chunk's rows become its PromptScores; what is
+        returned keeps one row per step row (its last token), as for any other step."""
+        if not self.scores_prompt(plan):
+            return logits, ()
+        scores, last_rows, row = [], list(range(len(plan.decodes))), len(plan.decodes)
+        for chunk in plan.prefills:
+            width = chunk.end - chunk.start if chunk.prompt_targets else 1
+            if chunk.prompt_targets:
+                scores.append(PromptScores.of(chunk.handle.request_id, chunk.start, logits[row:row + width],
+                                              chunk.prompt_targets, MAX_TOP_LOGPROBS))
+            row += width
+            last_rows.append(row - 1)
+        return logits.index_select(0, to_device(last_rows, torch.int64, self.device)), tuple(scores)
 
     def _start_chunks(self, plan: StepPlan) -> None:
         """A fresh request (a chunk at position 0) starts from zeroed continuation state."""
@@ -142,7 +172,7 @@ class EagerExecutor:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits of every row of the step (each decode, then each prefill chunk's last token)."""
-        batch = AttentionBatch.build(self._sequences(plan), self.page_tokens, self.device)
+        batch = AttentionBatch.build(self._sequences(plan), self.page_tokens, self.device, self._every_row(plan))
         return self.model(self._input_ids(plan), batch.positions(), ForwardContext(batch, self.storage))
 
     def _save(self, chunk, logits_row: torch.Tensor) -> None:
@@ -158,7 +188,8 @@ class EagerExecutor:
         """Host copies of a step's output, enqueued without a host wait; and the event that marks
         them complete (None: complete once the step's own work is, as here, on one stream)."""
         return SampleOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
-                              (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs))), None
+                              (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs)),
+                            prompt_scores=tuple(s.to("cpu", non_blocking=True) for s in output.prompt_scores)), None
 
     def record_sampled(self, slots: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
         """`tokens` [len(slots)] become the slots' next decode inputs, and count in their penalty

@@ -358,8 +358,9 @@ class GraphExecutor(EagerExecutor):
     # ---- steps -----------------------------------------------------------------------------
 
     def _graph_for(self, plan: StepPlan) -> _Graph | None:
-        """The smallest captured graph that covers a decode-only or prefill-only step, if any."""
-        if plan.prefills and plan.decodes:
+        """The smallest captured graph that covers a decode-only or prefill-only step, if any.
+        Steps that score prompts need logits at every token of some chunks: none does."""
+        if (plan.prefills and plan.decodes) or self.scores_prompt(plan):
             return None
         if plan.prefills:
             tokens = sum(c.end - c.start for c in plan.prefills)
@@ -407,7 +408,8 @@ class GraphExecutor(EagerExecutor):
             host, _ = super().to_host(output)
             copied = torch.cuda.Event()
             copied.record()
-        for t in (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs):
+        scored = [t for s in output.prompt_scores for t in (s.logprobs, s.top_ids, s.top_logprobs)]
+        for t in (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs, *scored):
             if t is not None:  # the allocator must not hand their memory out before the copy has read it
                 t.record_stream(self._copy_stream)
         self._copied = copied
@@ -498,7 +500,7 @@ class GraphExecutor(EagerExecutor):
 
     def _forward_prefill(self, plan: StepPlan) -> torch.Tensor:
         sequences = self._sequences(plan)
-        batch = AttentionBatch.build(sequences, self.page_tokens, self.device)
+        batch = AttentionBatch.build(sequences, self.page_tokens, self.device, self._every_row(plan))
         layout = PagedLayout.from_requests([c + n for n, c, _ in sequences], [n for n, _, _ in sequences],
                                            [pages for _, _, pages in sequences], self.page_tokens)
         self.prefill_attention.plan(layout, self.scale)

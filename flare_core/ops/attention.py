@@ -69,11 +69,12 @@ class AttentionBatch:
 
     @classmethod
     def build(cls, sequences: Sequence[tuple[int, int, Sequence[int]]], page_tokens: int,
-              device: torch.device | str) -> AttentionBatch:
+              device: torch.device | str, every_row: Sequence[bool] = ()) -> AttentionBatch:
         """Describe a step from `(num_new_tokens, num_cached_before, page_ids)` per request.
 
         `page_ids` lists the request's pages in order and must cover all its tokens after the
-        step. Logits are produced for each request's last new token.
+        step. Logits are produced for each request's last new token, and for every new token of
+        the requests `every_row` flags (prompt scoring).
         """
         if not sequences:
             raise ValueError("AttentionBatch.build: sequences is empty; a step needs at least one request")
@@ -96,7 +97,10 @@ class AttentionBatch:
                 slots.append(cache_slot(pages, position, page_tokens))
             query_start.append(query_start[-1] + num_new)
             kv_lens.append(total)
-            logits_rows.append(query_start[-1] - 1)
+            if b < len(every_row) and every_row[b]:
+                logits_rows.extend(range(query_start[-2], query_start[-1]))
+            else:
+                logits_rows.append(query_start[-1] - 1)
         device = torch.device(device)
         return cls(
             query_start=to_device(query_start, torch.int32, device),

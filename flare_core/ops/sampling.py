@@ -222,6 +222,31 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [B] float32: raw log_softmax of each sampled token
     top_ids: torch.Tensor | None = None  # [B, N] int64, most probable first
     top_logprobs: torch.Tensor | None = None  # [B, N] float32
+    prompt_scores: tuple[PromptScores, ...] = ()  # chunks of requests that score their prompt
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Logprobs of one prefill chunk's prompt targets (the prompt tokens at start+1, start+2, ...)
+    under the raw distributions the chunk's rows produce, with the most probable alternatives."""
+
+    request_id: str
+    start: int  # the first target is the prompt token at start + 1
+    logprobs: torch.Tensor  # [K] float32
+    top_ids: torch.Tensor  # [K, N] int64, most probable first
+    top_logprobs: torch.Tensor  # [K, N] float32
+
+    @classmethod
+    def of(cls, request_id: str, start: int, logits: torch.Tensor, targets: Sequence[int], top: int) -> PromptScores:
+        """Scores of `targets` [K] under `logits` [>= K, V] (row i predicts targets[i])."""
+        raw = logits[:len(targets)].float().log_softmax(dim=-1)
+        chosen = raw.gather(1, to_device(list(targets), torch.int64, raw.device)[:, None]).squeeze(1)
+        values, ids = raw.topk(min(top, raw.shape[-1]), dim=-1)
+        return cls(request_id, start, chosen, ids, values)
+
+    def to(self, device: str, non_blocking: bool = False) -> PromptScores:
+        return PromptScores(self.request_id, self.start, *(t.to(device, non_blocking=non_blocking)
+                                                           for t in (self.logprobs, self.top_ids, self.top_logprobs)))
 
 
 def _check_params(row: int, params: SamplingParams) -> None:

@@ -106,6 +106,7 @@ class _Live:
     finished: bool = False
     penalty_handle: RequestHandle | None = None  # the slot `penalties` is bound to
     output_ids: list[int] = field(default_factory=list)  # kept for penalised requests: re-bound after preemption
+    scored_to: int = 0  # prompt positions up to here have had their logprobs emitted (prompt scoring)
 
 
 def _deliver_all(batch: list[tuple[RequestStream, GenerationEvent]]) -> None:
@@ -237,8 +238,9 @@ class Engine:
         prompt_len = len(request.prompt_ids)
         if prompt_len < 1:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if prompt_len + request.max_tokens > self.info.context_length:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) exceeds the "
+        # A scoring request (max_tokens 0) still samples the token after its prompt, unused.
+        if prompt_len + max(request.max_tokens, 1) > self.info.context_length:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max(request.max_tokens, 1)}) exceeds the "
                              f"context length {self.info.context_length}")
         with self._accepted_lock:
             if self._accepted >= limit:
@@ -352,8 +354,9 @@ class Engine:
             live = _Live(request, stream, None,
                          IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
                          StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)
-            self._scheduler.submit(request_id, request.prompt_ids, request.max_tokens,
-                                   marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)))
+            self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
+                                   marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)),
+                                   score_prompt=request.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             live = _Live(request, stream, None, IncrementalDetokenizer(self.tokenizer), StopMatcher(()),
@@ -374,8 +377,8 @@ class Engine:
             frame.started = torch.cuda.Event(enable_timing=True)
             frame.started.record()
         sampling = None
+        lives = [self._live.get(h.request_id) for h in samples]
         if samples:
-            lives = [self._live.get(h.request_id) for h in samples]
             for handle, live in zip(samples, lives):
                 if live is not None and live.request.sampling.penalised and live.penalty_handle != handle:
                     # The slot's row of the executor's history book becomes this request's (again,
@@ -420,6 +423,10 @@ class Engine:
                                        prefill_tokens=sum(chunk.end - chunk.start for chunk in plan.prefills),
                                        sampled=[s.handle.request_id for s in confirmed],
                                        **self._page_counts())
+        for scores in output.prompt_scores if output is not None else ():
+            live = self._live.get(scores.request_id)
+            if live is not None and not live.finished:
+                self._on_prompt_scores(live, scores)
         index_of = {h: i for i, h in enumerate(samples)}
         now = time.monotonic()
         for sampled in confirmed:
@@ -451,7 +458,26 @@ class Engine:
                 if self.telemetry is not None:
                     self.telemetry.request_started(chunk.handle.request_id, live.cached_tokens)
 
+    def _on_prompt_scores(self, live: _Live, scores) -> None:
+        """Emit the logprobs of prompt tokens not emitted yet (a preempted request computes its
+        prompt again: those positions were sent already)."""
+        first = live.scored_to - scores.start  # index of the first target not yet emitted
+        prompt, n = live.request.prompt_ids, live.request.prompt_logprobs or 0
+        values, top_ids, top_values = scores.logprobs.tolist(), scores.top_ids[:, :n].tolist(), \
+            scores.top_logprobs[:, :n].tolist()
+        emitted = []
+        for i in range(max(first, 0), len(values)):
+            token = prompt[scores.start + 1 + i]
+            top = tuple((t, self.tokenizer.decode([t]), v) for t, v in zip(top_ids[i], top_values[i]))
+            emitted.append(TokenLogprob(token, self.tokenizer.decode([token]), values[i], top))
+        if emitted:
+            live.scored_to = scores.start + len(values)
+            self._emit(live, GenerationEvent(prompt_logprobs=tuple(emitted)))
+
     def _on_token(self, live: _Live, token: int, row: int, output, now: float) -> None:
+        if live.request.max_tokens == 0:  # scoring only: the token after the prompt is not output
+            self._finish(live, "length")
+            return
         live.generated += 1
         if live.penalties is not None:
             live.output_ids.append(token)

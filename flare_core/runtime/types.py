@@ -52,6 +52,9 @@ class SamplingParams:
             raise ValueError(f"{where}.seed must be a 64-bit integer, got {self.seed!r}")
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -62,6 +65,10 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Logprobs of the prompt's own tokens (each after the first), with this many alternatives;
+    # None: none. Such a request computes its whole prompt (no prefix reuse). With max_tokens 0
+    # it ends after its prompt: scoring, as legacy completions' `echo` does.
+    prompt_logprobs: int | None = None
     # Token endpoints of complete messages (from the template's {% mark %}s): prefix-cache checkpoints.
     checkpoints: tuple[int, ...] = ()
     skip_special_tokens: bool = True
@@ -78,8 +85,12 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
         if ids and not (0 <= min(ids) and max(ids) < vocab_size):
             raise ValueError(f"{name}: every id must be a token id in [0, {vocab_size}), got ids from "
                              f"{min(ids)} to {max(ids)}")
-    if not 0 <= request.top_logprobs <= 20:
-        raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+    if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.prompt_logprobs}")
+    if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
+        raise ValueError(f"max_tokens must be at least 1 (0 only when scoring the prompt), got {request.max_tokens}")
     request.sampling.check("sampling")
 
 
@@ -106,6 +117,9 @@ class GenerationEvent:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Prompt tokens' logprobs (requests with prompt_logprobs), in prompt order from the second
+    # token on; they arrive before any generated token.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     stop: str | int | None = None  # the stop string or stop token id that ended generation
     usage: Usage | None = None

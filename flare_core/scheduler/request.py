@@ -56,6 +56,7 @@ class Request:
     max_tokens: int
     marks: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
     order: int                      # submission order: lower is older and has priority
+    score_prompt: bool = False      # every prompt position computed, never restored from the cache
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -77,6 +77,9 @@ class PrefillChunk:
     page_table: tuple[int, ...]
     samples: bool
     save: CheckpointSlots | None
+    # Prompt tokens the chunk's rows predict, for requests that score their prompt: the logits at
+    # start + i give the logprob of prompt_targets[i] (the prompt token at start + i + 1).
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,9 +137,11 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
-               marks: Sequence[int] = ()) -> None:
+               marks: Sequence[int] = (), score_prompt: bool = False) -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
-        (checkpoint candidates). The caller has already checked the context limit."""
+        (checkpoint candidates). With `score_prompt` every prompt position is computed (no prefix
+        reuse) and its chunks carry their prompt targets. The caller has already checked the
+        context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt = tuple(prompt)
@@ -152,7 +157,7 @@ class Scheduler:
         if need > self.pages.num_pages:
             raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
                              f"max_tokens {max_tokens}) but the cache has {self.pages.num_pages}")
-        request = Request(request_id, prompt, max_tokens, marks, self._next_order)
+        request = Request(request_id, prompt, max_tokens, marks, self._next_order, score_prompt=score_prompt)
         self._next_order += 1
         self._requests[request_id] = request
         heapq.heappush(self._waiting, (request.order, request))
@@ -284,8 +289,9 @@ class Scheduler:
             if end <= start:
                 continue
             samples = end == request.target
+            targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
             prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
-                                         request.page_table, samples, self._reserve_save(request, end)))
+                                         request.page_table, samples, self._reserve_save(request, end), targets))
             request.num_computed = end
             request.num_planned_samples += samples
             included[request.request_id] = request
@@ -388,7 +394,7 @@ class Scheduler:
                 heapq.heappop(self._waiting)
                 continue
             tokens = request.known_tokens()
-            if request.hit is None and self.prefix is not None:
+            if request.hit is None and self.prefix is not None and not request.score_prompt:
                 request.hit = self.prefix.lookup(tokens, request.hashes)
             hit = request.hit or NO_HIT
             target = len(tokens)

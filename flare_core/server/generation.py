@@ -32,6 +32,7 @@ class Piece:
 
     delta: ParsedDelta
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # requests that score their prompt
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Collected:
 
     output: ParsedOutput = field(default_factory=ParsedOutput)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def execution_error(message: str | None) -> ApiError:
@@ -138,8 +140,8 @@ class Generation:
                 self.outcome = Outcome(event.finish_reason, usage, event.stop, event.error)
                 self._record.finish_reason = event.finish_reason
                 self._record.record_usage(usage)
-            if delta or event.logprobs:
-                yield Piece(delta, event.logprobs)
+            if delta or event.logprobs or event.prompt_logprobs:
+                yield Piece(delta, event.logprobs, event.prompt_logprobs)
             if self.outcome is not None:
                 return
         # The runtime always ends a stream with a final event; reaching here is a runtime fault.
@@ -155,6 +157,7 @@ class Generation:
         async for piece in self.pieces():
             collected.output.add(piece.delta)
             collected.logprobs.extend(piece.logprobs)
+            collected.prompt_logprobs.extend(piece.prompt_logprobs)
         assert self.outcome is not None
         error = unfinished_error(self.outcome)
         if error is not None:

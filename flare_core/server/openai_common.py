@@ -36,10 +36,11 @@ def check_single_choice(body: Mapping[str, Any]) -> None:
 
 def generation_request(engine: Engine, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
                        max_tokens_fields: tuple[str, ...], logprobs: bool = False,
-                       top_logprobs: int = 0) -> tuple[GenerationRequest, Sampling]:
+                       top_logprobs: int = 0, prompt_logprobs: int | None = None,
+                       min_max_tokens: int = 1) -> tuple[GenerationRequest, Sampling]:
     """The GenerationRequest an OpenAI-style body describes (vLLM's extra sampling fields included)."""
     sampling = read_sampling(engine.sampling_policy, body, OPENAI_SAMPLING_FIELDS)
-    requested, field = read_max_tokens(body, max_tokens_fields)
+    requested, field = read_max_tokens(body, max_tokens_fields, minimum=min_max_tokens)
     max_tokens = fit_max_tokens(len(prompt.ids), requested, field, engine.info.context_length)
     request = GenerationRequest(
         prompt_ids=prompt.ids,
@@ -50,6 +51,7 @@ def generation_request(engine: Engine, body: Mapping[str, Any], prompt: Prompt, 
         ignore_eos=get_bool(body, "ignore_eos"),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         checkpoints=prompt.checkpoints,
         skip_special_tokens=get_bool(body, "skip_special_tokens", default=True),
         request_id=request_id,
@@ -139,15 +141,19 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         for item in logprobs], "refusal": None}
 
 
-def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """Legacy completions logprobs; offsets count characters from `text_offset`."""
+def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int,
+                        first_token: str | None = None) -> dict[str, Any]:
+    """Legacy completions logprobs; offsets count characters from `text_offset`. `first_token`
+    (an echoed prompt's first token, which nothing predicts) leads with null logprobs."""
+    tokens = ([first_token] if first_token is not None else []) + [item.token for item in logprobs]
     offsets = []
-    for item in logprobs:
+    for token in tokens:
         offsets.append(text_offset)
-        text_offset += len(item.token)
-    return {"tokens": [item.token for item in logprobs],
-            "token_logprobs": [item.logprob for item in logprobs],
-            "top_logprobs": [{text: value for _, text, value in item.top} for item in logprobs],
+        text_offset += len(token)
+    lead = [None] if first_token is not None else []
+    return {"tokens": tokens,
+            "token_logprobs": lead + [item.logprob for item in logprobs],
+            "top_logprobs": lead + [{text: value for _, text, value in item.top} for item in logprobs],
             "text_offset": offsets}
 
 

@@ -1,4 +1,9 @@
-"""POST /v1/completions (OpenAI legacy Completions): a raw prompt, no chat template, no parsers."""
+"""POST /v1/completions (OpenAI legacy Completions): a raw prompt, no chat template, no parsers.
+
+`echo` with `logprobs` returns the prompt tokens' logprobs too (the first token, which nothing
+predicts, with nulls), and `max_tokens: 0` with `echo` scores the prompt without generating:
+what log-likelihood evaluation (lm-evaluation-harness) sends.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.runtime.types import GenerationRequest
+from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest
 from flare_core.server.generation import Generation
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
@@ -34,6 +39,7 @@ class CompletionCall:
     stream: bool
     include_usage: bool
     echo: str  # prompt text to put before the completion ("" without echo)
+    first_token: str | None  # with echoed logprobs: the prompt's first token, which has none
     request: GenerationRequest
     sampling: Sampling
 
@@ -62,14 +68,23 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
     stream = get_bool(body, "stream")
     include_usage = read_stream_options(body, stream)
     prompt = read_prompt(engine, body.get("prompt"))
-    top_logprobs = get_int(body, "logprobs", minimum=0, maximum=20)
+    top_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    echoed = get_bool(body, "echo")
+    if not echoed and body.get("max_tokens") == 0:
+        raise invalid("max_tokens", "must be at least 1; 0 is allowed only with echo (scoring the prompt)")
+    # Echo with logprobs scores the prompt tokens; max_tokens 0 is scoring alone.
+    scoring = echoed and (top_logprobs is not None or body.get("max_tokens") == 0)
     request, sampling = generation_request(engine, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_tokens",), logprobs=top_logprobs is not None,
-                                           top_logprobs=top_logprobs or 0)
-    echo = ""
-    if get_bool(body, "echo"):
+                                           top_logprobs=top_logprobs or 0,
+                                           prompt_logprobs=(top_logprobs or 0) if scoring else None,
+                                           min_max_tokens=0 if echoed else 1)
+    echo, first_token = "", None
+    if echoed:
         echo = prompt.text or engine.tokenizer.decode(prompt.ids)
-    return CompletionCall(model, stream, include_usage, echo, request, sampling)
+        if top_logprobs is not None:
+            first_token = engine.tokenizer.decode([prompt.ids[0]])
+    return CompletionCall(model, stream, include_usage, echo, first_token, request, sampling)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -85,8 +100,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, call, generation, completion_id, created)
         collected = await generation.collect()
     outcome = generation.outcome
-    choice = {"index": 0, "text": call.echo + collected.output.content,
-              "logprobs": completion_logprobs(collected.logprobs, len(call.echo)) if call.request.logprobs else None,
+    logprobs = None
+    if call.request.logprobs:
+        logprobs = completion_logprobs(collected.prompt_logprobs + collected.logprobs, 0, call.first_token) \
+            if call.first_token is not None else completion_logprobs(collected.logprobs, len(call.echo))
+    choice = {"index": 0, "text": call.echo + collected.output.content, "logprobs": logprobs,
               "finish_reason": finish_reason(outcome.finish_reason, False), "stop_reason": outcome.stop}
     return web.json_response({**object_head(completion_id, "text_completion", created, call.model),
                               "choices": [choice], "usage": usage_json(outcome.usage)},
@@ -101,10 +119,20 @@ async def _stream(request: web.Request, call: CompletionCall, generation: Genera
     await chunks.open()
     # Logprob text offsets count characters of the whole text, echoed prompt included.
     offset = 0
-    if call.echo:
-        await chunks.chunk(call.echo)
+    # With echoed logprobs the echo chunk waits for the prompt's scores, which come first.
+    scored: list = []
+    owed = len(call.request.prompt_ids) - 1 if call.first_token is not None else 0
+    if call.echo and not owed:
+        logprobs = completion_logprobs([], 0, call.first_token) if call.first_token is not None else None
+        await chunks.chunk(call.echo, logprobs=logprobs)
         offset = len(call.echo)
     async for piece in generation.pieces():
+        scored.extend(piece.prompt_logprobs)
+        if owed and len(scored) >= owed:
+            await chunks.chunk(call.echo, logprobs=completion_logprobs(scored, 0, call.first_token))
+            offset, owed = len(call.echo), 0
+        if not (piece.delta or piece.logprobs):
+            continue
         text = piece.delta.content
         logprobs = completion_logprobs(piece.logprobs, offset) if call.request.logprobs else None
         offset += len(text)

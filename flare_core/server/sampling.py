@@ -108,11 +108,12 @@ def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple
     return tuple(value)
 
 
-def read_max_tokens(body: Mapping[str, Any], names: tuple[str, ...], *, where: str = "") -> tuple[int | None, str]:
-    """The first of `names` present in `body` (a positive integer) and the field name it came from.
-    With none present: (None, names[0])."""
+def read_max_tokens(body: Mapping[str, Any], names: tuple[str, ...], *, where: str = "",
+                    minimum: int = 1) -> tuple[int | None, str]:
+    """The first of `names` present in `body` (an integer of at least `minimum`) and the field name
+    it came from. With none present: (None, names[0])."""
     for name in names:
-        value = get_int(body, name, where=where + name, minimum=1)
+        value = get_int(body, name, where=where + name, minimum=minimum)
         if value is not None:
             return value, where + name
     return None, where + names[0]

@@ -257,3 +257,56 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     assert graphs.last_sampled[[5, 7]].tolist() == tokens
     assert graphs.prefill_graphs[256].replays == 2
     assert not eager_calls, "every step here is covered by a graph and must sample inside it"
+
+
+def test_prompt_scores_on_cuda_match_the_eager_reference():
+    """A request that scores its prompt (echo logprobs) runs its chunks outside the graphs with
+    logits at every token; its scores match the eager reference's, and requests decoding beside
+    it are unaffected."""
+    from flare_core.contract import CacheScheme, PagedStore
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.scheduler import StepResult
+
+    device = torch.device("cuda")
+    config, (ref_model, gpu_model) = build_models(device)
+    scheme = CacheScheme("attention-kv", (PagedStore("k", (2, 128), "bfloat16", 4),
+                                          PagedStore("v", (2, 128), "bfloat16", 4)))
+    common = dict(num_pages=64, page_tokens=64, num_rows=8, num_snapshot_slots=0, num_logits_slots=16,
+                  vocab_size=config.vocab_size, device=device)
+    reference = EagerExecutor(ref_model, scheme, **common)
+    graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 128),
+                           context_length=2048)
+    schedulers = [make_scheduler(64), make_scheduler(64)]
+    generator = torch.Generator().manual_seed(3)
+    scored = torch.randint(10, 4000, (300,), generator=generator).tolist()
+    other = torch.randint(10, 4000, (40,), generator=generator).tolist()
+    for sched in schedulers:
+        sched.submit("other", other, max_tokens=30)
+        sched.submit("scored", scored, max_tokens=1, score_prompt=True)
+    targets, scored_rows, counts = [], 0, {}
+    while not schedulers[0].is_idle():
+        plans = [s.schedule() for s in schedulers]
+        if plans[0] is None:
+            break
+        want, want_scores = reference.run_scored(plans[0])
+        got, got_scores = graphs.run_scored(plans[1])
+        assert [s.start for s in want_scores] == [s.start for s in got_scores]
+        for a, b in zip(want_scores, got_scores):
+            spread = (a.top_logprobs[:, 0] - a.logprobs).abs().max().item() + 1.0
+            assert (a.logprobs - b.logprobs).abs().max().item() < 0.05 * spread
+            targets.extend(range(a.start + 1, a.start + 1 + a.logprobs.shape[0]))
+            scored_rows += a.logprobs.shape[0]
+        if want.numel():
+            assert (want.float() - got.float()).abs().max().item() <= 0.02 * (want.max() - want.min()).item()
+        tokens = want.argmax(-1) if want.numel() else torch.empty(0, dtype=torch.int64, device=device)
+        for executor, plan in ((reference, plans[0]), (graphs, plans[1])):
+            executor.record_sampled([h.slot for h in plan.samples], tokens)
+        for sched, plan in zip(schedulers, plans):
+            for sampled in sched.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
+                rid = sampled.handle.request_id
+                counts[sched, rid] = counts.get((sched, rid), 0) + 1
+                if counts[sched, rid] == (1 if rid == "scored" else 30):
+                    sched.finish(rid, "length")
+    assert targets == list(range(1, 300)) and scored_rows == 299
+    assert sum(g.replays for g in graphs.graphs.values()) > 0  # "other" decoded in graphs meanwhile
