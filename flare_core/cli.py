@@ -237,7 +237,7 @@ def _pick_device(requested: str):
         if not torch.cuda.is_available():
             return torch.device("cpu"), "auto: no CUDA device, the CPU reference path"
         if not has_flashinfer:
-            return torch.device("cpu"), "auto: FlashInfer is not installed (pip install 'flare-core[gpu]'), the CPU path"
+            return torch.device("cpu"), "auto: no FlashInfer (pip install 'flare-core[gpu]'), the CPU path"
         return torch.device("cuda"), "auto: a CUDA device and FlashInfer"
     if requested == "cuda" and not torch.cuda.is_available():
         raise FlareCommandError("--device cuda: no CUDA device is available (use --device cpu for the eager "

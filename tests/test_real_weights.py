@@ -68,8 +68,8 @@ def test_bench_fits_its_prompts_to_the_served_vocabulary(smollm2_server, session
     default: `flare bench` reads vocab_size from /v1/models and stays below it."""
     result = session_flare("bench", "--base-url", smollm2_server.url, "--num-prompts", "2",
                            "--random-input-len", "300", "--random-output-len", "2", "--seed", "5")
-    assert "Successful requests:                    2" in result.output and "Failed requests:                        0" \
-        in result.output, result.output
+    assert "Successful requests:                    2" in result.output, result.output
+    assert "Failed requests:                        0" in result.output
     card = smollm2_server.get("/v1/models").json()["data"][0]
     assert card["vocab_size"] == 49_152 and card["max_model_len"] == 2048
 
@@ -131,7 +131,8 @@ def test_echo_scores_the_prompt_as_transformers_does(smollm2_server, smollm2_ggu
         got = choice.logprobs.token_logprobs
         assert got[0] is None and len(got) == len(ids) > (300 if text is long else 5)
         assert max(abs(a - b) for a, b in zip(got[1:], want)) < 2e-3
-        assert "".join(choice.logprobs.tokens) == text and choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
+        assert "".join(choice.logprobs.tokens) == text
+        assert choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
         best = max(choice.logprobs.top_logprobs[1].values())
         assert best == pytest.approx(expected[0].max().item(), abs=2e-3)
 

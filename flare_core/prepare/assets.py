@@ -54,16 +54,6 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(checkpoint: Checkpoint, name: str) -> dict | None:
-    raw = checkpoint.read(name)
-    if raw is None:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise AssetError(f"{_where(checkpoint, name)}: unreadable JSON ({exc})") from exc
-
-
 def _where(checkpoint: Checkpoint, name: str) -> str:
     """Where a frontend file came from, for messages and the plan."""
     if name in checkpoint.files:
@@ -115,7 +105,7 @@ def collect_frontend_assets(checkpoint: Checkpoint, recipe: Recipe, registry: Re
     from flare_core.frontend import Tokenizer, apply_template_patch
 
     notes: list[str] = []
-    tokenizer_config = _read_json(checkpoint, "tokenizer_config.json")
+    tokenizer_config = checkpoint.read_json("tokenizer_config.json")
     if tokenizer_config is None:
         tokenizer_config = (json.loads(recipe.assets["tokenizer_config.json"]())
                             if "tokenizer_config.json" in recipe.assets else {})
@@ -135,7 +125,7 @@ def collect_frontend_assets(checkpoint: Checkpoint, recipe: Recipe, registry: Re
     # settings name (what a GGUF file's tokenizer.ggml.eos_token_id becomes) and those of
     # generation_config.json.
     eos_ids = [tokenizer.token_to_id(t) for t in [_token_text(tokenizer_config.get("eos_token"))] if t]
-    eos = (_read_json(checkpoint, "generation_config.json") or {}).get("eos_token_id")
+    eos = (checkpoint.read_json("generation_config.json") or {}).get("eos_token_id")
     eos_ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
     for token_id in eos_ids:
         if token_id is not None and int(token_id) not in stop_ids:

@@ -133,7 +133,8 @@ class Checkpoint:
     def token_strings(self) -> set[str] | None:
         """Every token its tokenizer files spell (vocabulary and added tokens), or None when it
         has neither tokenizer.json nor vocab.json (a recipe builds its tokenizer)."""
-        tokenizer, vocab, settings = (self._json(n) for n in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+        tokenizer, vocab, settings = (self.read_json(name)
+                                      for name in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
         if tokenizer is None and vocab is None:
             return None
         tokens: set[str] = set()
@@ -147,14 +148,16 @@ class Checkpoint:
             tokens.update(t.get("content") for t in (settings.get("added_tokens_decoder") or {}).values())
         return tokens
 
-    def _json(self, name: str) -> Any:
+    def read_json(self, name: str) -> Any:
+        """A frontend JSON file, parsed; None when the checkpoint has no such file."""
         raw = self.read(name)
         if raw is None:
             return None
         try:
             return json.loads(raw)
         except ValueError as exc:
-            raise CheckpointError(f"{self.path}: {name} is not valid JSON ({exc})") from exc
+            where = f"{self.path} ({name})" if name in self.files else self.directory / name
+            raise CheckpointError(f"{where}: unreadable JSON ({exc})") from exc
 
 
 GGUF_SUFFIX = ".gguf"
