@@ -226,11 +226,17 @@ def test_completion_logprobs_and_echo(oai):
     choice = completion.choices[0]
     assert choice.text.startswith("The quick brown fox")
     logprobs = choice.logprobs
-    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    # With echo the prompt's 4 tokens come first (the first without a logprob), then the 5 generated.
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 9
+    assert "".join(logprobs.tokens[:4]) == "The quick brown fox"
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(value < 0 and len(top) == 2
+               for top, value in zip(logprobs.top_logprobs[1:4], logprobs.token_logprobs[1:4]))
+    # Greedy: each generated token is its row's most probable one.
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(value, abs=1e-4)
-               for top, value in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+               for top, value in zip(logprobs.top_logprobs[4:], logprobs.token_logprobs[4:]))
     # Offsets count characters of the returned text, echo included.
-    assert logprobs.text_offset[0] == len("The quick brown fox")
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[4] == len("The quick brown fox")
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
 
