@@ -23,15 +23,14 @@ import torch
 
 from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
-from flare_core.frontend import IncrementalDetokenizer
-from flare_core.frontend.stops import StopMatcher
 from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
 from flare_core.plugins import Registry
 from flare_core.runtime.loaded import LoadedCore
 from flare_core.runtime.memory import KvPlan, snapshot_slots_for
 from flare_core.runtime.metrics import RuntimeMetrics
+from flare_core.runtime.output import OutputProcessor
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
-                                     TokenLogprob, Usage, check_request)
+                                     Usage, check_request)
 from flare_core.scheduler import GraphCapacities, RequestHandle, Scheduler, SchedulerConfig, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is needed here
@@ -81,7 +80,7 @@ class RequestStream:
     def cancel(self) -> None:
         if not self._cancelled and not self._done:
             self._cancelled = True
-            self._engine._post(("cancel", self.request_id))
+            self._engine._post(_Cancel(self.request_id))
 
     def _deliver(self, event: GenerationEvent) -> None:
         self._queue.put_nowait(event)
@@ -89,16 +88,13 @@ class RequestStream:
 
 @dataclass(eq=False)
 class _Live:
-    """Model-thread state of one request: output processing and accounting."""
+    """Model-thread state of one request: its output processing and accounting."""
 
     request: GenerationRequest
     stream: RequestStream
-    penalties: PenaltyState | None  # bound to the executor's row of the slot that samples next
-    detokenizer: IncrementalDetokenizer
-    stops: StopMatcher
-    stop_ids: frozenset[int]
+    output: OutputProcessor | None  # None for a request refused or cancelled before admission
     submitted: float
-    generated: int = 0
+    penalties: PenaltyState | None = None  # bound to the executor's row of the slot that samples next
     sampled: int = 0  # tokens sampled so far, including those of steps not yet read back
     cached_tokens: int | None = None
     first_token_at: float | None = None
@@ -106,7 +102,28 @@ class _Live:
     finished: bool = False
     penalty_handle: RequestHandle | None = None  # the slot `penalties` is bound to
     output_ids: list[int] = field(default_factory=list)  # kept for penalised requests: re-bound after preemption
-    scored_to: int = 0  # prompt positions up to here have had their logprobs emitted (prompt scoring)
+
+    @property
+    def generated(self) -> int:
+        return 0 if self.output is None else self.output.generated
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request_id: str
+    request: GenerationRequest
+    stream: RequestStream
+    submitted: float
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
 
 
 def _deliver_all(batch: list[tuple[RequestStream, GenerationEvent]]) -> None:
@@ -251,7 +268,7 @@ class Engine:
         request_id = request.request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
         self.metrics.request_admitted()
-        self._post(("submit", request_id, request, stream, time.monotonic()))
+        self._post(_Submit(request_id, request, stream, time.monotonic()))
         return stream
 
     def begin_drain(self) -> None:
@@ -271,10 +288,10 @@ class Engine:
     async def aclose(self) -> None:
         """Cancel what is left, stop the model thread and wait for it."""
         self._draining = True
-        self._post(("stop",))
+        self._post(_Stop())
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: _Submit | _Cancel | _Stop) -> None:
         self._inbox.put(message)
 
     def _emit(self, live: _Live, event: GenerationEvent) -> None:
@@ -331,36 +348,30 @@ class Engine:
             except queue.Empty:
                 return True
             block = False
-            kind = message[0]
-            if kind == "stop":
+            if isinstance(message, _Stop):
                 return False
-            if kind == "submit":
-                self._admit(*message[1:])
-            elif kind == "cancel":
-                live = self._live.get(message[1])
+            if isinstance(message, _Submit):
+                self._admit(message)
+            elif isinstance(message, _Cancel):
+                live = self._live.get(message.request_id)
                 if live is not None:
                     self._finish(live, "cancelled")
             # A cancel that leaves the scheduler idle is followed by no step that would refresh them.
             self._update_gauges()
 
-    def _admit(self, request_id: str, request: GenerationRequest, stream: RequestStream, submitted: float) -> None:
-        stop_ids = set(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids |= self._core_stop_ids
+    def _admit(self, message: _Submit) -> None:
+        request_id, request, stream, submitted = message.request_id, message.request, message.stream, message.submitted
         try:
             # The server validated the request; checked again here so that one that got past it
             # fails alone rather than inside a step it shares with others.
             check_request(request, self._vocab)
-            live = _Live(request, stream, None,
-                         IncrementalDetokenizer(self.tokenizer, skip_special_tokens=request.skip_special_tokens),
-                         StopMatcher(request.stop_strings), frozenset(stop_ids), submitted)
+            live = _Live(request, stream, OutputProcessor(request, self.tokenizer, self._core_stop_ids), submitted)
             self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
                                    marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)),
                                    score_prompt=request.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
-            live = _Live(request, stream, None, IncrementalDetokenizer(self.tokenizer), StopMatcher(()),
-                         frozenset(), submitted)
+            live = _Live(request, stream, None, submitted)
             self._live[request_id] = live
             self._finish(live, "error", error=f"invalid request: {type(exc).__name__}: {exc}")
             return
@@ -459,68 +470,31 @@ class Engine:
                     self.telemetry.request_started(chunk.handle.request_id, live.cached_tokens)
 
     def _on_prompt_scores(self, live: _Live, scores) -> None:
-        """Emit the logprobs of prompt tokens not emitted yet (a preempted request computes its
-        prompt again: those positions were sent already)."""
-        first = live.scored_to - scores.start  # index of the first target not yet emitted
-        prompt, n = live.request.prompt_ids, live.request.prompt_logprobs or 0
-        values, top_ids, top_values = scores.logprobs.tolist(), scores.top_ids[:, :n].tolist(), \
-            scores.top_logprobs[:, :n].tolist()
-        emitted = []
-        for i in range(max(first, 0), len(values)):
-            token = prompt[scores.start + 1 + i]
-            top = tuple((t, self.tokenizer.decode([t]), v) for t, v in zip(top_ids[i], top_values[i]))
-            emitted.append(TokenLogprob(token, self.tokenizer.decode([token]), values[i], top))
-        if emitted:
-            live.scored_to = scores.start + len(values)
-            self._emit(live, GenerationEvent(prompt_logprobs=tuple(emitted)))
+        event = live.output.prompt_scores(scores.start, scores.logprobs.tolist(), scores.top_ids.tolist(),
+                                          scores.top_logprobs.tolist())
+        if event is not None:
+            self._emit(live, event)
 
     def _on_token(self, live: _Live, token: int, row: int, output, now: float) -> None:
-        if live.request.max_tokens == 0:  # scoring only: the token after the prompt is not output
-            self._finish(live, "length")
-            return
-        live.generated += 1
-        if live.penalties is not None:
-            live.output_ids.append(token)
-        if live.first_token_at is None:
-            live.first_token_at = now
-            self.metrics.observe_ttft(now - live.submitted)
-        else:
-            self.metrics.observe_itl(now - live.last_token_at)
-        live.last_token_at = now
-        logprobs = ()
+        logprob, top = None, ()
         if live.request.logprobs and output is not None and output.logprobs is not None:
+            logprob = float(output.logprobs[row])
             n = live.request.top_logprobs
-            top = ()
             if n:
-                ids = output.top_ids[row, :n].tolist()
-                values = output.top_logprobs[row, :n].tolist()
-                top = tuple((i, self.tokenizer.decode([i]), v) for i, v in zip(ids, values))
-            logprobs = (TokenLogprob(token, self.tokenizer.decode([token]), float(output.logprobs[row]), top),)
-
-        if token in live.stop_ids:
-            # The detokenizer's held text must reach the stop matcher before the matcher releases
-            # its own held text: together they can complete a stop string.
-            self._emit(live, GenerationEvent(text=self._flush_text(live), token_ids=(token,), logprobs=logprobs))
-            self._finish(live, "stop", stop=token)
-            return
-        piece = live.detokenizer.push(token)
-        result = live.stops.feed(piece)
-        if result.stop is not None:
-            self._emit(live, GenerationEvent(text=result.text, token_ids=(token,), logprobs=logprobs))
-            self._finish(live, "stop", stop=result.stop)
-            return
-        if live.generated >= live.request.max_tokens:
-            tail = live.stops.feed(live.detokenizer.flush())
-            text = result.text + tail.text + (live.stops.flush() if tail.stop is None else "")
-            self._emit(live, GenerationEvent(text=text, token_ids=(token,), logprobs=logprobs))
-            self._finish(live, "length" if tail.stop is None else "stop", stop=tail.stop)
-            return
-        self._emit(live, GenerationEvent(text=result.text, token_ids=(token,), logprobs=logprobs))
-
-    def _flush_text(self, live: _Live) -> str:
-        """Text the detokenizer still held when a stop token ended the request."""
-        tail = live.stops.feed(live.detokenizer.flush())
-        return tail.text + (live.stops.flush() if tail.stop is None else "")
+                top = tuple(zip(output.top_ids[row, :n].tolist(), output.top_logprobs[row, :n].tolist()))
+        event, finish = live.output.token(token, logprob, top)
+        if event is not None:
+            if live.penalties is not None:
+                live.output_ids.append(token)
+            if live.first_token_at is None:
+                live.first_token_at = now
+                self.metrics.observe_ttft(now - live.submitted)
+            else:
+                self.metrics.observe_itl(now - live.last_token_at)
+            live.last_token_at = now
+            self._emit(live, event)
+        if finish is not None:
+            self._finish(live, finish.reason, stop=finish.stop)
 
     def _finish(self, live: _Live, reason: str, stop: str | int | None = None, error: str | None = None) -> None:
         if live.finished:
@@ -554,12 +528,9 @@ class Engine:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if message[0] == "submit":
-                _, request_id, request, stream, submitted = message
-                live = _Live(request, stream, None, IncrementalDetokenizer(self.tokenizer), StopMatcher(()),
-                             frozenset(), submitted)
-                stream_id = stream.request_id
-                self._live[stream_id] = live
+            if isinstance(message, _Submit):
+                live = _Live(message.request, message.stream, None, message.submitted)
+                self._live[message.stream.request_id] = live
                 self._finish(live, "cancelled" if self.failure is None else "error", error=self.failure)
 
     def _sync_prefix_metrics(self) -> None:
