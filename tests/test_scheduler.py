@@ -478,7 +478,7 @@ def test_multi_turn_chat_through_real_template_reuses_turn_one():
 
 # ---- API contract ---------------------------------------------------------------------------
 
-def test_submit_and_complete_validation():
+def test_submit_refuses_what_cannot_fit_or_is_malformed():
     scheduler = make_scheduler(num_pages=4, prefix=False)
     with pytest.raises(ValueError, match=r"needs 5 pages \(prompt 200 \+ max_tokens 100\) but the cache has 4"):
         scheduler.submit("big", prompt(200, 1), 100)
@@ -487,13 +487,22 @@ def test_submit_and_complete_validation():
     scheduler.submit("x", prompt(20, 1), 2)
     with pytest.raises(ValueError, match="already known"):
         scheduler.submit("x", prompt(20, 1), 2)
-    first, second = scheduler.schedule(), None
+
+
+def test_complete_takes_plans_in_order_with_their_samples():
+    scheduler = make_scheduler(num_pages=4, prefix=False)
+    scheduler.submit("x", prompt(20, 1), 2)
+    first = scheduler.schedule()
     scheduler.submit("y", prompt(20, 2), 2)
     second = scheduler.schedule()
     with pytest.raises(ValueError, match="expected seq 0, got seq 1"):
         scheduler.complete(second, StepResult([1], 0.01))
     with pytest.raises(ValueError, match="has 0 tokens; the plan samples 1"):
         scheduler.complete(first, StepResult([], 0.01))
+
+
+def test_unknown_requests_cannot_be_finished_or_cancelled():
+    scheduler = make_scheduler(num_pages=4, prefix=False)
     with pytest.raises(KeyError):
         scheduler.finish("nope", "stop")
     assert not scheduler.cancel("nope")

@@ -322,8 +322,9 @@ class Recipe:
     `build_model(config, dtype)` returns an `nn.Module` following the runtime model protocol
     (flare_core.ops.model), its parameters on the meta device and named as `map_weights`
     yields them (flare_core.ops.loading fills them).
-    `map_weights(config, tensors)` receives the checkpoint tensors (name -> tensor, lazily loaded
-    via the mapping) and yields (prepared name, tensor) in the prepared layout.
+    `map_weights(config, checkpoint, dtype)` receives the checkpoint tensors (a mapping of
+    Transformers name -> tensor, each read on access) and yields (prepared name, tensor in
+    `dtype`) in the prepared layout.
     `check_config(config)` raises ValueError naming what is unsupported in the config.
     `model_types`: the config.json `model_type` values the recipe serves; export picks a recipe for
     a checkpoint by architecture and, where recipes declare them, model_type. Empty: any.

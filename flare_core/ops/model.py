@@ -26,15 +26,30 @@ How the runtime builds a model from prepared tensors:
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flare_core.contract import ContractError
 from flare_core.ops.attention import ForwardContext
 from flare_core.ops.gemv import one_token
 from flare_core.ops.opaque import bound
+
+
+# Rope types whose frequencies are fixed when the rotary module is built (once, for every
+# request); dynamic ones rescale with each sequence's length, which a shared module cannot.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def check_rope_type(config: Any, supported: tuple[str, ...] = STATIC_ROPE_TYPES) -> None:
+    """ContractError naming `rope_parameters.rope_type` when the config's rope type is not one of
+    `supported` (a recipe narrows STATIC_ROPE_TYPES to the ones its attention implements)."""
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in supported:
+        raise ContractError(type(config).__name__, "rope_parameters.rope_type",
+                            f"{rope_type!r} is not supported (supported: {', '.join(supported)})")
 
 
 @runtime_checkable

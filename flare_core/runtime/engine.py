@@ -31,7 +31,8 @@ from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.output import OutputProcessor
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
                                      Usage, check_request)
-from flare_core.scheduler import GraphCapacities, RequestHandle, Scheduler, SchedulerConfig, StepPlan, StepResult
+from flare_core.scheduler import (GraphCapacities, RequestHandle, Scheduler, SchedulerConfig, StepKind, StepPlan,
+                                  StepResult)
 
 if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is needed here
     from flare_core.dashboard.telemetry import Telemetry
@@ -176,18 +177,19 @@ class Engine:
         executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_slots=snapshot_slots,
                              num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size,
                              device=loaded.device, seed=seed)
+        # The core's graph catalog, as the scheduler plans with it and the executor captures it.
+        catalog = GraphCapacities.from_specs(capacities.graph_catalog())
         if loaded.device.type == "cuda":
             from flare_core.executor.graphs import GraphExecutor
 
-            decode_sizes = sorted(spec.capacity for spec in capacities.graph_catalog() if spec.kind == "decode")
-            prefill_sizes = tuple(spec.capacity for spec in capacities.graph_catalog() if spec.kind == "prefill")
-            covering = next(c for c in decode_sizes if c >= max_concurrency)
+            # Decode graphs up to the smallest one that holds every live request of this server.
+            covering = catalog.covering(StepKind.DECODE, max_concurrency)
             # Compiled, captured and run over the largest prompt chunk with a one-page cache
             # first; the KV pool is then sized from the memory all that left free (`plan_kv`
             # reads the device's free memory) and the graphs are captured again over it.
             self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
-                                           decode_capacities=tuple(c for c in decode_sizes if c <= covering),
-                                           prefill_capacities=prefill_sizes,
+                                           decode_capacities=tuple(c for c in catalog.decode if c <= covering),
+                                           prefill_capacities=catalog.prefill,
                                            context_length=capacities.context_length, compile_model=compile_model,
                                            prefill_chunk_size=capacities.prefill_chunk_size)
             self.kv = plan_kv()
@@ -199,7 +201,6 @@ class Engine:
         self._pages = PageAllocator(self.kv.num_pages)
         self._prefix = PrefixCache(loaded.identity, self._pages, page_tokens, continuation_state=has_state,
                                    snapshot_slots=snapshot_slots, logits_slots=logits_slots) if prefix_cache else None
-        catalog = GraphCapacities.from_specs(capacities.graph_catalog())
         self._scheduler = Scheduler(
             SchedulerConfig(max_concurrency=max_concurrency, prefill_chunk_size=capacities.prefill_chunk_size,
                             capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)

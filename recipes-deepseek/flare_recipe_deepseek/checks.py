@@ -8,9 +8,10 @@ from typing import Any
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
 from flare_core.contract import ContractError
+from flare_core.ops.model import check_rope_type
 from flare_recipe_deepseek.fp8 import Fp8ConfigError, fp8_blocks
 
-# Rope types whose frequencies are fixed at build time; dynamic ones rescale with sequence length.
+# The static rope types (flare_core.ops.model.STATIC_ROPE_TYPES) DeepSeek's MLA rope implements.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 # Routing the original checkpoints declare and Transformers implements: sigmoid expert scores,
@@ -32,10 +33,7 @@ def check_deepseek_v3_config(config: Any) -> None:
         raise ContractError(obj, "num_key_value_heads", f"{config.num_key_value_heads} differs from "
                             f"num_attention_heads {config.num_attention_heads}; multi-head latent attention "
                             "derives one key and value per query head from the latent")
-    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ContractError(obj, "rope_parameters.rope_type",
-                            f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    check_rope_type(config, SUPPORTED_ROPE_TYPES)
     for field_name, expected in ROUTING.items():
         value = getattr(config, field_name, expected)
         if value != expected:

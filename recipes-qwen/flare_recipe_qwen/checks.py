@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from flare_core.contract import ContractError
+from flare_core.ops.model import check_rope_type
 
-# Rope types whose frequencies are fixed at build time; dynamic ones rescale with sequence length.
+# The static rope types (flare_core.ops.model.STATIC_ROPE_TYPES) Qwen checkpoints use.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -39,7 +40,4 @@ def _check_common(config: Any, model_type: str) -> None:
     if config.num_attention_heads % config.num_key_value_heads != 0:
         raise ContractError(obj, "num_key_value_heads", f"{config.num_key_value_heads} does not divide "
                             f"num_attention_heads {config.num_attention_heads}")
-    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ContractError(obj, "rope_parameters.rope_type",
-                            f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    check_rope_type(config, SUPPORTED_ROPE_TYPES)

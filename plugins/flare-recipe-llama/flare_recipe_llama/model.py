@@ -22,10 +22,8 @@ from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRota
 from flare_core.contract import ContractError
 from flare_core.ops.attention import ForwardContext, PagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
-from flare_core.ops.model import DecoderForServing
+from flare_core.ops.model import DecoderForServing, check_rope_type
 
-# Rope types whose frequencies are fixed when the module is built.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def check_config(config: Any) -> None:
@@ -36,10 +34,7 @@ def check_config(config: Any) -> None:
     if config.num_attention_heads % config.num_key_value_heads != 0:
         raise ContractError("LlamaConfig", "num_key_value_heads", f"{config.num_key_value_heads} does not divide "
                             f"num_attention_heads {config.num_attention_heads}")
-    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ContractError("LlamaConfig", "rope_parameters.rope_type",
-                            f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    check_rope_type(config)
 
 
 class LlamaPagedAttention(nn.Module):
