@@ -117,7 +117,7 @@ def flare_decode(config, model, device, concurrency: list[int], context: int, st
                            "prefill_s": prefill_s}
         print(f"concurrency {c:3d}: {c * steps / seconds:9.1f} tok/s, {1000 * seconds / steps:7.2f} ms/step "
               f"(prefill of {c} x {context} tokens: {prefill_s:.2f} s)", flush=True)
-    replays = {capacity: g.replays for capacity, g in executor.graphs.items()}
+    replays = {capacity: g.replays for capacity, g in executor.decode_graphs.items()}
     if not all(replays.values()):
         raise RuntimeError(f"decode steps did not all replay graphs: {replays}")
     return results

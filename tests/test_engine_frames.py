@@ -86,6 +86,7 @@ def test_two_frames_match_one(session_flare, qwen3_core, reference):
     results = asyncio.run(run_requests(engine, REQUESTS))
     assert results == reference
     assert engine._depth == 2
+    assert engine.executor_summary() == "eager reference (plain-torch paged attention), 2 steps in flight"
     stats = engine.stats()
     assert stats["live"] == 0 and stats["waiting"] == 0
 

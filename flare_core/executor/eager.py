@@ -45,6 +45,10 @@ class EagerExecutor:
         self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)
         self.sampler = Sampler(seed=seed, device=device)
 
+    def summary(self) -> str:
+        """How this executor runs steps, for the startup log."""
+        return "eager reference (plain-torch paged attention)"
+
     def _allocate_storage(self, num_pages: int) -> dict[str, list[torch.Tensor]]:
         return allocate_cache_storage(self.scheme, num_pages, self.page_tokens, self.device,
                                       num_rows=self.num_rows if self.scheme.state else 0)

@@ -181,7 +181,7 @@ class GraphExecutor(EagerExecutor):
             # reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that
             # run eagerly (those restoring prefix checkpoints, or prompt chunks without graphs).
             self._warm_prefill(prefill_chunk_size)
-        self.graphs: dict[int, _Graph] = {}  # decode graphs by batch capacity
+        self.decode_graphs: dict[int, _Graph] = {}  # by batch capacity (rows)
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.capture_s = 0.0
         self._decode_capacities = decode_capacities
@@ -194,13 +194,21 @@ class GraphExecutor(EagerExecutor):
         # What compilation, warm-up and the graphs' memory pool took beyond the cache storage.
         self.graph_bytes = torch.cuda.memory_reserved(device) - reserved
 
+    def summary(self) -> str:
+        """How this executor runs steps and what it compiled and captured, for the startup log."""
+        compiled = f"torch.compile {self.compile_s:.1f} s, " if self.compile_s else "not compiled, "
+        prefill = (f"prompt chunks of {sorted(self.prefill_graphs)} tokens" if self.prefill_graphs
+                   else "no prompt-chunk graphs (eager FlashInfer prefill)")
+        return (f"CUDA graphs for decode batches {sorted(self.decode_graphs)} and {prefill}, sampling inside "
+                f"({compiled}captured in {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB)")
+
     def resize_cache(self, num_pages: int) -> None:
         """Replace the cache storage by one of `num_pages` pages (plus the scratch page) and
         capture the graphs again over it: they read the storage's addresses. Compiled code is
         kept (the page count is a symbolic size). Meant for start-up: the executor is first
         built over a small cache, so that the pool can be sized from the memory that
         compilation, the graphs and the largest prompt chunk leave free."""
-        self.graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
+        self.decode_graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
         self.prefill_graphs.clear()
         self.storage = None
         torch.cuda.synchronize(self.device)
@@ -247,10 +255,10 @@ class GraphExecutor(EagerExecutor):
         for capacity in sorted(self._decode_capacities, reverse=True):
             graph = self._capture_decode(capacity, pool)
             pool = graph.forward.pool()
-            self.graphs[capacity] = graph
+            self.decode_graphs[capacity] = graph
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - started  # over every capture, `resize_cache`'s included
-        log.info("captured CUDA graphs", decode_capacities=sorted(self.graphs),
+        log.info("captured CUDA graphs", decode_capacities=sorted(self.decode_graphs),
                  prefill_capacities=sorted(self.prefill_graphs), seconds=round(self.capture_s, 2))
 
     def _capture_decode(self, capacity: int, pool) -> _Graph:
@@ -366,7 +374,7 @@ class GraphExecutor(EagerExecutor):
             tokens = sum(c.end - c.start for c in plan.prefills)
             return next((self.prefill_graphs[c] for c in sorted(self.prefill_graphs) if c >= tokens), None)
         rows = len(plan.decodes)
-        return next((self.graphs[c] for c in sorted(self.graphs) if c >= rows), None)
+        return next((self.decode_graphs[c] for c in sorted(self.decode_graphs) if c >= rows), None)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         graph = self._graph_for(plan)

@@ -229,15 +229,7 @@ class Engine:
 
     def executor_summary(self) -> str:
         """One line for the startup log: how steps run, and what was compiled and captured."""
-        executor = self._executor
-        if not hasattr(executor, "graphs"):
-            return "eager reference (plain-torch paged attention)"
-        compiled = f"torch.compile {executor.compile_s:.1f} s, " if executor.compile_s else "not compiled, "
-        prefill = (f"prompt chunks of {sorted(executor.prefill_graphs)} tokens" if executor.prefill_graphs
-                   else "no prompt-chunk graphs (eager FlashInfer prefill)")
-        return (f"CUDA graphs for decode batches {sorted(executor.graphs)} and {prefill}, sampling inside "
-                f"({compiled}captured in {executor.capture_s:.1f} s, {executor.graph_bytes / 2**20:.0f} MiB), "
-                f"{self._depth} steps in flight")
+        return f"{self._executor.summary()}, {self._depth} step{'s' if self._depth > 1 else ''} in flight"
 
     # ---- event-loop side -----------------------------------------------------------------
 

@@ -38,7 +38,10 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     one = make_engine(session_flare, bf16_core, 1, "cuda", compile_model)
     reference = asyncio.run(run_requests(one, REQUESTS))
     two = make_engine(session_flare, bf16_core, 2, "cuda", compile_model)
-    assert two._depth == 2 and two._executor.graphs
+    assert two._depth == 2 and two._executor.decode_graphs
+    summary = two.executor_summary()
+    assert summary.startswith("CUDA graphs for decode batches [1, 2, 4] and prompt chunks of [64, 128] tokens")
+    assert summary.endswith("2 steps in flight")
     assert asyncio.run(run_requests(two, REQUESTS)) == reference
 
     third = reference[4][0][2]
@@ -51,7 +54,7 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     assert results[1:4] == reference[1:4]
     engine._prefix.evict_pages(engine._pages.num_pages)
     assert engine._pages.free_count == engine._pages.num_pages
-    replays = sum(g.replays for g in engine._executor.graphs.values())
+    replays = sum(g.replays for g in engine._executor.decode_graphs.values())
     assert replays > 0
     assert sum(g.replays for g in engine._executor.prefill_graphs.values()) > 0
 

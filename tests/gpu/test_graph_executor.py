@@ -152,9 +152,9 @@ def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacitie
 
     result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
     compared, worst = result.compared, result.worst
-    replays = sum(g.replays for g in graphs.graphs.values())
+    replays = sum(g.replays for g in graphs.decode_graphs.values())
     if decode_capacities:
-        assert replays > 0 and len({c for c, g in graphs.graphs.items() if g.replays}) >= 2, \
+        assert replays > 0 and len({c for c, g in graphs.decode_graphs.items() if g.replays}) >= 2, \
             "decode graphs of several batch sizes must have been replayed"
         assert len({c for c, g in graphs.prefill_graphs.items() if g.replays}) == 2, \
             "prefill graphs of both token capacities must have been replayed"
@@ -207,7 +207,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
 
     # Step outputs are views of the graph's buffers until its next replay: read them at once.
     out = graphs.step(decode(1, [7, 8, 9, 10, 11]), StepSampling(params, steps, [None] * 5, logprobs=True))
-    logits = graphs.graphs[8].logits[:5].clone()
+    logits = graphs.decode_graphs[8].logits[:5].clone()
     first = out.token_ids.tolist()
     expected = Sampler(device=device).sample(logits, params, steps, logprobs=True)
     assert first[:4] == expected.token_ids[:4].tolist()
@@ -232,7 +232,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     history = PenaltyState(config.vocab_size, prompts[0], device)
     history.extend([unpenalised] * 50)
     out = graphs.step(decode(2, first), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
-    logits = graphs.graphs[8].logits[:5].clone()
+    logits = graphs.decode_graphs[8].logits[:5].clone()
     token = out.token_ids[0].item()
     want = Sampler(device=device).sample(logits, penalised, [1] * 5, [history] + [None] * 4).token_ids
     assert token == want[0].item() and token != unpenalised
@@ -240,7 +240,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
 
     top_p_only = [SamplingParams(temperature=0.9, top_p=0.9, seed=4)] + greedy[1:]
     out = graphs.step(decode(2, first), StepSampling(top_p_only, [1] * 5, [None] * 5))
-    logits = graphs.graphs[8].logits[:5].clone()
+    logits = graphs.decode_graphs[8].logits[:5].clone()
     assert out.token_ids.tolist() == Sampler(device=device).sample(logits, top_p_only, [1] * 5).token_ids.tolist()
 
     # A prefill step of three new requests; the middle chunk does not end its prompt.
@@ -309,4 +309,4 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
                 if counts[sched, rid] == (1 if rid == "scored" else 30):
                     sched.finish(rid, "length")
     assert targets == list(range(1, 300)) and scored_rows == 299
-    assert sum(g.replays for g in graphs.graphs.values()) > 0  # "other" decoded in graphs meanwhile
+    assert sum(g.replays for g in graphs.decode_graphs.values()) > 0  # "other" decoded in graphs meanwhile

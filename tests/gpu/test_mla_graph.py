@@ -251,9 +251,9 @@ def test_mla_graph_path_matches_eager_reference(decode_capacities):
     schedulers = [make_scheduler(num_pages), make_scheduler(num_pages)]
 
     result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
-    replays = sum(g.replays for g in graphs.graphs.values())
+    replays = sum(g.replays for g in graphs.decode_graphs.values())
     if decode_capacities:
-        assert replays > 0 and len({c for c, g in graphs.graphs.items() if g.replays}) >= 2, \
+        assert replays > 0 and len({c for c, g in graphs.decode_graphs.items() if g.replays}) >= 2, \
             "decode graphs of several batch sizes must have been replayed"
     assert result.compared > 100
     print(f"compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}, replays {replays}")
