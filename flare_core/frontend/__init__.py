@@ -1,4 +1,5 @@
-"""Frontend: tokenizer, chat templates with `{% mark %}`, template patches, streaming detokenization."""
+"""Frontend: tokenizer, chat templates with `{% mark %}`, template patches, streaming detokenization,
+and `Frontend`, the text side of a served core."""
 
 from flare_core.frontend.detokenizer import IncrementalDetokenizer
 from flare_core.frontend.marks import mark_token_endpoints
@@ -9,11 +10,13 @@ from flare_core.frontend.patches import (
     sha256_hex,
     strip_marks,
 )
+from flare_core.frontend.served import Frontend
 from flare_core.frontend.template import ChatTemplate, RenderedPrompt, TemplateError
 from flare_core.frontend.tokenizer import Tokenizer, build_tokenizer_json
 
 __all__ = [
     "ChatTemplate",
+    "Frontend",
     "IncrementalDetokenizer",
     "RenderedPrompt",
     "TemplateError",

@@ -23,6 +23,7 @@ import torch
 
 from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
+from flare_core.frontend import Frontend
 from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
 from flare_core.plugins import Registry
 from flare_core.runtime.loaded import LoadedCore
@@ -165,10 +166,9 @@ class Engine:
             parameters=loaded.parameters, core_path=str(loaded.core.path))
         self.tokenizer = loaded.tokenizer
         self.tokenizer.literal_backend()  # built now, not on the frontend pool at the first request needing it
-        self.chat_template = loaded.chat_template
-        self.frontend = loaded.frontend
-        self.sampling_policy = loaded.sampling_policy
-        self.registry = registry  # the server looks up the core's output parsers here
+        # All the HTTP layer reads of the core besides `info`: its text side.
+        self.frontend = Frontend.of_core(loaded.tokenizer, loaded.chat_template, loaded.sampling_policy,
+                                         capacities.context_length, loaded.frontend, registry.parsers)
         self.metrics = RuntimeMetrics()
         page_tokens = capacities.page_tokens
         logits_slots = LOGITS_SLOTS_PER_SLOT * max_concurrency if prefix_cache else 0

@@ -40,7 +40,7 @@ from flare_core.server.prompts import (
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
-from flare_core.server.state import STATE, Engine, ServerState
+from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import (
     as_object,
     get_bool,
@@ -190,7 +190,7 @@ def _thinking(body: dict[str, Any]) -> bool | None:
 
 def build_prompt(state: ServerState, body: dict[str, Any]) -> tuple[str, Prompt, bool]:
     """(served model, prompt, whether to parse tool calls) for a messages or count_tokens body."""
-    engine = state.engine
+    frontend = state.frontend
     for name, reason in _UNSUPPORTED.items():
         if body.get(name):
             raise invalid(name, reason)
@@ -200,9 +200,9 @@ def build_prompt(state: ServerState, body: dict[str, Any]) -> tuple[str, Prompt,
     model = resolve_model(state, get_str(body, "model"), required=True)
     messages = anthropic_messages(body.get("system"), get_list(body, "messages", required=True))
     tools = anthropic_tools(get_list(body, "tools"))
-    options = template_options(engine, thinking=_thinking(body))
+    options = template_options(frontend, thinking=_thinking(body))
     prefill = messages[-1]["role"] == "assistant" if messages else False
-    prompt = chat_prompt(engine, messages, tools=tools, options=options, continue_final_message=prefill)
+    prompt = chat_prompt(frontend, messages, tools=tools, options=options, continue_final_message=prefill)
     return model, prompt, _parse_tools_enabled(body, tools)
 
 
@@ -218,12 +218,12 @@ class MessagesCall:
 
 
 def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
-    engine: Engine = state.engine
+    frontend = state.frontend
     reject_unknown(body, _MESSAGES_FIELDS)
     model, prompt, parse_tools = build_prompt(state, body)
     requested = get_int(body, "max_tokens", required=True, minimum=1)
-    max_tokens = fit_max_tokens(len(prompt.ids), requested, "max_tokens", engine.info.context_length)
-    sampling = read_sampling(engine.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
+    max_tokens = fit_max_tokens(len(prompt.ids), requested, "max_tokens", frontend.context_length)
+    sampling = read_sampling(frontend.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
     get_list(body, "stop_sequences")  # an array here, never a bare string
     stop_sequences = read_stop(body, "stop_sequences")
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
@@ -342,7 +342,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     record = request[RECORD]
     call = await state.prepare(lambda: parse_messages_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)
     message_id = f"msg_{record.request_id}"
     async with generation:

@@ -15,12 +15,13 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from flare_core.frontend import Frontend
 from flare_core.frontend.parsers import OutputParser, ParsedDelta, ParsedOutput, prompt_opens_reasoning
 from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
 from flare_core.server.errors import ApiError
 from flare_core.server.request_log import RequestRecord
 from flare_core.server.sse import EventStream
-from flare_core.server.state import Engine, RequestStream, ServerState
+from flare_core.server.state import RequestStream, ServerState
 
 
 _log = structlog.get_logger("flare.server")
@@ -73,18 +74,15 @@ def unfinished_error(outcome: Outcome) -> ApiError | None:
     return None
 
 
-def output_parser(engine: Engine, prompt_text: str | None, tools: bool) -> OutputParser:
+def output_parser(frontend: Frontend, prompt_text: str | None, tools: bool) -> OutputParser:
     """The recipe's parsers for one chat-style request: reasoning always (when the recipe names
     one), tool calls only when the request offered tools. `prompt_text` tells the reasoning
     parser whether the template already opened a reasoning block."""
-    parsers = engine.registry.parsers
-    reasoning_id = engine.frontend.get("reasoning_parser")
-    tool_id = engine.frontend.get("tool_parser")
     reasoning = None
-    if reasoning_id is not None:
+    if frontend.reasoning_parser is not None:
         opened = prompt_text is not None and prompt_opens_reasoning(prompt_text)
-        reasoning = parsers[reasoning_id].factory(starts_in_reasoning=opened)
-    tool = parsers[tool_id].factory() if tools and tool_id is not None else None
+        reasoning = frontend.reasoning_parser.factory(starts_in_reasoning=opened)
+    tool = frontend.tool_parser.factory() if tools and frontend.tool_parser is not None else None
     return OutputParser(reasoning=reasoning, tool=tool)
 
 

@@ -38,7 +38,7 @@ def model_card(state: ServerState, name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": info.created, "owned_by": "flare",
             "type": "model", "display_name": name, "created_at": created_at,
             "root": name, "parent": None, "max_model_len": info.context_length,
-            "vocab_size": state.engine.tokenizer.vocab_size}
+            "vocab_size": state.frontend.tokenizer.vocab_size}
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -105,16 +105,16 @@ async def show(request: web.Request) -> web.Response:
     body = json_body(request)
     name = get_str(body, "model") or get_str(body, "name")
     _served(state, name)
-    engine = state.engine
-    info = engine.info
+    frontend = state.frontend
+    info = state.engine.info
     capabilities = ["completion"]
-    if engine.frontend.get("tool_parser"):
+    if frontend.tool_parser is not None:
         capabilities.append("tools")
-    if engine.frontend.get("reasoning_parser"):
+    if frontend.reasoning_parser is not None:
         capabilities.append("thinking")
     return web.json_response({
         "modelfile": "", "parameters": "", "license": "",
-        "template": engine.chat_template.source if engine.chat_template is not None else "",
+        "template": frontend.chat_template.source if frontend.chat_template is not None else "",
         "details": _details(state),
         "model_info": {"general.architecture": info.architecture, "general.parameter_count": info.parameters,
                        f"{info.architecture}.context_length": info.context_length},
@@ -181,11 +181,11 @@ class OllamaCall:
 
 def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, parse_tools: bool,
           request_id: str) -> OllamaCall:
-    engine = state.engine
+    frontend = state.frontend
     if body.get("format"):
         raise invalid("format", "structured output formats are not supported")
     options = get_object(body, "options") or {}
-    sampling = read_sampling(engine.sampling_policy, options, _OPTION_FIELDS, where="options.")
+    sampling = read_sampling(frontend.sampling_policy, options, _OPTION_FIELDS, where="options.")
     for name in _IGNORED_INTEGER_OPTIONS:
         get_int(options, name, where=f"options.{name}")
     for name in _IGNORED_NUMBER_OPTIONS:
@@ -201,8 +201,8 @@ def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, 
     requested = None if num_predict is None or num_predict < 0 else num_predict
     if requested == 0:
         raise invalid("options.num_predict", "must be positive, or -1 for no limit")
-    requested = _within_num_ctx(options, len(prompt.ids), requested, engine.info.context_length)
-    max_tokens = fit_max_tokens(len(prompt.ids), requested, "options.num_predict", engine.info.context_length)
+    requested = _within_num_ctx(options, len(prompt.ids), requested, frontend.context_length)
+    max_tokens = fit_max_tokens(len(prompt.ids), requested, "options.num_predict", frontend.context_length)
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 checkpoints=prompt.checkpoints, request_id=request_id)
@@ -239,7 +239,7 @@ async def _respond(request: web.Request, state: ServerState, call: OllamaCall,
     record = request[RECORD]
     model, stream, sampling = call.model, call.stream, call.sampling
     record.model, record.stream = model, stream
-    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)
     started = time.monotonic()
 
@@ -305,7 +305,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     model = _served(state, get_str(body, "model"))
     messages = _ollama_messages(get_list(body, "messages", required=True))
     tools = openai_tools(get_list(body, "tools"))
-    prompt = chat_prompt(state.engine, messages, tools=tools, options=template_options(state.engine,
+    prompt = chat_prompt(state.frontend, messages, tools=tools, options=template_options(state.frontend,
                                                                                         thinking=_think(body)))
     return _call(state, body, model, prompt, tools is not None, request_id)
 
@@ -358,16 +358,16 @@ def parse_generate_request(state: ServerState, body: dict[str, Any], request_id:
         raise invalid("images", "images are not supported: this server takes text only")
     if body.get("suffix"):
         raise invalid("suffix", "is not supported by this server")
-    if get_bool(body, "raw") or state.engine.chat_template is None:
-        prompt = text_prompt(state.engine, text)
+    if get_bool(body, "raw") or state.frontend.chat_template is None:
+        prompt = text_prompt(state.frontend, text)
     else:
         messages = []
         system = get_str(body, "system")
         if system:
             messages.append({"role": "system", "content": system})
         messages.append({"role": "user", "content": text})
-        prompt = chat_prompt(state.engine, messages, tools=None,
-                             options=template_options(state.engine, thinking=_think(body)))
+        prompt = chat_prompt(state.frontend, messages, tools=None,
+                             options=template_options(state.frontend, thinking=_think(body)))
     return _call(state, body, model, prompt, False, request_id)
 
 

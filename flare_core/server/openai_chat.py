@@ -51,7 +51,7 @@ class ChatCall:
 
 def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> ChatCall:
     """Validate a chat completions body and build its prompt and generation request."""
-    engine = state.engine
+    frontend = state.frontend
     model = resolve_model(state, get_str(body, "model"))
     check_single_choice(body)
     response_format = get_object(body, "response_format")
@@ -61,15 +61,15 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     include_usage = read_stream_options(body, stream)
     messages = openai_messages(get_list(body, "messages", required=True))
     tools = openai_tools(get_list(body, "tools"))
-    options = template_options(engine, read_template_overrides(body),
+    options = template_options(frontend, read_template_overrides(body),
                                thinking=thinking_switch(body.get("reasoning_effort"), "reasoning_effort"))
-    prompt = chat_prompt(engine, messages, tools=tools, options=options,
+    prompt = chat_prompt(frontend, messages, tools=tools, options=options,
                          continue_final_message=get_bool(body, "continue_final_message"))
     logprobs = get_bool(body, "logprobs")
     top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=20, default=0)
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs", "requires logprobs to be true")
-    request, sampling = generation_request(engine, body, prompt, request_id=request_id,
+    request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs)
     return ChatCall(model, stream, include_usage, tool_parsing_enabled(body, tools is not None), prompt, request,
@@ -101,7 +101,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     record = request[RECORD]
     call = await state.prepare(lambda: parse_chat_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)
     completion_id = f"chatcmpl-{record.request_id}"
     created = int(time.time())

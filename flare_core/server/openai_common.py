@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from flare_core.frontend import Frontend
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import INTERRUPTED, Outcome, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
@@ -19,7 +20,6 @@ from flare_core.server.sampling import (
     read_token_ids,
 )
 from flare_core.server.sse import EventStream
-from flare_core.server.state import Engine
 from flare_core.server.validation import get_bool, get_int, get_object, invalid
 
 
@@ -34,20 +34,20 @@ def check_single_choice(body: Mapping[str, Any]) -> None:
         raise invalid("logit_bias", "is not supported by this server")
 
 
-def generation_request(engine: Engine, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
+def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
                        max_tokens_fields: tuple[str, ...], logprobs: bool = False,
                        top_logprobs: int = 0, prompt_logprobs: int | None = None,
                        min_max_tokens: int = 1) -> tuple[GenerationRequest, Sampling]:
     """The GenerationRequest an OpenAI-style body describes (vLLM's extra sampling fields included)."""
-    sampling = read_sampling(engine.sampling_policy, body, OPENAI_SAMPLING_FIELDS)
+    sampling = read_sampling(frontend.sampling_policy, body, OPENAI_SAMPLING_FIELDS)
     requested, field = read_max_tokens(body, max_tokens_fields, minimum=min_max_tokens)
-    max_tokens = fit_max_tokens(len(prompt.ids), requested, field, engine.info.context_length)
+    max_tokens = fit_max_tokens(len(prompt.ids), requested, field, frontend.context_length)
     request = GenerationRequest(
         prompt_ids=prompt.ids,
         max_tokens=max_tokens,
         sampling=sampling.params,
         stop_strings=read_stop(body, "stop"),
-        stop_token_ids=read_token_ids(body, "stop_token_ids", engine.tokenizer.vocab_size),
+        stop_token_ids=read_token_ids(body, "stop_token_ids", frontend.tokenizer.vocab_size),
         ignore_eos=get_bool(body, "ignore_eos"),
         logprobs=logprobs,
         top_logprobs=top_logprobs,

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from flare_core.frontend import Frontend
 from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest
 from flare_core.server.generation import Generation
 from flare_core.server.models import resolve_model
@@ -29,7 +30,7 @@ from flare_core.server.openai_common import (
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling
-from flare_core.server.state import STATE, Engine, ServerState
+from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import get_bool, get_int, get_str, invalid, json_body, json_type
 
 
@@ -44,14 +45,14 @@ class CompletionCall:
     sampling: Sampling
 
 
-def read_prompt(engine: Engine, value: Any) -> Prompt:
+def read_prompt(frontend: Frontend, value: Any) -> Prompt:
     """A prompt given as a string or as token ids; a batch of one is accepted (n=1 only)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
-        return text_prompt(engine, value)
+        return text_prompt(frontend, value)
     if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-        return token_prompt(engine, value, "prompt")
+        return token_prompt(frontend, value, "prompt")
     if value is None:
         raise invalid("prompt", "is required")
     if isinstance(value, list):
@@ -60,30 +61,30 @@ def read_prompt(engine: Engine, value: Any) -> Prompt:
 
 
 def parse_completion_request(state: ServerState, body: dict[str, Any], request_id: str) -> CompletionCall:
-    engine = state.engine
+    frontend = state.frontend
     model = resolve_model(state, get_str(body, "model"))
     check_single_choice(body)
     if body.get("suffix"):
         raise invalid("suffix", "is not supported by this server")
     stream = get_bool(body, "stream")
     include_usage = read_stream_options(body, stream)
-    prompt = read_prompt(engine, body.get("prompt"))
+    prompt = read_prompt(frontend, body.get("prompt"))
     top_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     echoed = get_bool(body, "echo")
     if not echoed and body.get("max_tokens") == 0:
         raise invalid("max_tokens", "must be at least 1; 0 is allowed only with echo (scoring the prompt)")
     # Echo with logprobs scores the prompt tokens; max_tokens 0 is scoring alone.
     scoring = echoed and (top_logprobs is not None or body.get("max_tokens") == 0)
-    request, sampling = generation_request(engine, body, prompt, request_id=request_id,
+    request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_tokens",), logprobs=top_logprobs is not None,
                                            top_logprobs=top_logprobs or 0,
                                            prompt_logprobs=(top_logprobs or 0) if scoring else None,
                                            min_max_tokens=0 if echoed else 1)
     echo, first_token = "", None
     if echoed:
-        echo = prompt.text or engine.tokenizer.decode(prompt.ids)
+        echo = prompt.text or frontend.tokenizer.decode(prompt.ids)
         if top_logprobs is not None:
-            first_token = engine.tokenizer.decode([prompt.ids[0]])
+            first_token = frontend.tokenizer.decode([prompt.ids[0]])
     return CompletionCall(model, stream, include_usage, echo, first_token, request, sampling)
 
 

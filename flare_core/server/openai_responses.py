@@ -149,7 +149,7 @@ def responses_messages(instructions: str | None, raw_input: Any) -> list[dict[st
 
 
 def parse_responses_request(state: ServerState, body: dict[str, Any], request_id: str) -> ResponsesCall:
-    engine = state.engine
+    frontend = state.frontend
     for name, reason in _UNSUPPORTED.items():
         if body.get(name):
             raise invalid(name, reason)
@@ -163,13 +163,13 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     messages = responses_messages(get_str(body, "instructions"), body["input"])
     tools = _tools(get_list(body, "tools"))
     reasoning = get_object(body, "reasoning") or {}
-    options = template_options(engine, read_template_overrides(body),
+    options = template_options(frontend, read_template_overrides(body),
                                thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"))
-    prompt = chat_prompt(engine, messages, tools=tools, options=options)
+    prompt = chat_prompt(frontend, messages, tools=tools, options=options)
     top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=20)
     include = get_list(body, "include") or []
     logprobs = top_logprobs is not None or _LOGPROBS_INCLUDE in include
-    request, sampling = generation_request(engine, body, prompt, request_id=request_id,
+    request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_output_tokens",), logprobs=logprobs,
                                            top_logprobs=top_logprobs or 0)
     echo = {
@@ -331,7 +331,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     record = request[RECORD]
     call = await state.prepare(lambda: parse_responses_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.engine, call.prompt.text, call.parse_tools)
+    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)
     response_id = f"resp_{record.request_id}"
     async with generation:

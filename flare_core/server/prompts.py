@@ -14,9 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flare_core.frontend import RenderedPrompt, TemplateError
+from flare_core.frontend import Frontend, RenderedPrompt, TemplateError
 from flare_core.server.errors import ApiError
-from flare_core.server.state import Engine
 from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_type
 
 CONTEXT_SETTING = "flare export MODEL --context-length N"
@@ -40,14 +39,12 @@ class Prompt:
     text: str = ""
 
 
-def template_options(engine: Engine, overrides: Mapping[str, Any] | None = None,
+def template_options(frontend: Frontend, overrides: Mapping[str, Any] | None = None,
                      thinking: bool | None = None) -> dict[str, Any]:
     """The keyword arguments a chat template receives: the core's special tokens, the recipe's
     template option defaults, the protocol's thinking switch, then the request's own overrides."""
-    frontend = engine.frontend
-    options: dict[str, Any] = {name: value for name, value in (frontend.get("special_tokens") or {}).items()
-                               if value is not None}
-    declared = dict(frontend.get("template_options") or {})
+    options: dict[str, Any] = {name: value for name, value in frontend.special_tokens.items() if value is not None}
+    declared = dict(frontend.template_options)
     options.update(declared)
     if thinking is not None:
         for name in THINKING_OPTIONS:
@@ -56,7 +53,7 @@ def template_options(engine: Engine, overrides: Mapping[str, Any] | None = None,
     for name, value in (overrides or {}).items():
         if name in _RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
             raise invalid(f"chat_template_kwargs.{name}", "is set by the server and cannot be overridden")
-        options[name] = engine.tokenizer.escape_special_text(value)
+        options[name] = frontend.tokenizer.escape_special_text(value)
     return options
 
 
@@ -64,20 +61,20 @@ def read_template_overrides(body: Mapping[str, Any], name: str = "chat_template_
     return get_object(body, name) or {}
 
 
-def chat_prompt(engine: Engine, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
+def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
                 options: Mapping[str, Any], continue_final_message: bool = False) -> Prompt:
     """Render template messages with the core's chat template and tokenize them.
 
     With `continue_final_message` the last (assistant) message is left open, so generation
     continues its text (Anthropic prefill, vLLM's continue_final_message)."""
-    template = engine.chat_template
+    template = frontend.chat_template
     if template is None:
         raise ApiError(400, "this core has no chat template, so chat endpoints are unavailable; "
                             "send a raw prompt to /v1/completions instead")
     if not messages:
         raise invalid("messages", "must contain at least one message")
     # Client strings keep special-token spellings as text; only the template's markup is special.
-    tokenizer = engine.tokenizer
+    tokenizer = frontend.tokenizer
     messages = tokenizer.escape_special_text(messages)
     try:
         rendered = template.render(messages, tools=tokenizer.escape_special_text(tools) or None,
@@ -107,13 +104,13 @@ def _open_final_message(rendered: RenderedPrompt, final: Mapping[str, Any]) -> R
     return RenderedPrompt(cut, tuple(mark for mark in rendered.marks if mark <= cut_bytes))
 
 
-def text_prompt(engine: Engine, text: str) -> Prompt:
+def text_prompt(frontend: Frontend, text: str) -> Prompt:
     """A raw completion prompt, tokenized with the tokenizer's own special-token rules (e.g. BOS)."""
-    return Prompt(tuple(engine.tokenizer.encode(text, add_special_tokens=True)), text=text)
+    return Prompt(tuple(frontend.tokenizer.encode(text, add_special_tokens=True)), text=text)
 
 
-def token_prompt(engine: Engine, ids: Sequence[Any], field: str) -> Prompt:
-    vocab_size = engine.tokenizer.vocab_size
+def token_prompt(frontend: Frontend, ids: Sequence[Any], field: str) -> Prompt:
+    vocab_size = frontend.tokenizer.vocab_size
     for index, token_id in enumerate(ids):
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
             raise invalid(f"{field}[{index}]", f"must be a token id in [0, {vocab_size}), got {token_id!r}")

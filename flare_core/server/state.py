@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 
 from flare_core.config import ServerConfig
-from flare_core.contract import SamplingPolicy
-from flare_core.frontend import ChatTemplate, Tokenizer
+from flare_core.frontend import Frontend
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.types import GenerationEvent, GenerationRequest
 
@@ -41,11 +40,7 @@ class Engine(Protocol):
     """The part of `flare_core.runtime.engine.Engine` the server uses."""
 
     info: EngineInfo
-    tokenizer: Tokenizer
-    chat_template: ChatTemplate | None
-    frontend: Mapping[str, Any]
-    sampling_policy: SamplingPolicy
-    registry: Any
+    frontend: Frontend  # tokenizer, chat template, sampling policy, parsers, template defaults
     metrics: RuntimeMetrics
 
     # Set once the model worker has failed (the cause); the server then refuses work and exits.
@@ -89,6 +84,10 @@ class ServerState:
         self.idle.set()
         self.max_body_bytes = self.config.body_limit(self.engine.info.context_length)
         self.upload_limit = upload_limit(self.ingress_limit)
+
+    @property
+    def frontend(self) -> Frontend:
+        return self.engine.frontend
 
     @property
     def draining(self) -> bool:

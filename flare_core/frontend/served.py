@@ -1,0 +1,42 @@
+"""The text side of a served core, as one object: what the HTTP layer needs besides the engine's
+submit, so request translation never reaches into the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flare_core.contract import Parser, SamplingPolicy
+from flare_core.frontend.template import ChatTemplate
+from flare_core.frontend.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Frontend:
+    """Tokenizer; chat template (None: completions only); sampling policy (defaults and ranges);
+    the output parsers the core names; the special tokens and option defaults its template
+    receives; and the context length a prompt plus its output must fit in."""
+
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    sampling_policy: SamplingPolicy
+    context_length: int
+    reasoning_parser: Parser | None = None
+    tool_parser: Parser | None = None
+    special_tokens: Mapping[str, str | None] = field(default_factory=dict)
+    template_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_core(cls, tokenizer: Tokenizer, chat_template: ChatTemplate | None, sampling_policy: SamplingPolicy,
+                context_length: int, settings: Mapping[str, Any], parsers: Mapping[str, Parser]) -> Frontend:
+        """From a core manifest's `frontend` settings; the parsers it names must be installed."""
+        named = {}
+        for kind in ("reasoning_parser", "tool_parser"):
+            parser_id = settings.get(kind)
+            if parser_id is not None and parser_id not in parsers:
+                raise ValueError(f"the core's {kind} {parser_id!r} is not registered by any installed plugin")
+            named[kind] = parsers[parser_id] if parser_id is not None else None
+        return cls(tokenizer, chat_template, sampling_policy, context_length, named["reasoning_parser"],
+                   named["tool_parser"], dict(settings.get("special_tokens") or {}),
+                   dict(settings.get("template_options") or {}))
