@@ -53,6 +53,33 @@ def test_frontend_and_alias_validation():
         Alias("qwen3-8b", "not a repo")
 
 
+def test_recipe_and_parser_callables_must_accept_the_calls_flare_makes():
+    """A callable whose signature cannot take Flare's call is refused when the object is built
+    (so when its plugin loads), naming the field and the call, not during an export or a request."""
+    from flare_core.contract import Parser, Recipe
+    from flare_recipe_llama.plugin import LLAMA
+
+    with pytest.raises(ContractError, match=r"Recipe\('llama'\)\.map_weights: must be callable as "
+                                            r"map_weights\(config, checkpoint, dtype\)"):
+        replace(LLAMA, map_weights=lambda config, checkpoint: iter(()))
+    with pytest.raises(ContractError, match=r"\.build_model: must be callable as build_model\(config, dtype\)"):
+        replace(LLAMA, build_model=lambda config: None)
+    with pytest.raises(ContractError, match=r"\.check_config: must be callable as check_config\(config\)"):
+        replace(LLAMA, check_config=lambda: None)
+    assert isinstance(replace(LLAMA, build_model=lambda *args, **kwargs: None), Recipe)
+
+    class Reasoning:
+        def __init__(self) -> None:  # takes no starts_in_reasoning
+            pass
+
+    with pytest.raises(ContractError, match=r"Parser\(think2\)\.factory: must be callable as "
+                                            r"factory\(starts_in_reasoning=bool\)"):
+        Parser("think2", "reasoning", Reasoning)
+    assert Parser("tools2", "tool", Reasoning).factory is Reasoning
+    with pytest.raises(ContractError, match=r"Parser\(tools3\)\.factory: must be callable as factory\(\)"):
+        Parser("tools3", "tool", lambda required: None)
+
+
 def test_committed_json_schema_is_current():
     assert DOCS_SCHEMA.read_text() == render(), \
         "docs/contract.schema.json is stale: python -m flare_core.contract.schema > docs/contract.schema.json"

@@ -6,6 +6,7 @@ families are values of these fields, never flags naming a model.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -36,6 +37,21 @@ def _require(ok: bool, obj: str, field_name: str, problem: str) -> None:
 def _check_name(value: Any, obj: str, field_name: str) -> None:
     _require(isinstance(value, str) and bool(_NAME.match(value)), obj, field_name,
              f"must be a lowercase name matching {_NAME.pattern}, got {value!r}")
+
+
+def _check_call(fn: Any, obj: str, field_name: str, shape: str, *args: Any, **kwargs: Any) -> None:
+    """`fn` must accept the call Flare makes (`shape`, e.g. "map_weights(config, checkpoint, dtype)"),
+    so a recipe that follows the declared types works and one that does not fails when it loads,
+    naming the field, not in the middle of an export or a request."""
+    _require(callable(fn), obj, field_name, f"must be callable as {shape}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some builtins have no inspectable signature: they are called as declared
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ContractError(obj, field_name, f"must be callable as {shape}, but {exc}") from None
 
 
 def _check_positive_int(value: Any, obj: str, field_name: str) -> None:
@@ -302,17 +318,23 @@ class Alias:
 @dataclass(frozen=True)
 class Parser:
     """An output parser registered under an id that recipes name in their FrontendSpec.
-    `kind` is "reasoning" or "tool"; `factory()` returns a fresh streaming parser per request."""
+    `kind` is "reasoning" or "tool"; `factory` returns a fresh streaming parser per request, called
+    as `factory(starts_in_reasoning=...)` for reasoning parsers (whether the prompt already opened
+    the reasoning block) and as `factory()` for tool parsers."""
 
     id: str
     kind: str
-    factory: Callable[[], Any]
+    factory: Callable[..., Any]
 
     def __post_init__(self) -> None:
         _check_name(self.id, "Parser", "id")
         _require(self.kind in ("reasoning", "tool"), f"Parser({self.id})", "kind",
                  f"must be 'reasoning' or 'tool', got {self.kind!r}")
-        _require(callable(self.factory), f"Parser({self.id})", "factory", "must be callable")
+        if self.kind == "reasoning":
+            _check_call(self.factory, f"Parser({self.id})", "factory", "factory(starts_in_reasoning=bool)",
+                        starts_in_reasoning=False)
+        else:
+            _check_call(self.factory, f"Parser({self.id})", "factory", "factory()")
 
 
 @dataclass(frozen=True)
@@ -368,13 +390,14 @@ class Recipe:
         _require(isinstance(self.frontend, FrontendSpec), obj, "frontend", "must be a FrontendSpec")
         _check_name(self.cache_scheme, obj, "cache_scheme")
         _require(isinstance(self.capacities, Capacities), obj, "capacities", "must be Capacities")
-        _require(callable(self.build_model), obj, "build_model", "must be callable")
-        _require(callable(self.map_weights), obj, "map_weights", "must be callable")
+        _check_call(self.build_model, obj, "build_model", "build_model(config, dtype)", None, None)
+        _check_call(self.map_weights, obj, "map_weights", "map_weights(config, checkpoint, dtype)", None, None, None)
         _require(all(isinstance(t, str) and t for t in self.model_types), obj, "model_types",
                  f"must be non-empty strings, got {self.model_types!r}")
-        for name in ("check_config", "demo_checkpoint", "plan_notes", "tokenizer_builder"):
-            _require(getattr(self, name) is None or callable(getattr(self, name)), obj, name,
-                     "must be callable or None")
+        for name, argument in (("check_config", "config"), ("demo_checkpoint", "directory"),
+                               ("plan_notes", "config"), ("tokenizer_builder", "directory")):
+            if getattr(self, name) is not None:
+                _check_call(getattr(self, name), obj, name, f"{name}({argument}) or None", None)
         for asset_name, loader in self.assets.items():
             _require(asset_name in ASSET_NAMES and callable(loader), obj, f"assets.{asset_name}",
                      f"asset names are {ASSET_NAMES} and values callables returning bytes")
