@@ -54,20 +54,13 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _where(checkpoint: Checkpoint, name: str) -> str:
-    """Where a frontend file came from, for messages and the plan."""
-    if name in checkpoint.files:
-        return f"{checkpoint.path} ({name} converted from its metadata)"
-    return str(checkpoint.directory / name)
-
-
 def _tokenizer_json(checkpoint: Checkpoint, recipe: Recipe) -> tuple[str, str]:
     from flare_core.frontend import build_tokenizer_json
 
     directory = checkpoint.directory
     own = checkpoint.read(TOKENIZER_ASSET)
     if own is not None:
-        return own.decode("utf-8"), _where(checkpoint, TOKENIZER_ASSET)
+        return own.decode("utf-8"), checkpoint.where(TOKENIZER_ASSET)
     if recipe.tokenizer_builder is not None:
         try:
             return recipe.tokenizer_builder(directory), f"built by recipe {recipe.name} from {directory}"
@@ -90,12 +83,12 @@ def _tokenizer_json(checkpoint: Checkpoint, recipe: Recipe) -> tuple[str, str]:
 def _chat_template(checkpoint: Checkpoint, recipe: Recipe, tokenizer_config: dict) -> tuple[str | None, str]:
     own = checkpoint.read(TEMPLATE_ASSET)
     if own is not None:
-        return own.decode("utf-8"), _where(checkpoint, TEMPLATE_ASSET)
+        return own.decode("utf-8"), checkpoint.where(TEMPLATE_ASSET)
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if isinstance(template, str):
-        return template, f"{_where(checkpoint, 'tokenizer_config.json')} chat_template"
+        return template, f"{checkpoint.where('tokenizer_config.json')} chat_template"
     if TEMPLATE_ASSET in recipe.assets:
         return recipe.assets[TEMPLATE_ASSET]().decode("utf-8"), f"recipe {recipe.name} asset"
     return None, "none"

@@ -148,6 +148,12 @@ class Checkpoint:
             tokens.update(t.get("content") for t in (settings.get("added_tokens_decoder") or {}).values())
         return tokens
 
+    def where(self, name: str) -> str:
+        """Where a frontend file comes from, for messages and the export plan."""
+        if name in self.files:
+            return f"{self.path} ({name} converted from its metadata)"
+        return str(self.directory / name)
+
     def read_json(self, name: str) -> Any:
         """A frontend JSON file, parsed; None when the checkpoint has no such file."""
         raw = self.read(name)
@@ -156,8 +162,7 @@ class Checkpoint:
         try:
             return json.loads(raw)
         except ValueError as exc:
-            where = f"{self.path} ({name})" if name in self.files else self.directory / name
-            raise CheckpointError(f"{where}: unreadable JSON ({exc})") from exc
+            raise CheckpointError(f"{self.where(name)}: unreadable JSON ({exc})") from exc
 
 
 GGUF_SUFFIX = ".gguf"
