@@ -422,19 +422,12 @@ _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}
 
 def _demo_core(config: Config, registry, model: str, name: str, dtype: str, recipe_name: str | None) -> Path:
     """The newest cached core serving `name` in `dtype`, exported from `model` first if there is none."""
-    from flare_core.core import CoreError, CoreStore, open_core
+    from flare_core.core import CoreStore
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
 
-    found = []
-    for entry in CoreStore(config.paths.core_cache).list():
-        if name in entry.served_names:
-            try:
-                manifest = open_core(entry.path).manifest
-            except CoreError:
-                continue
-            if manifest["dtype"] == dtype:
-                found.append((manifest["created"], entry.path))
+    found = [(entry.created, entry.path) for entry in CoreStore(config.paths.core_cache).list()
+             if name in entry.served_names and entry.dtype == dtype]
     if found:
         return max(found)[1]
     click.echo(f"preparing the {name} core ({dtype}) from {model} (once)", err=True)

@@ -55,8 +55,8 @@ def core_name(prefix: str, manifest_bytes: bytes) -> str:
 class CoreEntry:
     """One core in the cache, as ``flare cores`` lists it.
 
-    `served_names` and the recipe come from the manifest keys ``served_names``
-    (list of model names/aliases) and ``recipe`` (``{"name", "version"}``).
+    `served_names`, the recipe and the dtype come from the manifest keys ``served_names``
+    (list of model names/aliases), ``recipe`` (``{"name", "version"}``) and ``dtype``.
     `problem` says why the core cannot be opened, if it cannot.
     """
 
@@ -68,6 +68,7 @@ class CoreEntry:
     created: datetime
     size_bytes: int
     problem: str | None = None
+    dtype: str | None = None  # the weights' dtype name
 
     @property
     def recipe(self) -> str:
@@ -185,7 +186,8 @@ class CoreStore:
         if isinstance(recipe, dict):
             recipe_name = _optional_str(recipe.get("name"))
             recipe_version = _optional_str(recipe.get("version"))
-        return CoreEntry(name, path, _served_names(manifest), recipe_name, recipe_version, created, size_bytes)
+        return CoreEntry(name, path, _served_names(manifest), recipe_name, recipe_version, created, size_bytes,
+                         dtype=_optional_str(manifest.get("dtype")))
 
     def _core_directories(self) -> list[str]:
         if not self.root.is_dir():
