@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
-from flare_core.runtime.types import GenerationRequest
+from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest
 from flare_core.server.generation import Generation, Piece, output_parser
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
@@ -66,7 +66,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     prompt = chat_prompt(frontend, messages, tools=tools, options=options,
                          continue_final_message=get_bool(body, "continue_final_message"))
     logprobs = get_bool(body, "logprobs")
-    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=20, default=0)
+    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS, default=0)
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs", "requires logprobs to be true")
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
+from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import (
     EventSink,
     Generation,
@@ -166,7 +166,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     options = template_options(frontend, read_template_overrides(body),
                                thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"))
     prompt = chat_prompt(frontend, messages, tools=tools, options=options)
-    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=20)
+    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
     include = get_list(body, "include") or []
     logprobs = top_logprobs is not None or _LOGPROBS_INCLUDE in include
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
