@@ -261,7 +261,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     import structlog
 
     from flare_core.config import with_overrides
-    from flare_core.runtime.engine import Engine
+    from flare_core.runtime.build import build_engine
     from flare_core.runtime.loaded import CoreLoadError, load_core
     from flare_core.runtime.memory import MemoryPlanError, plan_kv
     from flare_core.server.serve import ServeError, WorkerFailed, serve
@@ -289,9 +289,10 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         # Called by the engine once compilation and graphs have taken their memory (on CUDA).
         kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
                                     memory.memory_limit, memory.kv_cache_limit)
-        engine = Engine(loaded, kv_plan, registry, max_concurrency=concurrency,
-                        queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
-                        served_names=served_names or None, telemetry=telemetry, compile_model=compile_model)
+        engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
+                              queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
+                              served_names=served_names or None, telemetry=telemetry,
+                              compile_model=compile_model)
     except (MemoryPlanError, ValueError) as exc:
         raise FlareCommandError(str(exc)) from exc
     kv = engine.kv

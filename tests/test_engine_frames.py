@@ -18,6 +18,7 @@ import torch
 
 from flare_core.config import load_config
 from flare_core.plugins import load_registry
+from flare_core.runtime.build import build_engine
 from flare_core.runtime.engine import Engine
 from flare_core.runtime.loaded import load_core
 from flare_core.runtime.memory import plan_kv
@@ -34,8 +35,8 @@ def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_mode
     kv_limit = "64M" if kv_pages is None else str(kv_pages * loaded.cache_scheme.page_bytes(
         loaded.capacities.page_tokens))
     kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", kv_limit)
-    return Engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
-                  compile_model=compile_model)
+    return build_engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
+                        compile_model=compile_model)
 
 
 REQUESTS = [
@@ -85,10 +86,10 @@ def test_two_frames_match_one(session_flare, qwen3_core, reference):
     engine = make_engine(session_flare, qwen3_core, frames=2)
     results = asyncio.run(run_requests(engine, REQUESTS))
     assert results == reference
-    assert engine._depth == 2
+    assert engine.frames_in_flight == 2
     assert engine.executor_summary() == "eager reference (plain-torch paged attention), 2 steps in flight"
-    stats = engine.stats()
-    assert stats["live"] == 0 and stats["waiting"] == 0
+    resources = engine.resources()
+    assert resources.live == 0 and resources.waiting == 0 and resources.steps_in_flight == 0
 
 
 def test_two_frames_stop_token_and_cancel_release_everything(session_flare, qwen3_core, reference):
@@ -106,10 +107,11 @@ def test_two_frames_stop_token_and_cancel_release_everything(session_flare, qwen
     cancelled_tokens, _, cancel_reason, _ = results[0]
     assert cancel_reason == "cancelled" and cancelled_tokens == reference[0][0][:len(cancelled_tokens)]
     assert results[1:4] == reference[1:4]  # the others are untouched
-    assert engine.stats()["live"] == 0
-    # Emptied of what the prefix cache keeps, the pool is whole: no finished request kept a page.
-    engine._prefix.evict_pages(engine._pages.num_pages)
-    assert engine._pages.free_count == engine._pages.num_pages
+    # No finished request kept a page, a reference on a shared page, or a state row.
+    resources = engine.resources()
+    assert resources.live == 0 and resources.request_page_refs == 0
+    assert resources.free_pages + resources.cached_pages == resources.pages
+    assert resources.free_state_rows == resources.state_rows
 
 
 def test_penalties_follow_a_request_that_is_preempted_into_another_slot(session_flare, qwen3_core):
@@ -122,5 +124,5 @@ def test_penalties_follow_a_request_that_is_preempted_into_another_slot(session_
     reference = asyncio.run(run_requests(make_engine(session_flare, qwen3_core, frames=2), requests))
     tight = make_engine(session_flare, qwen3_core, frames=2, kv_pages=16)  # one full context: 4 x 350 tokens need 24
     results = asyncio.run(run_requests(tight, requests))
-    assert tight._scheduler.preemptions > 0
+    assert tight.resources().preemptions > 0
     assert [r[0] for r in results] == [r[0] for r in reference]

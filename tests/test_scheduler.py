@@ -556,7 +556,7 @@ def test_randomized_simulation_completes_everything_without_leaks(state, mixed, 
         for _ in range(rng.randrange(8)):
             driver.step()
             if rng.random() < 0.02:
-                live = [k for k in expected if k in scheduler._requests and k not in cancelled]
+                live = [k for k in expected if scheduler.has_request(k) and k not in cancelled]
                 if live:
                     victim = rng.choice(live)
                     cancelled.add(victim)

@@ -58,6 +58,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refcounts = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
+        self._references = 0  # sum of the refcounts, so holders can be accounted in O(1)
 
     @property
     def free_count(self) -> int:
@@ -66,6 +67,11 @@ class PageAllocator:
     @property
     def used_count(self) -> int:
         return self.num_pages - len(self._free)
+
+    @property
+    def references(self) -> int:
+        """References held on all pages together (a page shared by two owners counts twice)."""
+        return self._references
 
     def refcount(self, page: int) -> int:
         self._check_id(page)
@@ -81,6 +87,7 @@ class PageAllocator:
         pages = tuple(self._free.popleft() for _ in range(count))
         for page in pages:
             self._refcounts[page] = 1
+        self._references += count
         return pages
 
     def retain(self, page: int) -> None:
@@ -89,6 +96,7 @@ class PageAllocator:
         if self._refcounts[page] == 0:
             raise ValueError(f"page {page} is free; only an allocated page can be shared")
         self._refcounts[page] += 1
+        self._references += 1
 
     def release(self, page: int) -> None:
         """Drop one reference; the page becomes free when none are left."""
@@ -96,6 +104,7 @@ class PageAllocator:
         if self._refcounts[page] == 0:
             raise ValueError(f"page {page} is already free (double release)")
         self._refcounts[page] -= 1
+        self._references -= 1
         if self._refcounts[page] == 0:
             self._free.append(page)
 

@@ -211,6 +211,7 @@ class PrefixCache:
         self._block_lru: _LruHeap[_Block] = _LruHeap()
         self._checkpoint_lru: _LruHeap[Checkpoint] = _LruHeap()
         self._num_checkpoints = 0
+        self._tail_pages = 0  # checkpoints holding a tail page
         self._lookups = self._hits = self._reused_tokens = self._evictions = 0
 
     @property
@@ -228,6 +229,11 @@ class PrefixCache:
     @property
     def free_logits_slots(self) -> int:
         return self._logits.free_count
+
+    @property
+    def held_pages(self) -> int:
+        """Pages the cache holds a reference on: one per cached block and checkpoint tail page."""
+        return len(self._blocks) + self._tail_pages
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -385,6 +391,7 @@ class PrefixCache:
         checkpoint = Checkpoint(end, tail, slots, holder, self._tick)
         holder.checkpoints[tail] = checkpoint
         self._num_checkpoints += 1
+        self._tail_pages += checkpoint.tail_page is not None
         self._checkpoint_lru.push(checkpoint)
 
     # ---- eviction -----------------------------------------------------------------------
@@ -451,6 +458,7 @@ class PrefixCache:
         holder = checkpoint.holder
         del holder.checkpoints[checkpoint.tail]
         self._num_checkpoints -= 1
+        self._tail_pages -= checkpoint.tail_page is not None
         self.discard(CheckpointSlots(checkpoint.tail_page, checkpoint.state_snapshot, checkpoint.logits_slot))
         self._evictions += 1
         if holder is not self._root and holder.is_leaf:

@@ -15,34 +15,27 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import structlog
 import torch
 
-from flare_core.cache import PageAllocator, PrefixCache
-from flare_core.executor.eager import EagerExecutor
+from flare_core.cache import PrefixCacheStats
+from flare_core.executor import Executor
 from flare_core.frontend import Frontend
 from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
-from flare_core.plugins import Registry
-from flare_core.runtime.loaded import LoadedCore
-from flare_core.runtime.memory import KvPlan, snapshot_slots_for
+from flare_core.runtime.memory import KvPlan
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.output import OutputProcessor
 from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
                                      Usage, check_request)
-from flare_core.scheduler import (GraphCapacities, RequestHandle, Scheduler, SchedulerConfig, StepKind, StepPlan,
-                                  StepResult)
+from flare_core.scheduler import RequestHandle, Resources, Scheduler, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is needed here
     from flare_core.dashboard.telemetry import Telemetry
 
 log = structlog.get_logger("flare.engine")
-
-# Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live slot.
-LOGITS_SLOTS_PER_SLOT = 4
-
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -97,13 +90,11 @@ class _Live:
     output: OutputProcessor | None  # None for a request refused or cancelled before admission
     submitted: float
     penalties: PenaltyState | None = None  # bound to the executor's row of the slot that samples next
-    sampled: int = 0  # tokens sampled so far, including those of steps not yet read back
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
     penalty_handle: RequestHandle | None = None  # the slot `penalties` is bound to
-    output_ids: list[int] = field(default_factory=list)  # kept for penalised requests: re-bound after preemption
 
     @property
     def generated(self) -> int:
@@ -146,74 +137,31 @@ class _Frame:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
-                 queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
-                 seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
-                 frames_in_flight: int | None = None):
-        self.loaded = loaded
-        # Fed from the model thread only when the dashboard is on; None keeps the step path to one `if`.
-        self.telemetry = telemetry
-        manifest = loaded.manifest
-        capacities = loaded.capacities
-        if max_concurrency > capacities.max_concurrency:
-            raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
-                             f"{capacities.max_concurrency} (re-export with --max-concurrency {max_concurrency})")
-        self.info = EngineInfo(
-            served_names=tuple(served_names or manifest["served_names"]), context_length=capacities.context_length,
-            max_concurrency=max_concurrency, queue_capacity=queue_capacity,
-            created=int(loaded.core.path.stat().st_mtime), recipe=loaded.recipe_name,
-            architecture=manifest["architecture"]["name"], dtype=manifest["dtype"],
-            parameters=loaded.parameters, core_path=str(loaded.core.path))
-        self.tokenizer = loaded.tokenizer
-        self.tokenizer.literal_backend()  # built now, not on the frontend pool at the first request needing it
-        # All the HTTP layer reads of the core besides `info`: its text side.
-        self.frontend = Frontend.of_core(loaded.tokenizer, loaded.chat_template, loaded.sampling_policy,
-                                         capacities.context_length, loaded.frontend, registry.parsers)
-        self.metrics = RuntimeMetrics()
-        page_tokens = capacities.page_tokens
-        logits_slots = LOGITS_SLOTS_PER_SLOT * max_concurrency if prefix_cache else 0
-        has_state = bool(loaded.cache_scheme.state)
-        snapshot_slots = snapshot_slots_for(loaded.cache_scheme, max_concurrency)
-        executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_slots=snapshot_slots,
-                             num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size,
-                             device=loaded.device, seed=seed)
-        # The core's graph catalog, as the scheduler plans with it and the executor captures it.
-        catalog = GraphCapacities.from_specs(capacities.graph_catalog())
-        if loaded.device.type == "cuda":
-            from flare_core.executor.graphs import GraphExecutor
+    """Runs requests on one model thread; `build_engine` (flare_core.runtime.build) assembles it."""
 
-            # Decode graphs up to the smallest one that holds every live request of this server.
-            covering = catalog.covering(StepKind.DECODE, max_concurrency)
-            # Compiled, captured and run over the largest prompt chunk with a one-page cache
-            # first; the KV pool is then sized from the memory all that left free (`plan_kv`
-            # reads the device's free memory) and the graphs are captured again over it.
-            self._executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
-                                           decode_capacities=tuple(c for c in catalog.decode if c <= covering),
-                                           prefill_capacities=catalog.prefill,
-                                           context_length=capacities.context_length, compile_model=compile_model,
-                                           prefill_chunk_size=capacities.prefill_chunk_size)
-            self.kv = plan_kv()
-            self._executor.resize_cache(self.kv.num_pages)
-        else:
-            self.kv = plan_kv()
-            self._executor = EagerExecutor(loaded.model, loaded.cache_scheme, num_pages=self.kv.num_pages,
-                                           **executor_args)
-        self._pages = PageAllocator(self.kv.num_pages)
-        self._prefix = PrefixCache(loaded.identity, self._pages, page_tokens, continuation_state=has_state,
-                                   snapshot_slots=snapshot_slots, logits_slots=logits_slots) if prefix_cache else None
-        self._scheduler = Scheduler(
-            SchedulerConfig(max_concurrency=max_concurrency, prefill_chunk_size=capacities.prefill_chunk_size,
-                            capacities=catalog, page_tokens=page_tokens), self._pages, self._prefix)
+    def __init__(self, *, info: EngineInfo, frontend: Frontend, scheduler: Scheduler, executor: Executor,
+                 kv: KvPlan, vocab_size: int, core_stop_ids: frozenset[int], frames_in_flight: int,
+                 telemetry: Telemetry | None = None):
+        if frames_in_flight not in (1, 2):
+            raise ValueError(f"frames_in_flight must be 1 or 2, got {frames_in_flight}")
+        self.info = info
+        # All the HTTP layer reads of the core besides `info`: its text side.
+        self.frontend = frontend
+        self.kv = kv
+        self.executor = executor
         # Steps issued ahead of the one whose results are read: with 2, the host plans, launches
         # and later post-processes one step while the device runs the other.
-        self._depth = frames_in_flight or self._executor.frames_in_flight
-        if self._depth not in (1, 2):
-            raise ValueError(f"frames_in_flight must be 1 or 2, got {self._depth}")
-        self._cuda = loaded.device.type == "cuda"
-        self._vocab = loaded.model_config.vocab_size
-        self._core_stop_ids = frozenset(int(i) for i in loaded.frontend["stop_token_ids"])
+        self.frames_in_flight = frames_in_flight
+        # Fed from the model thread only when the dashboard is on; None keeps the step path to one `if`.
+        self.telemetry = telemetry
+        self.metrics = RuntimeMetrics()
+        self._scheduler = scheduler
+        self._cuda = executor.device.type == "cuda"
+        self._vocab = vocab_size
+        self._core_stop_ids = core_stop_ids
+        self._resources = scheduler.resources()  # the model thread publishes a fresh one after each change
 
-        self._inbox: queue.Queue = queue.Queue(maxsize=4 * (max_concurrency + queue_capacity) + 16)
+        self._inbox: queue.Queue = queue.Queue(maxsize=4 * (info.max_concurrency + info.queue_capacity) + 16)
         self._live: dict[str, _Live] = {}
         self._accepted = 0  # submitted and not finished: bounded by max_concurrency + queue_capacity
         self._accepted_lock = threading.Lock()
@@ -229,7 +177,8 @@ class Engine:
 
     def executor_summary(self) -> str:
         """One line for the startup log: how steps run, and what was compiled and captured."""
-        return f"{self._executor.summary()}, {self._depth} step{'s' if self._depth > 1 else ''} in flight"
+        depth = self.frames_in_flight
+        return f"{self.executor.summary()}, {depth} step{'s' if depth > 1 else ''} in flight"
 
     # ---- event-loop side -----------------------------------------------------------------
 
@@ -309,10 +258,10 @@ class Engine:
                     while frames:  # a stop: settle the issued steps so that their fences pass
                         self._consume(frames.popleft())
                     break
-                plan = self._scheduler.schedule() if len(frames) < self._depth else None
+                plan = self._scheduler.schedule() if len(frames) < self.frames_in_flight else None
                 if plan is not None:
                     frames.append(self._launch(plan))
-                if frames and (plan is None or len(frames) >= self._depth):
+                if frames and (plan is None or len(frames) >= self.frames_in_flight):
                     self._consume(frames.popleft())
                 elif plan is None and not self._scheduler.is_idle():
                     # Work exists but nothing can run: requests wait for pages held by the cache
@@ -358,7 +307,8 @@ class Engine:
             # The server validated the request; checked again here so that one that got past it
             # fails alone rather than inside a step it shares with others.
             check_request(request, self._vocab)
-            live = _Live(request, stream, OutputProcessor(request, self.tokenizer, self._core_stop_ids), submitted)
+            output = OutputProcessor(request, self.frontend.tokenizer, self._core_stop_ids)
+            live = _Live(request, stream, output, submitted)
             self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
                                    marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)),
                                    score_prompt=request.prompt_logprobs is not None)
@@ -383,26 +333,26 @@ class Engine:
         sampling = None
         lives = [self._live.get(h.request_id) for h in samples]
         if samples:
-            for handle, live in zip(samples, lives):
+            # The scheduler holds each request's confirmed output tokens and counts its samples
+            # planned so far, this plan's included: seeded sampling continues its stream from there.
+            states = [self._scheduler.request(h.request_id) for h in samples]
+            for handle, live, state in zip(samples, lives, states):
                 if live is not None and live.request.sampling.penalised and live.penalty_handle != handle:
                     # The slot's row of the executor's history book becomes this request's (again,
                     # after a preemption moved it), before the step that samples its next token.
-                    live.penalties = self._executor.penalties.start(handle.slot, live.request.prompt_ids,
-                                                                    live.output_ids)
+                    live.penalties = self.executor.penalties.start(handle.slot, live.request.prompt_ids,
+                                                                   state.outputs)
                     live.penalty_handle = handle
             sampling = StepSampling(
                 params=[live.request.sampling if live else SamplingParams(temperature=0.0) for live in lives],
-                steps=[live.sampled if live else 0 for live in lives],
+                steps=[state.num_planned_samples - 1 for state in states],
                 penalties=[live.penalties if live else None for live in lives],
                 logprobs=any(live and live.request.logprobs for live in lives),
                 top_logprobs=max((live.request.top_logprobs for live in lives if live and live.request.logprobs),
                                  default=0))
-        output = self._executor.step(plan, sampling)
+        output = self.executor.step(plan, sampling)
         if output is not None:
-            for live in lives:
-                if live is not None:
-                    live.sampled += 1
-            frame.output, frame.copied = self._executor.to_host(output)
+            frame.output, frame.copied = self.executor.to_host(output)
         if self._cuda:
             frame.done = torch.cuda.Event(enable_timing=True)
             frame.done.record()
@@ -477,8 +427,6 @@ class Engine:
                 top = tuple(zip(output.top_ids[row, :n].tolist(), output.top_logprobs[row, :n].tolist()))
         event, finish = live.output.token(token, logprob, top)
         if event is not None:
-            if live.penalties is not None:
-                live.output_ids.append(token)
             if live.first_token_at is None:
                 live.first_token_at = now
                 self.metrics.observe_ttft(now - live.submitted)
@@ -527,9 +475,10 @@ class Engine:
                 self._finish(live, "cancelled" if self.failure is None else "error", error=self.failure)
 
     def _sync_prefix_metrics(self) -> None:
-        if self._prefix is None:
+        prefix = self._scheduler.prefix
+        if prefix is None:
             return
-        stats = self._prefix.stats
+        stats = prefix.stats
         lookups, hits, reused = stats.lookups, stats.hits, stats.reused_tokens
         seen_lookups, seen_hits, seen_reused = self._prefix_seen
         new_hits = hits - seen_hits
@@ -540,16 +489,21 @@ class Engine:
         self._prefix_seen = (lookups, hits, reused)
 
     def _update_gauges(self) -> None:
-        live = self._scheduler.num_live
-        self.metrics.set_slots(live, self.info.max_concurrency - live)
-        self.metrics.set_free_pages(self._pages.free_count)
-        self.metrics.set_waiting(self._scheduler.num_waiting)
+        self._resources = resources = self._scheduler.resources()
+        self.metrics.set_slots(resources.live, self.info.max_concurrency - resources.live)
+        self.metrics.set_free_pages(resources.free_pages)
+        self.metrics.set_waiting(resources.waiting)
 
     def _page_counts(self) -> dict[str, int]:
-        return {"total_pages": self._pages.num_pages, "free_pages": self._pages.free_count,
-                "cached_pages": 0 if self._prefix is None else self._prefix.stats.cached_blocks}
+        resources = self._scheduler.resources()
+        return {"total_pages": resources.pages, "free_pages": resources.free_pages,
+                "cached_pages": resources.cached_pages}
 
-    def stats(self) -> dict[str, Any]:
-        return {"live": self._scheduler.num_live, "waiting": self._scheduler.num_waiting,
-                "free_pages": self._pages.free_count, "num_pages": self._pages.num_pages,
-                "prefix": None if self._prefix is None else self._prefix.stats}
+    def resources(self) -> Resources:
+        """What requests and the prefix cache held after the model thread's last step or message
+        (any thread may read it; it is replaced, never changed)."""
+        return self._resources
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters (None without a prefix cache); read while the engine is idle."""
+        return None if self._scheduler.prefix is None else self._scheduler.prefix.stats

@@ -6,6 +6,7 @@ from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, 
 from flare_core.scheduler.scheduler import (
     DecodeEntry,
     PrefillChunk,
+    Resources,
     SampledToken,
     Scheduler,
     SchedulerConfig,
@@ -17,5 +18,5 @@ __all__ = [
     "CostPrior", "StepCostEstimator", "StepKind",
     "Candidate", "FairnessLimits", "GraphCapacities", "chunk_end", "rank",
     "Request", "RequestHandle", "RequestStatus", "Restore",
-    "DecodeEntry", "PrefillChunk", "SampledToken", "Scheduler", "SchedulerConfig", "StepPlan", "StepResult",
+    "DecodeEntry", "PrefillChunk", "Resources", "SampledToken", "Scheduler", "SchedulerConfig", "StepPlan", "StepResult",
 ]

@@ -115,6 +115,24 @@ class SampledToken:
     token: int
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What requests and the prefix cache hold at one moment: the view `/metrics`, the
+    dashboard and tests read (each count is cheap to take)."""
+
+    live: int                   # requests holding a state row
+    waiting: int                # requests queued for one
+    steps_in_flight: int        # issued plans not completed yet
+    state_rows: int
+    free_state_rows: int
+    pages: int
+    free_pages: int
+    cached_pages: int           # pages the prefix cache holds
+    request_page_refs: int      # references held on pages by anything but the cache (page tables,
+    #                             hits held by waiting requests, reserved checkpoint copies)
+    preemptions: int            # requests preempted for pages so far
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pages: PageAllocator, prefix: PrefixCache | None = None,
                  estimator: StepCostEstimator | None = None) -> None:
@@ -208,6 +226,17 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         return not self._requests and not self._in_flight
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is queued, running, or stopped with a plan still in flight."""
+        return request_id in self._requests
+
+    def resources(self) -> Resources:
+        cached = 0 if self.prefix is None else self.prefix.held_pages
+        return Resources(live=self.num_live, waiting=self.num_waiting, steps_in_flight=len(self._in_flight),
+                         state_rows=self.slots.num_rows, free_state_rows=self.slots.free_count,
+                         pages=self.pages.num_pages, free_pages=self.pages.free_count, cached_pages=cached,
+                         request_page_refs=self.pages.references - cached, preemptions=self.preemptions)
 
     # ---- planning -----------------------------------------------------------------------
 

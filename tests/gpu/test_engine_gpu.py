@@ -38,7 +38,7 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     one = make_engine(session_flare, bf16_core, 1, "cuda", compile_model)
     reference = asyncio.run(run_requests(one, REQUESTS))
     two = make_engine(session_flare, bf16_core, 2, "cuda", compile_model)
-    assert two._depth == 2 and two._executor.decode_graphs
+    assert two.frames_in_flight == 2 and two.executor.decode_graphs
     summary = two.executor_summary()
     assert summary.startswith("CUDA graphs for decode batches [1, 2, 4] and prompt chunks of [64, 128] tokens")
     assert summary.endswith("2 steps in flight")
@@ -52,11 +52,11 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     assert results[4][2] == "stop" and results[4][0] == reference[4][0][:reference[4][0].index(third) + 1]
     assert results[0][2] == "cancelled" and results[0][0] == reference[0][0][:len(results[0][0])]
     assert results[1:4] == reference[1:4]
-    engine._prefix.evict_pages(engine._pages.num_pages)
-    assert engine._pages.free_count == engine._pages.num_pages
-    replays = sum(g.replays for g in engine._executor.decode_graphs.values())
+    resources = engine.resources()
+    assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
+    replays = sum(g.replays for g in engine.executor.decode_graphs.values())
     assert replays > 0
-    assert sum(g.replays for g in engine._executor.prefill_graphs.values()) > 0
+    assert sum(g.replays for g in engine.executor.prefill_graphs.values()) > 0
 
 
 def test_steps_never_wait_for_the_device(session_flare, bf16_core):

@@ -1,0 +1,83 @@
+"""`build_engine`: from a loaded core to a ready Engine, in the order memory requires.
+
+The graph catalog is computed once, here: the scheduler plans with it and the executor captures
+it. On CUDA the executor is compiled and captured over a one-page cache first; the KV pool is
+then sized from the memory all that left free (`plan_kv` reads the device's free memory) and the
+graphs are captured again over it. The page allocator, the prefix cache and the scheduler follow
+from the pool's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.executor.eager import EagerExecutor
+from flare_core.frontend import Frontend
+from flare_core.plugins import Registry
+from flare_core.runtime.engine import Engine, EngineInfo
+from flare_core.runtime.loaded import LoadedCore
+from flare_core.runtime.memory import KvPlan, snapshot_slots_for
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
+
+if TYPE_CHECKING:
+    from flare_core.dashboard.telemetry import Telemetry
+
+# Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live slot.
+LOGITS_SLOTS_PER_SLOT = 4
+
+
+def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
+                 queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
+                 seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
+                 frames_in_flight: int | None = None) -> Engine:
+    """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
+    executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
+    executor overlaps (2 for CUDA graphs, 1 for the eager reference)."""
+    manifest, capacities = loaded.manifest, loaded.capacities
+    if max_concurrency > capacities.max_concurrency:
+        raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
+                         f"{capacities.max_concurrency} (re-export with --max-concurrency {max_concurrency})")
+    info = EngineInfo(
+        served_names=tuple(served_names or manifest["served_names"]), context_length=capacities.context_length,
+        max_concurrency=max_concurrency, queue_capacity=queue_capacity,
+        created=int(loaded.core.path.stat().st_mtime), recipe=loaded.recipe_name,
+        architecture=manifest["architecture"]["name"], dtype=manifest["dtype"],
+        parameters=loaded.parameters, core_path=str(loaded.core.path))
+    loaded.tokenizer.literal_backend()  # built now, not on the frontend pool at the first request needing it
+    frontend = Frontend.of_core(loaded.tokenizer, loaded.chat_template, loaded.sampling_policy,
+                                capacities.context_length, loaded.frontend, registry.parsers)
+
+    page_tokens = capacities.page_tokens
+    logits_slots = LOGITS_SLOTS_PER_SLOT * max_concurrency if prefix_cache else 0
+    snapshot_slots = snapshot_slots_for(loaded.cache_scheme, max_concurrency)
+    catalog = GraphCapacities.from_specs(capacities.graph_catalog())
+    executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_slots=snapshot_slots,
+                         num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size,
+                         device=loaded.device, seed=seed)
+    if loaded.device.type == "cuda":
+        from flare_core.executor.graphs import GraphExecutor
+
+        # Decode graphs up to the smallest one that holds every live request of this server.
+        covering = catalog.covering(StepKind.DECODE, max_concurrency)
+        executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
+                                 decode_capacities=tuple(c for c in catalog.decode if c <= covering),
+                                 prefill_capacities=catalog.prefill, context_length=capacities.context_length,
+                                 compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size)
+        kv = plan_kv()
+        executor.resize_cache(kv.num_pages)
+    else:
+        kv = plan_kv()
+        executor = EagerExecutor(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args)
+
+    pages = PageAllocator(kv.num_pages)
+    prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),
+                         snapshot_slots=snapshot_slots, logits_slots=logits_slots) if prefix_cache else None
+    scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
+                                          prefill_chunk_size=capacities.prefill_chunk_size,
+                                          capacities=catalog, page_tokens=page_tokens), pages, prefix)
+    return Engine(info=info, frontend=frontend, scheduler=scheduler, executor=executor, kv=kv,
+                  vocab_size=loaded.model_config.vocab_size,
+                  core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),
+                  frames_in_flight=frames_in_flight or executor.frames_in_flight, telemetry=telemetry)
