@@ -104,6 +104,38 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Prompt positions [start, end) of one request, proposed for the next step."""
+
+    request: Request
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class CandidateStep(Candidate):
+    """A candidate step with its work: the requests that decode and the chunks that prefill."""
+
+    decoders: tuple[Request, ...] = ()
+    chunks: tuple[Chunk, ...] = ()
+
+
+@dataclass(eq=False)
+class Reservation:
+    """What committing a candidate would do: the entries that got pages (chunks possibly
+    shortened), the pages taken for each request, and the requests it preempts."""
+
+    decoders: list[Request] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    pages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    victims: list[Request] = field(default_factory=list)
+
+    @property
+    def runs(self) -> bool:
+        return bool(self.decoders or self.chunks)
+
+
+@dataclass(frozen=True)
 class StepResult:
     tokens: Sequence[int]   # one sampled token per plan.samples entry, in that order
     duration_s: float       # measured wall time of the step
@@ -239,48 +271,69 @@ class Scheduler:
                          request_page_refs=self.pages.references - cached, preemptions=self.preemptions)
 
     # ---- planning -----------------------------------------------------------------------
+    #
+    # `schedule` builds the candidate steps (decode, prefill, mixed), ranks them, and for each in
+    # turn `_reserve`s pages without changing any request: the first reservation that runs
+    # something is committed (`_commit` preempts its victims, appends its pages, advances the
+    # requests and records the plan); the others are given back whole. When no candidate can
+    # run, the best-ranked one's victims are preempted and the candidates built again, so an
+    # older request always gets the pages it needs, and a rejected candidate preempts nothing.
 
     def schedule(self) -> StepPlan | None:
         """Admit what fits, choose the next step and issue it; None when nothing can run now."""
         seq = self._next_seq
         self._admit()
+        restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
+        protected = {r.request_id for r in restoring}  # their restore runs in this plan
+        while True:
+            candidates = self._candidates(seq)
+            blocked: Reservation | None = None
+            for index in rank(candidates, self.estimator):
+                reservation = self._reserve(candidates[index], protected)
+                if reservation.runs:
+                    return self._commit(seq, restoring, reservation)
+                self._give_back(reservation)
+                blocked = blocked or (reservation if reservation.victims else None)
+            if blocked is None:
+                break
+            for victim in blocked.victims:  # their pages return now, or at their fence
+                self._preempt(victim)
+        return self._commit(seq, restoring, Reservation()) if restoring else None   # restores alone
+
+    def _candidates(self, seq: int) -> list[CandidateStep]:
+        """The possible next steps over the running requests: all decodes, prompt chunks up to
+        the chunk size, and (with a mixed catalog) decodes plus the chunks that fit beside them."""
         running = [r for r in self._live if r.status is RequestStatus.RUNNING]
         starving = {r.request_id for r in running
                     if self.config.fairness.starving(seq - r.last_served_seq - 1, r.waited_s)}
-        decoders = [r for r in running if r.can_decode()]
+        decoders = tuple(r for r in running if r.can_decode())
         prefillers = [r for r in running if r.can_prefill()]
-        restores = [r for r in running if r.restore is not None]
-
-        options: list[tuple[Candidate, list[Request], list[tuple[Request, int, int]]]] = []
-        caps = self.config.capacities
+        candidates = []
         if decoders:
-            served = sum(r.request_id in starving for r in decoders)
-            options.append((Candidate(StepKind.DECODE, caps.covering(StepKind.DECODE, len(decoders)),
-                                      len(decoders), served), decoders, []))
+            candidates.append(self._candidate(decoders, (), starving))
         chunks = self._pack(prefillers, self.config.prefill_chunk_size)
         if chunks:
-            tokens = sum(end - start for _, start, end in chunks)
-            served = sum(r.request_id in starving for r, _, _ in chunks)
-            options.append((Candidate(StepKind.PREFILL, caps.covering(StepKind.PREFILL, tokens), tokens, served),
-                            [], chunks))
-        room = min(caps.largest(StepKind.MIXED) - len(decoders), self.config.prefill_chunk_size)
-        mixed_chunks = self._pack(prefillers, room) if decoders and room > 0 else []
+            candidates.append(self._candidate((), chunks, starving))
+        room = min(self.config.capacities.largest(StepKind.MIXED) - len(decoders), self.config.prefill_chunk_size)
+        mixed_chunks = self._pack(prefillers, room) if decoders and room > 0 else ()
         if mixed_chunks:
-            tokens = len(decoders) + sum(end - start for _, start, end in mixed_chunks)
-            served = sum(r.request_id in starving for r in decoders)
-            served += sum(r.request_id in starving for r, _, _ in mixed_chunks)
-            options.append((Candidate(StepKind.MIXED, caps.covering(StepKind.MIXED, tokens), tokens, served),
-                            decoders, mixed_chunks))
+            candidates.append(self._candidate(decoders, mixed_chunks, starving))
+        return candidates
 
-        # The best candidate can come out empty when its requests cannot get pages; fall back.
-        for index in rank([candidate for candidate, _, _ in options], self.estimator):
-            _, chosen_decoders, chosen_chunks = options[index]
-            plan = self._issue(seq, restores, chosen_decoders, chosen_chunks)
-            if plan is not None:
-                return plan
-        return self._issue(seq, restores, [], []) if restores else None   # restores alone
+    def _candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
+                   starving: set[str] = frozenset()) -> CandidateStep:
+        """The step over `decoders` and `chunks`: its kind, the graph capacity that covers it,
+        its useful tokens and the starving requests it serves, each computed here once."""
+        tokens = len(decoders) + sum(c.end - c.start for c in chunks)
+        kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
+                else StepKind.PREFILL if chunks else StepKind.RESTORE)
+        capacity = 0 if kind is StepKind.RESTORE else self.config.capacities.covering(kind, tokens)
+        assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
+        served = sum(r.request_id in starving for r in decoders) + sum(c.request.request_id in starving
+                                                                       for c in chunks)
+        return CandidateStep(kind, capacity, tokens, served, decoders, chunks)
 
-    def _pack(self, prefillers: list[Request], budget: int) -> list[tuple[Request, int, int]]:
+    def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
         """Prompt chunks in submission order, filling `budget` tokens."""
         chunks = []
         for request in prefillers:
@@ -289,44 +342,100 @@ class Scheduler:
             end = chunk_end(request.num_computed, request.target, budget, self.config.page_tokens,
                             request.boundaries)
             if end is not None:
-                chunks.append((request, request.num_computed, end))
+                chunks.append(Chunk(request, request.num_computed, end))
                 budget -= end - request.num_computed
-        return chunks
+        return tuple(chunks)
 
-    def _issue(self, seq: int, restoring: list[Request], decoders: list[Request],
-               chunks: list[tuple[Request, int, int]]) -> StepPlan | None:
-        """Take pages for the chosen entries (dropping or shortening what cannot get them),
-        advance request state, and record the plan as in flight. None if the chosen work got
-        no pages at all, so the caller can try another candidate."""
-        # Requests restoring in this plan are protected from preemption like those in it.
-        included: dict[str, Request] = {r.request_id: r for r in restoring}
-        decodes = []
-        for request in decoders:
-            position = request.num_computed
-            if request.status is not RequestStatus.RUNNING or self._grow(request, position + 1, included) <= position:
+    def _reserve(self, candidate: CandidateStep, protected: set[str]) -> Reservation:
+        """Take the pages `candidate`'s entries need, oldest request first, without changing any
+        request: a decode runs only with the page for its position, a chunk is shortened to the
+        pages it got. An entry short of pages names younger running requests outside the step
+        as victims (preempted only if this reservation is committed), unless pages enough return
+        at the fences of steps in flight."""
+        reservation = Reservation()
+        page_tokens = self.config.page_tokens
+        granted = set(protected)
+        victims: dict[str, Request] = {}
+        deficit = 0
+
+        def take(request: Request, tokens: int) -> int:
+            """Pages toward covering [0, tokens) for `request`; returns the positions covered."""
+            nonlocal deficit
+            need = pages_for_tokens(tokens, page_tokens) - len(request.page_table)
+            pages = self._take_pages(need) if need > 0 else ()
+            if pages:
+                reservation.pages[request.request_id] = pages
+            if len(pages) < need:
+                deficit += need - len(pages)
+                self._choose_victims(request, deficit, granted, victims)
+            return (len(request.page_table) + len(pages)) * page_tokens
+
+        for request in candidate.decoders:
+            if request.request_id in victims:
                 continue
+            position = request.num_computed
+            if take(request, position + 1) > position:
+                reservation.decoders.append(request)
+                granted.add(request.request_id)
+        for chunk in candidate.chunks:
+            if chunk.request.request_id in victims:
+                continue
+            end = min(chunk.end, take(chunk.request, chunk.end))
+            if end > chunk.start:
+                reservation.chunks.append(Chunk(chunk.request, chunk.start, end))
+                granted.add(chunk.request.request_id)
+        reservation.victims = list(victims.values())
+        return reservation
+
+    def _take_pages(self, count: int) -> tuple[int, ...]:
+        """Up to `count` pages: free ones, then ones the prefix cache evicts, then ones held by
+        the prefix hits of blocked waiting requests."""
+        if not self._make_free(count):
+            self._drop_waiting_hits()
+            self._make_free(count)
+        return self.pages.allocate(min(count, self.pages.free_count))
+
+    def _choose_victims(self, request: Request, deficit: int, granted: set[str],
+                        victims: dict[str, Request]) -> None:
+        """Add younger running requests (youngest first, not in the step) to `victims` until
+        their pages, with those returning at in-flight fences, cover `deficit`."""
+        returning = self._pages_awaiting_fence() + sum(len(v.page_table) for v in victims.values())
+        for victim in reversed(self._live):
+            if returning >= deficit:
+                return
+            if (victim.status is RequestStatus.RUNNING and victim.order > request.order
+                    and victim.request_id not in granted and victim.request_id not in victims
+                    and victim.num_planned_samples < victim.max_tokens):
+                victims[victim.request_id] = victim
+                returning += len(victim.page_table)
+
+    def _give_back(self, reservation: Reservation) -> None:
+        for pages in reservation.pages.values():
+            self.pages.release_all(pages)
+
+    def _commit(self, seq: int, restoring: list[Request], reservation: Reservation) -> StepPlan:
+        """Issue `reservation` as plan `seq`: preempt its victims, append its pages, advance its
+        requests' state and record the plan as in flight."""
+        for victim in reservation.victims:
+            self._preempt(victim)
+        for request_id, pages in reservation.pages.items():
+            request = self._requests[request_id]
+            request.page_table += pages
+        decodes = []
+        for request in reservation.decoders:
+            position = request.num_computed
             decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.page_table))
             request.num_computed += 1
             request.num_planned_samples += 1
-            included[request.request_id] = request
-
         prefills = []
-        for request, start, end in chunks:
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            end = min(end, self._grow(request, end, included))
-            if end <= start:
-                continue
+        for chunk in reservation.chunks:
+            request, start, end = chunk.request, chunk.start, chunk.end
             samples = end == request.target
             targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
             prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
                                          request.page_table, samples, self._reserve_save(request, end), targets))
             request.num_computed = end
             request.num_planned_samples += samples
-            included[request.request_id] = request
-
-        if (decoders or chunks) and not (decodes or prefills):
-            return None
         restores = []
         for request in restoring:
             restore = request.restore
@@ -336,30 +445,20 @@ class Scheduler:
                 request.num_planned_samples += 1
             request.restore = None
 
-        caps = self.config.capacities
-        prompt_tokens = sum(p.end - p.start for p in prefills)
-        if decodes and prefills:
-            kind, capacity = StepKind.MIXED, caps.covering(StepKind.MIXED, len(decodes) + prompt_tokens)
-        elif decodes:
-            kind, capacity = StepKind.DECODE, caps.covering(StepKind.DECODE, len(decodes))
-        elif prefills:
-            kind, capacity = StepKind.PREFILL, caps.covering(StepKind.PREFILL, prompt_tokens)
-        else:
-            kind, capacity = StepKind.RESTORE, 0
-        assert capacity is not None
-        plan = StepPlan(seq, kind, capacity, tuple(restores), tuple(decodes), tuple(prefills),
-                        self.estimator.estimate(kind, capacity))
-
+        step = self._candidate(tuple(reservation.decoders), tuple(reservation.chunks))
+        plan = StepPlan(seq, step.kind, step.capacity, tuple(restores), tuple(decodes), tuple(prefills),
+                        self.estimator.estimate(step.kind, step.capacity))
+        members = {r.request_id: r for r in [*restoring, *reservation.decoders,
+                                             *(c.request for c in reservation.chunks)]}
         for request in self._live:
-            if request.request_id in included:
+            if request.request_id in members:
                 request.last_served_seq = seq
                 request.waited_s = 0.0
             elif request.status is RequestStatus.RUNNING:
                 request.waited_s += plan.estimated_s
-        members = list(included.values())
-        for request in members:
+        for request in members.values():
             request.in_flight += 1
-        self._in_flight.append((plan, members))
+        self._in_flight.append((plan, list(members.values())))
         self._next_seq += 1
         return plan
 
@@ -482,27 +581,6 @@ class Scheduler:
         if self.pages.free_count < count and self.prefix is not None:
             self.prefix.evict_pages(count)
         return self.pages.free_count >= count
-
-    def _grow(self, request: Request, tokens: int, protected: dict[str, Request]) -> int:
-        """Extend the page table toward covering positions [0, tokens), preempting younger
-        running requests if needed; returns the number of positions covered afterwards."""
-        page_tokens = self.config.page_tokens
-        need = pages_for_tokens(tokens, page_tokens) - len(request.page_table)
-        while need > 0 and not self._make_free(need):
-            deficit = need - self.pages.free_count
-            if self._pages_awaiting_fence() >= deficit:
-                break   # enough returns at the next completions; preempting more would waste work
-            victim = next((r for r in reversed(self._live) if r.status is RequestStatus.RUNNING
-                           and r.order > request.order and r.request_id not in protected
-                           and r.num_planned_samples < r.max_tokens), None)
-            if victim is not None:
-                self._preempt(victim)
-            elif not self._drop_waiting_hits():
-                break
-        take = min(max(need, 0), self.pages.free_count)
-        if take:
-            request.page_table += self.pages.allocate(take)
-        return len(request.page_table) * page_tokens
 
     def _pages_awaiting_fence(self) -> int:
         return sum(len(r.page_table) for r in self._live
