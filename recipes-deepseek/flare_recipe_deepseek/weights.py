@@ -8,9 +8,9 @@ has no such layer, so nothing asks for those tensors and they are never read. Th
 
 * `self_attn.w_uk` = kv_b_proj rows of the no-rope key part, per head: [H, nope, kv_lora_rank]
 * `self_attn.w_uv` = kv_b_proj rows of the value part, per head, transposed: [H, kv_lora_rank, v]
-* `...gate_up_proj.weight` = cat(gate_proj, up_proj) (dense layers and shared experts)
-* `mlp.experts.gate_up_proj` = stack over experts of cat(gate_proj, up_proj): [E, 2I, hidden]
-* `mlp.experts.down_proj`    = stack over experts of down_proj: [E, hidden, I]
+* the fused and packed tensors `flare_core.ops.weights` declares: `gate_up_proj` (dense layers
+  and shared experts), `mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj`
+  [E, hidden, I];
 * everything else keeps its name.
 
 fp8 block-quantized checkpoints (the published DeepSeek-V3 / V3.1 / Kimi K2 weights) are
@@ -32,6 +32,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor
 
+from flare_core.ops.weights import prepare_weights
 from flare_recipe_deepseek.fp8 import FP8_DTYPES, SUPPORTED, Fp8Blocks, Fp8ConfigError, dequantize, fp8_blocks, \
     scale_name
 from flare_recipe_deepseek.modeling import build_model
@@ -47,38 +48,17 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
     except Fp8ConfigError as exc:
         raise ValueError(f"config.json {exc}") from exc
     source = _Source(checkpoint, blocks)
-    for name, target in build_model(config, dtype).state_dict().items():
-        yield name, _prepare(name, source, config, target.dtype).contiguous()
 
-
-def _prepare(name: str, source: "_Source", config: Any, dtype: torch.dtype) -> Tensor:
-    prefix, _, leaf = name.rpartition(".mlp.experts.")
-    if leaf in ("gate_up_proj", "down_proj"):
-        parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-        return _experts(name, source, [[f"{prefix}.mlp.experts.{e}.{part}.weight" for part in parts]
-                                       for e in range(config.n_routed_experts)], dtype)
-    if name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv"):
+    def absorbed(name: str, dtype: torch.dtype) -> Tensor | None:
+        """MLA's absorbed up-projections, split from kv_b_proj; None for every other tensor."""
+        if not (name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv")):
+            return None
         kv_b_proj = source.take(name.rpartition(".")[0] + ".kv_b_proj.weight", name, torch.float32)
         w_uk, w_uv = split_kv_b_proj(kv_b_proj, config)
         return (w_uk if name.endswith("w_uk") else w_uv).to(dtype)
-    if name.endswith(".gate_up_proj.weight"):
-        base = name.removesuffix("gate_up_proj.weight")
-        return torch.cat([source.take(f"{base}{part}_proj.weight", name, dtype) for part in ("gate", "up")])
-    return source.take(name, name, dtype)
 
-
-def _experts(target: str, source: "_Source", names: list[list[str]], dtype: torch.dtype) -> Tensor:
-    """Stack over experts of cat(each expert's `names`), filled expert by expert."""
-    out = None
-    for e, parts in enumerate(names):
-        expert = torch.cat([source.take(part, target, dtype) for part in parts])
-        if out is None:
-            out = torch.empty((len(names), *expert.shape), dtype=dtype)
-        elif tuple(expert.shape) != tuple(out.shape[1:]):
-            raise ValueError(f"checkpoint tensors {', '.join(map(repr, parts))} have shape {tuple(expert.shape)} "
-                             f"together; expert 0 has {tuple(out.shape[1:])} (for prepared tensor {target!r})")
-        out[e] = expert
-    return out
+    yield from prepare_weights(build_model(config, dtype), source.take, num_experts=config.n_routed_experts,
+                               special=absorbed)
 
 
 def split_kv_b_proj(kv_b_proj: Tensor, config: Any) -> tuple[Tensor, Tensor]:

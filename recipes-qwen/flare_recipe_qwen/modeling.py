@@ -2,10 +2,10 @@
 
 The Transformers model is built on the meta device from the config; its embeddings, decoder
 layers, norms and MoE blocks are reused as they are. Only what serving changes is replaced:
-attention becomes `QwenPagedAttention` (fused `qkv_proj`, the original q/k norms and `o_proj`,
-`PagedAttention` over the runtime cache) and each dense MLP becomes `FusedGatedMLP` (fused
-`gate_up_proj`). Prepared tensor names are the Transformers names, with those fused tensors in
-place of their parts (see `flare_recipe_qwen.weights`).
+attention becomes core's `FusedQKVAttention` (fused `qkv_proj`, the original q/k norms and
+`o_proj`, `PagedAttention` over the runtime cache) and each dense MLP becomes `FusedGatedMLP`
+(fused `gate_up_proj`). Prepared tensor names are the Transformers names, with those fused
+tensors in place of their parts (declared in `flare_core.ops.weights`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from flare_core.ops.attention import ForwardContext, PagedAttention
+from flare_core.ops.gqa import FusedQKVAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
 
@@ -28,40 +27,6 @@ _CLASSES = {
     "qwen3_moe": (modeling_qwen3_moe.Qwen3MoeForCausalLM, modeling_qwen3_moe.Qwen3MoeAttention,
                   (modeling_qwen3_moe.Qwen3MoeMLP,), modeling_qwen3_moe.Qwen3MoeRotaryEmbedding),
 }
-
-
-class QwenPagedAttention(nn.Module):
-    """Qwen3 attention over the paged cache: fused QKV projection, per-head RMSNorm on q and k,
-    rotary embedding, paged attention, output projection. Called by the Transformers decoder
-    layer, which passes the forward context through its keyword arguments."""
-
-    def __init__(self, original: nn.Module, config: Any, layer_idx: int):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = original.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
-                                  bias=False)
-        self.q_norm = original.q_norm
-        self.k_norm = original.k_norm
-        self.o_proj = original.o_proj
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)
-
-    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], context: ForwardContext,
-                **_: Any) -> tuple[Tensor, None]:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
-            dim=-1)
-        q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = position_embeddings
-        q, k = modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        out = self.attn(q, k, v, context)
-        return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
 
 
 def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
@@ -76,7 +41,8 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
             if not isinstance(layer.self_attn, attention_class):
                 raise ValueError(f"{causal_lm_class.__name__} layer {layer_idx}: unexpected attention module "
                                  f"{type(layer.self_attn).__name__}")
-            layer.self_attn = QwenPagedAttention(layer.self_attn, config, layer_idx)
+            layer.self_attn = FusedQKVAttention(layer.self_attn, config, layer_idx,
+                                                modeling_qwen3.apply_rotary_pos_emb, qk_norm=True)
             if isinstance(layer.mlp, dense_mlp_classes):
                 layer.mlp = FusedGatedMLP(config.hidden_size, layer.mlp.intermediate_size, layer.mlp.act_fn)
     causal_lm.to(dtype)

@@ -3,8 +3,9 @@
 The Transformers model stays the definition of the architecture. We build it on the meta
 device (no memory), keep its embeddings, decoder layers and norms, and replace two modules:
 
-* each layer's `self_attn` by `LlamaPagedAttention`: one fused `qkv_proj`, rotary embedding,
-  `flare_core.ops.attention.PagedAttention` over the runtime cache, the original `o_proj`;
+* each layer's `self_attn` by core's `FusedQKVAttention`: one fused `qkv_proj`, Llama's rotary
+  embedding, `flare_core.ops.attention.PagedAttention` over the runtime cache, the original
+  `o_proj`;
 * each layer's `mlp` by `FusedGatedMLP`: one fused `gate_up_proj`, the original activation.
 
 The decoder layers pass unknown keyword arguments on to `self_attn`, which is how the Flare
@@ -16,14 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from flare_core.contract import ContractError
-from flare_core.ops.attention import ForwardContext, PagedAttention
+from flare_core.ops.gqa import FusedQKVAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing, check_rope_type
-
 
 
 def check_config(config: Any) -> None:
@@ -37,39 +36,13 @@ def check_config(config: Any) -> None:
     check_rope_type(config)
 
 
-class LlamaPagedAttention(nn.Module):
-    def __init__(self, original: nn.Module, config: Any, layer_idx: int):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = original.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
-                                  bias=False)
-        self.o_proj = original.o_proj
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)
-
-    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], context: ForwardContext,
-                **_: Any) -> tuple[Tensor, None]:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])  # [tokens, hidden]: the flattened batch
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = position_embeddings  # [tokens, head_dim]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        out = self.attn(q, k, v, context)
-        return self.o_proj(out.reshape(x.shape[0], -1)).reshape(shape), None  # layers unpack (output, weights)
-
-
 def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
     """Parameters on the meta device in `dtype`; the rotary buffers (not part of the prepared
     weights) are built on the CPU so they are real after loading."""
     with torch.device("meta"):
         causal_lm = LlamaForCausalLM(config)
         for layer_idx, layer in enumerate(causal_lm.model.layers):
-            layer.self_attn = LlamaPagedAttention(layer.self_attn, config, layer_idx)
+            layer.self_attn = FusedQKVAttention(layer.self_attn, config, layer_idx, apply_rotary_pos_emb)
             layer.mlp = FusedGatedMLP(config.hidden_size, config.intermediate_size, layer.mlp.act_fn)
     causal_lm.to(dtype)
     with torch.device("cpu"):
