@@ -1,6 +1,7 @@
-"""The eager reference executor: runs a scheduler StepPlan through the model with plain-torch
-paged attention. It is the numerical reference for the GPU graph path and what `--device cpu`
-serves with; it is never a silent fallback for the graph path."""
+"""The eager executor: runs a scheduler StepPlan through the model, step by step, with no
+captured graphs. With plain-torch paged attention it is the numerical reference for the GPU
+path and what `--device cpu` serves with. The CUDA executor (flare_core.executor.graphs) holds
+one with FlashInfer attention (`plan_attention`) for the steps its graphs do not cover."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import dataclasses
 
 import torch
 
+from collections.abc import Callable, Sequence
+
 from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage
-from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.attention import AttentionBackend, AttentionBatch, ForwardContext
 from flare_core.ops.sampling import PenaltyBook, PromptScores, SampleOutput, Sampler, StepSampling
 from flare_core.runtime.types import MAX_TOP_LOGPROBS
 from flare_core.ops.transfer import to_device
 from flare_core.scheduler import StepPlan
+
+
+# One row of a step (decodes first, then prompt chunks): (new tokens, cached tokens before, pages).
+Sequences = list[tuple[int, int, Sequence[int]]]
 
 
 class EagerExecutor:
@@ -24,8 +31,12 @@ class EagerExecutor:
 
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
                  num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
-                 device: torch.device, seed: int = 0):
+                 device: torch.device, seed: int = 0,
+                 plan_attention: Callable[[Sequences], AttentionBackend] | None = None):
+        """`plan_attention(sequences)` plans a kernel backend for a step's rows and returns it;
+        None: plain-torch attention (the reference)."""
         self.model = model
+        self._plan_attention = plan_attention
         self.scheme = scheme
         self.page_tokens = page_tokens
         self.device = device
@@ -52,6 +63,13 @@ class EagerExecutor:
     def _allocate_storage(self, num_pages: int) -> dict[str, list[torch.Tensor]]:
         return allocate_cache_storage(self.scheme, num_pages, self.page_tokens, self.device,
                                       num_rows=self.num_rows if self.scheme.state else 0)
+
+    def replace_storage(self, num_pages: int) -> None:
+        """Free the cache storage, then allocate one of `num_pages` pages (start-up sizing)."""
+        self.storage = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.storage = self._allocate_storage(num_pages)
 
     def storage_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layers in self.storage.values() for t in layers) + \
@@ -101,9 +119,9 @@ class EagerExecutor:
 
         if not plan.decodes and not plan.prefills:
             return (torch.stack(restored_logits) if restored_logits else self.logits_store[:0]), ()
-        self._start_chunks(plan)
+        self.start_chunks(plan)
         logits, scores = self._scores(plan, self._forward(plan))
-        rows = self._finish_chunks(plan, logits)
+        rows = self.finish_chunks(plan, logits)
         # Indexing with a host list would copy it synchronously (the host would wait for the step).
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(rows, torch.int64, self.device))
@@ -135,7 +153,7 @@ class EagerExecutor:
             last_rows.append(row - 1)
         return logits.index_select(0, to_device(last_rows, torch.int64, self.device)), tuple(scores)
 
-    def _start_chunks(self, plan: StepPlan) -> None:
+    def start_chunks(self, plan: StepPlan) -> None:
         """A fresh request (a chunk at position 0) starts from zeroed continuation state."""
         for chunk in plan.prefills:
             if chunk.start == 0:
@@ -143,7 +161,7 @@ class EagerExecutor:
                     for layer in self.storage[name]:
                         layer[chunk.handle.slot].zero_()
 
-    def _finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
+    def finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
         """Take the checkpoints the chunks save (`logits`: the step's rows, decodes first); return
         the rows that sample (each decode, then each chunk that ends its prompt)."""
         rows = list(range(len(plan.decodes)))
@@ -155,7 +173,7 @@ class EagerExecutor:
                 rows.append(row)
         return rows
 
-    def _sequences(self, plan: StepPlan) -> list[tuple[int, int, tuple[int, ...]]]:
+    def _sequences(self, plan: StepPlan) -> Sequences:
         """(new tokens, cached tokens before, pages) per row: decodes first, then prefill chunks."""
         sequences = [(1, e.position, e.page_table[:e.position // self.page_tokens + 1]) for e in plan.decodes]
         sequences += [(c.end - c.start, c.start, c.page_table[:-(-c.end // self.page_tokens)]) for c in plan.prefills]
@@ -175,9 +193,12 @@ class EagerExecutor:
         return ids
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of every row of the step (each decode, then each prefill chunk's last token)."""
-        batch = AttentionBatch.build(self._sequences(plan), self.page_tokens, self.device, self._every_row(plan))
-        return self.model(self._input_ids(plan), batch.positions(), ForwardContext(batch, self.storage))
+        """Logits of every row of the step (each decode, then each prefill chunk's last token;
+        every token of a chunk that scores its prompt)."""
+        sequences = self._sequences(plan)
+        batch = AttentionBatch.build(sequences, self.page_tokens, self.device, self._every_row(plan))
+        attention = self._plan_attention(sequences) if self._plan_attention is not None else None
+        return self.model(self._input_ids(plan), batch.positions(), ForwardContext(batch, self.storage, attention))
 
     def _save(self, chunk, logits_row: torch.Tensor) -> None:
         save = chunk.save

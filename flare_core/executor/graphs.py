@@ -38,7 +38,8 @@ from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import compile_layers
-from flare_core.ops.sampling import SampleOutput, StepSampling, penalise, row_columns, sample_rows, window
+from flare_core.ops.sampling import (PromptScores, SampleOutput, StepSampling, penalise, row_columns, sample_rows,
+                                     window)
 from flare_core.ops.transfer import to_device, upload
 from flare_core.scheduler import StepPlan
 
@@ -72,20 +73,44 @@ class _FencedPlan:
         return self.backend.run_mla(*args)
 
 
-# A graph's per-row inputs arrive in two blocks, one host-to-device copy each per step. Rows of
-# the int64 block [INT_ROWS, rows]: for a decode graph, the tokens the host knows and whether a
-# row reads its token from the step before on the device instead (a prefill graph's rows are its
-# requests: the first row holds the flattened index of each one's last token, whose logits it
-# gets); then every graph's rows' request slots, positions and cache slots (decode), the sampling
-# columns (top-k, seeds, steps, seeded) and the unseeded key (column 0).
-(_IDS, _FROM_DEVICE, _ROW_SLOTS, _POSITIONS, _CACHE_SLOTS, _TOP_K, _SEEDS, _STEPS, _SEEDED, _KEY) = range(10)
-_LOGITS_ROWS = _IDS
-INT_ROWS = 10
-# Rows of the float32 block: temperature, top-p, min-p, repetition, frequency and presence
-# penalties, and their values on rows that sample without them (padding, greedy steps).
-_FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
-# A prefill graph's token block [3, capacity]: token ids, positions, cache slots.
-_TOKEN_ROWS = 3
+class _Inputs:
+    """Named rows of one device tensor [rows, width] that a captured graph reads: the host fills
+    them all in one upload per step (one copy from pinned memory), the graph holds views
+    (`block["positions"]`) whose addresses never change."""
+
+    def __init__(self, defaults: dict[str, int | float], width: int, dtype: torch.dtype, device: torch.device):
+        self.defaults = defaults
+        self.tensor = torch.tensor([[value] * width for value in defaults.values()], dtype=dtype, device=device)
+        self._rows = {name: index for index, name in enumerate(defaults)}
+
+    @property
+    def width(self) -> int:
+        return self.tensor.shape[1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensor[self._rows[name]]
+
+    def upload(self, rows: dict[str, list]) -> None:
+        """Set every row: those named in `rows`, the others to their defaults."""
+        upload(self.tensor, [rows[name] if name in rows else [default] * self.width
+                             for name, default in self.defaults.items()])
+
+
+# A graph's integer inputs, one column per row of the graph (a decode graph's rows are its decode
+# rows; a prefill graph's rows are its requests). `ids`: the tokens the host knows; `from_device`:
+# the row reads its token from the step before, on the device, instead; `logits_rows` (prefill):
+# the flattened index of each request's last token, whose logits the row gets; `row_slots`: the
+# row's request slot (the scratch row for padding); `positions` and `cache_slots` (decode); then
+# the sampling columns and the unseeded key (column 0).
+INT_INPUTS = ("ids", "from_device", "logits_rows", "row_slots", "positions", "cache_slots",
+              "top_k", "seeds", "steps", "seeded", "key")
+SAMPLING_INTS = ("top_k", "seeds", "steps", "seeded")  # the order of row_columns' ints
+# The float inputs (sampling and penalties, in row_columns' order) and their values on rows that
+# sample without them (padding, greedy steps).
+FLOAT_INPUTS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition": 1.0, "frequency": 0.0,
+                "presence": 0.0}
+# A prefill graph's inputs per token: token ids, positions, cache slots.
+TOKEN_INPUTS = ("ids", "positions", "cache_slots")
 
 # The candidate window of the windowed sampler: steps whose rows keep their rank filters exact
 # within the 64 most probable tokens (top-k <= 64, and no top-p without a top-k) sample with one
@@ -116,7 +141,7 @@ class _Samplers:
 
 @dataclass
 class _Graph:
-    """The graphs of one capacity of the catalog: the forward (input blocks -> logits) and its
+    """The graphs of one capacity of the catalog: the forward (inputs -> logits) and its
     samplers. A decode graph's rows are its `capacity` decode rows, whose tokens come in `ints`.
     A prefill graph holds `capacity` prompt tokens (`tokens_in`) from up to `requests - 1`
     requests; its rows are the requests, the last one (and any unused ones) padding: it owns the
@@ -126,22 +151,27 @@ class _Graph:
     capacity: int
     forward: torch.cuda.CUDAGraph
     samplers: _Samplers
-    ints: torch.Tensor
-    floats: torch.Tensor
+    ints: _Inputs
+    floats: _Inputs
     logits: torch.Tensor
     attention: _FencedPlan
     # A captured graph reads raw addresses and does not keep its inputs alive: hold every tensor
     # the capture read (e.g. the logits row indices) for as long as the graph may replay.
     context: ForwardContext
-    tokens_in: torch.Tensor | None = None
+    tokens_in: _Inputs | None = None
     replays: int = 0
 
     @property
     def requests(self) -> int:
-        return self.ints.shape[1]
+        return self.ints.width
 
 
-class GraphExecutor(EagerExecutor):
+class GraphExecutor:
+    """Replays a captured graph where one covers the step (decode-only or prefill-only, no
+    restores, no prompt scores), and otherwise runs the step on its eager executor with
+    FlashInfer attention (`eager`): one explicit choice per step, in `_graph_for`. Both share
+    the eager executor's cache storage, token and penalty histories and sampler."""
+
     frames_in_flight = 2
 
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
@@ -149,24 +179,26 @@ class GraphExecutor(EagerExecutor):
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
                  prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
                  triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
+        self.model, self.device, self.page_tokens, self.vocab_size = model, device, page_tokens, vocab_size
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
-        super().__init__(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens, num_rows=num_rows,
-                         num_snapshot_slots=num_snapshot_slots, num_logits_slots=num_logits_slots,
-                         vocab_size=vocab_size, device=device, seed=seed)
-        self.scratch_page = num_pages
-        self.scratch_row = num_rows  # the extra row of `last_sampled` padding rows write to
+        self.eager = EagerExecutor(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens,
+                                   num_rows=num_rows, num_snapshot_slots=num_snapshot_slots,
+                                   num_logits_slots=num_logits_slots, vocab_size=vocab_size, device=device,
+                                   seed=seed, plan_attention=self._plan_prefill)
+        self.penalties = self.eager.penalties
         first_store = next(iter(self.storage.values()))
         dtype = first_store[0].dtype if first_store else next(model.parameters()).dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.kernels = kernels_for(model, self.workspace, page_tokens, dtype)
         self.scale = self.kernels.scale
         self.prefill_attention = _FencedPlan(self.kernels.prefill())
+        self.scratch_page = num_pages
+        self.scratch_row = num_rows  # the extra row of `last_sampled` padding rows write to
         self._pages_per_context = -(-context_length // page_tokens)
         # The capacity-1 decode graph (one request decoding) attends through the Triton kernels of
         # flare_core.ops.decode_attention where the model's shape allows, unless `triton_attention`
         # is off; wider batches keep FlashInfer's decode.
         self._triton_rows = 1 if triton_attention and self.kernels.triton_decode else 0
-        self.vocab_size = vocab_size
         self.compile_s = 0.0
         # Inside the graphs, Inductor fuses the windowed sampler's passes over the [rows, vocab]
         # logits. The full-vocabulary samplers are dominated by their sort and run as they are.
@@ -194,6 +226,10 @@ class GraphExecutor(EagerExecutor):
         # What compilation, warm-up and the graphs' memory pool took beyond the cache storage.
         self.graph_bytes = torch.cuda.memory_reserved(device) - reserved
 
+    @property
+    def storage(self) -> dict[str, list[torch.Tensor]]:
+        return self.eager.storage
+
     def summary(self) -> str:
         """How this executor runs steps and what it compiled and captured, for the startup log."""
         compiled = f"torch.compile {self.compile_s:.1f} s, " if self.compile_s else "not compiled, "
@@ -210,11 +246,19 @@ class GraphExecutor(EagerExecutor):
         compilation, the graphs and the largest prompt chunk leave free."""
         self.decode_graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
         self.prefill_graphs.clear()
-        self.storage = None
-        torch.cuda.synchronize(self.device)
-        self.storage = self._allocate_storage(num_pages + 1)
+        self.eager.replace_storage(num_pages + 1)
         self.scratch_page = num_pages
         self._capture()
+
+    def record_sampled(self, slots: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
+        self.eager.record_sampled(slots, tokens, penalised)
+
+    def _plan_prefill(self, sequences) -> _FencedPlan:
+        """FlashInfer paged prefill planned for an eager step's rows (decodes are one-token rows)."""
+        layout = PagedLayout.from_requests([c + n for n, c, _ in sequences], [n for n, _, _ in sequences],
+                                           [pages for _, _, pages in sequences], self.page_tokens)
+        self.prefill_attention.plan(layout, self.scale)
+        return self.prefill_attention
 
     # ---- compile and capture ---------------------------------------------------------------
 
@@ -235,9 +279,7 @@ class GraphExecutor(EagerExecutor):
         """Run the prefill path once over `tokens` scratch-page tokens (nothing live is touched)."""
         pages = [self.scratch_page] * -(-tokens // self.page_tokens)
         batch = AttentionBatch.build([(tokens, 0, pages)], self.page_tokens, self.device)
-        self.prefill_attention.plan(PagedLayout.from_requests([tokens], [tokens], [pages], self.page_tokens),
-                                    self.scale)
-        context = ForwardContext(batch, self.storage, self.prefill_attention)
+        context = ForwardContext(batch, self.storage, self._plan_prefill([(tokens, 0, pages)]))
         self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
 
     def _scratch_layout(self, rows: int) -> PagedLayout:
@@ -261,27 +303,31 @@ class GraphExecutor(EagerExecutor):
         log.info("captured CUDA graphs", decode_capacities=sorted(self.decode_graphs),
                  prefill_capacities=sorted(self.prefill_graphs), seconds=round(self.capture_s, 2))
 
+    def _int_inputs(self, width: int) -> _Inputs:
+        defaults = dict.fromkeys(INT_INPUTS, 0)
+        defaults.update(row_slots=self.scratch_row, cache_slots=self.scratch_page * self.page_tokens)
+        return _Inputs(defaults, width, torch.int64, self.device)
+
     def _capture_decode(self, capacity: int, pool) -> _Graph:
         device = self.device
         attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1),
                                                     triton=capacity <= self._triton_rows))
-        ints = torch.zeros(INT_ROWS, capacity, dtype=torch.int64, device=device)
-        ints[_ROW_SLOTS] = self.scratch_row
-        ints[_CACHE_SLOTS] = self.scratch_page * self.page_tokens
-        floats = self._default_floats(capacity)
+        ints = self._int_inputs(capacity)
+        floats = _Inputs(FLOAT_INPUTS, capacity, torch.float32, device)
         batch = AttentionBatch(
             query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
             kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
             page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
-            slot_mapping=ints[_CACHE_SLOTS], logits_indices=torch.arange(capacity, device=device),
+            slot_mapping=ints["cache_slots"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
             kv_lens_host=(1,) * capacity)
         context = ForwardContext(batch, self.storage, attention)
         attention.plan(self._scratch_layout(capacity), self.scale)
+        last_sampled = self.eager.last_sampled
 
         def forward() -> torch.Tensor:
-            ids = torch.where(ints[_FROM_DEVICE] != 0, self.last_sampled[ints[_ROW_SLOTS]], ints[_IDS])
-            return self.model(ids, ints[_POSITIONS], context)
+            ids = torch.where(ints["from_device"] != 0, last_sampled[ints["row_slots"]], ints["ids"])
+            return self.model(ids, ints["positions"], context)
 
         forward_graph, logits = self._captured(forward, pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
@@ -294,53 +340,51 @@ class GraphExecutor(EagerExecutor):
         pad_pages = -(-capacity // self.page_tokens)
         attention = _FencedPlan(self.kernels.prefill(
             graph=(requests, (requests - 1) * self._pages_per_context + pad_pages + requests)))
-        tokens_in = torch.zeros(_TOKEN_ROWS, capacity, dtype=torch.int64, device=device)
-        tokens_in[2] = self.scratch_page * self.page_tokens
-        ints = torch.zeros(INT_ROWS, requests, dtype=torch.int64, device=device)
-        ints[_ROW_SLOTS] = self.scratch_row
-        ints[_LOGITS_ROWS] = capacity - 1
-        floats = self._default_floats(requests)
+        tokens_in = _Inputs({"ids": 0, "positions": 0, "cache_slots": self.scratch_page * self.page_tokens},
+                            capacity, torch.int64, device)
+        ints = self._int_inputs(requests)
+        ints["logits_rows"].fill_(capacity - 1)
+        floats = _Inputs(FLOAT_INPUTS, requests, torch.float32, device)
         # Only slot_mapping and logits_indices are read on the FlashInfer path; the rest describes
         # the capture's layout (all tokens in the padding request).
         batch = AttentionBatch(
             query_start=torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
             kv_lens=torch.tensor([capacity] + [1] * (requests - 1), dtype=torch.int32, device=device),
             page_table=torch.full((requests, 1), self.scratch_page, dtype=torch.int32, device=device),
-            slot_mapping=tokens_in[2], logits_indices=ints[_LOGITS_ROWS], page_tokens=self.page_tokens,
+            slot_mapping=tokens_in["cache_slots"], logits_indices=ints["logits_rows"], page_tokens=self.page_tokens,
             query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1))
         context = ForwardContext(batch, self.storage, attention)
         attention.plan(self._prefill_layout((), capacity, requests), self.scale)
-        forward_graph, logits = self._captured(lambda: self.model(tokens_in[0], tokens_in[1], context), pool)
+        forward_graph, logits = self._captured(
+            lambda: self.model(tokens_in["ids"], tokens_in["positions"], context), pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
         return _Graph("prefill", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
                       tokens_in)
 
-    def _default_floats(self, rows: int) -> torch.Tensor:
-        return torch.tensor([[value] * rows for value in _FLOAT_DEFAULTS], dtype=torch.float32, device=self.device)
-
-    def _capture_samplers(self, logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, pool) -> _Samplers:
-        slots = ints[_ROW_SLOTS]
+    def _capture_samplers(self, logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool) -> _Samplers:
+        slots = ints["row_slots"]
         vocab = logits.shape[-1]
+        penalties, last_sampled = self.penalties, self.eager.last_sampled
         # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
         # the tokens must survive the replays of other graphs until the engine has read them.
         tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device)
 
         def recorded(sampled: torch.Tensor) -> torch.Tensor:
             tokens.copy_(sampled)
-            self.last_sampled.index_put_((slots,), sampled)
+            last_sampled.index_put_((slots,), sampled)
             return tokens
 
         def sampled(working: torch.Tensor, sample, candidates: int) -> torch.Tensor:
             return recorded(sample(
-                working, temperature=floats[0], top_k=ints[_TOP_K], top_p=floats[1], min_p=floats[2],
-                seeds=ints[_SEEDS], steps=ints[_STEPS], seeded=ints[_SEEDED] != 0, unseeded_seed=ints[_KEY, 0],
-                candidates=candidates))
+                working, temperature=floats["temperature"], top_k=ints["top_k"], top_p=floats["top_p"],
+                min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"] != 0,
+                unseeded_seed=ints["key"][0], candidates=candidates))
 
         def penalised() -> torch.Tensor:
-            working = penalise(logits, self.penalties.in_prompt[slots], self.penalties.output_counts[slots],
-                               floats[3], floats[4], floats[5])
+            working = penalise(logits, penalties.in_prompt[slots], penalties.output_counts[slots],
+                               floats["repetition"], floats["frequency"], floats["presence"])
             chosen = sampled(working, sample_rows, vocab)
-            self.penalties.record(slots, chosen)  # the histories of the rows that have penalties
+            penalties.record(slots, chosen)  # the histories of the rows that have penalties
             return chosen
 
         graphs = [self._captured(fn, pool)[0] for fn in (
@@ -366,9 +410,10 @@ class GraphExecutor(EagerExecutor):
     # ---- steps -----------------------------------------------------------------------------
 
     def _graph_for(self, plan: StepPlan) -> _Graph | None:
-        """The smallest captured graph that covers a decode-only or prefill-only step, if any.
-        Steps that score prompts need logits at every token of some chunks: none does."""
-        if (plan.prefills and plan.decodes) or self.scores_prompt(plan):
+        """The smallest captured graph that covers the step, or None: the step runs eagerly.
+        Graphs cover decode-only and prefill-only steps; steps that mix the two, restore prefix
+        checkpoints first, or score prompts (logits at every token of some chunks) run eagerly."""
+        if (plan.prefills and plan.decodes) or plan.restores or EagerExecutor.scores_prompt(plan):
             return None
         if plan.prefills:
             tokens = sum(c.end - c.start for c in plan.prefills)
@@ -376,21 +421,15 @@ class GraphExecutor(EagerExecutor):
         rows = len(plan.decodes)
         return next((self.decode_graphs[c] for c in sorted(self.decode_graphs) if c >= rows), None)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        graph = self._graph_for(plan)
-        if graph is None:
-            return self._forward_prefill(plan)
-        self._replay(graph, plan, None)
-        return graph.logits[:len(plan.decodes) + len(plan.prefills)]
-
     @torch.inference_mode()
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
+        """Run `plan` and sample it (see EagerExecutor.step), replaying graphs where one covers it."""
         graph = self._graph_for(plan)
-        if graph is None or sampling is None or plan.restores:
-            return super().step(plan, sampling)
-        self._start_chunks(plan)
-        self._replay(graph, plan, sampling)
-        rows = self._finish_chunks(plan, graph.logits)
+        if graph is None:
+            return self.eager.step(plan, sampling)
+        rows = self._replay(graph, plan, sampling)
+        if sampling is None:  # the step samples nothing: prompt chunks that do not end their prompts
+            return None
         if self._copied is not None:
             # The samplers rewrite the tokens buffer the copy stream may still be reading for an
             # earlier step of this graph; the forward is already queued ahead of this wait.
@@ -398,13 +437,30 @@ class GraphExecutor(EagerExecutor):
         graph.samplers.for_step(sampling, self.vocab_size).replay()
         # Views of the graph's buffers: valid until this graph's next replay, which is enqueued
         # after everything the engine enqueues on them (host copies, logprobs).
-        logits, tokens = graph.logits, graph.samplers.tokens
+        logits, tokens = self._rows(graph.logits, rows), self._rows(graph.samplers.tokens, rows)
+        return self.eager.sampler.with_logprobs(logits, tokens, sampling.logprobs, sampling.top_logprobs)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [len(plan.samples), vocab] of `plan` in `plan.samples` order (see EagerExecutor.run)."""
+        graph = self._graph_for(plan)
+        if graph is None:
+            return self.eager.run(plan)
+        return self._rows(graph.logits, self._replay(graph, plan, None))
+
+    @torch.inference_mode()
+    def run_scored(self, plan: StepPlan) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
+        """`run`, and the prompt scores of the chunks that carry prompt targets (always eager)."""
+        if self._graph_for(plan) is None:
+            return self.eager.run_scored(plan)
+        return self.run(plan), ()
+
+    def _rows(self, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(len(rows))):
-            logits, tokens = logits[:len(rows)], tokens[:len(rows)]
-        else:  # prompt chunks that do not end their prompts sit between those that do
-            index = to_device(rows, torch.int64, self.device)
-            logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
-        return self.sampler.with_logprobs(logits, tokens, sampling.logprobs, sampling.top_logprobs)
+            return values[:len(rows)]
+        # Prompt chunks that do not end their prompts sit between those that do; indexing with a
+        # host list would copy it synchronously (the host would wait for the step).
+        return values.index_select(0, to_device(rows, torch.int64, self.device))
 
     def to_host(self, output: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event]:
         """Host copies of a step's output, made on the copy stream once the step has produced it;
@@ -413,7 +469,7 @@ class GraphExecutor(EagerExecutor):
         ready.record()
         self._copy_stream.wait_event(ready)
         with torch.cuda.stream(self._copy_stream):
-            host, _ = super().to_host(output)
+            host, _ = self.eager.to_host(output)
             copied = torch.cuda.Event()
             copied.record()
         scored = [t for s in output.prompt_scores for t in (s.logprobs, s.top_ids, s.top_logprobs)]
@@ -423,30 +479,29 @@ class GraphExecutor(EagerExecutor):
         self._copied = copied
         return host, copied
 
-    def _replay(self, graph: _Graph, plan: StepPlan, sampling: StepSampling | None) -> None:
-        """Upload the step's inputs, plan its attention and replay the forward graph."""
-        if graph.kind == "decode":
-            ints = self._decode_inputs(graph, plan)
-        else:
-            ints = self._prefill_inputs(graph, plan)
-        rows = graph.ints.shape[1]
-        floats = [[value] * rows for value in _FLOAT_DEFAULTS]
-        if sampling is None or (sampling.greedy and not sampling.penalised):
-            ints += [[0] * rows] * (INT_ROWS - len(ints))
-        else:
+    def _replay(self, graph: _Graph, plan: StepPlan, sampling: StepSampling | None) -> list[int]:
+        """Upload the step's inputs, plan its attention and replay the forward graph; take the
+        checkpoints its chunks save. Returns the rows that sample (EagerExecutor.finish_chunks)."""
+        self.eager.start_chunks(plan)
+        ints = self._decode_inputs(graph, plan) if graph.kind == "decode" else self._prefill_inputs(graph, plan)
+        floats = {}
+        if sampling is not None and not (sampling.greedy and not sampling.penalised):
             # Sampling columns go to the rows that sample, in plan.samples order: every decode
             # row, or the chunks that end their prompts.
             where = range(len(plan.decodes)) if plan.decodes else [
                 i for i, chunk in enumerate(plan.prefills) if chunk.samples]
+            width = graph.requests
             sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
-            ints += [self._scatter(column, where, rows, 0) for column in sampling_ints]
-            ints.append([self.sampler.unseeded_seed()] + [0] * (rows - 1))
-            floats = [self._scatter(column, where, rows, default)
-                      for column, default in zip(sampling_floats, _FLOAT_DEFAULTS)]
-        upload(graph.ints, ints)
-        upload(graph.floats, floats)
+            ints.update((name, self._scatter(column, where, width, 0))
+                        for name, column in zip(SAMPLING_INTS, sampling_ints))
+            ints["key"] = [self.eager.sampler.unseeded_seed()] + [0] * (width - 1)
+            floats = {name: self._scatter(column, where, width, default)
+                      for (name, default), column in zip(FLOAT_INPUTS.items(), sampling_floats)}
+        graph.ints.upload(ints)
+        graph.floats.upload(floats)
         graph.forward.replay()
         graph.replays += 1
+        return self.eager.finish_chunks(plan, graph.logits)
 
     @staticmethod
     def _scatter(values: list, where, rows: int, default) -> list:
@@ -455,45 +510,42 @@ class GraphExecutor(EagerExecutor):
             column[index] = value
         return column
 
-    def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> list[list[int]]:
-        """Plan the decode rows' attention; return their input rows of the int block (up to _TOP_K)."""
+    def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
+        """Plan the decode rows' attention; return their token and cache inputs by name."""
         rows, capacity, page_tokens = len(plan.decodes), graph.capacity, self.page_tokens
         pad = capacity - rows
         decodes = plan.decodes
         positions = [e.position for e in decodes]
-        ints = [
-            [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
-            [int(e.input_token is None) for e in decodes] + [0] * pad,
-            [e.handle.slot for e in decodes] + [self.scratch_row] * pad,
-            positions + [0] * pad,
-            [cache_slot(e.page_table, e.position, page_tokens) for e in decodes]
-            + [self.scratch_page * page_tokens] * pad,
-        ]
         layout = PagedLayout.from_requests(
             [p + 1 for p in positions] + [1] * pad, [1] * capacity,
             [e.page_table for e in decodes] + [[self.scratch_page]] * pad, page_tokens)
         graph.attention.plan(layout, self.scale)
-        return ints
+        return {
+            "ids": [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
+            "from_device": [int(e.input_token is None) for e in decodes] + [0] * pad,
+            "row_slots": [e.handle.slot for e in decodes] + [self.scratch_row] * pad,
+            "positions": positions + [0] * pad,
+            "cache_slots": [cache_slot(e.page_table, e.position, page_tokens) for e in decodes]
+            + [self.scratch_page * page_tokens] * pad,
+        }
 
-    def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> list[list[int]]:
-        """Upload the chunks' tokens and plan their attention; return the requests' rows of the
-        int block (up to _TOP_K)."""
+    def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
+        """Upload the chunks' tokens and plan their attention; return the requests' inputs by name."""
         chunks, capacity, page_tokens = plan.prefills, graph.capacity, self.page_tokens
         pad = capacity - sum(c.end - c.start for c in chunks)
         ids = [t for c in chunks for t in c.tokens] + [0] * pad
         positions = [p for c in chunks for p in range(c.start, c.end)] + list(range(pad))
         slots = [cache_slot(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
         slots += [self.scratch_page * page_tokens + p % page_tokens for p in range(pad)]
-        upload(graph.tokens_in, [ids, positions, slots])
+        graph.tokens_in.upload({"ids": ids, "positions": positions, "cache_slots": slots})
         unused = graph.requests - len(chunks)
         ends = list(itertools.accumulate(c.end - c.start for c in chunks))
         graph.attention.plan(self._prefill_layout(chunks, capacity, graph.requests), self.scale)
-        return [
-            [end - 1 for end in ends] + [capacity - 1] * unused,
-            [0] * graph.requests,
-            [c.handle.slot if c.samples else self.scratch_row for c in chunks] + [self.scratch_row] * unused,
-            [0] * graph.requests, [0] * graph.requests,
-        ]
+        return {
+            "logits_rows": [end - 1 for end in ends] + [capacity - 1] * unused,
+            "row_slots": [c.handle.slot if c.samples else self.scratch_row for c in chunks]
+            + [self.scratch_row] * unused,
+        }
 
     def _prefill_layout(self, chunks, capacity: int, requests: int) -> PagedLayout:
         """The chunks, then the padding request (the remaining tokens, on the scratch page), then
@@ -505,12 +557,3 @@ class GraphExecutor(EagerExecutor):
             [c.end - c.start for c in chunks] + [pad] + [0] * empty,
             [c.page_table for c in chunks] + [[self.scratch_page] * -(-max(pad, 1) // self.page_tokens)]
             + [[self.scratch_page]] * empty, self.page_tokens)
-
-    def _forward_prefill(self, plan: StepPlan) -> torch.Tensor:
-        sequences = self._sequences(plan)
-        batch = AttentionBatch.build(sequences, self.page_tokens, self.device, self._every_row(plan))
-        layout = PagedLayout.from_requests([c + n for n, c, _ in sequences], [n for n, _, _ in sequences],
-                                           [pages for _, _, pages in sequences], self.page_tokens)
-        self.prefill_attention.plan(layout, self.scale)
-        context = ForwardContext(batch, self.storage, self.prefill_attention)
-        return self.model(self._input_ids(plan), batch.positions(), context)

@@ -188,8 +188,8 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     pages = [tuple(range(8 * i, 8 * i + 8)) for i in range(8)]
     prompts = [list(range(10 + i, 40 + 7 * i)) for i in range(8)]
     eager_calls = []
-    real_sample = graphs.sampler.sample
-    graphs.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
+    real_sample = graphs.eager.sampler.sample
+    graphs.eager.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
     graphs.run(StepPlan(0, StepKind.PREFILL, 0, (), (), tuple(
         PrefillChunk(h, 0, len(p), tuple(p), pg, True, None)
         for h, p, pg in zip(handles[:5], prompts[:5], pages[:5])), 0.0))
@@ -212,13 +212,13 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     expected = Sampler(device=device).sample(logits, params, steps, logprobs=True)
     assert first[:4] == expected.token_ids[:4].tolist()
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
-    assert graphs.last_sampled[:5].tolist() == first
+    assert graphs.eager.last_sampled[:5].tolist() == first
 
     # The next step reads those tokens on the device (inputs unknown to the host); a replay of
     # another capacity in between leaves them alone.
     greedy = [SamplingParams(temperature=0.0)] * 5
     graphs.step(decode(2, first[:1]), StepSampling(greedy[:1], [1], [None]))
-    inputs = graphs.last_sampled[:5].tolist()  # row 0 now holds the capacity-1 step's token
+    inputs = graphs.eager.last_sampled[:5].tolist()  # row 0 now holds the capacity-1 step's token
     assert inputs[1:] == first[1:]
     following = graphs.step(decode(2, [None] * 5), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
     reference = graphs.step(decode(2, inputs), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
@@ -254,7 +254,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     tokens = out.token_ids.tolist()
     assert tokens == Sampler(device=device).sample(logits, chunk_params, [0, 0]).token_ids.tolist()
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
-    assert graphs.last_sampled[[5, 7]].tolist() == tokens
+    assert graphs.eager.last_sampled[[5, 7]].tolist() == tokens
     assert graphs.prefill_graphs[256].replays == 2
     assert not eager_calls, "every step here is covered by a graph and must sample inside it"
 
