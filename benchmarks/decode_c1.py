@@ -69,7 +69,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     num_pages = -(-total // page_tokens) + 4
     started = time.perf_counter()
     executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=1,
-                             num_snapshot_slots=0, num_logits_slots=0, vocab_size=config.vocab_size, device=device,
+                             num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size, device=device,
                              decode_capacities=(1,), context_length=total, compile_model=compile_model,
                              gemv=gemv, triton_attention=triton_attention)
     startup_s = time.perf_counter() - started
@@ -133,8 +133,8 @@ def eager_greedy(model, device, context: int, steps: int) -> list[int]:
     scheme = CacheScheme("attention-kv", (PagedStore("k", (8, 128), "bfloat16", layers),
                                           PagedStore("v", (8, 128), "bfloat16", layers)))
     num_pages = -(-(context + steps + 1) // 64)
-    executor = EagerExecutor(model, scheme, num_pages=num_pages, page_tokens=64, num_rows=1, num_snapshot_slots=0,
-                             num_logits_slots=0, vocab_size=model.model.embed_tokens.weight.shape[0], device=device)
+    executor = EagerExecutor(model, scheme, num_pages=num_pages, page_tokens=64, num_rows=1, num_snapshot_rows=0,
+                             num_logits_rows=0, vocab_size=model.model.embed_tokens.weight.shape[0], device=device)
     handle, pages = RequestHandle("reference", 0, 1), tuple(range(num_pages))
     prompt = torch.randint(1000, 100000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     plan = StepPlan(0, StepKind.PREFILL, context, (), (), (PrefillChunk(handle, 0, context, tuple(prompt), pages,

@@ -80,7 +80,7 @@ def flare_decode(config, model, device, concurrency: list[int], context: int, st
     rows = max(concurrency)
     started = time.perf_counter()
     executor = GraphExecutor(model, scheme, num_pages=rows * pages_per_request, page_tokens=PAGE_TOKENS,
-                             num_rows=rows, num_snapshot_slots=0, num_logits_slots=0, vocab_size=config.vocab_size,
+                             num_rows=rows, num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size,
                              device=device, decode_capacities=tuple(sorted(set(concurrency))), context_length=total)
     results = {"graph_capture_s": time.perf_counter() - started}
     generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Prefix cache: chained hashing, reuse rules, checkpoints, LRU leaf eviction and pins."""
+"""Prefix cache: chained hashing, reuse rules, resume points, LRU leaf eviction and pins."""
 
 import hashlib
 import struct
@@ -29,13 +29,13 @@ def store(cache: PrefixCache, pages: PageAllocator, toks: list[int]) -> tuple[in
     return table
 
 
-def save_checkpoint(cache: PrefixCache, pages: PageAllocator, toks: list[int], end: int, prompt_end: bool):
-    """Record a checkpoint at `end` the way the scheduler does around one prefill step."""
+def save_resume_point(cache: PrefixCache, pages: PageAllocator, toks: list[int], end: int, prompt_end: bool):
+    """Record a resume point at `end` the way the scheduler does around one prefill step."""
     hashes: list[bytes] = []
     table = pages.allocate(-(-end // P))
-    slots = cache.reserve_checkpoint(end, prompt_end)
+    slots = cache.reserve_resume_point(end, prompt_end)
     assert slots is not None
-    cache.record_checkpoint(hashes, table, toks, end, slots)
+    cache.record_resume_point(hashes, table, toks, end, slots)
     pages.release_all(table)
     return slots
 
@@ -77,7 +77,7 @@ def test_bad_identity_and_token_ids_are_rejected():
         PrefixCache(IDENTITY[:16], PageAllocator(4))
     with pytest.raises(ValueError, match="0..2\\*\\*32-1"):
         block_hash(IDENTITY, [-1] * P)
-    with pytest.raises(ValueError, match="snapshot_slots must be >= 1"):
+    with pytest.raises(ValueError, match="snapshot_rows must be >= 1"):
         PrefixCache(IDENTITY, PageAllocator(4), continuation_state=True)
 
 
@@ -134,15 +134,15 @@ def conversation() -> list[dict]:
             {"role": "user", "content": "Our nightly compaction job doubles disk usage for an hour. Why?"}]
 
 
-def test_multi_turn_reuse_through_message_mark_checkpoints(qwen_tokenizer):
+def test_multi_turn_reuse_through_message_mark_resume_points(qwen_tokenizer):
     pages = PageAllocator(64)
-    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_slots=8, logits_slots=2)
+    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_rows=8, logits_rows=2)
     turn1 = conversation()
     prompt1, marks1 = prompt_with_marks(qwen_tokenizer, turn1)
     assert len(prompt1) > 2 * P and marks1[-1] < len(prompt1)
-    saved = {end: save_checkpoint(cache, pages, prompt1, end, end == len(prompt1))
+    saved = {end: save_resume_point(cache, pages, prompt1, end, end == len(prompt1))
              for end in [*marks1, len(prompt1)]}
-    assert saved[len(prompt1)].logits_slot is not None and saved[marks1[0]].logits_slot is None
+    assert saved[len(prompt1)].logits_row is not None and saved[marks1[0]].logits_row is None
 
     turn2 = turn1 + [{"role": "assistant", "content": "Compaction writes new segments before deleting old ones."},
                      {"role": "user", "content": "Can we cap it?"}]
@@ -150,8 +150,8 @@ def test_multi_turn_reuse_through_message_mark_checkpoints(qwen_tokenizer):
     assert prompt2[:len(prompt1)] == prompt1 and marks2[:2] == marks1
     hit = cache.lookup(prompt2, [])
     assert hit.num_tokens == len(prompt1) and not hit.exact
-    assert hit.checkpoint.state_snapshot == saved[len(prompt1)].state_snapshot
-    assert hit.checkpoint.tail_page == saved[len(prompt1)].tail_page
+    assert hit.resume_point.snapshot_row == saved[len(prompt1)].snapshot_row
+    assert hit.resume_point.tail_page == saved[len(prompt1)].tail_page
     assert len(hit.pages) == len(prompt1) // P
     cache.release_hit(hit)
 
@@ -160,39 +160,39 @@ def test_multi_turn_reuse_through_message_mark_checkpoints(qwen_tokenizer):
     prompt3, _ = prompt_with_marks(qwen_tokenizer, edited)
     hit = cache.lookup(prompt3, [])
     assert hit.num_tokens == marks1[0]
-    assert hit.checkpoint.state_snapshot == saved[marks1[0]].state_snapshot
+    assert hit.resume_point.snapshot_row == saved[marks1[0]].snapshot_row
     cache.release_hit(hit)
 
     # The same turn-1 prompt again is an exact hit: stored logits give the first token.
     hit = cache.lookup(prompt1, [])
-    assert hit.exact and hit.num_tokens == len(prompt1) and hit.checkpoint.logits_slot is not None
+    assert hit.exact and hit.num_tokens == len(prompt1) and hit.resume_point.logits_row is not None
     cache.release_hit(hit)
 
 
-def test_state_scheme_reuses_only_checkpoint_positions():
+def test_state_scheme_reuses_only_resume_point_positions():
     pages = PageAllocator(16)
-    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_slots=2)
+    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_rows=2)
     toks = tokens(4 * P)
     store(cache, pages, toks)
     assert cache.lookup(toks, []).num_tokens == 0    # pages alone carry no state
-    save_checkpoint(cache, pages, toks, 100, prompt_end=False)
+    save_resume_point(cache, pages, toks, 100, prompt_end=False)
     hit = cache.lookup(toks, [])
-    assert hit.num_tokens == 100 and len(hit.pages) == 1 and hit.checkpoint.tail_page is not None
+    assert hit.num_tokens == 100 and len(hit.pages) == 1 and hit.resume_point.tail_page is not None
     cache.release_hit(hit)
 
 
 def test_paged_exact_hit_and_tail_extension():
     pages = PageAllocator(16)
-    cache = PrefixCache(IDENTITY, pages, logits_slots=1)
+    cache = PrefixCache(IDENTITY, pages, logits_rows=1)
     prompt = tokens(P + 20)
-    slots = save_checkpoint(cache, pages, prompt, len(prompt), prompt_end=True)
-    assert slots.tail_page is not None and slots.logits_slot == 0 and slots.state_snapshot is None
+    slots = save_resume_point(cache, pages, prompt, len(prompt), prompt_end=True)
+    assert slots.tail_page is not None and slots.logits_row == 0 and slots.snapshot_row is None
     exact = cache.lookup(prompt, [])
     assert exact.exact and exact.num_tokens == P + 20 and len(exact.pages) == 1
     extended = cache.lookup(prompt + [1, 2, 3], [])
     assert not extended.exact and extended.num_tokens == P + 20   # the tail page carries 20 more
     shorter = cache.lookup(prompt[:P + 10], [])
-    assert shorter.checkpoint is None and shorter.num_tokens == P
+    assert shorter.resume_point is None and shorter.num_tokens == P
     for hit in (exact, extended, shorter):
         cache.release_hit(hit)
 
@@ -231,37 +231,37 @@ def test_pinned_pages_are_never_evicted():
     assert pages.free_count == 8 and cache.stats.cached_blocks == 0
 
 
-def test_snapshot_pressure_evicts_least_recent_unpinned_checkpoint():
+def test_snapshot_pressure_evicts_least_recent_unpinned_resume_point():
     pages = PageAllocator(16)
-    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_slots=2)
+    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_rows=2)
     first, second, third = tokens(100, seed=1), tokens(100, seed=2), tokens(100, seed=3)
-    save_checkpoint(cache, pages, first, 70, prompt_end=False)
-    save_checkpoint(cache, pages, second, 70, prompt_end=False)
+    save_resume_point(cache, pages, first, 70, prompt_end=False)
+    save_resume_point(cache, pages, second, 70, prompt_end=False)
     pinned = cache.lookup(first, [])                     # first is now recent and pinned
-    save_checkpoint(cache, pages, third, 70, prompt_end=False)
-    assert cache.lookup(second, []).num_tokens == 0      # second was the LRU checkpoint
+    save_resume_point(cache, pages, third, 70, prompt_end=False)
+    assert cache.lookup(second, []).num_tokens == 0      # second was the LRU resume point
     hit = cache.lookup(third, [])
     assert hit.num_tokens == 70
     cache.release_hit(hit)
     # Both slots taken, `first` pinned: a new reservation must evict `third`, never `first`.
-    slots = cache.reserve_checkpoint(70, prompt_end=False)
-    assert slots is not None and slots.state_snapshot == hit.checkpoint.state_snapshot
+    slots = cache.reserve_resume_point(70, prompt_end=False)
+    assert slots is not None and slots.snapshot_row == hit.resume_point.snapshot_row
     assert cache.lookup(third, []).num_tokens == 0
-    assert pinned.checkpoint.pins == 1 and not pinned.checkpoint.evicted
+    assert pinned.resume_point.pins == 1 and not pinned.resume_point.evicted
     cache.discard(slots)
     cache.release_hit(pinned)
-    assert pinned.checkpoint.pins == 0
+    assert pinned.resume_point.pins == 0
 
 
 def test_everything_returns_after_full_eviction():
     pages = PageAllocator(32)
-    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_slots=4, logits_slots=2)
+    cache = PrefixCache(IDENTITY, pages, continuation_state=True, snapshot_rows=4, logits_rows=2)
     for seed in range(4):
         toks = tokens(150 + seed, seed)
-        save_checkpoint(cache, pages, toks, 90, prompt_end=False)
-        save_checkpoint(cache, pages, toks, len(toks), prompt_end=True)
+        save_resume_point(cache, pages, toks, 90, prompt_end=False)
+        save_resume_point(cache, pages, toks, len(toks), prompt_end=True)
     assert pages.free_count < 32
     cache.evict_pages(32)
     assert pages.free_count == 32
-    assert cache.free_snapshot_slots == 4 and cache.free_logits_slots == 2
-    assert cache.stats.checkpoints == 0 and cache.stats.cached_blocks == 0
+    assert cache.free_snapshot_rows == 4 and cache.free_logits_rows == 2
+    assert cache.stats.resume_points == 0 and cache.stats.cached_blocks == 0

@@ -30,7 +30,7 @@ class _Block(nn.Module):
 
 
 def test_prepare_weights_concatenates_stacks_and_casts():
-    parts = {f"qkv_proj.weight".replace("qkv", p): torch.full((2, 4), float(i)) for i, p in enumerate("qkv")}
+    parts = {f"{p}_proj.weight": torch.full((2, 4), float(i)) for i, p in enumerate("qkv")}
     experts = {f"experts.{e}.{p}_proj.weight": torch.full((2, 4), 10.0 * e + j, dtype=torch.float64)
                for e in range(2) for j, p in enumerate(("gate", "up"))}
     prepared = dict(prepare_weights(_Block(), checkpoint_reader({**parts, **experts}), num_experts=2))

@@ -76,12 +76,12 @@ class SimExecutor:
             if restore.tail_copy is not None:
                 src, dst = restore.tail_copy
                 self.pages[dst] = list(self.pages[src])
-            if restore.state_snapshot is not None:
-                self.rows[restore.handle.slot] = self.snapshots[restore.state_snapshot]
-            if restore.logits_slot is not None:
-                sampled[restore.handle] = next_token(self.logits[restore.logits_slot])
+            if restore.snapshot_row is not None:
+                self.rows[restore.handle.state_row] = self.snapshots[restore.snapshot_row]
+            if restore.logits_row is not None:
+                sampled[restore.handle] = next_token(self.logits[restore.logits_row])
         for decode in plan.decodes:
-            slot = decode.handle.slot
+            slot = decode.handle.state_row
             token = decode.input_token if decode.input_token is not None else self.last_sampled[slot]
             self.pages[decode.page_table[decode.position // P]][decode.position % P] = token
             history = self.read(decode.page_table, decode.position + 1)
@@ -90,7 +90,7 @@ class SimExecutor:
                 self.rows[slot] = history
             sampled[decode.handle] = next_token(history)
         for chunk in plan.prefills:
-            slot = chunk.handle.slot
+            slot = chunk.handle.state_row
             assert len(chunk.tokens) == chunk.end - chunk.start
             for offset, token in enumerate(chunk.tokens):
                 position = chunk.start + offset
@@ -103,15 +103,15 @@ class SimExecutor:
             if chunk.save is not None:
                 if chunk.save.tail_page is not None:
                     self.pages[chunk.save.tail_page] = list(self.pages[chunk.page_table[chunk.end // P]])
-                if chunk.save.state_snapshot is not None:
-                    self.snapshots[chunk.save.state_snapshot] = history
-                if chunk.save.logits_slot is not None:
-                    self.logits[chunk.save.logits_slot] = history
+                if chunk.save.snapshot_row is not None:
+                    self.snapshots[chunk.save.snapshot_row] = history
+                if chunk.save.logits_row is not None:
+                    self.logits[chunk.save.logits_row] = history
             if chunk.samples:
                 sampled[chunk.handle] = next_token(history)
         tokens = [sampled[handle] for handle in plan.samples]
         for handle, token in zip(plan.samples, tokens):
-            self.last_sampled[handle.slot] = token
+            self.last_sampled[handle.state_row] = token
         return tokens
 
 
@@ -130,9 +130,9 @@ class Driver:
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.max_tokens: dict[str, int] = {}
 
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int, marks=()) -> None:
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, message_ends=()) -> None:
         self.max_tokens[request_id] = max_tokens
-        self.scheduler.submit(request_id, prompt, max_tokens, marks)
+        self.scheduler.submit(request_id, prompt, max_tokens, message_ends)
 
     def issue(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
@@ -166,13 +166,13 @@ class Driver:
         raise AssertionError("simulation did not finish")
 
 
-def make_scheduler(num_pages=256, concurrency=4, chunk=256, state=False, logits_slots=4, snapshot_slots=8,
+def make_scheduler(num_pages=256, concurrency=4, chunk=256, state=False, logits_rows=4, snapshot_rows=8,
                    mixed=(), fairness=FairnessLimits(), prior=CostPrior(), prefix=True):
     pages = PageAllocator(num_pages)
     cache = None
     if prefix:
         cache = PrefixCache(IDENTITY, pages, P, continuation_state=state,
-                            snapshot_slots=snapshot_slots if state else 0, logits_slots=logits_slots)
+                            snapshot_rows=snapshot_rows if state else 0, logits_rows=logits_rows)
     decode_caps = tuple(c for c in (1, 2, 4, 8, 16, 32) if c < concurrency) + (concurrency,)
     prefill_caps = tuple(c for c in (64, 128, 256, 512, 1024) if c < chunk) + (chunk,)
     config = SchedulerConfig(concurrency, chunk, GraphCapacities(decode_caps, prefill_caps, mixed),
@@ -182,11 +182,11 @@ def make_scheduler(num_pages=256, concurrency=4, chunk=256, state=False, logits_
 
 def assert_all_returned(scheduler: Scheduler) -> None:
     assert scheduler.is_idle()
-    assert scheduler.slots.free_count == scheduler.slots.num_rows
+    assert scheduler.state_rows.free_count == scheduler.state_rows.num_rows
     if scheduler.prefix is not None:
         scheduler.prefix.evict_pages(scheduler.pages.num_pages)
-        assert scheduler.prefix.free_snapshot_slots == scheduler.prefix.snapshot_slots
-        assert scheduler.prefix.free_logits_slots == scheduler.prefix.logits_slots
+        assert scheduler.prefix.free_snapshot_rows == scheduler.prefix.snapshot_rows
+        assert scheduler.prefix.free_logits_rows == scheduler.prefix.logits_rows
     assert scheduler.pages.free_count == scheduler.pages.num_pages
 
 
@@ -223,7 +223,7 @@ def test_state_scheme_chunks_end_at_marks_and_reuse_them():
     scheduler = make_scheduler(chunk=256, state=True)
     driver = Driver(scheduler, with_state=True)
     text = prompt(700, 2)
-    driver.submit("a", text, 2, marks=[150, 420])
+    driver.submit("a", text, 2, message_ends=[150, 420])
     driver.run()
     chunks = [(c.start, c.end) for plan in driver.plans for c in plan.prefills]
     assert chunks == [(0, 150), (150, 384), (384, 420), (420, 640), (640, 700)]
@@ -235,7 +235,7 @@ def test_state_scheme_chunks_end_at_marks_and_reuse_them():
     driver.submit("b", follow, 4)
     driver.run()
     restore = next(r for plan in driver.plans for r in plan.restores if r.handle.request_id == "b")
-    assert restore.state_snapshot is not None and restore.tail_copy is not None
+    assert restore.snapshot_row is not None and restore.tail_copy is not None
     first_b = next(c for plan in driver.plans for c in plan.prefills if c.handle.request_id == "b")
     assert first_b.start == 420
     assert driver.outputs["b"] == reference(follow, 4)
@@ -347,7 +347,7 @@ def test_mixed_graph_carries_decodes_and_a_chunk():
 # ---- pages, preemption, cancel, slots ---------------------------------------------------------
 
 def test_preemption_when_pages_run_out_and_everything_completes():
-    scheduler = make_scheduler(num_pages=14, concurrency=4, chunk=128, logits_slots=0)
+    scheduler = make_scheduler(num_pages=14, concurrency=4, chunk=128, logits_rows=0)
     driver = Driver(scheduler)
     prompts = {f"r{i}": prompt(150, 40 + i) for i in range(4)}
     for request_id, text in prompts.items():
@@ -372,17 +372,17 @@ def test_cancel_with_two_plans_in_flight_releases_after_the_last_completes():
     first, second = driver.issue(), driver.issue()
     assert {d.handle.request_id for d in first.decodes} == {"a", "b"}
     assert {d.handle.request_id for d in second.decodes} == {"a", "b"}
-    free_pages, free_slots = scheduler.pages.free_count, scheduler.slots.free_count
+    free_pages, free_slots = scheduler.pages.free_count, scheduler.state_rows.free_count
     assert scheduler.cancel("a") and not scheduler.cancel("a")
     third = driver.issue()
     assert [d.handle.request_id for d in third.decodes] == ["b"]   # stops being scheduled at once
     driver.complete_oldest()
-    assert scheduler.pages.free_count == free_pages and scheduler.slots.free_count == free_slots
+    assert scheduler.pages.free_count == free_pages and scheduler.state_rows.free_count == free_slots
     assert scheduler.request("a").status is RequestStatus.STOPPED
     outputs_before = list(driver.outputs["a"])
     driver.complete_oldest()                            # the last plan using "a"
     assert driver.outputs["a"] == outputs_before        # its in-flight tokens were dropped
-    assert scheduler.slots.free_count == free_slots + 1
+    assert scheduler.state_rows.free_count == free_slots + 1
     assert scheduler.pages.free_count == free_pages + 2
     with pytest.raises(KeyError, match="unknown request_id 'a'"):
         scheduler.request("a")
@@ -399,8 +399,8 @@ def test_slot_generation_increments_on_reuse():
     driver.run()
     handles = {plan.prefills[0].handle for plan in driver.plans if plan.prefills}
     first, second = sorted(handles, key=lambda h: h.generation)
-    assert (first.request_id, first.slot, first.generation) == ("first", 0, 1)
-    assert (second.request_id, second.slot, second.generation) == ("second", 0, 2)
+    assert (first.request_id, first.state_row, first.generation) == ("first", 0, 1)
+    assert (second.request_id, second.state_row, second.generation) == ("second", 0, 2)
     assert all(d.handle == second for plan in driver.plans for d in plan.decodes if d.handle.request_id == "second")
 
 
@@ -416,7 +416,7 @@ def test_exact_hit_resumes_sampling_without_prefill():
                if any(e.handle.request_id == "b" for e in (*p.restores, *p.decodes, *p.prefills))]
     assert not any(c.handle.request_id == "b" for p in b_plans for c in p.prefills)
     restore = b_plans[0].restores[0]
-    assert restore.logits_slot is not None and restore.tail_copy is not None
+    assert restore.logits_row is not None and restore.tail_copy is not None
     assert b_plans[0].samples[0] == restore.handle
     assert driver.outputs["b"] == driver.outputs["a"] == reference(text, 5)
     assert scheduler.prefix.stats.reused_tokens >= 150
@@ -454,7 +454,7 @@ def test_multi_turn_chat_through_real_template_reuses_turn_one():
         return tokenizer.encode(template.render(messages=messages, add_generation_prompt=generation_prompt),
                                 add_special_tokens=False)
 
-    def marks(messages):
+    def message_ends(messages):
         return [len(encode(messages[:n], False)) for n in range(1, len(messages) + 1)]
 
     system = {"role": "system", "content": "You review database migrations for safety. " * 12}
@@ -464,12 +464,12 @@ def test_multi_turn_chat_through_real_template_reuses_turn_one():
     scheduler = make_scheduler(state=True)
     driver = Driver(scheduler, with_state=True)
     prompt1 = encode(turn1, True)
-    driver.submit("turn1", prompt1, 8, marks(turn1))
+    driver.submit("turn1", prompt1, 8, message_ends(turn1))
     driver.run()
     prompt2 = encode(turn2, True)
     assert prompt2[:len(prompt1)] == prompt1
     reused_before = scheduler.prefix.stats.reused_tokens
-    driver.submit("turn2", prompt2, 8, marks(turn2))
+    driver.submit("turn2", prompt2, 8, message_ends(turn2))
     driver.run()
     assert scheduler.prefix.stats.reused_tokens - reused_before == len(prompt1)
     assert driver.outputs["turn2"] == reference(prompt2, 8)
@@ -483,7 +483,7 @@ def test_submit_refuses_what_cannot_fit_or_is_malformed():
     with pytest.raises(ValueError, match=r"needs 5 pages \(prompt 200 \+ max_tokens 100\) but the cache has 4"):
         scheduler.submit("big", prompt(200, 1), 100)
     with pytest.raises(ValueError, match="marks must be increasing"):
-        scheduler.submit("m", prompt(20, 1), 1, marks=[5, 30])
+        scheduler.submit("m", prompt(20, 1), 1, message_ends=[5, 30])
     scheduler.submit("x", prompt(20, 1), 2)
     with pytest.raises(ValueError, match="already known"):
         scheduler.submit("x", prompt(20, 1), 2)
@@ -531,7 +531,7 @@ SIM_SHAPES = [(False, (), 2), (True, (), 2), (False, (64, 128, 256), 1), (True, 
 def test_randomized_simulation_completes_everything_without_leaks(state, mixed, depth, pressure):
     rng = random.Random(1234 + depth + 2 * state + len(mixed))
     scheduler = make_scheduler(num_pages=24 if pressure else 64, concurrency=6, chunk=256, state=state,
-                               mixed=mixed, snapshot_slots=12, logits_slots=16,
+                               mixed=mixed, snapshot_rows=12, logits_rows=16,
                                fairness=FairnessLimits(max_wait_steps=3, max_wait_s=0.05))
     driver = Driver(scheduler, with_state=state, depth=depth,
                     duration=lambda plan: 0.004 + 0.00003 * plan.capacity)
@@ -549,9 +549,9 @@ def test_randomized_simulation_completes_everything_without_leaks(state, mixed, 
             text = base[:rng.randrange(len(base))] + prompt(rng.randrange(1, 300), 200 + i)
         text = text[:600]
         texts.append(text)
-        marks = sorted(set(rng.randrange(1, len(text) + 1) for _ in range(rng.randrange(3))))
+        message_ends = sorted(set(rng.randrange(1, len(text) + 1) for _ in range(rng.randrange(3))))
         max_tokens = rng.randrange(1, 250 if pressure else 100)
-        driver.submit(f"r{i}", text, max_tokens, marks)
+        driver.submit(f"r{i}", text, max_tokens, message_ends)
         expected[f"r{i}"] = reference(text, max_tokens)
         for _ in range(rng.randrange(8)):
             driver.step()
@@ -573,6 +573,6 @@ def test_randomized_simulation_completes_everything_without_leaks(state, mixed, 
     if pressure:
         assert scheduler.preemptions > 0
     else:
-        assert any(r.logits_slot is not None for r in restores)          # exact hits
-        assert any(r.tail_copy is not None and r.logits_slot is None for r in restores)
+        assert any(r.logits_row is not None for r in restores)          # exact hits
+        assert any(r.tail_copy is not None and r.logits_row is None for r in restores)
     assert_all_returned(scheduler)

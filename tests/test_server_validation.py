@@ -145,12 +145,12 @@ def test_checkpoints_mark_message_ends_shared_by_the_next_turn(state):
     second = first + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
     one = chat_prompt(state.frontend, first, tools=None, options=options)
     two = chat_prompt(state.frontend, second, tools=None, options=options)
-    assert one.checkpoints and list(one.checkpoints) == sorted(set(one.checkpoints))
-    assert max(one.checkpoints) <= len(one.ids)
+    assert one.message_ends and list(one.message_ends) == sorted(set(one.message_ends))
+    assert max(one.message_ends) <= len(one.ids)
     # Every checkpoint of the first turn is a prefix the second turn's prompt shares exactly.
-    for endpoint in one.checkpoints:
+    for endpoint in one.message_ends:
         assert two.ids[:endpoint] == one.ids[:endpoint]
-    assert set(one.checkpoints) <= set(two.checkpoints)
+    assert set(one.message_ends) <= set(two.message_ends)
 
 
 IM_START, IM_END = 151644, 151645
@@ -190,9 +190,9 @@ def test_checkpoints_survive_escaped_spellings(state):
     prompt = chat_prompt(state.frontend, conversation, tools=None, options=options)
     plain = chat_prompt(state.frontend, [{**message, "content": message["content"].replace("<|", "(|")}
                                        for message in conversation], tools=None, options=options)
-    assert len(prompt.checkpoints) == len(plain.checkpoints) >= 3
+    assert len(prompt.message_ends) == len(plain.message_ends) >= 3
     tokenizer = state.frontend.tokenizer
-    for endpoint in prompt.checkpoints:  # each checkpoint ends a message: an end-of-turn token and "\n"
+    for endpoint in prompt.message_ends:  # each checkpoint ends a message: an end-of-turn token and "\n"
         assert tokenizer.decode(list(prompt.ids[:endpoint])).endswith("<|im_end|>\n")
         assert prompt.ids[endpoint - 2] == IM_END
 
@@ -256,7 +256,7 @@ def test_chat_request_translation(state):
     assert request.max_tokens == 16 and request.sampling.greedy and request.request_id == "rid"
     assert request.stop_strings == ("\n\n",) and request.stop_token_ids == (7,)
     assert request.logprobs and request.top_logprobs == 3
-    assert request.prompt_ids == call.prompt.ids and request.checkpoints == call.prompt.checkpoints
+    assert request.prompt_ids == call.prompt.ids and request.message_ends == call.prompt.message_ends
     assert "get_weather" in call.prompt.text
     # Without max_tokens the budget is what the context leaves.
     free = parse_chat_request(state, chat_body(), "rid")

@@ -227,10 +227,10 @@ def test_multi_turn_chat_reuses_the_first_turn(servers, tokenizer):
     # What the cache must hold after turn 1, in tokens of the real Qwen3 template + tokenizer:
     # - `marked`: the system and first user message, up to the template's mark after the user
     #   message. This prefix never changes as the conversation grows. The cache keeps it in whole
-    #   pages (partial pages only behind prompt-end checkpoints), so at least `marked` rounded
+    #   pages (partial pages only behind prompt-end resume points), so at least `marked` rounded
     #   down to a page is reused: the floor prefix caching guarantees for any conversation.
     # - `opened`: turn 1's whole prompt (its generation prompt included). Here turn 2 starts
-    #   with it token for token, so turn 1's prompt-end checkpoint (its partial last page copied)
+    #   with it token for token, so turn 1's prompt-end resume point (its partial last page copied)
     #   extends the reuse to exactly there, or further through complete pages of the reply.
     # Never the whole prompt: turn 2's new user message was never seen.
     def render(messages: list[dict], generation_prompt: bool) -> list[int]:

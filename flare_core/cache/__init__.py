@@ -13,8 +13,8 @@ from flare_core.cache.prefix import (
     BLOCK_HASH_BYTES,
     IDENTITY_BYTES,
     NO_HIT,
-    Checkpoint,
-    CheckpointSlots,
+    ResumePoint,
+    ResumeStorage,
     PrefixCache,
     PrefixCacheStats,
     PrefixHit,
@@ -25,6 +25,6 @@ from flare_core.cache.prefix import (
 __all__ = [
     "AllocatorExhausted", "PageAllocator", "PagesExhausted", "RowsExhausted", "StateRowAllocator",
     "pages_for_tokens", "request_page_need",
-    "BLOCK_HASH_BYTES", "IDENTITY_BYTES", "NO_HIT", "Checkpoint", "CheckpointSlots", "PrefixCache",
+    "BLOCK_HASH_BYTES", "IDENTITY_BYTES", "NO_HIT", "ResumePoint", "ResumeStorage", "PrefixCache",
     "PrefixCacheStats", "PrefixHit", "block_hash", "extend_block_hashes",
 ]

@@ -2,10 +2,10 @@
 
 Pages hold `page_tokens` logical tokens of every paged store of a cache scheme. A page can be
 referenced by several owners at once (a live request's page table, the prefix cache, a pending
-checkpoint copy); it returns to the free list when its last reference is released.
+resume point copy); it returns to the free list when its last reference is released.
 
 State rows are fixed-size per-request rows of continuation state. A scheme without state still
-uses them: a row is the request's slot (0 bytes per row), so slots and rows are one concept.
+uses them: a row (0 bytes) is what each live request holds, so max_concurrency counts rows.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class PageAllocator:
 
 class StateRowAllocator:
     """Fixed rows of `row_bytes` each (0 for a scheme without continuation state, where a row is
-    just a slot). Each allocation bumps the row's generation, so a handle (row, generation) taken
+    just held by a live request). Each allocation bumps the row's generation, so a handle (row, generation) taken
     for one request never matches a later request that reuses the row."""
 
     def __init__(self, num_rows: int, row_bytes: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""Prefix cache: chained block hashes, a tree of immutable shared pages, and checkpoints.
+"""Prefix cache: chained block hashes, a tree of immutable shared pages, and resume points.
 
 Hashing. The unit is one complete page of `page_tokens` tokens. Block i of a token sequence
 hashes to blake2b(digest_size=16) over (hash of block i-1 || token ids of block i as
@@ -11,23 +11,23 @@ request releases its pages only after the step that last used them has completed
 cover in-flight GPU use). Only unpinned leaves are evicted, least recently used first; evicting a
 leaf can turn its parent into a leaf.
 
-Checkpoints. A checkpoint at token endpoint E hangs off the block covering
+Resume points. A resume point at token endpoint E hangs off the block covering
 [0, floor(E/P)*P) (or the root when E < P) and is keyed by the tail tokens [floor(E/P)*P, E).
 It may hold:
   * tail_page: a cache-owned copy of the partial last page (positions floor(E/P)*P .. E-1).
     Partial pages are never shared in place because their owner keeps writing into them.
-  * state_snapshot: a snapshot slot holding the continuation-state row taken at exactly E
-    (schemes with continuation state only; the runtime copies the row, the cache owns the slot).
-  * logits_slot: a slot holding the next-token logits at E, recorded at the prompt end. A later
+  * snapshot_row: a snapshot row holding the continuation-state row taken at exactly E
+    (schemes with continuation state only; the runtime copies the row, the cache owns the snapshot row).
+  * logits_row: a row holding the next-token logits at E, recorded at the prompt end. A later
     request whose whole prompt equals these E tokens is an exact hit: it restores pages, tail and
     state, samples its first token from the stored logits with its own sampling parameters, and
     recomputes nothing.
-A checkpoint is evicted like a leaf (LRU, never while a restore from it is in flight) and frees
-its tail page and slots.
+A resume point is evicted like a leaf (LRU, never while a restore from it is in flight) and frees
+its tail page and rows.
 
 Reuse rule (`lookup`). With no continuation state every complete-page boundary <= len-1 is
-reusable (one prompt token is recomputed to get logits), and a checkpoint's tail page extends a
-hit past the last complete page. With continuation state only checkpoint endpoints are
+reusable (one prompt token is recomputed to get logits), and a resume point's tail page extends a
+hit past the last complete page. With continuation state only resume point endpoints are
 reusable, because the state is known only there. An endpoint equal to the prompt length is
 reusable only through stored logits.
 """
@@ -73,7 +73,7 @@ def extend_block_hashes(identity: bytes, hashes: list[bytes], tokens: Sequence[i
 class _Block:
     """One cached complete page. The root block stands for the identity and has no page."""
 
-    __slots__ = ("hash", "parent", "depth", "page", "children", "checkpoints", "last_used", "evicted")
+    __slots__ = ("hash", "parent", "depth", "page", "children", "resume_points", "last_used", "evicted")
 
     def __init__(self, hash_: bytes, parent: _Block | None, depth: int, page: int, last_used: int) -> None:
         self.hash = hash_
@@ -81,56 +81,56 @@ class _Block:
         self.depth = depth
         self.page = page
         self.children = 0
-        self.checkpoints: dict[tuple[int, ...], Checkpoint] = {}
+        self.resume_points: dict[tuple[int, ...], ResumePoint] = {}
         self.last_used = last_used
         self.evicted = False
 
     @property
     def is_leaf(self) -> bool:
-        return self.children == 0 and not self.checkpoints
+        return self.children == 0 and not self.resume_points
 
 
-class Checkpoint:
-    """A reusable endpoint; see the module docstring for what each slot holds."""
+class ResumePoint:
+    """A reusable endpoint; see the module docstring for what each field holds."""
 
-    __slots__ = ("end", "tail", "tail_page", "state_snapshot", "logits_slot", "holder", "pins",
+    __slots__ = ("end", "tail", "tail_page", "snapshot_row", "logits_row", "holder", "pins",
                  "last_used", "evicted")
 
-    def __init__(self, end: int, tail: tuple[int, ...], slots: CheckpointSlots, holder: _Block,
+    def __init__(self, end: int, tail: tuple[int, ...], slots: ResumeStorage, holder: _Block,
                  last_used: int) -> None:
         self.end = end
         self.tail = tail
         self.tail_page = slots.tail_page
-        self.state_snapshot = slots.state_snapshot
-        self.logits_slot = slots.logits_slot
+        self.snapshot_row = slots.snapshot_row
+        self.logits_row = slots.logits_row
         self.holder = holder
         self.pins = 0
         self.last_used = last_used
         self.evicted = False
 
     def __repr__(self) -> str:
-        return (f"Checkpoint(end={self.end}, tail_page={self.tail_page}, "
-                f"state_snapshot={self.state_snapshot}, logits_slot={self.logits_slot}, pins={self.pins})")
+        return (f"ResumePoint(end={self.end}, tail_page={self.tail_page}, "
+                f"snapshot_row={self.snapshot_row}, logits_row={self.logits_row}, pins={self.pins})")
 
 
 @dataclass(frozen=True)
-class CheckpointSlots:
-    """Storage reserved for one checkpoint before the step that fills it runs."""
+class ResumeStorage:
+    """Storage reserved for one resume point before the step that fills it runs."""
 
     tail_page: int | None
-    state_snapshot: int | None
-    logits_slot: int | None
+    snapshot_row: int | None
+    logits_row: int | None
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     """What a lookup found. The caller holds one reference on each page and a pin on the
-    checkpoint until it calls `PrefixCache.release_hit` (on giving up) or, for the checkpoint,
+    resume point until it calls `PrefixCache.release_hit` (on giving up) or, for the resume point,
     `PrefixCache.unpin` (once the restore copies have run)."""
 
     num_tokens: int                 # positions [0, num_tokens) are restored; work resumes here
     pages: tuple[int, ...]          # shared complete pages for [0, len(pages) * page_tokens)
-    checkpoint: Checkpoint | None   # tail page / state snapshot / logits to restore, if any
+    resume_point: ResumePoint | None   # tail page / state snapshot / logits to restore, if any
     exact: bool                     # the whole prompt is restored and logits give the next token
 
 
@@ -144,10 +144,10 @@ class PrefixCacheStats:
     reused_tokens: int
     evictions: int
     cached_blocks: int
-    checkpoints: int
+    resume_points: int
 
 
-_Item = TypeVar("_Item", _Block, Checkpoint)
+_Item = TypeVar("_Item", _Block, ResumePoint)
 
 
 class _LruHeap(Generic[_Item]):
@@ -181,64 +181,64 @@ class _LruHeap(Generic[_Item]):
 
 
 class PrefixCache:
-    """Shared prefix pages and checkpoints over one PageAllocator.
+    """Shared prefix pages and resume points over one PageAllocator.
 
-    `snapshot_slots` and `logits_slots` size the runtime's snapshot buffers (continuation-state
+    `snapshot_rows` and `logits_rows` size the runtime's snapshot buffers (continuation-state
     rows and next-token logits rows); the cache hands out and frees their indices."""
 
     def __init__(self, identity: bytes, pages: PageAllocator, page_tokens: int = 64, *,
-                 continuation_state: bool = False, snapshot_slots: int = 0,
-                 logits_slots: int = 0) -> None:
+                 continuation_state: bool = False, snapshot_rows: int = 0,
+                 logits_rows: int = 0) -> None:
         if not isinstance(identity, bytes) or len(identity) != IDENTITY_BYTES:
             raise ValueError(f"PrefixCache identity must be {IDENTITY_BYTES} bytes, "
                              f"got {len(identity) if isinstance(identity, bytes) else type(identity).__name__}")
         if page_tokens < 1:
             raise ValueError(f"PrefixCache page_tokens must be >= 1, got {page_tokens}")
-        if continuation_state and snapshot_slots < 1:
-            raise ValueError("PrefixCache snapshot_slots must be >= 1 when the cache scheme has "
-                             f"continuation state (only checkpoints are reusable), got {snapshot_slots}")
-        if not continuation_state and snapshot_slots:
-            raise ValueError(f"PrefixCache snapshot_slots must be 0 without continuation state, got {snapshot_slots}")
+        if continuation_state and snapshot_rows < 1:
+            raise ValueError("PrefixCache snapshot_rows must be >= 1 when the cache scheme has "
+                             f"continuation state (only resume points are reusable), got {snapshot_rows}")
+        if not continuation_state and snapshot_rows:
+            raise ValueError(f"PrefixCache snapshot_rows must be 0 without continuation state, got {snapshot_rows}")
         self.identity = identity
         self.page_tokens = page_tokens
         self.continuation_state = continuation_state
         self._pages = pages
-        self._snapshots = StateRowAllocator(snapshot_slots)
-        self._logits = StateRowAllocator(logits_slots)
+        self._snapshots = StateRowAllocator(snapshot_rows)
+        self._logits = StateRowAllocator(logits_rows)
         self._tick = 0
         self._root = _Block(identity, None, 0, -1, 0)
         self._blocks: dict[bytes, _Block] = {}
         self._block_lru: _LruHeap[_Block] = _LruHeap()
-        self._checkpoint_lru: _LruHeap[Checkpoint] = _LruHeap()
-        self._num_checkpoints = 0
-        self._tail_pages = 0  # checkpoints holding a tail page
+        self._resume_point_lru: _LruHeap[ResumePoint] = _LruHeap()
+        self._num_resume_points = 0
+        self._tail_pages = 0  # resume points holding a tail page
         self._lookups = self._hits = self._reused_tokens = self._evictions = 0
 
     @property
-    def snapshot_slots(self) -> int:
+    def snapshot_rows(self) -> int:
         return self._snapshots.num_rows
 
     @property
-    def logits_slots(self) -> int:
+    def logits_rows(self) -> int:
         return self._logits.num_rows
 
     @property
-    def free_snapshot_slots(self) -> int:
+    def free_snapshot_rows(self) -> int:
         return self._snapshots.free_count
 
     @property
-    def free_logits_slots(self) -> int:
+    def free_logits_rows(self) -> int:
         return self._logits.free_count
 
     @property
     def held_pages(self) -> int:
-        """Pages the cache holds a reference on: one per cached block and checkpoint tail page."""
+        """Pages the cache holds a reference on: one per cached block and resume point tail page."""
         return len(self._blocks) + self._tail_pages
 
     @property
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(self._lookups, self._hits, self._reused_tokens, self._evictions,
-                                len(self._blocks), self._num_checkpoints)
+                                len(self._blocks), self._num_resume_points)
 
     def extend_hashes(self, hashes: list[bytes], tokens: Sequence[int]) -> None:
         extend_block_hashes(self.identity, hashes, tokens, self.page_tokens)
@@ -248,7 +248,7 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], hashes: list[bytes]) -> PrefixHit:
         """Longest reusable prefix of `tokens` (see the module docstring). `hashes` caches the
         caller's block hashes and is extended here. The returned pages are retained and the
-        checkpoint pinned for the caller."""
+        resume point pinned for the caller."""
         total = len(tokens)
         if total < 1:
             raise ValueError("lookup needs at least one token")
@@ -261,19 +261,19 @@ class PrefixCache:
             chain.append(block)
 
         best_end = 0 if self.continuation_state else min(len(chain), (total - 1) // self.page_tokens) * self.page_tokens
-        best: Checkpoint | None = None
+        best: ResumePoint | None = None
         for depth in range(len(chain), -1, -1):
             base = depth * self.page_tokens
             if base + self.page_tokens - 1 <= best_end:
-                break  # checkpoints at this depth or shallower end before best_end
+                break  # resume points at this depth or shallower end before best_end
             holder = chain[depth - 1] if depth else self._root
-            for tail, checkpoint in holder.checkpoints.items():
+            for tail, resume_point in holder.resume_points.items():
                 end = base + len(tail)
                 if end <= best_end or end > total or tuple(tokens[base:end]) != tail:
                     continue
-                if end == total and checkpoint.logits_slot is None:
+                if end == total and resume_point.logits_row is None:
                     continue
-                best_end, best = end, checkpoint
+                best_end, best = end, resume_point
             if best is not None:
                 break
 
@@ -289,20 +289,20 @@ class PrefixCache:
             self._touch_block(block)
         if best is not None:
             best.pins += 1
-            self._touch_checkpoint(best)
+            self._touch_resume_point(best)
         self._compact()
         return PrefixHit(best_end, tuple(block.page for block in used), best, best_end == total)
 
     def release_hit(self, hit: PrefixHit) -> None:
         """Give back a hit that will not be used."""
         self._pages.release_all(hit.pages)
-        if hit.checkpoint is not None:
-            self.unpin(hit.checkpoint)
+        if hit.resume_point is not None:
+            self.unpin(hit.resume_point)
 
-    def unpin(self, checkpoint: Checkpoint) -> None:
-        if checkpoint.pins < 1:
-            raise ValueError(f"{checkpoint!r} is not pinned")
-        checkpoint.pins -= 1
+    def unpin(self, resume_point: ResumePoint) -> None:
+        if resume_point.pins < 1:
+            raise ValueError(f"{resume_point!r} is not pinned")
+        resume_point.pins -= 1
 
     # ---- insertion ----------------------------------------------------------------------
 
@@ -331,14 +331,14 @@ class PrefixCache:
             parent = block
         self._compact()
 
-    # ---- checkpoints --------------------------------------------------------------------
+    # ---- resume points --------------------------------------------------------------------
 
-    def has_checkpoint(self, hashes: list[bytes], tokens: Sequence[int], end: int) -> bool:
+    def has_resume_point(self, hashes: list[bytes], tokens: Sequence[int], end: int) -> bool:
         holder = self._holder(hashes, tokens, end)
-        return holder is not None and self._tail(tokens, end) in holder.checkpoints
+        return holder is not None and self._tail(tokens, end) in holder.resume_points
 
-    def reserve_checkpoint(self, end: int, prompt_end: bool) -> CheckpointSlots | None:
-        """Reserve storage for a checkpoint at `end`, or None when there is nothing worth
+    def reserve_resume_point(self, end: int, prompt_end: bool) -> ResumeStorage | None:
+        """Reserve storage for a resume point at `end`, or None when there is nothing worth
         storing (no continuation state and no logits to keep) or required storage cannot be
         freed. Evicts least recently used entries to make room."""
         unaligned = end % self.page_tokens != 0
@@ -347,7 +347,7 @@ class PrefixCache:
             return None
         state = None
         if self.continuation_state:
-            state = self._take_row(self._snapshots, "state_snapshot")
+            state = self._take_row(self._snapshots, "snapshot_row")
             if state is None:
                 return None
         tail = None
@@ -358,88 +358,88 @@ class PrefixCache:
                     self._snapshots.free(state)
                 return None
             tail = self._pages.allocate(1)[0]
-        logits = self._take_row(self._logits, "logits_slot") if want_logits else None
+        logits = self._take_row(self._logits, "logits_row") if want_logits else None
         if state is None and logits is None and not unaligned:
             return None
-        return CheckpointSlots(tail, state, logits)
+        return ResumeStorage(tail, state, logits)
 
-    def discard(self, slots: CheckpointSlots) -> None:
+    def discard(self, slots: ResumeStorage) -> None:
         """Free a reservation that will not be recorded."""
         if slots.tail_page is not None:
             self._pages.release(slots.tail_page)
-        if slots.state_snapshot is not None:
-            self._snapshots.free(slots.state_snapshot)
-        if slots.logits_slot is not None:
-            self._logits.free(slots.logits_slot)
+        if slots.snapshot_row is not None:
+            self._snapshots.free(slots.snapshot_row)
+        if slots.logits_row is not None:
+            self._logits.free(slots.logits_row)
 
-    def record_checkpoint(self, hashes: list[bytes], page_table: Sequence[int], tokens: Sequence[int],
-                          end: int, slots: CheckpointSlots, known_depth: int = 0) -> None:
-        """Register the pages under `end` and a checkpoint whose reserved slots have now been
-        filled by the runtime. A checkpoint already present keeps its slots; these are freed."""
+    def record_resume_point(self, hashes: list[bytes], page_table: Sequence[int], tokens: Sequence[int],
+                          end: int, slots: ResumeStorage, known_depth: int = 0) -> None:
+        """Register the pages under `end` and a resume point whose reserved storage has now been
+        filled by the runtime. A resume point already present keeps its storage; this one is freed."""
         depth = end // self.page_tokens
         self.extend_hashes(hashes, tokens[:end])
         self.insert(hashes, page_table, depth, known_depth)
         holder = self._blocks[hashes[depth - 1]] if depth else self._root
         tail = self._tail(tokens, end)
-        existing = holder.checkpoints.get(tail)
+        existing = holder.resume_points.get(tail)
         if existing is not None:
             self.discard(slots)
             self._tick += 1
-            self._touch_checkpoint(existing)
+            self._touch_resume_point(existing)
             return
         self._tick += 1
-        checkpoint = Checkpoint(end, tail, slots, holder, self._tick)
-        holder.checkpoints[tail] = checkpoint
-        self._num_checkpoints += 1
-        self._tail_pages += checkpoint.tail_page is not None
-        self._checkpoint_lru.push(checkpoint)
+        resume_point = ResumePoint(end, tail, slots, holder, self._tick)
+        holder.resume_points[tail] = resume_point
+        self._num_resume_points += 1
+        self._tail_pages += resume_point.tail_page is not None
+        self._resume_point_lru.push(resume_point)
 
     # ---- eviction -----------------------------------------------------------------------
 
     def evict_pages(self, wanted_free: int) -> None:
-        """Evict least recently used unpinned leaves and checkpoints until the allocator has
+        """Evict least recently used unpinned leaves and resume points until the allocator has
         `wanted_free` free pages or nothing more can be evicted."""
         pinned_blocks: list[_Block] = []
-        pinned_checkpoints: list[Checkpoint] = []
+        pinned_resume_points: list[ResumePoint] = []
         while self._pages.free_count < wanted_free:
             block = self._block_lru.peek(self._is_evictable_block)
             if block is not None and self._pages.refcount(block.page) > 1:
                 pinned_blocks.append(self._block_lru.pop())
                 continue
-            checkpoint = self._checkpoint_lru.peek(lambda c: not c.evicted)
-            if checkpoint is not None and checkpoint.pins:
-                pinned_checkpoints.append(self._checkpoint_lru.pop())
+            resume_point = self._resume_point_lru.peek(lambda c: not c.evicted)
+            if resume_point is not None and resume_point.pins:
+                pinned_resume_points.append(self._resume_point_lru.pop())
                 continue
-            if block is None and checkpoint is None:
+            if block is None and resume_point is None:
                 break
-            if checkpoint is not None and (block is None or checkpoint.last_used <= block.last_used):
-                self._checkpoint_lru.pop()
-                self._evict_checkpoint(checkpoint)
+            if resume_point is not None and (block is None or resume_point.last_used <= block.last_used):
+                self._resume_point_lru.pop()
+                self._evict_resume_point(resume_point)
             else:
                 self._block_lru.pop()
                 self._evict_block(block)
         for block in pinned_blocks:
             self._block_lru.push(block)
-        for checkpoint in pinned_checkpoints:
-            self._checkpoint_lru.push(checkpoint)
+        for resume_point in pinned_resume_points:
+            self._resume_point_lru.push(resume_point)
 
     def _take_row(self, rows: StateRowAllocator, slot_field: str) -> int | None:
-        """A free slot of `rows`, evicting the least recently used unpinned checkpoint holding
+        """A free row of `rows`, evicting the least recently used unpinned resume point holding
         one when none is free."""
         if rows.num_rows == 0:
             return None
-        skipped: list[Checkpoint] = []
+        skipped: list[ResumePoint] = []
         while rows.free_count == 0:
-            checkpoint = self._checkpoint_lru.peek(lambda c: not c.evicted)
-            if checkpoint is None:
+            resume_point = self._resume_point_lru.peek(lambda c: not c.evicted)
+            if resume_point is None:
                 break
-            self._checkpoint_lru.pop()
-            if checkpoint.pins or getattr(checkpoint, slot_field) is None:
-                skipped.append(checkpoint)
+            self._resume_point_lru.pop()
+            if resume_point.pins or getattr(resume_point, slot_field) is None:
+                skipped.append(resume_point)
             else:
-                self._evict_checkpoint(checkpoint)
-        for checkpoint in skipped:
-            self._checkpoint_lru.push(checkpoint)
+                self._evict_resume_point(resume_point)
+        for resume_point in skipped:
+            self._resume_point_lru.push(resume_point)
         return rows.allocate()[0] if rows.free_count else None
 
     def _evict_block(self, block: _Block) -> None:
@@ -453,13 +453,13 @@ class PrefixCache:
         if parent is not self._root and parent.is_leaf:
             self._block_lru.push(parent)
 
-    def _evict_checkpoint(self, checkpoint: Checkpoint) -> None:
-        checkpoint.evicted = True
-        holder = checkpoint.holder
-        del holder.checkpoints[checkpoint.tail]
-        self._num_checkpoints -= 1
-        self._tail_pages -= checkpoint.tail_page is not None
-        self.discard(CheckpointSlots(checkpoint.tail_page, checkpoint.state_snapshot, checkpoint.logits_slot))
+    def _evict_resume_point(self, resume_point: ResumePoint) -> None:
+        resume_point.evicted = True
+        holder = resume_point.holder
+        del holder.resume_points[resume_point.tail]
+        self._num_resume_points -= 1
+        self._tail_pages -= resume_point.tail_page is not None
+        self.discard(ResumeStorage(resume_point.tail_page, resume_point.snapshot_row, resume_point.logits_row))
         self._evictions += 1
         if holder is not self._root and holder.is_leaf:
             self._block_lru.push(holder)
@@ -475,9 +475,9 @@ class PrefixCache:
         if block.is_leaf:
             self._block_lru.push(block)
 
-    def _touch_checkpoint(self, checkpoint: Checkpoint) -> None:
-        checkpoint.last_used = self._tick
-        self._checkpoint_lru.push(checkpoint)
+    def _touch_resume_point(self, resume_point: ResumePoint) -> None:
+        resume_point.last_used = self._tick
+        self._resume_point_lru.push(resume_point)
 
     def _holder(self, hashes: list[bytes], tokens: Sequence[int], end: int) -> _Block | None:
         depth = end // self.page_tokens
@@ -493,6 +493,6 @@ class PrefixCache:
         # Touches push fresh heap entries; drop the stale ones when they dominate.
         if len(self._block_lru) > 2 * len(self._blocks) + 64:
             self._block_lru.rebuild(b for b in self._blocks.values() if b.is_leaf)
-        if len(self._checkpoint_lru) > 2 * self._num_checkpoints + 64:
-            self._checkpoint_lru.rebuild(c for b in [self._root, *self._blocks.values()]
-                                         for c in b.checkpoints.values())
+        if len(self._resume_point_lru) > 2 * self._num_resume_points + 64:
+            self._resume_point_lru.rebuild(c for b in [self._root, *self._blocks.values()]
+                                         for c in b.resume_points.values())

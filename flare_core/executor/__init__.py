@@ -17,7 +17,7 @@ class Executor(Protocol):
 
     device: torch.device
     frames_in_flight: int  # steps worth keeping issued ahead of the one whose results are read
-    penalties: PenaltyBook  # per-slot token histories for penalised sampling
+    penalties: PenaltyBook  # per state row token histories for penalised sampling
 
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
         """Run `plan` and sample what it samples (None when it samples nothing)."""

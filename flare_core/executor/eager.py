@@ -30,7 +30,7 @@ class EagerExecutor:
     frames_in_flight = 1
 
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
-                 num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
+                 num_rows: int, num_snapshot_rows: int, num_logits_rows: int, vocab_size: int,
                  device: torch.device, seed: int = 0,
                  plan_attention: Callable[[Sequences], AttentionBackend] | None = None):
         """`plan_attention(sequences)` plans a kernel backend for a step's rows and returns it;
@@ -44,15 +44,15 @@ class EagerExecutor:
         self.storage = self._allocate_storage(num_pages)
         self._paged = [s.name for s in scheme.paged]
         self._state = [s.name for s in scheme.state]
-        # Continuation-state rows of live slots are in `storage`; prefix checkpoints keep theirs here.
-        self.snapshots = {s.name: [torch.zeros(num_snapshot_slots, *s.shape, dtype=layer.dtype, device=device)
+        # Live requests' continuation-state rows are in `storage`; prefix resume points keep theirs here.
+        self.snapshots = {s.name: [torch.zeros(num_snapshot_rows, *s.shape, dtype=layer.dtype, device=device)
                                    for layer in self.storage[s.name]] for s in scheme.state}
-        self.logits_store = torch.zeros(num_logits_slots, vocab_size, dtype=torch.float32, device=device)
-        # The token each slot sampled last: the input of a decode entry whose token the host
+        self.logits_store = torch.zeros(num_logits_rows, vocab_size, dtype=torch.float32, device=device)
+        # The token each state row sampled last: the input of a decode entry whose token the host
         # has not confirmed yet (a plan issued before its predecessor completed).
-        # One row beyond the live slots: where padding rows of a captured decode step write.
+        # One row beyond the live state rows: where padding rows of a captured decode step write.
         self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
-        # Token histories for penalties, per slot (and the padding row).
+        # Token histories for penalties, per state row (and the padding row).
         self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)
         self.sampler = Sampler(seed=seed, device=device)
 
@@ -80,25 +80,25 @@ class EagerExecutor:
             for layer in self.storage[name]:
                 layer[dst].copy_(layer[src])
 
-    def _snapshot_row(self, slot: int, snapshot: int, restore: bool) -> None:
+    def _snapshot_row(self, state_row: int, snapshot: int, restore: bool) -> None:
         for name in self._state:
             for live, saved in zip(self.storage[name], self.snapshots[name]):
                 if restore:
-                    live[slot].copy_(saved[snapshot])
+                    live[state_row].copy_(saved[snapshot])
                 else:
-                    saved[snapshot].copy_(live[slot])
+                    saved[snapshot].copy_(live[state_row])
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
         """Execute `plan` and sample its rows (`plan.samples` order) as `sampling` says; the
-        sampled tokens are recorded as their slots' next decode inputs. Returns device tensors,
+        sampled tokens are recorded as their state rows' next decode inputs. Returns device tensors,
         None for a step that samples and scores nothing."""
         logits, scores = self.run_scored(plan)
         if not plan.samples:
             return SampleOutput(logits.new_zeros(0, dtype=torch.int64), prompt_scores=scores) if scores else None
         output = self.sampler.sample(logits, sampling.params, sampling.steps, sampling.penalties,
                                      logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs)
-        self.record_sampled([h.slot for h in plan.samples], output.token_ids, penalised=sampling.penalised)
+        self.record_sampled([h.state_row for h in plan.samples], output.token_ids, penalised=sampling.penalised)
         return dataclasses.replace(output, prompt_scores=scores)
 
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -112,10 +112,10 @@ class EagerExecutor:
         for restore in plan.restores:
             if restore.tail_copy is not None:
                 self._copy_page(*restore.tail_copy)
-            if restore.state_snapshot is not None:
-                self._snapshot_row(restore.handle.slot, restore.state_snapshot, restore=True)
-            if restore.logits_slot is not None:
-                restored_logits.append(self.logits_store[restore.logits_slot])
+            if restore.snapshot_row is not None:
+                self._snapshot_row(restore.handle.state_row, restore.snapshot_row, restore=True)
+            if restore.logits_row is not None:
+                restored_logits.append(self.logits_store[restore.logits_row])
 
         if not plan.decodes and not plan.prefills:
             return (torch.stack(restored_logits) if restored_logits else self.logits_store[:0]), ()
@@ -159,10 +159,10 @@ class EagerExecutor:
             if chunk.start == 0:
                 for name in self._state:
                     for layer in self.storage[name]:
-                        layer[chunk.handle.slot].zero_()
+                        layer[chunk.handle.state_row].zero_()
 
     def finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
-        """Take the checkpoints the chunks save (`logits`: the step's rows, decodes first); return
+        """Take the resume points the chunks save (`logits`: the step's rows, decodes first); return
         the rows that sample (each decode, then each chunk that ends its prompt)."""
         rows = list(range(len(plan.decodes)))
         for i, chunk in enumerate(plan.prefills):
@@ -187,9 +187,9 @@ class EagerExecutor:
         ids = to_device(tokens, torch.int64, self.device)
         missing = [i for i, t in enumerate(known) if t is None]
         if missing:
-            slots = [plan.decodes[i].handle.slot for i in missing]
+            rows = [plan.decodes[i].handle.state_row for i in missing]
             ids[to_device(missing, torch.int64, self.device)] = \
-                self.last_sampled[to_device(slots, torch.int64, self.device)]
+                self.last_sampled[to_device(rows, torch.int64, self.device)]
         return ids
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
@@ -204,10 +204,10 @@ class EagerExecutor:
         save = chunk.save
         if save.tail_page is not None:
             self._copy_page(chunk.page_table[chunk.end // self.page_tokens], save.tail_page)
-        if save.state_snapshot is not None:
-            self._snapshot_row(chunk.handle.slot, save.state_snapshot, restore=False)
-        if save.logits_slot is not None:
-            self.logits_store[save.logits_slot].copy_(logits_row)
+        if save.snapshot_row is not None:
+            self._snapshot_row(chunk.handle.state_row, save.snapshot_row, restore=False)
+        if save.logits_row is not None:
+            self.logits_store[save.logits_row].copy_(logits_row)
 
     def to_host(self, output: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
         """Host copies of a step's output, enqueued without a host wait; and the event that marks
@@ -216,11 +216,11 @@ class EagerExecutor:
                               (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs)),
                             prompt_scores=tuple(s.to("cpu", non_blocking=True) for s in output.prompt_scores)), None
 
-    def record_sampled(self, slots: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
-        """`tokens` [len(slots)] become the slots' next decode inputs, and count in their penalty
+    def record_sampled(self, state_rows: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
+        """`tokens` [len(state_rows)] become the state rows' next decode inputs, and count in their penalty
         histories when the step has penalties."""
-        if slots:
-            rows = to_device(slots, torch.int64, self.device)
+        if state_rows:
+            rows = to_device(state_rows, torch.int64, self.device)
             tokens = tokens.to(self.device)
             self.last_sampled[rows] = tokens
             if penalised:

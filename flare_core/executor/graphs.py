@@ -3,12 +3,12 @@ graph catalog, all sharing one memory pool: decode batch capacities (rows) and p
 capacities (prompt chunks of several requests). Matmuls of one token (the capacity-1 decode
 graph: a single request decoding) run a Triton GEMV kernel (flare_core.ops.gemv) unless
 `gemv=False`. Steps no graph covers (decode rows mixed with prompt chunks, steps that restore
-prefix checkpoints, prompt chunks of kernels without prefill graphs) run the same model eagerly
+prefix resume points, prompt chunks of kernels without prefill graphs) run the same model eagerly
 over FlashInfer paged prefill.
 
 A step pads to the smallest covering capacity. Padding rows and tokens read and write a scratch
 page that no request owns, so a replay never touches live cache pages beyond its own rows.
-Between replays only buffer contents change: token ids, positions, cache slots, sampling
+Between replays only buffer contents change: token ids, positions, cache indices, sampling
 columns, and the FlashInfer plan (made on the host from the scheduler's page tables before the
 replay). Sampling runs in graphs too, over the forward graph's logits (`_Samplers`): every
 request parameter, per-request seeds, and penalties read from the executor's history book.
@@ -33,7 +33,7 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.eager import EagerExecutor
-from flare_core.ops.attention import AttentionBatch, ForwardContext, cache_slot
+from flare_core.ops.attention import AttentionBatch, ForwardContext, cache_index
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
@@ -98,19 +98,19 @@ class _Inputs:
 
 # A graph's integer inputs, one column per row of the graph (a decode graph's rows are its decode
 # rows; a prefill graph's rows are its requests). `ids`: the tokens the host knows; `from_device`:
-# the row reads its token from the step before, on the device, instead; `logits_rows` (prefill):
-# the flattened index of each request's last token, whose logits the row gets; `row_slots`: the
-# row's request slot (the scratch row for padding); `positions` and `cache_slots` (decode); then
-# the sampling columns and the unseeded key (column 0).
-INT_INPUTS = ("ids", "from_device", "logits_rows", "row_slots", "positions", "cache_slots",
+# the row reads its token from the step before, on the device, instead; `last_token_index`
+# (prefill): the flattened index of each request's last token, whose logits the row gets;
+# `state_rows`: each row's request's state row (the scratch row for padding); `positions` and
+# `cache_indices` (decode); then the sampling columns and the unseeded key (column 0).
+INT_INPUTS = ("ids", "from_device", "last_token_index", "state_rows", "positions", "cache_indices",
               "top_k", "seeds", "steps", "seeded", "key")
 SAMPLING_INTS = ("top_k", "seeds", "steps", "seeded")  # the order of row_columns' ints
 # The float inputs (sampling and penalties, in row_columns' order) and their values on rows that
 # sample without them (padding, greedy steps).
 FLOAT_INPUTS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition": 1.0, "frequency": 0.0,
                 "presence": 0.0}
-# A prefill graph's inputs per token: token ids, positions, cache slots.
-TOKEN_INPUTS = ("ids", "positions", "cache_slots")
+# A prefill graph's inputs per token: token ids, positions, cache indices.
+TOKEN_INPUTS = ("ids", "positions", "cache_indices")
 
 # The candidate window of the windowed sampler: steps whose rows keep their rank filters exact
 # within the 64 most probable tokens (top-k <= 64, and no top-p without a top-k) sample with one
@@ -121,8 +121,8 @@ GRAPH_SAMPLING_WINDOW = 64
 @dataclass
 class _Samplers:
     """Graphs that sample a graph's logits rows on the device and record the tokens as their
-    slots' next decode inputs: greedy, windowed, full-vocabulary, and with penalties (full
-    vocabulary; it also counts the tokens in the slots' penalty histories). `tokens` holds what
+    state rows' next decode inputs: greedy, windowed, full-vocabulary, and with penalties (full
+    vocabulary; it also counts the tokens in the state rows' penalty histories). `tokens` holds what
     the last replay sampled."""
 
     greedy: torch.cuda.CUDAGraph
@@ -175,15 +175,15 @@ class GraphExecutor:
     frames_in_flight = 2
 
     def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
-                 num_rows: int, num_snapshot_slots: int, num_logits_slots: int, vocab_size: int,
+                 num_rows: int, num_snapshot_rows: int, num_logits_rows: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
                  prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
                  triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
         self.model, self.device, self.page_tokens, self.vocab_size = model, device, page_tokens, vocab_size
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         self.eager = EagerExecutor(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens,
-                                   num_rows=num_rows, num_snapshot_slots=num_snapshot_slots,
-                                   num_logits_slots=num_logits_slots, vocab_size=vocab_size, device=device,
+                                   num_rows=num_rows, num_snapshot_rows=num_snapshot_rows,
+                                   num_logits_rows=num_logits_rows, vocab_size=vocab_size, device=device,
                                    seed=seed, plan_attention=self._plan_prefill)
         self.penalties = self.eager.penalties
         first_store = next(iter(self.storage.values()))
@@ -211,7 +211,7 @@ class GraphExecutor:
         if prefill_chunk_size:
             # The largest prompt chunk, eagerly: the allocator keeps its activations' memory
             # reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that
-            # run eagerly (those restoring prefix checkpoints, or prompt chunks without graphs).
+            # run eagerly (those restoring prefix resume points, or prompt chunks without graphs).
             self._warm_prefill(prefill_chunk_size)
         self.decode_graphs: dict[int, _Graph] = {}  # by batch capacity (rows)
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
@@ -250,8 +250,8 @@ class GraphExecutor:
         self.scratch_page = num_pages
         self._capture()
 
-    def record_sampled(self, slots: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
-        self.eager.record_sampled(slots, tokens, penalised)
+    def record_sampled(self, state_rows: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
+        self.eager.record_sampled(state_rows, tokens, penalised)
 
     def _plan_prefill(self, sequences) -> _FencedPlan:
         """FlashInfer paged prefill planned for an eager step's rows (decodes are one-token rows)."""
@@ -305,7 +305,7 @@ class GraphExecutor:
 
     def _int_inputs(self, width: int) -> _Inputs:
         defaults = dict.fromkeys(INT_INPUTS, 0)
-        defaults.update(row_slots=self.scratch_row, cache_slots=self.scratch_page * self.page_tokens)
+        defaults.update(state_rows=self.scratch_row, cache_indices=self.scratch_page * self.page_tokens)
         return _Inputs(defaults, width, torch.int64, self.device)
 
     def _capture_decode(self, capacity: int, pool) -> _Graph:
@@ -318,7 +318,7 @@ class GraphExecutor:
             query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
             kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
             page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
-            slot_mapping=ints["cache_slots"], logits_indices=torch.arange(capacity, device=device),
+            slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
             kv_lens_host=(1,) * capacity)
         context = ForwardContext(batch, self.storage, attention)
@@ -326,7 +326,7 @@ class GraphExecutor:
         last_sampled = self.eager.last_sampled
 
         def forward() -> torch.Tensor:
-            ids = torch.where(ints["from_device"] != 0, last_sampled[ints["row_slots"]], ints["ids"])
+            ids = torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ints["ids"])
             return self.model(ids, ints["positions"], context)
 
         forward_graph, logits = self._captured(forward, pool)
@@ -335,15 +335,15 @@ class GraphExecutor:
 
     def _capture_prefill(self, capacity: int, pool) -> _Graph:
         device = self.device
-        # Each request of a step has at least one token and holds a slot: at most this many.
+        # Each request of a step has at least one token and holds a state row: at most this many.
         requests = min(capacity, self.scratch_row) + 1
         pad_pages = -(-capacity // self.page_tokens)
         attention = _FencedPlan(self.kernels.prefill(
             graph=(requests, (requests - 1) * self._pages_per_context + pad_pages + requests)))
-        tokens_in = _Inputs({"ids": 0, "positions": 0, "cache_slots": self.scratch_page * self.page_tokens},
+        tokens_in = _Inputs({"ids": 0, "positions": 0, "cache_indices": self.scratch_page * self.page_tokens},
                             capacity, torch.int64, device)
         ints = self._int_inputs(requests)
-        ints["logits_rows"].fill_(capacity - 1)
+        ints["last_token_index"].fill_(capacity - 1)
         floats = _Inputs(FLOAT_INPUTS, requests, torch.float32, device)
         # Only slot_mapping and logits_indices are read on the FlashInfer path; the rest describes
         # the capture's layout (all tokens in the padding request).
@@ -351,7 +351,8 @@ class GraphExecutor:
             query_start=torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
             kv_lens=torch.tensor([capacity] + [1] * (requests - 1), dtype=torch.int32, device=device),
             page_table=torch.full((requests, 1), self.scratch_page, dtype=torch.int32, device=device),
-            slot_mapping=tokens_in["cache_slots"], logits_indices=ints["logits_rows"], page_tokens=self.page_tokens,
+            slot_mapping=tokens_in["cache_indices"], logits_indices=ints["last_token_index"],
+            page_tokens=self.page_tokens,
             query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1))
         context = ForwardContext(batch, self.storage, attention)
         attention.plan(self._prefill_layout((), capacity, requests), self.scale)
@@ -362,7 +363,7 @@ class GraphExecutor:
                       tokens_in)
 
     def _capture_samplers(self, logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool) -> _Samplers:
-        slots = ints["row_slots"]
+        rows = ints["state_rows"]
         vocab = logits.shape[-1]
         penalties, last_sampled = self.penalties, self.eager.last_sampled
         # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
@@ -371,7 +372,7 @@ class GraphExecutor:
 
         def recorded(sampled: torch.Tensor) -> torch.Tensor:
             tokens.copy_(sampled)
-            last_sampled.index_put_((slots,), sampled)
+            last_sampled.index_put_((rows,), sampled)
             return tokens
 
         def sampled(working: torch.Tensor, sample, candidates: int) -> torch.Tensor:
@@ -381,10 +382,10 @@ class GraphExecutor:
                 unseeded_seed=ints["key"][0], candidates=candidates))
 
         def penalised() -> torch.Tensor:
-            working = penalise(logits, penalties.in_prompt[slots], penalties.output_counts[slots],
+            working = penalise(logits, penalties.in_prompt[rows], penalties.output_counts[rows],
                                floats["repetition"], floats["frequency"], floats["presence"])
             chosen = sampled(working, sample_rows, vocab)
-            penalties.record(slots, chosen)  # the histories of the rows that have penalties
+            penalties.record(rows, chosen)  # the histories of the rows that have penalties
             return chosen
 
         graphs = [self._captured(fn, pool)[0] for fn in (
@@ -412,7 +413,7 @@ class GraphExecutor:
     def _graph_for(self, plan: StepPlan) -> _Graph | None:
         """The smallest captured graph that covers the step, or None: the step runs eagerly.
         Graphs cover decode-only and prefill-only steps; steps that mix the two, restore prefix
-        checkpoints first, or score prompts (logits at every token of some chunks) run eagerly."""
+        resume points first, or score prompts (logits at every token of some chunks) run eagerly."""
         if (plan.prefills and plan.decodes) or plan.restores or EagerExecutor.scores_prompt(plan):
             return None
         if plan.prefills:
@@ -481,7 +482,7 @@ class GraphExecutor:
 
     def _replay(self, graph: _Graph, plan: StepPlan, sampling: StepSampling | None) -> list[int]:
         """Upload the step's inputs, plan its attention and replay the forward graph; take the
-        checkpoints its chunks save. Returns the rows that sample (EagerExecutor.finish_chunks)."""
+        resume points its chunks save. Returns the rows that sample (EagerExecutor.finish_chunks)."""
         self.eager.start_chunks(plan)
         ints = self._decode_inputs(graph, plan) if graph.kind == "decode" else self._prefill_inputs(graph, plan)
         floats = {}
@@ -523,9 +524,9 @@ class GraphExecutor:
         return {
             "ids": [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
             "from_device": [int(e.input_token is None) for e in decodes] + [0] * pad,
-            "row_slots": [e.handle.slot for e in decodes] + [self.scratch_row] * pad,
+            "state_rows": [e.handle.state_row for e in decodes] + [self.scratch_row] * pad,
             "positions": positions + [0] * pad,
-            "cache_slots": [cache_slot(e.page_table, e.position, page_tokens) for e in decodes]
+            "cache_indices": [cache_index(e.page_table, e.position, page_tokens) for e in decodes]
             + [self.scratch_page * page_tokens] * pad,
         }
 
@@ -535,15 +536,15 @@ class GraphExecutor:
         pad = capacity - sum(c.end - c.start for c in chunks)
         ids = [t for c in chunks for t in c.tokens] + [0] * pad
         positions = [p for c in chunks for p in range(c.start, c.end)] + list(range(pad))
-        slots = [cache_slot(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
-        slots += [self.scratch_page * page_tokens + p % page_tokens for p in range(pad)]
-        graph.tokens_in.upload({"ids": ids, "positions": positions, "cache_slots": slots})
+        indices = [cache_index(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
+        indices += [self.scratch_page * page_tokens + p % page_tokens for p in range(pad)]
+        graph.tokens_in.upload({"ids": ids, "positions": positions, "cache_indices": indices})
         unused = graph.requests - len(chunks)
         ends = list(itertools.accumulate(c.end - c.start for c in chunks))
         graph.attention.plan(self._prefill_layout(chunks, capacity, graph.requests), self.scale)
         return {
-            "logits_rows": [end - 1 for end in ends] + [capacity - 1] * unused,
-            "row_slots": [c.handle.slot if c.samples else self.scratch_row for c in chunks]
+            "last_token_index": [end - 1 for end in ends] + [capacity - 1] * unused,
+            "state_rows": [c.handle.state_row if c.samples else self.scratch_row for c in chunks]
             + [self.scratch_row] * unused,
         }
 

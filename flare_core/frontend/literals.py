@@ -58,7 +58,7 @@ def escape_literals(value: Any, pattern: re.Pattern[str] | None) -> Any:
 @dataclass(frozen=True)
 class EncodedPrompt:
     ids: tuple[int, ...]
-    checkpoints: tuple[int, ...]  # token counts at the marks that fall on clean token boundaries
+    message_ends: tuple[int, ...]  # token counts at the marks that fall on clean token boundaries
     text: str  # the rendered text, brackets removed
 
 

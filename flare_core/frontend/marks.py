@@ -1,4 +1,4 @@
-"""Mapping `{% mark %}` byte offsets to token counts (prefix checkpoint endpoints)."""
+"""Mapping `{% mark %}` byte offsets to token counts (prefix resume point endpoints)."""
 
 from __future__ import annotations
 

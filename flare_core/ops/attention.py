@@ -4,8 +4,8 @@ model receives, and the plain-torch reference implementation.
 A step processes a *flattened ragged batch*: the new tokens of B requests laid back to back
 (T tokens in all). Request b owns rows `query_start[b]:query_start[b+1]`; after this step it has
 `kv_lens[b]` tokens in the cache (its cached tokens plus the new ones), stored in the pages
-`page_table[b, :ceil(kv_lens[b] / page_tokens)]`. Each new token's K/V record goes to slot
-`slot_mapping[t] = page_id * page_tokens + offset`.
+`page_table[b, :ceil(kv_lens[b] / page_tokens)]`. Each new token's K/V record goes to cache index
+`slot_mapping[t] = page_id * page_tokens + offset` (FlashInfer's and vLLM's name for the list).
 
 Cache layout: a paged store layer is a tensor `[num_pages, page_tokens // tokens_per_record,
 *record_shape]`; for the "k" and "v" stores of the "attention-kv" scheme that is
@@ -27,8 +27,8 @@ from flare_core.ops.opaque import bound_context
 from flare_core.ops.transfer import to_device
 
 
-def cache_slot(pages: Sequence[int], position: int, page_tokens: int) -> int:
-    """The cache slot of the token at `position` of a request whose pages are `pages`."""
+def cache_index(pages: Sequence[int], position: int, page_tokens: int) -> int:
+    """The cache index of the token at `position` of a request whose pages are `pages`."""
     return pages[position // page_tokens] * page_tokens + position % page_tokens
 
 
@@ -80,7 +80,7 @@ class AttentionBatch:
             raise ValueError("AttentionBatch.build: sequences is empty; a step needs at least one request")
         if page_tokens <= 0:
             raise ValueError(f"AttentionBatch.build: page_tokens must be positive, got {page_tokens}")
-        query_start, kv_lens, slots, logits_rows = [0], [], [], []
+        query_start, kv_lens, indices, logits_rows = [0], [], [], []
         max_pages = max(len(pages) for _, _, pages in sequences)
         page_table = torch.zeros(len(sequences), max(max_pages, 1), dtype=torch.int32)
         for b, (num_new, num_cached, pages) in enumerate(sequences):
@@ -94,7 +94,7 @@ class AttentionBatch:
                                  f"pages of {page_tokens} tokens, but only {len(pages)} page ids were given")
             page_table[b, :len(pages)] = torch.tensor(list(pages), dtype=torch.int32)
             for position in range(num_cached, total):
-                slots.append(cache_slot(pages, position, page_tokens))
+                indices.append(cache_index(pages, position, page_tokens))
             query_start.append(query_start[-1] + num_new)
             kv_lens.append(total)
             if b < len(every_row) and every_row[b]:
@@ -106,7 +106,7 @@ class AttentionBatch:
             query_start=to_device(query_start, torch.int32, device),
             kv_lens=to_device(kv_lens, torch.int32, device),
             page_table=to_device(page_table, torch.int32, device),
-            slot_mapping=to_device(slots, torch.int64, device),
+            slot_mapping=to_device(indices, torch.int64, device),
             logits_indices=to_device(logits_rows, torch.int64, device),
             page_tokens=page_tokens,
             query_start_host=tuple(query_start),
@@ -148,7 +148,7 @@ class AttentionBackend(Protocol):
 
 
 def write_paged(layer_store: Tensor, records: Tensor, slot_mapping: Tensor) -> None:
-    """Write `records` [N, *record_shape] into one layer of a paged store at record slots
+    """Write `records` [N, *record_shape] into one layer of a paged store at cache indices
     `slot_mapping` [N] (page_id * records_per_page + offset), in place."""
     # Indexed by (page, offset) on the layer itself, not through a flat view of it: traced by
     # torch.compile (torch 2.11, CUDA), a write into a view of the cache became a copy of the

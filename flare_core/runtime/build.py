@@ -18,14 +18,14 @@ from flare_core.frontend import Frontend
 from flare_core.plugins import Registry
 from flare_core.runtime.engine import Engine, EngineInfo
 from flare_core.runtime.loaded import LoadedCore
-from flare_core.runtime.memory import KvPlan, snapshot_slots_for
+from flare_core.runtime.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
 
 if TYPE_CHECKING:
     from flare_core.dashboard.telemetry import Telemetry
 
-# Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live slot.
-LOGITS_SLOTS_PER_SLOT = 4
+# Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live state row.
+LOGITS_ROWS_PER_REQUEST = 4
 
 
 def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
@@ -50,11 +50,11 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                                 capacities.context_length, loaded.frontend, registry.parsers)
 
     page_tokens = capacities.page_tokens
-    logits_slots = LOGITS_SLOTS_PER_SLOT * max_concurrency if prefix_cache else 0
-    snapshot_slots = snapshot_slots_for(loaded.cache_scheme, max_concurrency)
+    logits_rows = LOGITS_ROWS_PER_REQUEST * max_concurrency if prefix_cache else 0
+    snapshot_rows = snapshot_rows_for(loaded.cache_scheme, max_concurrency)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
-    executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_slots=snapshot_slots,
-                         num_logits_slots=logits_slots, vocab_size=loaded.model_config.vocab_size,
+    executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_rows=snapshot_rows,
+                         num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
     if loaded.device.type == "cuda":
         from flare_core.executor.graphs import GraphExecutor
@@ -73,7 +73,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
 
     pages = PageAllocator(kv.num_pages)
     prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),
-                         snapshot_slots=snapshot_slots, logits_slots=logits_slots) if prefix_cache else None
+                         snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None
     scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
                                           prefill_chunk_size=capacities.prefill_chunk_size,
                                           capacities=catalog, page_tokens=page_tokens), pages, prefix)

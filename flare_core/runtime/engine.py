@@ -3,8 +3,8 @@ the HTTP server talks to it through a bounded inbox and per-request event queues
 
 Only the model thread touches the scheduler, the executor and per-request output state. The
 event loop submits and cancels through the inbox; events come back with
-`loop.call_soon_threadsafe`. Request handles carry slot + generation, so output for a reused
-slot never reaches the slot's previous request.
+`loop.call_soon_threadsafe`. Request handles carry state row + generation, so output for a reused
+state row never reaches the state row's previous request.
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ class _Live:
     stream: RequestStream
     output: OutputProcessor | None  # None for a request refused or cancelled before admission
     submitted: float
-    penalties: PenaltyState | None = None  # bound to the executor's row of the slot that samples next
+    penalties: PenaltyState | None = None  # bound to the executor's history row of the state row that samples next
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
-    penalty_handle: RequestHandle | None = None  # the slot `penalties` is bound to
+    penalty_handle: RequestHandle | None = None  # the state row `penalties` is bound to
 
     @property
     def generated(self) -> int:
@@ -310,7 +310,7 @@ class Engine:
             output = OutputProcessor(request, self.frontend.tokenizer, self._core_stop_ids)
             live = _Live(request, stream, output, submitted)
             self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
-                                   marks=tuple(m for m in request.checkpoints if 0 < m <= len(request.prompt_ids)),
+                                   message_ends=tuple(m for m in request.message_ends if 0 < m <= len(request.prompt_ids)),
                                    score_prompt=request.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
@@ -338,9 +338,9 @@ class Engine:
             states = [self._scheduler.request(h.request_id) for h in samples]
             for handle, live, state in zip(samples, lives, states):
                 if live is not None and live.request.sampling.penalised and live.penalty_handle != handle:
-                    # The slot's row of the executor's history book becomes this request's (again,
+                    # The executor's history row of this state row becomes this request's (again,
                     # after a preemption moved it), before the step that samples its next token.
-                    live.penalties = self.executor.penalties.start(handle.slot, live.request.prompt_ids,
+                    live.penalties = self.executor.penalties.start(handle.state_row, live.request.prompt_ids,
                                                                    state.outputs)
                     live.penalty_handle = handle
             sampling = StepSampling(
@@ -401,7 +401,7 @@ class Engine:
         """Cached prompt tokens of a request: restored by an exact hit, or where its first chunk starts."""
         for restore in plan.restores:
             live = self._live.get(restore.handle.request_id)
-            if live is not None and live.cached_tokens is None and restore.logits_slot is not None:
+            if live is not None and live.cached_tokens is None and restore.logits_row is not None:
                 live.cached_tokens = len(live.request.prompt_ids)
                 if self.telemetry is not None:
                     self.telemetry.request_started(restore.handle.request_id, live.cached_tokens)

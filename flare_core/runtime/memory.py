@@ -4,7 +4,7 @@
 a reserve to leave free ("-30G"), or a fraction of device memory ("0.8"). `--kv-cache-limit`
 bounds the page pool itself: a size ("20G") or "context" (exactly enough pages for
 max_concurrency full contexts). On the CPU reference path there is no device memory to
-measure; without a KV limit the pool holds two full contexts per slot, which leaves the prefix
+measure; without a KV limit the pool holds two full contexts per state row, which leaves the prefix
 cache as much room as the live requests.
 """
 
@@ -30,7 +30,7 @@ class MemoryPlanError(ValueError):
 class KvPlan:
     num_pages: int
     page_bytes: int
-    snapshot_slots: int
+    snapshot_rows: int
     reason: str
 
     @property
@@ -47,8 +47,8 @@ def parse_size(text: str, flag: str) -> tuple[int, bool]:
     return int(float(number) * _UNITS[unit.upper()]), negative == "-"
 
 
-def snapshot_slots_for(scheme: CacheScheme, max_concurrency: int) -> int:
-    """Prefix-cache checkpoints of continuation state: two per slot (none without state)."""
+def snapshot_rows_for(scheme: CacheScheme, max_concurrency: int) -> int:
+    """Prefix-cache resume points of continuation state: two per state row (none without state)."""
     return 2 * max_concurrency if scheme.state else 0
 
 
@@ -56,8 +56,8 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
             memory_limit: str, kv_cache_limit: str | None) -> KvPlan:
     page_bytes = scheme.page_bytes(capacities.page_tokens)
     context_pages = -(-capacities.context_length // capacities.page_tokens)
-    snapshot_slots = snapshot_slots_for(scheme, max_concurrency)
-    state_bytes = scheme.state_row_bytes() * (max_concurrency + snapshot_slots)
+    snapshot_rows = snapshot_rows_for(scheme, max_concurrency)
+    state_bytes = scheme.state_row_bytes() * (max_concurrency + snapshot_rows)
 
     if kv_cache_limit == "context":
         pages, reason = max_concurrency * context_pages, f"--kv-cache-limit context: {max_concurrency} full contexts"
@@ -71,13 +71,13 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
         pages, reason = max(budget, 0) // page_bytes, f"--memory-limit {memory_limit} of device memory"
     else:
         pages = CPU_CONTEXTS_PER_SLOT * max_concurrency * context_pages
-        reason = f"{CPU_CONTEXTS_PER_SLOT} full contexts per slot (CPU)"
+        reason = f"{CPU_CONTEXTS_PER_SLOT} full contexts per state row (CPU)"
     if pages < context_pages:
         raise MemoryPlanError(
             f"the KV cache gets {pages} pages ({reason}) but one full context of {capacities.context_length} tokens "
             f"needs {context_pages} pages of {page_bytes} bytes: raise --memory-limit / --kv-cache-limit or "
             f"re-export with a smaller --context-length")
-    return KvPlan(int(pages), page_bytes, snapshot_slots, reason)
+    return KvPlan(int(pages), page_bytes, snapshot_rows, reason)
 
 
 def _device_budget(device: torch.device, memory_limit: str) -> int:

@@ -47,11 +47,11 @@ class RuntimeMetrics:
         self._prefix_reused_tokens = Counter("flare_prefix_cache_reused_tokens",
                                              "Prompt tokens restored from the prefix cache instead of computed.",
                                              registry=r)
-        self._live_slots = Gauge("flare_slots_live", "Request slots holding a live request.", registry=r)
-        self._free_slots = Gauge("flare_slots_free", "Request slots free for new requests.", registry=r)
+        self._live_slots = Gauge("flare_slots_live", "Request state rows holding a live request.", registry=r)
+        self._free_slots = Gauge("flare_slots_free", "Request state rows free for new requests.", registry=r)
         self._free_pages = Gauge("flare_kv_pages_free", "KV cache pages free (evictable cached pages excluded).",
                                  registry=r)
-        self._waiting = Gauge("flare_requests_waiting", "Admitted requests waiting for a slot.", registry=r)
+        self._waiting = Gauge("flare_requests_waiting", "Admitted requests waiting for a state row.", registry=r)
         self._http_in_flight = Gauge("flare_http_requests_in_flight",
                                      "HTTP requests holding an ingress reservation.", registry=r)
         self._http_uploads = Gauge("flare_http_uploads_in_progress",

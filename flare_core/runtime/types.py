@@ -69,8 +69,8 @@ class GenerationRequest:
     # None: none. Such a request computes its whole prompt (no prefix reuse). With max_tokens 0
     # it ends after its prompt: scoring, as legacy completions' `echo` does.
     prompt_logprobs: int | None = None
-    # Token endpoints of complete messages (from the template's {% mark %}s): prefix-cache checkpoints.
-    checkpoints: tuple[int, ...] = ()
+    # Token endpoints of complete messages (from the template's {% mark %}s): prefix-cache resume points.
+    message_ends: tuple[int, ...] = ()
     skip_special_tokens: bool = True
     request_id: str = ""
 

@@ -18,35 +18,35 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from flare_core.cache.prefix import Checkpoint, PrefixHit
+from flare_core.cache.prefix import ResumePoint, PrefixHit
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"        # queued for a slot (new, or preempted and released)
-    RUNNING = "running"        # holds a slot; scheduled
+    WAITING = "waiting"        # queued for a state row (new, or preempted and released)
+    RUNNING = "running"        # holds a state row; scheduled
     PREEMPTED = "preempted"    # not scheduled; resources return at its last in-flight step
     STOPPED = "stopped"        # finished or cancelled; resources return at its last in-flight step
 
 
 @dataclass(frozen=True)
 class RequestHandle:
-    """Routes a request's step inputs and outputs. The generation increments every time a slot
-    is reused, so outputs tagged with a stale handle never reach the slot's next request."""
+    """Routes a request's step inputs and outputs. The generation increments every time a state row
+    is reused, so outputs tagged with a stale handle never reach the state row's next request."""
 
     request_id: str
-    slot: int
+    state_row: int
     generation: int
 
 
 @dataclass(frozen=True)
 class Restore:
-    """Copies the executor runs before the step's forward pass, from a prefix-cache checkpoint
+    """Copies the executor runs before the step's forward pass, from a prefix-cache resume point
     into a newly admitted request's resources."""
 
     handle: RequestHandle
     tail_copy: tuple[int, int] | None   # (cache tail page, request's private page)
-    state_snapshot: int | None          # snapshot slot -> the request's state row (handle.slot)
-    logits_slot: int | None             # stored next-token logits: sample the first token from them
+    snapshot_row: int | None           # snapshot row -> the request's state row (handle.state_row)
+    logits_row: int | None             # stored next-token logits: sample the first token from them
 
 
 @dataclass(eq=False)
@@ -54,7 +54,7 @@ class Request:
     request_id: str
     prompt: tuple[int, ...]
     max_tokens: int
-    marks: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
+    message_ends: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
     order: int                      # submission order: lower is older and has priority
     score_prompt: bool = False      # every prompt position computed, never restored from the cache
     status: RequestStatus = RequestStatus.WAITING
@@ -74,7 +74,7 @@ class Request:
     in_flight: int = 0              # issued plans that include this request
     hit: PrefixHit | None = None    # lookup held while waiting for pages, or until admitted
     restore: Restore | None = None  # queued for the next plan
-    restoring: Checkpoint | None = None  # pinned until the plan carrying its restore completes
+    restoring: ResumePoint | None = None  # pinned until the plan carrying its restore completes
     last_served_seq: int = -1
     waited_s: float = 0.0
 

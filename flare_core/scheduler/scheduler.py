@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flare_core.cache.pages import PageAllocator, StateRowAllocator, pages_for_tokens, request_page_need
-from flare_core.cache.prefix import NO_HIT, CheckpointSlots, PrefixCache
+from flare_core.cache.prefix import NO_HIT, ResumeStorage, PrefixCache
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
 from flare_core.scheduler.policy import Candidate, FairnessLimits, GraphCapacities, chunk_end, rank
 from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
@@ -58,7 +58,7 @@ class DecodeEntry:
 
     handle: RequestHandle
     position: int
-    input_token: int | None         # None: the token sampled for this slot by the previous plan (on device)
+    input_token: int | None         # None: the token sampled for this state row by the previous plan (on device)
     page_table: tuple[int, ...]
 
 
@@ -67,8 +67,8 @@ class PrefillChunk:
     """Compute positions [start, end) from `tokens`. A chunk with start == 0 begins from a zeroed
     state row; otherwise the row continues (or was restored by this plan's Restore). If
     `samples`, sample the next token from the logits at end-1. If `save` is set, after the
-    chunk: copy page_table[end // page_tokens] to save.tail_page, the state row handle.slot to
-    save.state_snapshot, and the logits at end-1 to save.logits_slot (each only when not None)."""
+    chunk: copy page_table[end // page_tokens] to save.tail_page, the state row handle.state_row to
+    save.snapshot_row, and the logits at end-1 to save.logits_row (each only when not None)."""
 
     handle: RequestHandle
     start: int
@@ -76,7 +76,7 @@ class PrefillChunk:
     tokens: tuple[int, ...]
     page_table: tuple[int, ...]
     samples: bool
-    save: CheckpointSlots | None
+    save: ResumeStorage | None
     # Prompt tokens the chunk's rows predict, for requests that score their prompt: the logits at
     # start + i give the logprob of prompt_targets[i] (the prompt token at start + i + 1).
     prompt_targets: tuple[int, ...] = ()
@@ -98,7 +98,7 @@ class StepPlan:
     @property
     def samples(self) -> tuple[RequestHandle, ...]:
         """Restores with stored logits, then decodes, then sampling prefill chunks."""
-        return (tuple(r.handle for r in self.restores if r.logits_slot is not None)
+        return (tuple(r.handle for r in self.restores if r.logits_row is not None)
                 + tuple(d.handle for d in self.decodes)
                 + tuple(p.handle for p in self.prefills if p.samples))
 
@@ -161,7 +161,7 @@ class Resources:
     free_pages: int
     cached_pages: int           # pages the prefix cache holds
     request_page_refs: int      # references held on pages by anything but the cache (page tables,
-    #                             hits held by waiting requests, reserved checkpoint copies)
+    #                             hits held by waiting requests, reserved resume point copies)
     preemptions: int            # requests preempted for pages so far
 
 
@@ -175,10 +175,10 @@ class Scheduler:
         self.pages = pages
         self.prefix = prefix
         self.estimator = estimator or StepCostEstimator()
-        self.slots = StateRowAllocator(config.max_concurrency)
+        self.state_rows = StateRowAllocator(config.max_concurrency)
         self._requests: dict[str, Request] = {}
         self._waiting: list[tuple[int, Request]] = []   # heap by submission order
-        self._live: list[Request] = []                  # holding a slot, sorted by order
+        self._live: list[Request] = []                  # holding a state row, sorted by order
         self._in_flight: deque[tuple[StepPlan, list[Request]]] = deque()
         self._next_seq = 0
         self._next_order = 0
@@ -187,9 +187,9 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
-               marks: Sequence[int] = (), score_prompt: bool = False) -> None:
+               message_ends: Sequence[int] = (), score_prompt: bool = False) -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
-        (checkpoint candidates). With `score_prompt` every prompt position is computed (no prefix
+        (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
         reuse) and its chunks carry their prompt targets. The caller has already checked the
         context limit."""
         if request_id in self._requests:
@@ -199,21 +199,21 @@ class Scheduler:
             raise ValueError(f"request {request_id!r}: prompt must hold at least one token")
         if max_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        marks = tuple(marks)
-        if list(marks) != sorted(set(marks)) or (marks and (marks[0] < 1 or marks[-1] > len(prompt))):
+        message_ends = tuple(message_ends)
+        if list(message_ends) != sorted(set(message_ends)) or (message_ends and (message_ends[0] < 1 or message_ends[-1] > len(prompt))):
             raise ValueError(f"request {request_id!r}: marks must be increasing endpoints in "
-                             f"1..{len(prompt)}, got {marks}")
+                             f"1..{len(prompt)}, got {message_ends}")
         need = request_page_need(len(prompt), max_tokens, self.config.page_tokens)
         if need > self.pages.num_pages:
             raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
                              f"max_tokens {max_tokens}) but the cache has {self.pages.num_pages}")
-        request = Request(request_id, prompt, max_tokens, marks, self._next_order, score_prompt=score_prompt)
+        request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt)
         self._next_order += 1
         self._requests[request_id] = request
         heapq.heappush(self._waiting, (request.order, request))
 
     def finish(self, request_id: str, reason: str) -> None:
-        """Stop scheduling a request now; its slot and pages return at its fence. Tokens still
+        """Stop scheduling a request now; its state row and pages return at its fence. Tokens still
         produced by in-flight plans for it are dropped."""
         request = self._requests.get(request_id)
         if request is None:
@@ -266,7 +266,7 @@ class Scheduler:
     def resources(self) -> Resources:
         cached = 0 if self.prefix is None else self.prefix.held_pages
         return Resources(live=self.num_live, waiting=self.num_waiting, steps_in_flight=len(self._in_flight),
-                         state_rows=self.slots.num_rows, free_state_rows=self.slots.free_count,
+                         state_rows=self.state_rows.num_rows, free_state_rows=self.state_rows.free_count,
                          pages=self.pages.num_pages, free_pages=self.pages.free_count, cached_pages=cached,
                          request_page_refs=self.pages.references - cached, preemptions=self.preemptions)
 
@@ -441,7 +441,7 @@ class Scheduler:
             restore = request.restore
             assert restore is not None
             restores.append(restore)
-            if restore.logits_slot is not None:
+            if restore.logits_row is not None:
                 request.num_planned_samples += 1
             request.restore = None
 
@@ -466,7 +466,7 @@ class Scheduler:
 
     def complete(self, plan: StepPlan, result: StepResult) -> list[SampledToken]:
         """Confirm the oldest in-flight plan: record its sampled tokens and measured duration,
-        register cache pages and checkpoints it produced, and release requests whose fence it
+        register cache pages and resume points it produced, and release requests whose fence it
         was. Returns the tokens of requests still running (or preempted, which keep them)."""
         if not self._in_flight or self._in_flight[0][0] is not plan:
             expected = self._in_flight[0][0].seq if self._in_flight else None
@@ -489,7 +489,7 @@ class Scheduler:
             request.num_written = max(request.num_written, chunk.end)
             if chunk.save is not None:
                 assert self.prefix is not None
-                self.prefix.record_checkpoint(request.hashes, request.page_table, request.prompt, chunk.end,
+                self.prefix.record_resume_point(request.hashes, request.page_table, request.prompt, chunk.end,
                                               chunk.save, request.cached_depth)
                 request.cached_depth = max(request.cached_depth, chunk.end // self.config.page_tokens)
         for decode in plan.decodes:
@@ -513,10 +513,10 @@ class Scheduler:
     # ---- admission, pages, release ------------------------------------------------------
 
     def _admit(self) -> None:
-        """Admit waiting requests in submission order while a slot and the pages for their
+        """Admit waiting requests in submission order while a state row and the pages for their
         first chunk (plus one page of headroom per running request) are available."""
         page_tokens = self.config.page_tokens
-        while self._waiting and self.slots.free_count:
+        while self._waiting and self.state_rows.free_count:
             request = self._waiting[0][1]
             if request.status is not RequestStatus.WAITING:
                 heapq.heappop(self._waiting)
@@ -537,22 +537,22 @@ class Scheduler:
             if not self._make_free(need + headroom):
                 return
             heapq.heappop(self._waiting)
-            slot, generation = self.slots.allocate()
-            request.handle = RequestHandle(request.request_id, slot, generation)
+            row, generation = self.state_rows.allocate()
+            request.handle = RequestHandle(request.request_id, row, generation)
             request.page_table = hit.pages + self.pages.allocate(need)
             request.target = target
             request.boundaries = boundaries
             request.num_computed = request.num_written = hit.num_tokens
             request.num_planned_samples = len(request.outputs)
             request.cached_depth = len(hit.pages)
-            checkpoint = hit.checkpoint
-            if checkpoint is not None:
+            resume_point = hit.resume_point
+            if resume_point is not None:
                 tail = None
-                if checkpoint.tail_page is not None:
-                    tail = (checkpoint.tail_page, request.page_table[len(hit.pages)])
-                request.restore = Restore(request.handle, tail, checkpoint.state_snapshot,
-                                          checkpoint.logits_slot if hit.exact else None)
-                request.restoring = checkpoint
+                if resume_point.tail_page is not None:
+                    tail = (resume_point.tail_page, request.page_table[len(hit.pages)])
+                request.restore = Restore(request.handle, tail, resume_point.snapshot_row,
+                                          resume_point.logits_row if hit.exact else None)
+                request.restoring = resume_point
             request.hit = None
             request.status = RequestStatus.RUNNING
             request.last_served_seq = self._next_seq - 1
@@ -563,19 +563,19 @@ class Scheduler:
         """Chunk ends forced so a state snapshot can be taken exactly there."""
         if self.prefix is None or not self.prefix.continuation_state:
             return ()
-        ends = set(request.marks)
+        ends = set(request.message_ends)
         ends.add(request.prompt_len)
         return tuple(sorted(e for e in ends if start < e < target))
 
-    def _reserve_save(self, request: Request, end: int) -> CheckpointSlots | None:
+    def _reserve_save(self, request: Request, end: int) -> ResumeStorage | None:
         if self.prefix is None:
             return None
         prompt_end = end == request.prompt_len
         if not prompt_end and end not in request.boundaries:
             return None
-        if self.prefix.has_checkpoint(request.hashes, request.prompt, end):
+        if self.prefix.has_resume_point(request.hashes, request.prompt, end):
             return None
-        return self.prefix.reserve_checkpoint(end, prompt_end)
+        return self.prefix.reserve_resume_point(end, prompt_end)
 
     def _make_free(self, count: int) -> bool:
         if self.pages.free_count < count and self.prefix is not None:
@@ -594,7 +594,7 @@ class Scheduler:
 
     def _cache_written_pages(self, request: Request) -> None:
         """Register complete, fully known pages (schemes without continuation state reuse any
-        page boundary; with state, only checkpoints register pages)."""
+        page boundary; with state, only resume points register pages)."""
         if self.prefix is None or self.prefix.continuation_state:
             return
         depth = min(request.num_written, request.num_known_tokens) // self.config.page_tokens
@@ -604,14 +604,14 @@ class Scheduler:
             request.cached_depth = depth
 
     def _release(self, request: Request) -> None:
-        """Return a request's slot and pages (its fence has passed)."""
+        """Return a request's state row and pages (its fence has passed)."""
         assert request.handle is not None and request.in_flight == 0
         self._cache_written_pages(request)
         self.pages.release_all(request.page_table)
         if request.restoring is not None:
             assert self.prefix is not None
             self.prefix.unpin(request.restoring)
-        self.slots.free(request.handle.slot)
+        self.state_rows.free(request.handle.state_row)
         self._live.remove(request)
         request.reset_admission()
         if request.status is RequestStatus.PREEMPTED:

@@ -227,7 +227,7 @@ def parse_messages_request(state: ServerState, body: dict[str, Any], request_id:
     get_list(body, "stop_sequences")  # an array here, never a bare string
     stop_sequences = read_stop(body, "stop_sequences")
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
-                                stop_strings=stop_sequences, checkpoints=prompt.checkpoints, request_id=request_id)
+                                stop_strings=stop_sequences, message_ends=prompt.message_ends, request_id=request_id)
     return MessagesCall(model, get_bool(body, "stream"), parse_tools, prompt, request, sampling, stop_sequences)
 
 

@@ -205,7 +205,7 @@ def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, 
     max_tokens = fit_max_tokens(len(prompt.ids), requested, "options.num_predict", frontend.context_length)
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
-                                checkpoints=prompt.checkpoints, request_id=request_id)
+                                message_ends=prompt.message_ends, request_id=request_id)
     return OllamaCall(model, get_bool(body, "stream", default=True), parse_tools, prompt, request, sampling)
 
 

@@ -52,7 +52,7 @@ def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prom
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
-        checkpoints=prompt.checkpoints,
+        message_ends=prompt.message_ends,
         skip_special_tokens=get_bool(body, "skip_special_tokens", default=True),
         request_id=request_id,
     )

@@ -4,7 +4,7 @@ Every protocol converts its conversation into *template messages*: the OpenAI ch
 Hugging Face chat templates read (role, string content, `tool_calls` with `function.arguments`
 as an object, `tool` role messages with `tool_call_id`, reasoning under `reasoning_content`).
 The core's chat template renders them with the recipe's template options (overridable per
-request); the template's `{% mark %}` offsets become the request's prefix-cache checkpoints.
+request); the template's `{% mark %}` offsets become the request's prefix-cache resume points.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 @dataclass(frozen=True)
 class Prompt:
     ids: tuple[int, ...]
-    # Token counts at complete-message boundaries (prefix-cache checkpoints), ascending.
-    checkpoints: tuple[int, ...] = ()
+    # Token counts at complete-message boundaries (prefix-cache resume points), ascending.
+    message_ends: tuple[int, ...] = ()
     # The rendered text (parsers need to know how it ends); never logged.
     text: str = ""
 
@@ -86,7 +86,7 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
         raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
     except (TypeError, ValueError) as exc:
         raise ApiError(400, f"messages cannot be rendered: {exc}", param="messages") from exc
-    return Prompt(encoded.ids, encoded.checkpoints, encoded.text)
+    return Prompt(encoded.ids, encoded.message_ends, encoded.text)
 
 
 def _open_final_message(rendered: RenderedPrompt, final: Mapping[str, Any]) -> RenderedPrompt:

@@ -70,7 +70,7 @@ def run_lockstep(reference, graphs, schedulers, prompts: dict[str, list[int]], *
             compared += want.shape[0]
         tokens = want.argmax(-1) if want.numel() else torch.empty(0, dtype=torch.int64, device=device)
         for executor, plan in ((reference, plans[0]), (graphs, plans[1])):
-            executor.record_sampled([h.slot for h in plan.samples], tokens)
+            executor.record_sampled([h.state_row for h in plan.samples], tokens)
         confirmed = [sched.complete(plan, StepResult(tokens.tolist(), plan.estimated_s))
                      for sched, plan in zip(schedulers, plans)]
         for sampled in confirmed[0]:

@@ -123,7 +123,7 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128):
 
     caps = Capacities(max_concurrency=max_concurrency, prefill_chunk_size=chunk, context_length=2048)
     pages = PageAllocator(num_pages)
-    prefix = PrefixCache(b"\x01" * 32, pages, 64, logits_slots=16)
+    prefix = PrefixCache(b"\x01" * 32, pages, 64, logits_rows=16)
     config = SchedulerConfig(max_concurrency, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64)
     return Scheduler(config, pages, prefix)
 
@@ -143,7 +143,7 @@ def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacitie
     scheme = CacheScheme("attention-kv", (PagedStore("k", record, "bfloat16", 4),
                                           PagedStore("v", record, "bfloat16", 4)))
     num_pages = 256
-    common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_slots=0, num_logits_slots=16,
+    common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                   vocab_size=config.vocab_size, device=device)
     reference = EagerExecutor(ref_model, scheme, **common)
     graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities,
@@ -180,8 +180,8 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     config, (_, model) = build_models(device)
     scheme = CacheScheme("attention-kv", (PagedStore("k", (2, 128), "bfloat16", 4),
                                           PagedStore("v", (2, 128), "bfloat16", 4)))
-    graphs = GraphExecutor(model, scheme, num_pages=64, page_tokens=64, num_rows=8, num_snapshot_slots=0,
-                           num_logits_slots=0, vocab_size=config.vocab_size, device=device,
+    graphs = GraphExecutor(model, scheme, num_pages=64, page_tokens=64, num_rows=8, num_snapshot_rows=0,
+                           num_logits_rows=0, vocab_size=config.vocab_size, device=device,
                            decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 256), context_length=512,
                            compile_model=compile_model)
     handles = [RequestHandle(f"r{i}", i, 1) for i in range(8)]
@@ -228,7 +228,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     # reads the book, so it picks another token, and counts the one it samples.
     unpenalised = graphs.step(decode(2, first), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids[0].item()
     penalised = [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=2.0)] + greedy[1:]
-    state = graphs.penalties.start(handles[0].slot, prompts[0], generated=[unpenalised] * 50)
+    state = graphs.penalties.start(handles[0].state_row, prompts[0], generated=[unpenalised] * 50)
     history = PenaltyState(config.vocab_size, prompts[0], device)
     history.extend([unpenalised] * 50)
     out = graphs.step(decode(2, first), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
@@ -272,7 +272,7 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
     config, (ref_model, gpu_model) = build_models(device)
     scheme = CacheScheme("attention-kv", (PagedStore("k", (2, 128), "bfloat16", 4),
                                           PagedStore("v", (2, 128), "bfloat16", 4)))
-    common = dict(num_pages=64, page_tokens=64, num_rows=8, num_snapshot_slots=0, num_logits_slots=16,
+    common = dict(num_pages=64, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                   vocab_size=config.vocab_size, device=device)
     reference = EagerExecutor(ref_model, scheme, **common)
     graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 128),
@@ -301,7 +301,7 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
             assert (want.float() - got.float()).abs().max().item() <= 0.02 * (want.max() - want.min()).item()
         tokens = want.argmax(-1) if want.numel() else torch.empty(0, dtype=torch.int64, device=device)
         for executor, plan in ((reference, plans[0]), (graphs, plans[1])):
-            executor.record_sampled([h.slot for h in plan.samples], tokens)
+            executor.record_sampled([h.state_row for h in plan.samples], tokens)
         for sched, plan in zip(schedulers, plans):
             for sampled in sched.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
                 rid = sampled.handle.request_id

@@ -244,8 +244,8 @@ def test_mla_graph_path_matches_eager_reference(decode_capacities):
     scales = {m.scale for m in gpu_model.modules() if isinstance(m, MLAPagedAttention)}
     assert len(scales) == 1 and scales.pop() == pytest.approx(deepseek_scale())
     num_pages = 256
-    common = dict(num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=8, num_snapshot_slots=0,
-                  num_logits_slots=16, vocab_size=config.vocab_size, device=device)
+    common = dict(num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=8, num_snapshot_rows=0,
+                  num_logits_rows=16, vocab_size=config.vocab_size, device=device)
     reference = EagerExecutor(ref_model, scheme, **common)
     graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities, context_length=2048)
     schedulers = [make_scheduler(num_pages), make_scheduler(num_pages)]
