@@ -7,16 +7,17 @@ handler cancelled, shutdown) cancels the engine request, which frees its slot.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
 
 from flare_core.frontend import Frontend
-from flare_core.frontend.parsers import OutputParser, ParsedDelta, ParsedOutput, prompt_opens_reasoning
+from flare_core.frontend.parsers import OutputParser, ParsedDelta, prompt_opens_reasoning
 from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
 from flare_core.server.errors import ApiError
 from flare_core.server.request_log import RequestRecord
@@ -42,15 +43,6 @@ class Outcome:
     usage: Usage
     stop: str | int | None = None
     error: str | None = None
-
-
-@dataclass
-class Collected:
-    """A whole generation, for non-streaming responses."""
-
-    output: ParsedOutput = field(default_factory=ParsedOutput)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def execution_error(message: str | None) -> ApiError:
@@ -149,29 +141,26 @@ class Generation:
         self.outcome = Outcome("error", usage or Usage(self.prompt_tokens, 0, 0), error=error)
         self._record.finish_reason = "error"
 
-    async def collect(self) -> Collected:
-        """The whole output, accumulated; execution failures become a 500."""
-        collected = Collected()
-        async for piece in self.pieces():
-            collected.output.add(piece.delta)
-            collected.logprobs.extend(piece.logprobs)
-            collected.prompt_logprobs.extend(piece.prompt_logprobs)
-        assert self.outcome is not None
-        error = unfinished_error(self.outcome)
-        if error is not None:
-            raise error
-        return collected
+
+EventSink = Callable[[dict[str, Any] | str], Awaitable[None]]
 
 
-EventSink = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-async def no_events(event: dict[str, Any]) -> None:
+async def no_events(event: dict[str, Any] | str) -> None:
     return None
 
 
+class Framing(enum.Enum):
+    """How a protocol writes its stream events."""
+
+    NAMED_SSE = "named_sse"  # OpenAI Responses, Anthropic Messages: `event: <type>` + data
+    SSE = "sse"              # OpenAI (chat) completions: data lines, a "[DONE]" string last
+    NDJSON = "ndjson"        # Ollama: one JSON object per line
+
+
 class OutputBuilder(Protocol):
-    """Turns pieces into a protocol's response object, sending its stream events to a sink."""
+    """Turns pieces into a protocol's response: stream events go to the sink it was made with,
+    and `finish` returns the whole response object (what a non-streaming request answers). On a
+    stream, `finish` also reports an execution error or a shutdown in the protocol's own way."""
 
     async def start(self) -> None: ...
 
@@ -180,25 +169,31 @@ class OutputBuilder(Protocol):
     async def finish(self, outcome: Outcome) -> dict[str, Any]: ...
 
 
-async def builder_response(request: web.Request, generation: Generation, new_builder: Callable[[EventSink],
-                           OutputBuilder], *, stream: bool, headers: dict[str, str]) -> web.StreamResponse:
-    """Answer with a builder's final object, or stream its typed SSE events (the event name is the
-    event's "type"). Both paths run the same builder, so they agree by construction; an execution
-    error (500) or a shutdown (503) is answered before anything is sent, and the builder's own to
-    report once streaming."""
+async def builder_response(request: web.Request, generation: Generation,
+                           new_builder: Callable[[EventSink], OutputBuilder], *, stream: bool,
+                           headers: dict[str, str], framing: Framing = Framing.NAMED_SSE) -> web.StreamResponse:
+    """Every generating endpoint answers through here: with its builder's final object, or by
+    streaming the builder's events in `framing`. Both paths run the same builder, so they agree
+    by construction; an execution error (500) or a shutdown (503) is answered before anything is
+    sent, and the builder's own to report once streaming."""
     if not stream:
         builder = new_builder(no_events)
+        await builder.start()
         async for piece in generation.pieces():
             await builder.add(piece)
         error = unfinished_error(generation.outcome)
         if error is not None:
             raise error
         return web.json_response(await builder.finish(generation.outcome), headers=headers)
-    events = EventStream(request, headers=headers)
+    ndjson = framing is Framing.NDJSON
+    events = EventStream(request, headers=headers, content_type="application/x-ndjson" if ndjson else "text/event-stream")
     await events.open()
 
-    async def send(event: dict[str, Any]) -> None:
-        await events.event(event, event=event["type"])
+    async def send(event: dict[str, Any] | str) -> None:
+        if ndjson:
+            await events.line(event)
+        else:
+            await events.event(event, event=event["type"] if framing is Framing.NAMED_SSE else None)
 
     builder = new_builder(send)
     await builder.start()

@@ -18,7 +18,9 @@ from aiohttp import web
 import flare_core
 from flare_core.runtime.types import GenerationRequest
 from flare_core.server.errors import ApiError
-from flare_core.server.generation import INTERRUPTED, Generation, Outcome, execution_error, output_parser
+from flare_core.frontend.parsers import ParsedOutput
+from flare_core.server.generation import (INTERRUPTED, EventSink, Framing, Generation, Outcome, Piece, builder_response,
+                                         execution_error, no_events, output_parser)
 from flare_core.server.models import resolve_model
 from flare_core.server.prompts import (
     Prompt,
@@ -31,9 +33,8 @@ from flare_core.server.prompts import (
     tool_arguments,
     tool_name,
 )
-from flare_core.server.request_log import RECORD
+from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
-from flare_core.server.sse import EventStream
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import (
     as_object,
@@ -233,19 +234,21 @@ def _final_fields(outcome: Outcome, started: float, ttft: float | None) -> dict[
             "eval_duration": max(total_ns - prompt_ns, 0)}
 
 
-async def _respond(request: web.Request, state: ServerState, call: OllamaCall,
-                   text_key: str | None) -> web.StreamResponse:
-    """Run a chat (`text_key` None: output under "message") or generate ("response") request."""
-    record = request[RECORD]
-    model, stream, sampling = call.model, call.stream, call.sampling
-    record.model, record.stream = model, stream
-    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
-    generation = Generation(state, record, call.request, parser)
-    started = time.monotonic()
+class OllamaBuilder:
+    """An Ollama chat (`text_key` None: output under "message") or generate ("response") reply:
+    NDJSON lines through `sink` while it streams (each tool call whole, once its arguments are
+    complete), then the final line with the durations; the whole reply at the end."""
 
-    def line(content: str, thinking: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
-        data: dict[str, Any] = {"model": model, "created_at": _iso(time.time())}
-        if text_key is None:
+    def __init__(self, call: OllamaCall, text_key: str | None, record: RequestRecord, started: float,
+                 sink: EventSink = no_events):
+        self._call, self._text_key, self._record, self._started = call, text_key, record, started
+        self._sink = sink
+        self._output = ParsedOutput()
+        self._pending_calls: dict[int, dict[str, str]] = {}
+
+    def _line(self, content: str, thinking: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+        data: dict[str, Any] = {"model": self._call.model, "created_at": _iso(time.time())}
+        if self._text_key is None:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if thinking:
                 message["thinking"] = thinking
@@ -253,45 +256,54 @@ async def _respond(request: web.Request, state: ServerState, call: OllamaCall,
                 message["tool_calls"] = tool_calls
             data["message"] = message
         else:
-            data[text_key] = content
+            data[self._text_key] = content
             if thinking:
                 data["thinking"] = thinking
         return data
 
-    async with generation:
-        if not stream:
-            collected = await generation.collect()
-            output = collected.output
-            calls = [{"function": {"name": call.name, "arguments": _safe_arguments(call.arguments)}}
-                     for call in output.tool_calls]
-            data = line(output.content, output.reasoning, calls)
-            data.update(_final_fields(generation.outcome, started, record.ttft_s))
-            return web.json_response(data, headers=sampling.headers())
-        events = EventStream(request, content_type="application/x-ndjson", headers=sampling.headers())
-        await events.open()
-        pending_calls: dict[int, dict[str, str]] = {}
-        async for piece in generation.pieces():
-            finished_calls = []
-            for delta in piece.delta.tool_calls:
-                call = pending_calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                call["name"] = delta.name or call["name"]
-                call["arguments"] += delta.arguments
-                if delta.done:  # Ollama sends each tool call whole
-                    finished_calls.append({"function": {"name": call["name"], "arguments": _safe_arguments(
-                        call["arguments"])}})
-            if piece.delta.content or piece.delta.reasoning or finished_calls:
-                await events.line(line(piece.delta.content, piece.delta.reasoning, finished_calls))
-        outcome = generation.outcome
+    async def start(self) -> None:
+        pass
+
+    async def add(self, piece: Piece) -> None:
+        self._output.add(piece.delta)
+        finished_calls = []
+        for delta in piece.delta.tool_calls:
+            call = self._pending_calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] = delta.name or call["name"]
+            call["arguments"] += delta.arguments
+            if delta.done:  # Ollama sends each tool call whole
+                finished_calls.append({"function": {"name": call["name"],
+                                                    "arguments": _safe_arguments(call["arguments"])}})
+        if piece.delta.content or piece.delta.reasoning or finished_calls:
+            await self._sink(self._line(piece.delta.content, piece.delta.reasoning, finished_calls))
+
+    async def finish(self, outcome: Outcome) -> dict[str, Any]:
         if outcome.finish_reason == "error":
-            await events.line({"error": execution_error(outcome.error).message})
-        elif outcome.finish_reason == "cancelled":  # cut short by shutdown
-            await events.line({"error": INTERRUPTED.message})
-        else:
-            final = line("", "", [])
-            final.update(_final_fields(outcome, started, record.ttft_s))
-            await events.line(final)
-        await events.close()
-        return events.response
+            await self._sink({"error": execution_error(outcome.error).message})
+            return {}
+        if outcome.finish_reason == "cancelled":  # cut short by shutdown
+            await self._sink({"error": INTERRUPTED.message})
+            return {}
+        final = _final_fields(outcome, self._started, self._record.ttft_s)
+        await self._sink({**self._line("", "", []), **final})
+        output = self._output
+        calls = [{"function": {"name": call.name, "arguments": _safe_arguments(call.arguments)}}
+                 for call in output.tool_calls]
+        return {**self._line(output.content, output.reasoning, calls), **final}
+
+
+async def _respond(request: web.Request, state: ServerState, call: OllamaCall,
+                   text_key: str | None) -> web.StreamResponse:
+    """Run a chat (`text_key` None) or generate ("response") request."""
+    record = request[RECORD]
+    record.model, record.stream = call.model, call.stream
+    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
+    generation = Generation(state, record, call.request, parser)
+    started = time.monotonic()
+    async with generation:
+        return await builder_response(request, generation,
+                                      lambda sink: OllamaBuilder(call, text_key, record, started, sink),
+                                      stream=call.stream, headers=call.sampling.headers(), framing=Framing.NDJSON)
 
 
 def _safe_arguments(text: str) -> dict[str, Any]:

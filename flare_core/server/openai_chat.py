@@ -9,11 +9,12 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
-from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest
-from flare_core.server.generation import Generation, Piece, output_parser
+from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest, TokenLogprob
+from flare_core.server.generation import (EventSink, Framing, Generation, Outcome, Piece, builder_response,
+                                         no_events, output_parser, unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
-    ChoiceStream,
+    ChoiceChunks,
     chat_logprobs,
     check_single_choice,
     finish_reason,
@@ -96,6 +97,44 @@ def tool_call_deltas_json(deltas: tuple[ToolCallDelta, ...]) -> list[dict[str, A
     return pieces
 
 
+class ChatBuilder:
+    """A chat completion: chunks through `sink` while it streams, the chat.completion object at
+    the end."""
+
+    def __init__(self, call: ChatCall, completion_id: str, created: int, sink: EventSink = no_events):
+        self._call = call
+        self._head = object_head(completion_id, "chat.completion", created, call.model)
+        self._chunks = ChoiceChunks(object_head(completion_id, "chat.completion.chunk", created, call.model), "delta",
+                                    call.include_usage, sink)
+        self._output = ParsedOutput()
+        self._logprobs: list[TokenLogprob] = []
+
+    async def start(self) -> None:
+        await self._chunks.chunk({"role": "assistant", "content": ""})
+
+    async def add(self, piece: Piece) -> None:
+        self._output.add(piece.delta)
+        self._logprobs.extend(piece.logprobs)
+        delta = _delta_json(piece)
+        if delta or piece.logprobs:
+            await self._chunks.chunk(delta, logprobs=chat_logprobs(piece.logprobs) if self._call.request.logprobs
+                                     else None)
+
+    async def finish(self, outcome: Outcome) -> dict[str, Any]:
+        tool_calls = tool_calls_json(self._output)
+        await self._chunks.finish(outcome, {}, bool(tool_calls))
+        if unfinished_error(outcome) is not None:  # reported on the stream; nothing else is answered
+            return {}
+        output = self._output
+        message = {"role": "assistant", "content": output.content if output.content or not tool_calls else None,
+                   "reasoning_content": output.reasoning or None, "tool_calls": tool_calls}
+        choice = {"index": 0, "message": message,
+                  "logprobs": chat_logprobs(self._logprobs) if self._call.request.logprobs else None,
+                  "finish_reason": finish_reason(outcome.finish_reason, bool(tool_calls)),
+                  "stop_reason": outcome.stop}
+        return {**self._head, "choices": [choice], "usage": usage_json(outcome.usage)}
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     record = request[RECORD]
@@ -103,40 +142,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     record.model, record.stream = call.model, call.stream
     parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
     generation = Generation(state, record, call.request, parser)
-    completion_id = f"chatcmpl-{record.request_id}"
-    created = int(time.time())
+    completion_id, created = f"chatcmpl-{record.request_id}", int(time.time())
     async with generation:
-        if call.stream:
-            return await _stream(request, call, generation, completion_id, created)
-        collected = await generation.collect()
-    outcome = generation.outcome
-    output = collected.output
-    tool_calls = tool_calls_json(output)
-    message = {"role": "assistant", "content": output.content if output.content or not tool_calls else None,
-               "reasoning_content": output.reasoning or None, "tool_calls": tool_calls}
-    choice = {"index": 0, "message": message,
-              "logprobs": chat_logprobs(collected.logprobs) if call.request.logprobs else None,
-              "finish_reason": finish_reason(outcome.finish_reason, bool(tool_calls)),
-              "stop_reason": outcome.stop}
-    return web.json_response({**object_head(completion_id, "chat.completion", created, call.model),
-                              "choices": [choice], "usage": usage_json(outcome.usage)},
-                             headers=call.sampling.headers())
-
-
-async def _stream(request: web.Request, call: ChatCall, generation: Generation, completion_id: str,
-                  created: int) -> web.StreamResponse:
-    chunks = ChoiceStream(request, call.sampling.headers(),
-                          object_head(completion_id, "chat.completion.chunk", created, call.model), "delta",
-                          call.include_usage)
-    await chunks.open()
-    await chunks.chunk({"role": "assistant", "content": ""})
-    saw_tool_call = False
-    async for piece in generation.pieces():
-        delta = _delta_json(piece)
-        saw_tool_call = saw_tool_call or bool(piece.delta.tool_calls)
-        if delta or piece.logprobs:
-            await chunks.chunk(delta, logprobs=chat_logprobs(piece.logprobs) if call.request.logprobs else None)
-    return await chunks.finish(generation.outcome, {}, saw_tool_call)
+        return await builder_response(request, generation, lambda sink: ChatBuilder(call, completion_id, created, sink),
+                                      stream=call.stream, headers=call.sampling.headers(), framing=Framing.SSE)
 
 
 def _delta_json(piece: Piece) -> dict[str, Any]:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aiohttp import web
-
 from flare_core.frontend import Frontend
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
-from flare_core.server.generation import INTERRUPTED, Outcome, execution_error
+from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (
     OPENAI_SAMPLING_FIELDS,
@@ -19,7 +17,6 @@ from flare_core.server.sampling import (
     read_stop,
     read_token_ids,
 )
-from flare_core.server.sse import EventStream
 from flare_core.server.validation import get_bool, get_int, get_object, invalid
 
 
@@ -89,39 +86,34 @@ def object_head(object_id: str, object_type: str, created: int, model: str) -> d
     return {"id": object_id, "object": object_type, "created": created, "model": model, "system_fingerprint": None}
 
 
-class ChoiceStream:
-    """A streamed (chat) completion of one choice: its chunks, then the finish chunk, the usage
-    chunk when asked for, and [DONE]; an execution error ends it with an error chunk instead."""
+class ChoiceChunks:
+    """The stream events of one (chat) completion choice, sent through `sink`: its chunks, then
+    the finish chunk, the usage chunk when asked for, and "[DONE]"; an execution error or a
+    shutdown ends it with an error chunk instead."""
 
-    def __init__(self, request: web.Request, headers: dict[str, str], head: dict[str, Any], content_key: str,
-                 include_usage: bool):
-        self._events = EventStream(request, headers=headers)
+    def __init__(self, head: dict[str, Any], content_key: str, include_usage: bool, sink: EventSink):
         self._head = head
         self._content_key = content_key  # "delta" (chat) or "text" (completions)
         self._include_usage = include_usage
-
-    async def open(self) -> None:
-        await self._events.open()
+        self._sink = sink
 
     async def chunk(self, content: Any, *, finish: str | None = None, logprobs: Any = None) -> None:
         data = {**self._head, "choices": [{"index": 0, self._content_key: content, "logprobs": logprobs,
                                            "finish_reason": finish}]}
         if self._include_usage:
             data["usage"] = None
-        await self._events.event(data)
+        await self._sink(data)
 
-    async def finish(self, outcome: Outcome, last_content: Any, tool_calls: bool) -> web.StreamResponse:
+    async def finish(self, outcome: Outcome, last_content: Any, tool_calls: bool) -> None:
         if outcome.finish_reason == "error":
-            await self._events.event(error_chunk(execution_error(outcome.error).message))
+            await self._sink(error_chunk(execution_error(outcome.error).message))
         elif outcome.finish_reason == "cancelled":  # cut short by shutdown
-            await self._events.event(error_chunk(INTERRUPTED.message, INTERRUPTED.code))
+            await self._sink(error_chunk(INTERRUPTED.message, INTERRUPTED.code))
         else:
             await self.chunk(last_content, finish=finish_reason(outcome.finish_reason, tool_calls))
             if self._include_usage:
-                await self._events.event({**self._head, "choices": [], "usage": usage_json(outcome.usage)})
-            await self._events.event("[DONE]")
-        await self._events.close()
-        return self._events.response
+                await self._sink({**self._head, "choices": [], "usage": usage_json(outcome.usage)})
+            await self._sink("[DONE]")
 
 
 def error_chunk(message: str, code: str = "execution_failed") -> dict[str, Any]:

@@ -14,11 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend import Frontend
-from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest
-from flare_core.server.generation import Generation
+from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest, TokenLogprob
+from flare_core.server.generation import (EventSink, Framing, Generation, Outcome, Piece, builder_response,
+                                         no_events, unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
-    ChoiceStream,
+    ChoiceChunks,
     check_single_choice,
     completion_logprobs,
     finish_reason,
@@ -88,57 +89,67 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
     return CompletionCall(model, stream, include_usage, echo, first_token, request, sampling)
 
 
+class CompletionBuilder:
+    """A legacy completion: chunks through `sink` while it streams, the text_completion object at
+    the end. Logprob text offsets count characters of the whole text, echoed prompt included;
+    with echoed logprobs the echo waits for the prompt's scores, which come first."""
+
+    def __init__(self, call: CompletionCall, completion_id: str, created: int, sink: EventSink = no_events):
+        self._call = call
+        self._head = object_head(completion_id, "text_completion", created, call.model)
+        self._chunks = ChoiceChunks(self._head, "text", call.include_usage, sink)
+        self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._scored: list[TokenLogprob] = []
+        self._offset = 0
+        self._owed = len(call.request.prompt_ids) - 1 if call.first_token is not None else 0
+
+    async def start(self) -> None:
+        call = self._call
+        if call.echo and not self._owed:
+            logprobs = completion_logprobs([], 0, call.first_token) if call.first_token is not None else None
+            await self._chunks.chunk(call.echo, logprobs=logprobs)
+            self._offset = len(call.echo)
+
+    async def add(self, piece: Piece) -> None:
+        call = self._call
+        self._scored.extend(piece.prompt_logprobs)
+        self._logprobs.extend(piece.logprobs)
+        self._text.append(piece.delta.content)
+        if self._owed and len(self._scored) >= self._owed:
+            await self._chunks.chunk(call.echo, logprobs=completion_logprobs(self._scored, 0, call.first_token))
+            self._offset, self._owed = len(call.echo), 0
+        if not (piece.delta or piece.logprobs):
+            return
+        text = piece.delta.content
+        logprobs = completion_logprobs(piece.logprobs, self._offset) if call.request.logprobs else None
+        self._offset += len(text)
+        await self._chunks.chunk(text, logprobs=logprobs)
+
+    async def finish(self, outcome: Outcome) -> dict[str, Any]:
+        await self._chunks.finish(outcome, "", False)
+        if unfinished_error(outcome) is not None:  # reported on the stream; nothing else is answered
+            return {}
+        call, logprobs = self._call, None
+        if call.request.logprobs:
+            logprobs = completion_logprobs(self._scored + self._logprobs, 0, call.first_token) \
+                if call.first_token is not None else completion_logprobs(self._logprobs, len(call.echo))
+        choice = {"index": 0, "text": call.echo + "".join(self._text), "logprobs": logprobs,
+                  "finish_reason": finish_reason(outcome.finish_reason, False), "stop_reason": outcome.stop}
+        return {**self._head, "choices": [choice], "usage": usage_json(outcome.usage)}
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     record = request[RECORD]
     call = await state.prepare(lambda: parse_completion_request(state, json_body(request), record.request_id))
     record.model, record.stream = call.model, call.stream
     generation = Generation(state, record, call.request)
-    completion_id = f"cmpl-{record.request_id}"
-    created = int(time.time())
+    completion_id, created = f"cmpl-{record.request_id}", int(time.time())
     async with generation:
-        if call.stream:
-            return await _stream(request, call, generation, completion_id, created)
-        collected = await generation.collect()
-    outcome = generation.outcome
-    logprobs = None
-    if call.request.logprobs:
-        logprobs = completion_logprobs(collected.prompt_logprobs + collected.logprobs, 0, call.first_token) \
-            if call.first_token is not None else completion_logprobs(collected.logprobs, len(call.echo))
-    choice = {"index": 0, "text": call.echo + collected.output.content, "logprobs": logprobs,
-              "finish_reason": finish_reason(outcome.finish_reason, False), "stop_reason": outcome.stop}
-    return web.json_response({**object_head(completion_id, "text_completion", created, call.model),
-                              "choices": [choice], "usage": usage_json(outcome.usage)},
-                             headers=call.sampling.headers())
-
-
-async def _stream(request: web.Request, call: CompletionCall, generation: Generation, completion_id: str,
-                  created: int) -> web.StreamResponse:
-    chunks = ChoiceStream(request, call.sampling.headers(),
-                          object_head(completion_id, "text_completion", created, call.model), "text",
-                          call.include_usage)
-    await chunks.open()
-    # Logprob text offsets count characters of the whole text, echoed prompt included.
-    offset = 0
-    # With echoed logprobs the echo chunk waits for the prompt's scores, which come first.
-    scored: list = []
-    owed = len(call.request.prompt_ids) - 1 if call.first_token is not None else 0
-    if call.echo and not owed:
-        logprobs = completion_logprobs([], 0, call.first_token) if call.first_token is not None else None
-        await chunks.chunk(call.echo, logprobs=logprobs)
-        offset = len(call.echo)
-    async for piece in generation.pieces():
-        scored.extend(piece.prompt_logprobs)
-        if owed and len(scored) >= owed:
-            await chunks.chunk(call.echo, logprobs=completion_logprobs(scored, 0, call.first_token))
-            offset, owed = len(call.echo), 0
-        if not (piece.delta or piece.logprobs):
-            continue
-        text = piece.delta.content
-        logprobs = completion_logprobs(piece.logprobs, offset) if call.request.logprobs else None
-        offset += len(text)
-        await chunks.chunk(text, logprobs=logprobs)
-    return await chunks.finish(generation.outcome, "", False)
+        return await builder_response(request, generation,
+                                      lambda sink: CompletionBuilder(call, completion_id, created, sink),
+                                      stream=call.stream, headers=call.sampling.headers(), framing=Framing.SSE)
 
 
 def add_routes(app: web.Application) -> None:
