@@ -21,6 +21,7 @@ from flare_core.runtime.types import Usage
 from flare_core.server.anthropic_messages import (
     MessageBuilder,
     anthropic_messages,
+    SPEC as MESSAGES_SPEC,
     build_prompt,
     parse_messages_request,
 )
@@ -328,7 +329,8 @@ def test_anthropic_tool_history_renders_like_the_openai_one(state):
     ]
     tools = [{"name": "get_weather", "description": "Current weather",
               "input_schema": TOOLS[0]["function"]["parameters"]}]
-    _, anthropic_prompt, parse_tools = build_prompt(state, anthropic_body(messages=history, tools=tools))
+    body = anthropic_body(messages=history, tools=tools)
+    _, anthropic_prompt, parse_tools = build_prompt(state, body, MESSAGES_SPEC.read(body))
     openai_prompt = chat_prompt(state.frontend, openai_messages(weather_history({"city": "Paris"})), tools=TOOLS,
                                 options=template_options(state.frontend))
     assert parse_tools

@@ -40,12 +40,10 @@ from flare_core.server.prompts import (
 )
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
+from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import (
     as_object,
-    get_bool,
-    get_int,
-    get_list,
     get_object,
     get_str,
     invalid,
@@ -54,18 +52,42 @@ from flare_core.server.validation import (
     reject_unknown,
 )
 
-# Fields the Messages API defines. Those without an effect here (metadata, service tier, cache
-# hints: prefix caching is automatic) are accepted and ignored.
-_PROMPT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
-                  "output_config", "speed", "user_profile_id", "workspace_id", "mcp_servers",
-                  "context_management", "diagnostics", "inference_geo")
-_MESSAGES_FIELDS = _PROMPT_FIELDS + ("max_tokens", "stop_sequences", "stream", "temperature", "top_k", "top_p",
-                                     "metadata", "service_tier", "container")
-_COUNT_TOKENS_FIELDS = _PROMPT_FIELDS + ("output_format",)
-_UNSUPPORTED = {"container": "code execution containers are not supported",
-                "mcp_servers": "MCP servers are not supported",
-                "context_management": "context management is not supported"}
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+# The fields of the Messages API that shape the prompt (count_tokens takes them too). Those
+# without an effect here (service tier, cache hints: prefix caching is automatic) are accepted and
+# ignored; fields the API does not define are refused, as Anthropic's API does.
+_PROMPT_FIELDS = (
+    Field("mcp_servers", "array", "MCP servers are not supported", use=Use.REFUSED),
+    Field("context_management", "object", "context management is not supported", use=Use.REFUSED),
+    Field("model", "string", "a served model name", required=True),
+    Field("messages", "array", "the conversation; a final assistant message is continued (prefill)",
+          required=True),
+    Field("system", "any", "the system prompt", shape="string or array"),
+    Field("tools", "array", "tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tool_choice", "object", 'type "auto" (default) or "none"; forcing a call is refused'),
+    Field("thinking", "object", 'type "enabled" / "adaptive" turns the template\'s thinking on, "disabled" off'),
+    Field("output_config", "object", "output_config.format (structured output) is refused"),
+    Field("cache_control", "any", "prefix caching is automatic", use=Use.IGNORED),
+    Field("speed", "any", "", use=Use.IGNORED),
+    Field("user_profile_id", "any", "", use=Use.IGNORED),
+    Field("workspace_id", "any", "", use=Use.IGNORED),
+    Field("diagnostics", "any", "", use=Use.IGNORED),
+    Field("inference_geo", "any", "", use=Use.IGNORED),
+)
+SPEC = RequestSpec("POST /v1/messages", (
+    Field("container", "any", "code execution containers are not supported", use=Use.REFUSED),
+    *_PROMPT_FIELDS,
+    Field("max_tokens", "integer", "at most this many output tokens", required=True, minimum=1),
+    Field("stop_sequences", "array", "stop strings, withheld from the output"),
+    Field("stream", "boolean", "stream typed server-sent events"),
+    *sampling_fields(_SAMPLING_FIELDS, seed=None),
+    Field("metadata", "any", "", use=Use.IGNORED),
+    Field("service_tier", "any", "", use=Use.IGNORED),
+), reject_undeclared=True)
+COUNT_TOKENS_SPEC = RequestSpec("POST /v1/messages/count_tokens", (
+    *_PROMPT_FIELDS,
+    Field("output_format", "any", "", use=Use.IGNORED),
+), reject_undeclared=True)
 
 
 def _system_text(system: Any) -> str | None:
@@ -188,18 +210,16 @@ def _thinking(body: dict[str, Any]) -> bool | None:
     raise invalid("thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
 
 
-def build_prompt(state: ServerState, body: dict[str, Any]) -> tuple[str, Prompt, bool]:
-    """(served model, prompt, whether to parse tool calls) for a messages or count_tokens body."""
+def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any]) -> tuple[str, Prompt, bool]:
+    """(served model, prompt, whether to parse tool calls) for a messages or count_tokens body,
+    whose fields `values` holds (read by its spec)."""
     frontend = state.frontend
-    for name, reason in _UNSUPPORTED.items():
-        if body.get(name):
-            raise invalid(name, reason)
-    output_config = get_object(body, "output_config")
+    output_config = values["output_config"]
     if output_config is not None and output_config.get("format") is not None:
         raise invalid("output_config.format", "structured output formats are not supported")
-    model = resolve_model(state, get_str(body, "model"), required=True)
-    messages = anthropic_messages(body.get("system"), get_list(body, "messages", required=True))
-    tools = anthropic_tools(get_list(body, "tools"))
+    model = resolve_model(state, values["model"], required=True)
+    messages = anthropic_messages(values["system"], values["messages"])
+    tools = anthropic_tools(values["tools"])
     options = template_options(frontend, thinking=_thinking(body))
     prefill = messages[-1]["role"] == "assistant" if messages else False
     prompt = chat_prompt(frontend, messages, tools=tools, options=options, continue_final_message=prefill)
@@ -219,16 +239,14 @@ class MessagesCall:
 
 def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
     frontend = state.frontend
-    reject_unknown(body, _MESSAGES_FIELDS)
-    model, prompt, parse_tools = build_prompt(state, body)
-    requested = get_int(body, "max_tokens", required=True, minimum=1)
-    max_tokens = fit_max_tokens(len(prompt.ids), requested, "max_tokens", frontend.context_length)
+    values = SPEC.read(body)
+    model, prompt, parse_tools = build_prompt(state, body, values)
+    max_tokens = fit_max_tokens(len(prompt.ids), values["max_tokens"], "max_tokens", frontend.context_length)
     sampling = read_sampling(frontend.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
-    get_list(body, "stop_sequences")  # an array here, never a bare string
-    stop_sequences = read_stop(body, "stop_sequences")
+    stop_sequences = read_stop(body, "stop_sequences")  # an array here (the spec), never a bare string
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=stop_sequences, message_ends=prompt.message_ends, request_id=request_id)
-    return MessagesCall(model, get_bool(body, "stream"), parse_tools, prompt, request, sampling, stop_sequences)
+    return MessagesCall(model, values["stream"], parse_tools, prompt, request, sampling, stop_sequences)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -355,8 +373,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 
     def count() -> tuple[str, Prompt]:
         body = json_body(request)
-        reject_unknown(body, _COUNT_TOKENS_FIELDS)
-        model, prompt, _ = build_prompt(state, body)
+        model, prompt, _ = build_prompt(state, body, COUNT_TOKENS_SPEC.read(body))
         return model, prompt
 
     model, prompt = await state.prepare(count)

@@ -35,13 +35,11 @@ from flare_core.server.prompts import (
 )
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sampling import Sampling, read_sampling, read_stop
+from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import (
     as_object,
-    get_bool,
-    get_int,
     get_list,
-    get_number,
     get_object,
     get_str,
     invalid,
@@ -49,17 +47,55 @@ from flare_core.server.validation import (
 )
 
 _ROLES = ("system", "user", "assistant", "tool")
-# Ollama options about loading and hardware (the core and `flare run` fix those) and the
-# parameters of samplers that are off. Clients send them routinely, so they are accepted,
-# type-checked like every number, and have no effect.
-_IGNORED_INTEGER_OPTIONS = ("num_keep", "repeat_last_n", "num_batch", "num_gpu", "main_gpu", "num_thread")
-_IGNORED_NUMBER_OPTIONS = ("mirostat_tau", "mirostat_eta")
-_IGNORED_BOOLEAN_OPTIONS = ("penalize_newline", "numa", "low_vram", "vocab_only", "use_mmap", "use_mlock")
-# Samplers Flare does not implement: accepted only at the value that switches them off.
-_OFF_SAMPLERS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
-_OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                  "repetition_penalty": "repeat_penalty"}
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                    "repetition_penalty": "repeat_penalty"}
+
+
+def _off(name: str, off: float) -> Field:
+    """A sampler Flare does not implement: accepted only at the value that switches it off."""
+    return Field(name, "number", f"accepted only at {off:g}, which switches it off", only=off,
+                 refusal=f"{name} sampling is not supported (only {off:g}, which switches it off)")
+
+
+# Ollama's options. Those about loading and hardware (the core and `flare run` fix them) are sent
+# by clients routinely: accepted, type-checked like every number, and without effect.
+OPTIONS_SPEC = RequestSpec("options", (
+    *sampling_fields(_SAMPLING_FIELDS),
+    Field("num_predict", "integer", "at most this many output tokens; -1 (no limit) and -2 (fill the context): "
+          "the context's room", minimum=-2),
+    Field("num_ctx", "integer", "the request's context window, at most the core's: the prompt must fit, and "
+          "generation ends (done_reason \"length\") when it is full", minimum=1),
+    Field("stop", "any", "stop strings, withheld from the output", shape="string or array"),
+    _off("mirostat", 0), _off("typical_p", 1.0), _off("tfs_z", 1.0),
+    *(Field(name, "integer", "", use=Use.IGNORED)
+      for name in ("num_keep", "repeat_last_n", "num_batch", "num_gpu", "main_gpu", "num_thread")),
+    *(Field(name, "number", "", use=Use.IGNORED) for name in ("mirostat_tau", "mirostat_eta")),
+    *(Field(name, "boolean", "", use=Use.IGNORED)
+      for name in ("penalize_newline", "numa", "low_vram", "vocab_only", "use_mmap", "use_mlock")),
+), where="options.")
+_COMMON_FIELDS = (
+    Field("model", "string", "a served model name (a \":latest\" tag is accepted); absent: the first"),
+    Field("think", "any", "true / an effort level turns the template's thinking on, false off",
+          shape="boolean or string"),
+    Field("format", "any", "structured output formats are not supported", use=Use.REFUSED),
+    Field("options", "object", "sampling and length options (below)"),
+    Field("stream", "boolean", "stream NDJSON lines", default=True),
+    Field("keep_alive", "any", "the core stays loaded while `flare run` runs", use=Use.IGNORED),
+)
+CHAT_SPEC = RequestSpec("POST /api/chat", (
+    *_COMMON_FIELDS,
+    Field("messages", "array", "the conversation; none: a load request, answered at once"),
+    Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
+))
+GENERATE_SPEC = RequestSpec("POST /api/generate", (
+    *_COMMON_FIELDS,
+    Field("prompt", "string", "the user message (or, with raw, the whole prompt); none: a load request"),
+    Field("system", "string", "a system message before the prompt"),
+    Field("raw", "boolean", "send the prompt as is, without the chat template"),
+    Field("images", "array", "images are not supported: this server takes text only", use=Use.REFUSED),
+    Field("suffix", "string", "is not supported by this server", use=Use.REFUSED),
+))
 
 
 def _served(state: ServerState, name: str | None) -> str:
@@ -127,8 +163,8 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": flare_core.__version__})
 
 
-def _think(body: dict[str, Any]) -> bool | None:
-    think = body.get("think")
+def _think(think: Any) -> bool | None:
+    """Ollama's `think` as the template's thinking option (absent: the core's default)."""
     if think is None or isinstance(think, bool):
         return think
     if isinstance(think, str):  # effort levels ("low", "high") mean on
@@ -180,40 +216,29 @@ class OllamaCall:
     sampling: Sampling
 
 
-def _call(state: ServerState, body: dict[str, Any], model: str, prompt: Prompt, parse_tools: bool,
-          request_id: str) -> OllamaCall:
+def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], model: str, prompt: Prompt,
+          parse_tools: bool, request_id: str) -> OllamaCall:
+    """`values`: the body's fields as its spec read them."""
     frontend = state.frontend
-    if body.get("format"):
-        raise invalid("format", "structured output formats are not supported")
-    options = get_object(body, "options") or {}
-    sampling = read_sampling(frontend.sampling_policy, options, _OPTION_FIELDS, where="options.")
-    for name in _IGNORED_INTEGER_OPTIONS:
-        get_int(options, name, where=f"options.{name}")
-    for name in _IGNORED_NUMBER_OPTIONS:
-        get_number(options, name, where=f"options.{name}")
-    for name in _IGNORED_BOOLEAN_OPTIONS:
-        get_bool(options, name, where=f"options.{name}")
-    for name, off in _OFF_SAMPLERS.items():
-        value = get_number(options, name, where=f"options.{name}")
-        if value is not None and value != off:
-            raise invalid(f"options.{name}", f"{name} sampling is not supported (only {off:g}, which switches it off)")
-    num_predict = get_int(options, "num_predict", where="options.num_predict", minimum=-2)
+    options = values["options"] or {}
+    option_values = OPTIONS_SPEC.read(options)
+    sampling = read_sampling(frontend.sampling_policy, options, _SAMPLING_FIELDS, where="options.")
+    num_predict = option_values["num_predict"]
     # Ollama's -1 (no limit) and -2 (fill the context) both mean: as much as the context allows.
     requested = None if num_predict is None or num_predict < 0 else num_predict
     if requested == 0:
         raise invalid("options.num_predict", "must be positive, or -1 for no limit")
-    requested = _within_num_ctx(options, len(prompt.ids), requested, frontend.context_length)
+    requested = _within_num_ctx(option_values["num_ctx"], len(prompt.ids), requested, frontend.context_length)
     max_tokens = fit_max_tokens(len(prompt.ids), requested, "options.num_predict", frontend.context_length)
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 message_ends=prompt.message_ends, request_id=request_id)
-    return OllamaCall(model, get_bool(body, "stream", default=True), parse_tools, prompt, request, sampling)
+    return OllamaCall(model, values["stream"], parse_tools, prompt, request, sampling)
 
 
-def _within_num_ctx(options: dict[str, Any], prompt_tokens: int, requested: int | None, context: int) -> int | None:
+def _within_num_ctx(num_ctx: int | None, prompt_tokens: int, requested: int | None, context: int) -> int | None:
     """`num_ctx` is the request's context window, at most the core's: the prompt must fit in it,
     and generation ends (done_reason "length") when it is full, as in Ollama."""
-    num_ctx = get_int(options, "num_ctx", where="options.num_ctx", minimum=1)
     if num_ctx is None:
         return requested
     if num_ctx > context:
@@ -314,12 +339,13 @@ def _safe_arguments(text: str) -> dict[str, Any]:
 
 
 def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
-    model = _served(state, get_str(body, "model"))
-    messages = _ollama_messages(get_list(body, "messages", required=True))
-    tools = openai_tools(get_list(body, "tools"))
-    prompt = chat_prompt(state.frontend, messages, tools=tools, options=template_options(state.frontend,
-                                                                                        thinking=_think(body)))
-    return _call(state, body, model, prompt, tools is not None, request_id)
+    values = CHAT_SPEC.read(body)
+    model = _served(state, values["model"])
+    messages = _ollama_messages(values["messages"])
+    tools = openai_tools(values["tools"])
+    prompt = chat_prompt(state.frontend, messages, tools=tools,
+                         options=template_options(state.frontend, thinking=_think(values["think"])))
+    return _call(state, body, values, model, prompt, tools is not None, request_id)
 
 
 def _load_reply(state: ServerState, body: dict[str, Any], text_key: str | None) -> dict[str, Any] | None:
@@ -364,23 +390,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 def parse_generate_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
-    model = _served(state, get_str(body, "model"))
-    text = get_str(body, "prompt", required=True)
-    if body.get("images"):
-        raise invalid("images", "images are not supported: this server takes text only")
-    if body.get("suffix"):
-        raise invalid("suffix", "is not supported by this server")
-    if get_bool(body, "raw") or state.frontend.chat_template is None:
+    values = GENERATE_SPEC.read(body)
+    model = _served(state, values["model"])
+    text = values["prompt"]
+    if text is None:
+        raise invalid("prompt", "is required")
+    if values["raw"] or state.frontend.chat_template is None:
         prompt = text_prompt(state.frontend, text)
     else:
         messages = []
-        system = get_str(body, "system")
-        if system:
-            messages.append({"role": "system", "content": system})
+        if values["system"]:
+            messages.append({"role": "system", "content": values["system"]})
         messages.append({"role": "user", "content": text})
         prompt = chat_prompt(state.frontend, messages, tools=None,
-                             options=template_options(state.frontend, thinking=_think(body)))
-    return _call(state, body, model, prompt, False, request_id)
+                             options=template_options(state.frontend, thinking=_think(values["think"])))
+    return _call(state, body, values, model, prompt, False, request_id)
 
 
 def add_routes(app: web.Application) -> None:

@@ -9,14 +9,13 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
-from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest, TokenLogprob
+from flare_core.runtime.types import GenerationRequest, TokenLogprob
 from flare_core.server.generation import (EventSink, Framing, Generation, Outcome, Piece, builder_response,
                                          no_events, output_parser, unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
     ChoiceChunks,
     chat_logprobs,
-    check_single_choice,
     finish_reason,
     generation_request,
     object_head,
@@ -30,13 +29,37 @@ from flare_core.server.prompts import (
     chat_prompt,
     openai_messages,
     openai_tools,
-    read_template_overrides,
     template_options,
 )
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import Sampling
+from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS, Sampling
+from flare_core.server.spec import OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import get_bool, get_int, get_list, get_object, get_str, invalid, json_body
+from flare_core.server.validation import invalid, json_body
+
+
+SPEC = RequestSpec("POST /v1/chat/completions", (
+    Field("model", "string", "a served model name; absent: the first"),
+    Field("messages", "array", "the conversation, rendered by the core's chat template", required=True),
+    Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call is refused (no constrained decoding)',
+          shape="string or object"),
+    Field("stream", "boolean", "stream chunks as server-sent events"),
+    Field("stream_options", "object", "include_usage: a usage chunk ends the stream"),
+    Field("max_completion_tokens", "integer", "at most this many output tokens; absent: the context's room",
+          minimum=1),
+    Field("max_tokens", "integer", "the older name of max_completion_tokens", minimum=1),
+    *sampling_fields(OPENAI_SAMPLING_FIELDS),
+    *OPENAI_STOP_FIELDS,
+    *OPENAI_CHOICE_FIELDS,
+    Field("logprobs", "boolean", "logprobs of the output tokens"),
+    Field("top_logprobs", "integer", "alternatives per token (needs logprobs)", **TOP_LOGPROBS_LIMIT),
+    Field("response_format", "object", 'only {"type": "text"}: structured output is not supported'),
+    Field("reasoning_effort", "any", '"none" turns the template\'s thinking off, any other effort on',
+          shape="string"),
+    Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
+    Field("continue_final_message", "boolean", "continue the final assistant message instead of a new turn"),
+))
 
 
 @dataclass(frozen=True)
@@ -53,21 +76,20 @@ class ChatCall:
 def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> ChatCall:
     """Validate a chat completions body and build its prompt and generation request."""
     frontend = state.frontend
-    model = resolve_model(state, get_str(body, "model"))
-    check_single_choice(body)
-    response_format = get_object(body, "response_format")
+    values = SPEC.read(body)
+    model = resolve_model(state, values["model"])
+    response_format = values["response_format"]
     if response_format is not None and response_format.get("type", "text") != "text":
         raise invalid("response_format.type", f"only \"text\" is supported, got {response_format.get('type')!r}")
-    stream = get_bool(body, "stream")
+    stream = values["stream"]
     include_usage = read_stream_options(body, stream)
-    messages = openai_messages(get_list(body, "messages", required=True))
-    tools = openai_tools(get_list(body, "tools"))
-    options = template_options(frontend, read_template_overrides(body),
-                               thinking=thinking_switch(body.get("reasoning_effort"), "reasoning_effort"))
+    messages = openai_messages(values["messages"])
+    tools = openai_tools(values["tools"])
+    options = template_options(frontend, values["chat_template_kwargs"] or {},
+                               thinking=thinking_switch(values["reasoning_effort"], "reasoning_effort"))
     prompt = chat_prompt(frontend, messages, tools=tools, options=options,
-                         continue_final_message=get_bool(body, "continue_final_message"))
-    logprobs = get_bool(body, "logprobs")
-    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS, default=0)
+                         continue_final_message=values["continue_final_message"])
+    logprobs, top_logprobs = values["logprobs"], values["top_logprobs"] or 0
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs", "requires logprobs to be true")
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,

@@ -17,18 +17,7 @@ from flare_core.server.sampling import (
     read_stop,
     read_token_ids,
 )
-from flare_core.server.validation import get_bool, get_int, get_object, invalid
-
-
-def check_single_choice(body: Mapping[str, Any]) -> None:
-    n = get_int(body, "n", minimum=1)
-    if n is not None and n != 1:
-        raise invalid("n", f"only n=1 is supported, got {n}")
-    best_of = get_int(body, "best_of", minimum=1)
-    if best_of is not None and best_of != 1:
-        raise invalid("best_of", f"only best_of=1 is supported, got {best_of}")
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "is not supported by this server")
+from flare_core.server.validation import get_bool, get_object, invalid
 
 
 def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,

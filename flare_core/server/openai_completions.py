@@ -14,13 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend import Frontend
-from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest, TokenLogprob
+from flare_core.runtime.types import GenerationRequest, TokenLogprob
 from flare_core.server.generation import (EventSink, Framing, Generation, Outcome, Piece, builder_response,
                                          no_events, unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (
     ChoiceChunks,
-    check_single_choice,
     completion_logprobs,
     finish_reason,
     generation_request,
@@ -30,9 +29,28 @@ from flare_core.server.openai_common import (
 )
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import Sampling
+from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS, Sampling
+from flare_core.server.spec import OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import get_bool, get_int, get_str, invalid, json_body, json_type
+from flare_core.server.validation import invalid, json_body, json_type
+
+
+SPEC = RequestSpec("POST /v1/completions", (
+    Field("model", "string", "a served model name; absent: the first"),
+    Field("prompt", "any", "one prompt, as text or token ids (a batch of one is accepted)", required=True,
+          shape="string or array"),
+    Field("stream", "boolean", "stream chunks as server-sent events"),
+    Field("stream_options", "object", "include_usage: a usage chunk ends the stream"),
+    Field("max_tokens", "integer", "at most this many output tokens, at least 1 (0 only with echo: scoring the "
+          "prompt); absent: the context's room"),
+    *sampling_fields(OPENAI_SAMPLING_FIELDS),
+    *OPENAI_STOP_FIELDS,
+    *OPENAI_CHOICE_FIELDS,
+    Field("logprobs", "integer", "logprobs of the output tokens with this many alternatives",
+          **TOP_LOGPROBS_LIMIT),
+    Field("echo", "boolean", "put the prompt before the output (with logprobs: the prompt's logprobs too)"),
+    Field("suffix", "string", "is not supported by this server", use=Use.REFUSED),
+))
 
 
 @dataclass(frozen=True)
@@ -63,15 +81,13 @@ def read_prompt(frontend: Frontend, value: Any) -> Prompt:
 
 def parse_completion_request(state: ServerState, body: dict[str, Any], request_id: str) -> CompletionCall:
     frontend = state.frontend
-    model = resolve_model(state, get_str(body, "model"))
-    check_single_choice(body)
-    if body.get("suffix"):
-        raise invalid("suffix", "is not supported by this server")
-    stream = get_bool(body, "stream")
+    values = SPEC.read(body)
+    model = resolve_model(state, values["model"])
+    stream = values["stream"]
     include_usage = read_stream_options(body, stream)
-    prompt = read_prompt(frontend, body.get("prompt"))
-    top_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
-    echoed = get_bool(body, "echo")
+    prompt = read_prompt(frontend, values["prompt"])
+    top_logprobs = values["logprobs"]
+    echoed = values["echo"]
     if not echoed and body.get("max_tokens") == 0:
         raise invalid("max_tokens", "must be at least 1; 0 is allowed only with echo (scoring the prompt)")
     # Echo with logprobs scores the prompt tokens; max_tokens 0 is scoring alone.

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.runtime.types import MAX_TOP_LOGPROBS, GenerationRequest, TokenLogprob, Usage
+from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import (
     EventSink,
     Generation,
@@ -36,7 +36,6 @@ from flare_core.server.openai_common import (
 from flare_core.server.prompts import (
     Prompt,
     chat_prompt,
-    read_template_overrides,
     template_options,
     template_tool_call,
     text_of_parts,
@@ -45,13 +44,11 @@ from flare_core.server.prompts import (
     tool_name,
 )
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import Sampling
+from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS, Sampling
+from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import (
     as_object,
-    get_bool,
-    get_int,
-    get_list,
     get_object,
     get_str,
     invalid,
@@ -60,12 +57,41 @@ from flare_core.server.validation import (
 )
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_UNSUPPORTED = {"previous_response_id": "this server keeps no responses; send the whole conversation in input",
-                "conversation": "this server keeps no conversations; send the whole conversation in input",
-                "prompt": "stored prompt templates are not supported",
-                "background": "background responses are not supported"}
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ITEM_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+SPEC = RequestSpec("POST /v1/responses", (
+    Field("previous_response_id", "string", "this server keeps no responses; send the whole conversation in input",
+          use=Use.REFUSED),
+    Field("conversation", "any", "this server keeps no conversations; send the whole conversation in input",
+          use=Use.REFUSED),
+    Field("prompt", "object", "stored prompt templates are not supported", use=Use.REFUSED),
+    Field("background", "boolean", "background responses are not supported", use=Use.REFUSED),
+    Field("model", "string", "a served model name; absent: the first"),
+    Field("input", "any", "the conversation: a string (one user message) or input items", required=True,
+          shape="string or array"),
+    Field("instructions", "string", "a system message before the input"),
+    Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call is refused (no constrained decoding)',
+          shape="string or object"),
+    Field("stream", "boolean", "stream typed server-sent events"),
+    Field("max_output_tokens", "integer", "at most this many output tokens; absent: the context's room",
+          minimum=1),
+    *sampling_fields(OPENAI_SAMPLING_FIELDS),
+    *OPENAI_STOP_FIELDS,
+    Field("top_logprobs", "integer", "logprobs of the output tokens with this many alternatives",
+          **TOP_LOGPROBS_LIMIT),
+    Field("include", "array", f'"{_LOGPROBS_INCLUDE}" asks for output logprobs'),
+    Field("text", "object", 'text.format: only {"type": "text"}; structured output is not supported'),
+    Field("reasoning", "object", 'reasoning.effort: "none" turns the template\'s thinking off, any other effort on'),
+    Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
+    Field("metadata", "object", "echoed in the response"),
+    Field("parallel_tool_calls", "boolean", "echoed in the response", default=True),
+    Field("truncation", "string", "echoed in the response"),
+    Field("user", "string", "echoed in the response"),
+    Field("store", "boolean", "responses are never stored (echoed as false)", use=Use.IGNORED),
+))
 
 
 @dataclass(frozen=True)
@@ -150,42 +176,38 @@ def responses_messages(instructions: str | None, raw_input: Any) -> list[dict[st
 
 def parse_responses_request(state: ServerState, body: dict[str, Any], request_id: str) -> ResponsesCall:
     frontend = state.frontend
-    for name, reason in _UNSUPPORTED.items():
-        if body.get(name):
-            raise invalid(name, reason)
-    model = resolve_model(state, get_str(body, "model"))
-    text_format = get_object(get_object(body, "text") or {}, "format", where="text.format")
+    values = SPEC.read(body)
+    model = resolve_model(state, values["model"])
+    text_format = get_object(values["text"] or {}, "format", where="text.format")
     if text_format is not None and text_format.get("type", "text") != "text":
         raise invalid("text.format.type", f"only \"text\" is supported, got {text_format.get('type')!r}")
-    stream = get_bool(body, "stream")
-    if "input" not in body:
-        raise invalid("input", "is required")
-    messages = responses_messages(get_str(body, "instructions"), body["input"])
-    tools = _tools(get_list(body, "tools"))
-    reasoning = get_object(body, "reasoning") or {}
-    options = template_options(frontend, read_template_overrides(body),
+    stream = values["stream"]
+    messages = responses_messages(values["instructions"], values["input"])
+    tools = _tools(values["tools"])
+    reasoning = values["reasoning"] or {}
+    options = template_options(frontend, values["chat_template_kwargs"] or {},
                                thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"))
     prompt = chat_prompt(frontend, messages, tools=tools, options=options)
-    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
-    include = get_list(body, "include") or []
+    top_logprobs = values["top_logprobs"]
+    include = values["include"] or []
     logprobs = top_logprobs is not None or _LOGPROBS_INCLUDE in include
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_output_tokens",), logprobs=logprobs,
                                            top_logprobs=top_logprobs or 0)
     echo = {
-        "instructions": get_str(body, "instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": get_object(body, "metadata") or {},
-        "parallel_tool_calls": get_bool(body, "parallel_tool_calls", default=True),
+        "instructions": values["instructions"],
+        "max_output_tokens": values["max_output_tokens"],
+        "metadata": values["metadata"] or {},
+        "parallel_tool_calls": values["parallel_tool_calls"],
         "temperature": sampling.params.temperature,
         "top_p": sampling.params.top_p,
         "tool_choice": body.get("tool_choice") or "auto",
-        "tools": get_list(body, "tools") or [],
+        "tools": values["tools"] or [],
         "text": {"format": {"type": "text"}},
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
-        "truncation": get_str(body, "truncation") or "disabled",
+        "truncation": values["truncation"] or "disabled",
         "store": False,
-        "user": get_str(body, "user"),
+        "user": values["user"],
     }
     return ResponsesCall(model, stream, tool_parsing_enabled(body, tools is not None), prompt, request, sampling,
                          echo)

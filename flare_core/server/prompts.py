@@ -57,10 +57,6 @@ def template_options(frontend: Frontend, overrides: Mapping[str, Any] | None = N
     return options
 
 
-def read_template_overrides(body: Mapping[str, Any], name: str = "chat_template_kwargs") -> dict[str, Any]:
-    return get_object(body, name) or {}
-
-
 def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
                 options: Mapping[str, Any], continue_final_message: bool = False) -> Prompt:
     """Render template messages with the core's chat template and tokenize them.
