@@ -482,7 +482,7 @@ def test_submit_refuses_what_cannot_fit_or_is_malformed():
     scheduler = make_scheduler(num_pages=4, prefix=False)
     with pytest.raises(ValueError, match=r"needs 5 pages \(prompt 200 \+ max_tokens 100\) but the cache has 4"):
         scheduler.submit("big", prompt(200, 1), 100)
-    with pytest.raises(ValueError, match="marks must be increasing"):
+    with pytest.raises(ValueError, match="message_ends must be increasing"):
         scheduler.submit("m", prompt(20, 1), 1, message_ends=[5, 30])
     scheduler.submit("x", prompt(20, 1), 2)
     with pytest.raises(ValueError, match="already known"):

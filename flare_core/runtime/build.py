@@ -16,7 +16,8 @@ from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
 from flare_core.frontend import Frontend
 from flare_core.plugins import Registry
-from flare_core.runtime.engine import Engine, EngineInfo
+from flare_core.runtime.engine import Engine
+from flare_core.runtime.types import EngineInfo
 from flare_core.runtime.loaded import LoadedCore
 from flare_core.runtime.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind

@@ -28,7 +28,7 @@ from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
 from flare_core.runtime.memory import KvPlan
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.output import OutputProcessor
-from flare_core.runtime.types import (AdmissionError, GenerationEvent, GenerationRequest, SamplingParams,
+from flare_core.runtime.types import (AdmissionError, EngineInfo, GenerationEvent, GenerationRequest, SamplingParams,
                                      Usage, check_request)
 from flare_core.scheduler import RequestHandle, Resources, Scheduler, StepPlan, StepResult
 
@@ -36,20 +36,6 @@ if TYPE_CHECKING:  # the dashboard sits above the runtime; only its type is need
     from flare_core.dashboard.telemetry import Telemetry
 
 log = structlog.get_logger("flare.engine")
-
-@dataclass(frozen=True)
-class EngineInfo:
-    served_names: tuple[str, ...]
-    context_length: int
-    max_concurrency: int
-    queue_capacity: int
-    created: int
-    recipe: str
-    architecture: str
-    dtype: str
-    parameters: int
-    core_path: str
-
 
 class RequestStream:
     """Async iterator of one request's GenerationEvents; the last one has finish_reason + usage."""
@@ -310,7 +296,8 @@ class Engine:
             output = OutputProcessor(request, self.frontend.tokenizer, self._core_stop_ids)
             live = _Live(request, stream, output, submitted)
             self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
-                                   message_ends=tuple(m for m in request.message_ends if 0 < m <= len(request.prompt_ids)),
+                                   message_ends=tuple(m for m in request.message_ends
+                                                      if 0 < m <= len(request.prompt_ids)),
                                    score_prompt=request.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")

@@ -126,6 +126,22 @@ class GenerationEvent:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """The served core as the HTTP layer describes it (model lists, /health, Ollama's show)."""
+
+    served_names: tuple[str, ...]
+    context_length: int
+    max_concurrency: int
+    queue_capacity: int
+    created: int  # the core's modification time (Unix seconds)
+    recipe: str
+    architecture: str
+    dtype: str
+    parameters: int
+    core_path: str
+
+
 class AdmissionError(RuntimeError):
     """The runtime cannot take the request now. `status` is the HTTP status the server answers."""
 

@@ -18,5 +18,6 @@ __all__ = [
     "CostPrior", "StepCostEstimator", "StepKind",
     "Candidate", "FairnessLimits", "GraphCapacities", "chunk_end", "rank",
     "Request", "RequestHandle", "RequestStatus", "Restore",
-    "DecodeEntry", "PrefillChunk", "Resources", "SampledToken", "Scheduler", "SchedulerConfig", "StepPlan", "StepResult",
+    "DecodeEntry", "PrefillChunk", "Resources", "SampledToken", "Scheduler", "SchedulerConfig", "StepPlan",
+    "StepResult",
 ]

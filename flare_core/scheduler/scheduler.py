@@ -200,8 +200,9 @@ class Scheduler:
         if max_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         message_ends = tuple(message_ends)
-        if list(message_ends) != sorted(set(message_ends)) or (message_ends and (message_ends[0] < 1 or message_ends[-1] > len(prompt))):
-            raise ValueError(f"request {request_id!r}: marks must be increasing endpoints in "
+        ends = list(message_ends)
+        if ends != sorted(set(ends)) or (ends and (ends[0] < 1 or ends[-1] > len(prompt))):
+            raise ValueError(f"request {request_id!r}: message_ends must be increasing endpoints in "
                              f"1..{len(prompt)}, got {message_ends}")
         need = request_page_need(len(prompt), max_tokens, self.config.page_tokens)
         if need > self.pages.num_pages:

@@ -16,41 +16,16 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.runtime.types import GenerationRequest, Usage
-from flare_core.server.generation import (
-    INTERRUPTED,
-    EventSink,
-    Generation,
-    Outcome,
-    Piece,
-    builder_response,
-    execution_error,
-    no_events,
-    output_parser,
-)
+from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Outcome, Piece, answer, execution_error,
+                                          no_events)
 from flare_core.server.models import resolve_model
-from flare_core.server.prompts import (
-    Prompt,
-    chat_prompt,
-    fit_max_tokens,
-    template_options,
-    template_tool_call,
-    text_of_parts,
-    tool_function,
-    tool_name,
-)
+from flare_core.server.prompts import (Prompt, chat_prompt, fit_max_tokens, template_options, template_tool_call,
+                                       text_of_parts, tool_function, tool_name)
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import Sampling, read_sampling, read_stop
+from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import (
-    as_object,
-    get_object,
-    get_str,
-    invalid,
-    json_type,
-    json_body,
-    reject_unknown,
-)
+from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type, json_body, reject_unknown
 
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 # The fields of the Messages API that shape the prompt (count_tokens takes them too). Those
@@ -226,15 +201,9 @@ def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any
     return model, prompt, _parse_tools_enabled(body, tools)
 
 
-@dataclass(frozen=True)
-class MessagesCall:
-    model: str
-    stream: bool
-    parse_tools: bool
-    prompt: Prompt
-    request: GenerationRequest
-    sampling: Sampling
-    stop_sequences: tuple[str, ...]
+@dataclass(frozen=True, kw_only=True)
+class MessagesCall(Call):
+    stop_sequences: tuple[str, ...]  # the stop reason names the one that matched
 
 
 def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
@@ -246,7 +215,8 @@ def parse_messages_request(state: ServerState, body: dict[str, Any], request_id:
     stop_sequences = read_stop(body, "stop_sequences")  # an array here (the spec), never a bare string
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=stop_sequences, message_ends=prompt.message_ends, request_id=request_id)
-    return MessagesCall(model, values["stream"], parse_tools, prompt, request, sampling, stop_sequences)
+    return MessagesCall(model, values["stream"], prompt, request, sampling, parse_tools,
+                        stop_sequences=stop_sequences)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -356,16 +326,10 @@ def _error_event(message: str, error_type: str = "api_error") -> dict[str, Any]:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    record = request[RECORD]
-    call = await state.prepare(lambda: parse_messages_request(state, json_body(request), record.request_id))
-    record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
-    generation = Generation(state, record, call.request, parser)
-    message_id = f"msg_{record.request_id}"
-    async with generation:
-        return await builder_response(request, generation, lambda sink: MessageBuilder(call, message_id, sink),
-                                      stream=call.stream, headers=call.sampling.headers())
+    state, request_id = request.app[STATE], request[RECORD].request_id
+    call = await state.prepare(lambda: parse_messages_request(state, json_body(request), request_id))
+    message_id = f"msg_{request_id}"
+    return await answer(request, call, lambda sink: MessageBuilder(call, message_id, sink))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -30,15 +30,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from flare_core.config import ServerConfig
-from flare_core.server import (
-    anthropic_messages,
-    metrics,
-    models,
-    ollama,
-    openai_chat,
-    openai_completions,
-    openai_responses,
-)
+from flare_core.server import (anthropic_messages, metrics, models, ollama, openai_chat, openai_completions,
+                               openai_responses)
 from flare_core.server.errors import ApiError, error_response, flavor_of_path
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sse import ClientGone

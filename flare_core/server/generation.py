@@ -20,9 +20,11 @@ from flare_core.frontend import Frontend
 from flare_core.frontend.parsers import OutputParser, ParsedDelta, prompt_opens_reasoning
 from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
 from flare_core.server.errors import ApiError
-from flare_core.server.request_log import RequestRecord
+from flare_core.server.prompts import Prompt
+from flare_core.server.request_log import RECORD, RequestRecord
+from flare_core.server.sampling import Sampling
 from flare_core.server.sse import EventStream
-from flare_core.server.state import RequestStream, ServerState
+from flare_core.server.state import STATE, RequestStream, ServerState
 
 
 _log = structlog.get_logger("flare.server")
@@ -35,6 +37,19 @@ class Piece:
     delta: ParsedDelta
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # requests that score their prompt
+
+
+@dataclass(frozen=True)
+class Call:
+    """A generation request a route has validated: what its handler needs to answer it. Routes
+    with more to carry (stream options, echoed settings) subclass it."""
+
+    model: str  # the served name the response reports
+    stream: bool
+    prompt: Prompt
+    request: GenerationRequest
+    sampling: Sampling
+    parse_tools: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,6 +184,19 @@ class OutputBuilder(Protocol):
     async def finish(self, outcome: Outcome) -> dict[str, Any]: ...
 
 
+async def answer(request: web.Request, call: Call, new_builder: Callable[[EventSink], OutputBuilder], *,
+                 framing: Framing = Framing.NAMED_SSE, parsed: bool = True) -> web.StreamResponse:
+    """Run `call` and answer it through its route's builder. With `parsed`, the output goes
+    through the core's reasoning parser and (when the call asked for it) its tool parser."""
+    state, record = request.app[STATE], request[RECORD]
+    record.model, record.stream = call.model, call.stream
+    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools) if parsed else None
+    generation = Generation(state, record, call.request, parser)
+    async with generation:
+        return await builder_response(request, generation, new_builder, stream=call.stream,
+                                      headers=call.sampling.headers(), framing=framing)
+
+
 async def builder_response(request: web.Request, generation: Generation,
                            new_builder: Callable[[EventSink], OutputBuilder], *, stream: bool,
                            headers: dict[str, str], framing: Framing = Framing.NAMED_SSE) -> web.StreamResponse:
@@ -186,7 +214,8 @@ async def builder_response(request: web.Request, generation: Generation,
             raise error
         return web.json_response(await builder.finish(generation.outcome), headers=headers)
     ndjson = framing is Framing.NDJSON
-    events = EventStream(request, headers=headers, content_type="application/x-ndjson" if ndjson else "text/event-stream")
+    content_type = "application/x-ndjson" if ndjson else "text/event-stream"
+    events = EventStream(request, headers=headers, content_type=content_type)
     await events.open()
 
     async def send(event: dict[str, Any] | str) -> None:

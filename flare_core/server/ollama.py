@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,32 +18,16 @@ import flare_core
 from flare_core.runtime.types import GenerationRequest
 from flare_core.server.errors import ApiError
 from flare_core.frontend.parsers import ParsedOutput
-from flare_core.server.generation import (INTERRUPTED, EventSink, Framing, Generation, Outcome, Piece, builder_response,
-                                         execution_error, no_events, output_parser)
+from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Framing, Outcome, Piece, answer,
+                                          execution_error, no_events)
 from flare_core.server.models import resolve_model
-from flare_core.server.prompts import (
-    Prompt,
-    chat_prompt,
-    fit_max_tokens,
-    openai_tools,
-    template_options,
-    template_tool_call,
-    text_prompt,
-    tool_arguments,
-    tool_name,
-)
+from flare_core.server.prompts import (Prompt, chat_prompt, fit_max_tokens, openai_tools, template_options,
+                                       template_tool_call, text_prompt, tool_arguments, tool_name)
 from flare_core.server.request_log import RECORD, RequestRecord
-from flare_core.server.sampling import Sampling, read_sampling, read_stop
+from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import (
-    as_object,
-    get_list,
-    get_object,
-    get_str,
-    invalid,
-    json_body,
-)
+from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_body
 
 _ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -206,18 +189,8 @@ def _ollama_messages(raw: list | None) -> list[dict[str, Any]]:
     return messages
 
 
-@dataclass(frozen=True)
-class OllamaCall:
-    model: str
-    stream: bool
-    parse_tools: bool
-    prompt: Prompt
-    request: GenerationRequest
-    sampling: Sampling
-
-
 def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], model: str, prompt: Prompt,
-          parse_tools: bool, request_id: str) -> OllamaCall:
+          parse_tools: bool, request_id: str) -> Call:
     """`values`: the body's fields as its spec read them."""
     frontend = state.frontend
     options = values["options"] or {}
@@ -233,7 +206,7 @@ def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], mode
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 message_ends=prompt.message_ends, request_id=request_id)
-    return OllamaCall(model, values["stream"], parse_tools, prompt, request, sampling)
+    return Call(model, values["stream"], prompt, request, sampling, parse_tools)
 
 
 def _within_num_ctx(num_ctx: int | None, prompt_tokens: int, requested: int | None, context: int) -> int | None:
@@ -264,7 +237,7 @@ class OllamaBuilder:
     NDJSON lines through `sink` while it streams (each tool call whole, once its arguments are
     complete), then the final line with the durations; the whole reply at the end."""
 
-    def __init__(self, call: OllamaCall, text_key: str | None, record: RequestRecord, started: float,
+    def __init__(self, call: Call, text_key: str | None, record: RequestRecord, started: float,
                  sink: EventSink = no_events):
         self._call, self._text_key, self._record, self._started = call, text_key, record, started
         self._sink = sink
@@ -317,18 +290,11 @@ class OllamaBuilder:
         return {**self._line(output.content, output.reasoning, calls), **final}
 
 
-async def _respond(request: web.Request, state: ServerState, call: OllamaCall,
-                   text_key: str | None) -> web.StreamResponse:
+async def _respond(request: web.Request, call: Call, text_key: str | None) -> web.StreamResponse:
     """Run a chat (`text_key` None) or generate ("response") request."""
-    record = request[RECORD]
-    record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
-    generation = Generation(state, record, call.request, parser)
-    started = time.monotonic()
-    async with generation:
-        return await builder_response(request, generation,
-                                      lambda sink: OllamaBuilder(call, text_key, record, started, sink),
-                                      stream=call.stream, headers=call.sampling.headers(), framing=Framing.NDJSON)
+    record, started = request[RECORD], time.monotonic()
+    return await answer(request, call, lambda sink: OllamaBuilder(call, text_key, record, started, sink),
+                        framing=Framing.NDJSON)
 
 
 def _safe_arguments(text: str) -> dict[str, Any]:
@@ -338,7 +304,7 @@ def _safe_arguments(text: str) -> dict[str, Any]:
         return {}
 
 
-def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
+def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> Call:
     values = CHAT_SPEC.read(body)
     model = _served(state, values["model"])
     messages = _ollama_messages(values["messages"])
@@ -371,14 +337,14 @@ async def _answer(request: web.Request, parse, text_key: str | None) -> web.Stre
     state = request.app[STATE]
     request_id = request[RECORD].request_id
 
-    def prepare() -> OllamaCall | dict[str, Any]:
+    def prepare() -> Call | dict[str, Any]:
         body = json_body(request)
         return _load_reply(state, body, text_key) or parse(state, body, request_id)
 
     call = await state.prepare(prepare)
     if isinstance(call, dict):
         return web.json_response(call)
-    return await _respond(request, state, call, text_key)
+    return await _respond(request, call, text_key)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -389,7 +355,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await _answer(request, parse_generate_request, "response")
 
 
-def parse_generate_request(state: ServerState, body: dict[str, Any], request_id: str) -> OllamaCall:
+def parse_generate_request(state: ServerState, body: dict[str, Any], request_id: str) -> Call:
     values = GENERATE_SPEC.read(body)
     model = _served(state, values["model"])
     text = values["prompt"]

@@ -9,31 +9,17 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
-from flare_core.runtime.types import GenerationRequest, TokenLogprob
-from flare_core.server.generation import (EventSink, Framing, Generation, Outcome, Piece, builder_response,
-                                         no_events, output_parser, unfinished_error)
+from flare_core.runtime.types import TokenLogprob
+from flare_core.server.generation import Call, EventSink, Framing, Outcome, Piece, answer, no_events, unfinished_error
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (
-    ChoiceChunks,
-    chat_logprobs,
-    finish_reason,
-    generation_request,
-    object_head,
-    read_stream_options,
-    thinking_switch,
-    tool_parsing_enabled,
-    usage_json,
-)
-from flare_core.server.prompts import (
-    Prompt,
-    chat_prompt,
-    openai_messages,
-    openai_tools,
-    template_options,
-)
+from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, finish_reason, generation_request,
+                                             object_head, read_stream_options, thinking_switch, tool_parsing_enabled,
+                                             usage_json)
+from flare_core.server.prompts import chat_prompt, openai_messages, openai_tools, template_options
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS, Sampling
-from flare_core.server.spec import OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, sampling_fields
+from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
+from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
+                                    sampling_fields)
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import invalid, json_body
 
@@ -62,15 +48,9 @@ SPEC = RequestSpec("POST /v1/chat/completions", (
 ))
 
 
-@dataclass(frozen=True)
-class ChatCall:
-    model: str
-    stream: bool
-    include_usage: bool
-    parse_tools: bool
-    prompt: Prompt
-    request: GenerationRequest
-    sampling: Sampling
+@dataclass(frozen=True, kw_only=True)
+class ChatCall(Call):
+    include_usage: bool  # a usage chunk ends the stream
 
 
 def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> ChatCall:
@@ -95,8 +75,8 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs)
-    return ChatCall(model, stream, include_usage, tool_parsing_enabled(body, tools is not None), prompt, request,
-                    sampling)
+    return ChatCall(model, stream, prompt, request, sampling, tool_parsing_enabled(body, tools is not None),
+                    include_usage=include_usage)
 
 
 def tool_calls_json(output: ParsedOutput) -> list[dict[str, Any]] | None:
@@ -158,16 +138,11 @@ class ChatBuilder:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    record = request[RECORD]
-    call = await state.prepare(lambda: parse_chat_request(state, json_body(request), record.request_id))
-    record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
-    generation = Generation(state, record, call.request, parser)
-    completion_id, created = f"chatcmpl-{record.request_id}", int(time.time())
-    async with generation:
-        return await builder_response(request, generation, lambda sink: ChatBuilder(call, completion_id, created, sink),
-                                      stream=call.stream, headers=call.sampling.headers(), framing=Framing.SSE)
+    state, request_id = request.app[STATE], request[RECORD].request_id
+    call = await state.prepare(lambda: parse_chat_request(state, json_body(request), request_id))
+    completion_id, created = f"chatcmpl-{request_id}", int(time.time())
+    return await answer(request, call, lambda sink: ChatBuilder(call, completion_id, created, sink),
+                        framing=Framing.SSE)
 
 
 def _delta_json(piece: Piece) -> dict[str, Any]:

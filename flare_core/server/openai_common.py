@@ -9,14 +9,8 @@ from flare_core.frontend import Frontend
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
-from flare_core.server.sampling import (
-    OPENAI_SAMPLING_FIELDS,
-    Sampling,
-    read_max_tokens,
-    read_sampling,
-    read_stop,
-    read_token_ids,
-)
+from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_max_tokens, read_sampling, read_stop,
+                                        read_token_ids)
 from flare_core.server.validation import get_bool, get_object, invalid
 
 

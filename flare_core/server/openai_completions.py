@@ -14,23 +14,16 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend import Frontend
-from flare_core.runtime.types import GenerationRequest, TokenLogprob
-from flare_core.server.generation import (EventSink, Framing, Generation, Outcome, Piece, builder_response,
-                                         no_events, unfinished_error)
+from flare_core.runtime.types import TokenLogprob
+from flare_core.server.generation import Call, EventSink, Framing, Outcome, Piece, answer, no_events, unfinished_error
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (
-    ChoiceChunks,
-    completion_logprobs,
-    finish_reason,
-    generation_request,
-    object_head,
-    read_stream_options,
-    usage_json,
-)
+from flare_core.server.openai_common import (ChoiceChunks, completion_logprobs, finish_reason, generation_request,
+                                             object_head, read_stream_options, usage_json)
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS, Sampling
-from flare_core.server.spec import OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
+from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
+from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
+                                    Use, sampling_fields)
 from flare_core.server.state import STATE, ServerState
 from flare_core.server.validation import invalid, json_body, json_type
 
@@ -53,15 +46,11 @@ SPEC = RequestSpec("POST /v1/completions", (
 ))
 
 
-@dataclass(frozen=True)
-class CompletionCall:
-    model: str
-    stream: bool
-    include_usage: bool
+@dataclass(frozen=True, kw_only=True)
+class CompletionCall(Call):
+    include_usage: bool  # a usage chunk ends the stream
     echo: str  # prompt text to put before the completion ("" without echo)
     first_token: str | None  # with echoed logprobs: the prompt's first token, which has none
-    request: GenerationRequest
-    sampling: Sampling
 
 
 def read_prompt(frontend: Frontend, value: Any) -> Prompt:
@@ -102,7 +91,8 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
         echo = prompt.text or frontend.tokenizer.decode(prompt.ids)
         if top_logprobs is not None:
             first_token = frontend.tokenizer.decode([prompt.ids[0]])
-    return CompletionCall(model, stream, include_usage, echo, first_token, request, sampling)
+    return CompletionCall(model, stream, prompt, request, sampling, include_usage=include_usage, echo=echo,
+                          first_token=first_token)
 
 
 class CompletionBuilder:
@@ -156,16 +146,12 @@ class CompletionBuilder:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    record = request[RECORD]
-    call = await state.prepare(lambda: parse_completion_request(state, json_body(request), record.request_id))
-    record.model, record.stream = call.model, call.stream
-    generation = Generation(state, record, call.request)
-    completion_id, created = f"cmpl-{record.request_id}", int(time.time())
-    async with generation:
-        return await builder_response(request, generation,
-                                      lambda sink: CompletionBuilder(call, completion_id, created, sink),
-                                      stream=call.stream, headers=call.sampling.headers(), framing=Framing.SSE)
+    state, request_id = request.app[STATE], request[RECORD].request_id
+    call = await state.prepare(lambda: parse_completion_request(state, json_body(request), request_id))
+    completion_id, created = f"cmpl-{request_id}", int(time.time())
+    # A raw prompt: no chat template opened anything, so no parser reads the output.
+    return await answer(request, call, lambda sink: CompletionBuilder(call, completion_id, created, sink),
+                        framing=Framing.SSE, parsed=False)
 
 
 def add_routes(app: web.Application) -> None:

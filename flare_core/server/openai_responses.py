@@ -15,46 +15,17 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
-from flare_core.server.generation import (
-    EventSink,
-    Generation,
-    Outcome,
-    Piece,
-    builder_response,
-    execution_error,
-    no_events,
-    output_parser,
-)
+from flare_core.runtime.types import TokenLogprob, Usage
+from flare_core.server.generation import Call, EventSink, Outcome, Piece, answer, execution_error, no_events
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (
-    chat_logprobs,
-    generation_request,
-    thinking_switch,
-    tool_parsing_enabled,
-)
-from flare_core.server.prompts import (
-    Prompt,
-    chat_prompt,
-    template_options,
-    template_tool_call,
-    text_of_parts,
-    tool_arguments,
-    tool_function,
-    tool_name,
-)
+from flare_core.server.openai_common import chat_logprobs, generation_request, thinking_switch, tool_parsing_enabled
+from flare_core.server.prompts import (chat_prompt, template_options, template_tool_call, text_of_parts, tool_arguments,
+                                       tool_function, tool_name)
 from flare_core.server.request_log import RECORD
-from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS, Sampling
+from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import (
-    as_object,
-    get_object,
-    get_str,
-    invalid,
-    json_type,
-    json_body,
-)
+from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type, json_body
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -94,14 +65,8 @@ SPEC = RequestSpec("POST /v1/responses", (
 ))
 
 
-@dataclass(frozen=True)
-class ResponsesCall:
-    model: str
-    stream: bool
-    parse_tools: bool
-    prompt: Prompt
-    request: GenerationRequest
-    sampling: Sampling
+@dataclass(frozen=True, kw_only=True)
+class ResponsesCall(Call):
     echo: dict[str, Any]  # request settings every response object repeats
 
 
@@ -209,8 +174,8 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
         "store": False,
         "user": values["user"],
     }
-    return ResponsesCall(model, stream, tool_parsing_enabled(body, tools is not None), prompt, request, sampling,
-                         echo)
+    return ResponsesCall(model, stream, prompt, request, sampling, tool_parsing_enabled(body, tools is not None),
+                         echo=echo)
 
 
 class ResponseBuilder:
@@ -349,16 +314,10 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    record = request[RECORD]
-    call = await state.prepare(lambda: parse_responses_request(state, json_body(request), record.request_id))
-    record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools)
-    generation = Generation(state, record, call.request, parser)
-    response_id = f"resp_{record.request_id}"
-    async with generation:
-        return await builder_response(request, generation, lambda sink: ResponseBuilder(call, response_id, sink),
-                                      stream=call.stream, headers=call.sampling.headers())
+    state, request_id = request.app[STATE], request[RECORD].request_id
+    call = await state.prepare(lambda: parse_responses_request(state, json_body(request), request_id))
+    response_id = f"resp_{request_id}"
+    return await answer(request, call, lambda sink: ResponseBuilder(call, response_id, sink))
 
 
 def add_routes(app: web.Application) -> None:

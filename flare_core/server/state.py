@@ -14,20 +14,7 @@ from aiohttp import web
 from flare_core.config import ServerConfig
 from flare_core.frontend import Frontend
 from flare_core.runtime.metrics import RuntimeMetrics
-from flare_core.runtime.types import GenerationEvent, GenerationRequest
-
-
-class EngineInfo(Protocol):
-    served_names: tuple[str, ...]
-    context_length: int
-    max_concurrency: int
-    queue_capacity: int
-    created: int
-    recipe: str
-    architecture: str
-    dtype: str
-    parameters: int
-    core_path: str
+from flare_core.runtime.types import EngineInfo, GenerationEvent, GenerationRequest
 
 
 class RequestStream(Protocol):
