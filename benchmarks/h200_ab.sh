@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Serving A/B on one machine: h200_serving.sh for each source tree in turn (A B A B ...), so that
+# two commits are compared side by side under the same conditions.
+#   mkdir -p .ab/REV && git archive REV flare_core recipes-qwen recipes-deepseek recipes-kimi plugins benchmarks \
+#     | tar -x -C .ab/REV                       (here; .ab/ is ignored by git: carry it, ~6 MB a tree)
+#   bash benchmarks/h200_ab.sh OUTDIR ROUNDS .ab/REV1 .ab/REV2 ...    (on the GPU host)
+# Each tree runs as its own code: from its own directory (Python puts the working directory first
+# on sys.path for `python -m`), with its packages first on PYTHONPATH, and with the editable
+# install's finder for flare_core switched off while it runs (restored on exit).
+set -euo pipefail
+out=${1:?usage: h200_ab.sh OUTDIR ROUNDS TREE...}; rounds=${2:?rounds}; shift 2
+site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+finders=$(ls "$site"/__editable__*flare_core*.pth 2>/dev/null || true)
+restore() { for f in $finders; do [ -f "$f.off" ] && mv "$f.off" "$f"; done; return 0; }
+trap restore EXIT
+for f in $finders; do mv "$f" "$f.off"; done
+extra=${PYTHONPATH:-}
+for round in $(seq 1 "$rounds"); do
+  for tree in "$@"; do
+    tree=$(cd "$tree" && pwd); name=$(basename "$tree")
+    (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra:+:$extra}" &&
+     python3 -c "import flare_core, flare_recipe_qwen; assert flare_core.__file__.startswith('$tree'), flare_core.__file__; print('$name round $round:', flare_core.__file__)" &&
+     bash benchmarks/h200_serving.sh "$out/$name-$round" 2>&1 | grep -E "startup_s|Output token|Median TTFT|Median TPOT")
+  done
+done
