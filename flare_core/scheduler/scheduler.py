@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from flare_core.cache.pages import PageAllocator, StateRowAllocator, pages_for_tokens, request_page_need
@@ -322,7 +322,7 @@ class Scheduler:
         return candidates
 
     def _candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
-                   starving: set[str] = frozenset()) -> CandidateStep:
+                   starving: Collection[str] = frozenset()) -> CandidateStep:
         """The step over `decoders` and `chunks`: its kind, the graph capacity that covers it,
         its useful tokens and the starving requests it serves, each computed here once."""
         tokens = len(decoders) + sum(c.end - c.start for c in chunks)
