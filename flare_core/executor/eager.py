@@ -6,10 +6,9 @@ one with FlashInfer attention (`plan_attention`) for the steps its graphs do not
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
-
-from collections.abc import Callable, Sequence
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage

@@ -441,20 +441,17 @@ class GraphExecutor:
         logits, tokens = self._rows(graph.logits, rows), self._rows(graph.samplers.tokens, rows)
         return self.eager.sampler.with_logprobs(logits, tokens, sampling.logprobs, sampling.top_logprobs)
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits [len(plan.samples), vocab] of `plan` in `plan.samples` order (see EagerExecutor.run)."""
-        graph = self._graph_for(plan)
-        if graph is None:
-            return self.eager.run(plan)
-        return self._rows(graph.logits, self._replay(graph, plan, None))
+        return self.run_scored(plan)[0]
 
     @torch.inference_mode()
     def run_scored(self, plan: StepPlan) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
         """`run`, and the prompt scores of the chunks that carry prompt targets (always eager)."""
-        if self._graph_for(plan) is None:
+        graph = self._graph_for(plan)
+        if graph is None:
             return self.eager.run_scored(plan)
-        return self.run(plan), ()
+        return self._rows(graph.logits, self._replay(graph, plan, None)), ()
 
     def _rows(self, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(len(rows))):

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Callable
 import structlog
 import torch
 
-from flare_core.cache import PrefixCacheStats
 from flare_core.executor import Executor
 from flare_core.frontend import Frontend
 from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
@@ -490,7 +489,3 @@ class Engine:
         """What requests and the prefix cache held after the model thread's last step or message
         (any thread may read it; it is replaced, never changed)."""
         return self._resources
-
-    def prefix_stats(self) -> PrefixCacheStats | None:
-        """The prefix cache's counters (None without a prefix cache); read while the engine is idle."""
-        return None if self._scheduler.prefix is None else self._scheduler.prefix.stats

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from flare_core.runtime.types import GenerationRequest, Usage
 from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Outcome, Piece, answer, execution_error,
-                                          no_events)
+                                          no_events, read_call)
 from flare_core.server.models import resolve_model
 from flare_core.server.prompts import (Prompt, chat_prompt, fit_max_tokens, template_options, template_tool_call,
                                        text_of_parts, tool_function, tool_name)
@@ -25,7 +25,7 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type, json_body, reject_unknown
+from flare_core.server.validation import as_object, get_object, get_str, invalid, json_body, json_type, reject_unknown
 
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 # The fields of the Messages API that shape the prompt (count_tokens takes them too). Those
@@ -326,9 +326,8 @@ def _error_event(message: str, error_type: str = "api_error") -> dict[str, Any]:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    state, request_id = request.app[STATE], request[RECORD].request_id
-    call = await state.prepare(lambda: parse_messages_request(state, json_body(request), request_id))
-    message_id = f"msg_{request_id}"
+    call = await read_call(request, parse_messages_request)
+    message_id = f"msg_{request[RECORD].request_id}"
     return await answer(request, call, lambda sink: MessageBuilder(call, message_id, sink))
 
 

@@ -11,7 +11,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from aiohttp import web
@@ -25,6 +25,7 @@ from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sampling import Sampling
 from flare_core.server.sse import EventStream
 from flare_core.server.state import STATE, RequestStream, ServerState
+from flare_core.server.validation import json_body
 
 
 _log = structlog.get_logger("flare.server")
@@ -182,6 +183,15 @@ class OutputBuilder(Protocol):
     async def add(self, piece: Piece) -> None: ...
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]: ...
+
+
+CallT = TypeVar("CallT", bound=Call)
+
+
+async def read_call(request: web.Request, parse: Callable[[ServerState, dict[str, Any], str], CallT]) -> CallT:
+    """The route's Call: its body parsed and validated by `parse` on the frontend pool."""
+    state, request_id = request.app[STATE], request[RECORD].request_id
+    return await state.prepare(lambda: parse(state, json_body(request), request_id))
 
 
 async def answer(request: web.Request, call: Call, new_builder: Callable[[EventSink], OutputBuilder], *,

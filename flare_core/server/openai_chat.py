@@ -10,7 +10,8 @@ from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
 from flare_core.runtime.types import TokenLogprob
-from flare_core.server.generation import Call, EventSink, Framing, Outcome, Piece, answer, no_events, unfinished_error
+from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
+                                          unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, finish_reason, generation_request,
                                              object_head, read_stream_options, thinking_switch, tool_parsing_enabled,
@@ -20,8 +21,8 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
                                     sampling_fields)
-from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import invalid, json_body
+from flare_core.server.state import ServerState
+from flare_core.server.validation import invalid
 
 
 SPEC = RequestSpec("POST /v1/chat/completions", (
@@ -138,9 +139,8 @@ class ChatBuilder:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, request_id = request.app[STATE], request[RECORD].request_id
-    call = await state.prepare(lambda: parse_chat_request(state, json_body(request), request_id))
-    completion_id, created = f"chatcmpl-{request_id}", int(time.time())
+    call = await read_call(request, parse_chat_request)
+    completion_id, created = f"chatcmpl-{request[RECORD].request_id}", int(time.time())
     return await answer(request, call, lambda sink: ChatBuilder(call, completion_id, created, sink),
                         framing=Framing.SSE)
 

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from flare_core.frontend import Frontend
 from flare_core.runtime.types import TokenLogprob
-from flare_core.server.generation import Call, EventSink, Framing, Outcome, Piece, answer, no_events, unfinished_error
+from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
+                                          unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, completion_logprobs, finish_reason, generation_request,
                                              object_head, read_stream_options, usage_json)
@@ -24,8 +25,8 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
                                     Use, sampling_fields)
-from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import invalid, json_body, json_type
+from flare_core.server.state import ServerState
+from flare_core.server.validation import invalid, json_type
 
 
 SPEC = RequestSpec("POST /v1/completions", (
@@ -146,9 +147,8 @@ class CompletionBuilder:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state, request_id = request.app[STATE], request[RECORD].request_id
-    call = await state.prepare(lambda: parse_completion_request(state, json_body(request), request_id))
-    completion_id, created = f"cmpl-{request_id}", int(time.time())
+    call = await read_call(request, parse_completion_request)
+    completion_id, created = f"cmpl-{request[RECORD].request_id}", int(time.time())
     # A raw prompt: no chat template opened anything, so no parser reads the output.
     return await answer(request, call, lambda sink: CompletionBuilder(call, completion_id, created, sink),
                         framing=Framing.SSE, parsed=False)

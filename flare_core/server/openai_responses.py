@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.runtime.types import TokenLogprob, Usage
-from flare_core.server.generation import Call, EventSink, Outcome, Piece, answer, execution_error, no_events
+from flare_core.server.generation import Call, EventSink, Outcome, Piece, answer, execution_error, no_events, read_call
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import chat_logprobs, generation_request, thinking_switch, tool_parsing_enabled
 from flare_core.server.prompts import (chat_prompt, template_options, template_tool_call, text_of_parts, tool_arguments,
@@ -24,8 +24,8 @@ from flare_core.server.prompts import (chat_prompt, template_options, template_t
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
-from flare_core.server.state import STATE, ServerState
-from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type, json_body
+from flare_core.server.state import ServerState
+from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -314,9 +314,8 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    state, request_id = request.app[STATE], request[RECORD].request_id
-    call = await state.prepare(lambda: parse_responses_request(state, json_body(request), request_id))
-    response_id = f"resp_{request_id}"
+    call = await read_call(request, parse_responses_request)
+    response_id = f"resp_{request[RECORD].request_id}"
     return await answer(request, call, lambda sink: ResponseBuilder(call, response_id, sink))
 
 
