@@ -309,6 +309,11 @@ def test_completion_prompts(state):
     assert ids.request.prompt_ids == (1, 2, 3)
     assert bad_request(parse_completion_request, state, {"prompt": ["a", "b"]}, "rid").param == "prompt"
     assert bad_request(parse_completion_request, state, {"prompt": [1, -1]}, "rid").param == "prompt[1]"
+    vocab_size = state.frontend.tokenizer.vocab_size
+    error = bad_request(parse_completion_request, state, {"prompt": [5] * 300 + [vocab_size, 7]}, "rid")
+    assert error.param == "prompt[300]" and f"[0, {vocab_size})" in error.message, error.message
+    error = bad_request(parse_completion_request, state, {"prompt": [[1, True, 3]], "max_tokens": 4}, "rid")
+    assert error.param == "prompt", error.message  # JSON true is not a token id
     assert bad_request(parse_completion_request, state, {"prompt": ""}, "rid").param == "prompt"
 
 
@@ -478,6 +483,8 @@ def test_responses_builder_items_and_events(state):
     (b'{"a": [1, -Infinity]}', "a[1]", "-Infinity"),
     (b'{"temperature": 1e999}', "temperature", "overflows to infinity"),
     (b'{"seed": ' + b"9" * 5000 + b"}", "seed", "5000 digits"),
+    (b'{"prompt": [' + b"1, " * 500 + b"-" + b"9" * 21 + b"]}", "prompt[500]", "21 digits"),
+    (b'{"a": [{"b": [2, ' + b"9" * 30 + b"]}]}", "a[0].b[1]", "30 digits"),
     (b'{"messages": [{"content": "\\ud800"}]}', "messages[0].content", "lone surrogate (\\ud800)"),
     (b'{"\\udfff": 1}', "(the body)", "lone surrogate"),
     (b'{"tools": ' + b"[" * 70 + b"]" * 70 + b"}", "tools" + "[0]" * 63, "nested deeper than 64"),

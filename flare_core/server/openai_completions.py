@@ -20,7 +20,7 @@ from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Pie
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, completion_logprobs, finish_reason, generation_request,
                                              object_head, read_stream_options, usage_json)
-from flare_core.server.prompts import Prompt, text_prompt, token_prompt
+from flare_core.server.prompts import Prompt, is_integers, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
@@ -60,7 +60,7 @@ def read_prompt(frontend: Frontend, value: Any) -> Prompt:
         value = value[0]
     if isinstance(value, str):
         return text_prompt(frontend, value)
-    if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+    if isinstance(value, list) and is_integers(value):
         return token_prompt(frontend, value, "prompt")
     if value is None:
         raise invalid("prompt", "is required")

@@ -107,10 +107,17 @@ def text_prompt(frontend: Frontend, text: str) -> Prompt:
 
 def token_prompt(frontend: Frontend, ids: Sequence[Any], field: str) -> Prompt:
     vocab_size = frontend.tokenizer.vocab_size
-    for index, token_id in enumerate(ids):
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-            raise invalid(f"{field}[{index}]", f"must be a token id in [0, {vocab_size}), got {token_id!r}")
+    # The common case is checked by C loops; the Python loop only looks for the id to name.
+    if not (is_integers(ids) and (not ids or 0 <= min(ids) and max(ids) < vocab_size)):
+        for index, token_id in enumerate(ids):
+            if type(token_id) is not int or not 0 <= token_id < vocab_size:
+                raise invalid(f"{field}[{index}]", f"must be a token id in [0, {vocab_size}), got {token_id!r}")
     return Prompt(tuple(ids))
+
+
+def is_integers(values: Sequence[Any]) -> bool:
+    """Whether every element is a JSON integer (Python's bool, JSON's true/false, is not)."""
+    return set(map(type, values)) <= {int}
 
 
 def fit_max_tokens(prompt_tokens: int, requested: int | None, field: str, context_length: int) -> int:

@@ -81,8 +81,31 @@ def _finite_float(text: str) -> float | _Refused:
 def _bounded_int(text: str) -> int | _Refused:
     digits = len(text.lstrip("-"))
     if digits > MAX_INTEGER_DIGITS:
-        return _Refused(f"an integer of {digits} digits is beyond the {MAX_INTEGER_DIGITS} digits any field accepts")
+        return _Refused(_long_integer(digits))
     return int(text)
+
+
+def _long_integer(digits: int) -> str:
+    return f"an integer of {digits} digits is beyond the {MAX_INTEGER_DIGITS} digits any field accepts"
+
+
+# Integers of smaller magnitude have at most MAX_INTEGER_DIGITS digits.
+_INTEGER_BOUND = 10 ** MAX_INTEGER_DIGITS
+# Parsed values that need no check (bool is not int here: the walk compares exact types).
+_PLAIN_TYPES = frozenset((float, bool, type(None)))
+
+
+def _parse(raw: bytes) -> Any:
+    """`json.loads` with the refused literals kept in place. Integers are converted by `json`'s C
+    scanner: a Python hook per integer costs more than the rest of a 1,000-token prompt's parse.
+    An integer past Python's own conversion limit (4,300 digits) fails that parse; the body is then
+    parsed again with a hook that leaves long literals unconverted, so the walk names their field."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
 
 
 def _field_name(path: tuple) -> str:
@@ -94,39 +117,71 @@ def _field_name(path: tuple) -> str:
 
 
 def _check_tree(data: Any) -> None:
-    """Refused literals, depth and Unicode over the parsed value, iteratively (no recursion to
-    exhaust); the first problem found is raised with the field it is in."""
-    pending: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    """Refused literals, long integers, depth and Unicode over the parsed value, iteratively (no
+    recursion to exhaust); the first problem found is raised with the field it is in. Scalars are
+    checked in the loop over their container and a field's path is built only for containers and
+    problems; an array of token ids is checked whole."""
+    if not isinstance(data, (dict, list)):
+        _check_scalar(data, ())
+        return
+    pending: list[tuple[dict | list, tuple]] = [(data, ())]
     while pending:
-        value, path, depth = pending.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, _Refused):
-            raise _NotJson(_field_name(path), value.problem)
-        elif isinstance(value, (dict, list)):
-            if depth > MAX_NESTING:
-                raise _NotJson(_field_name(path), f"arrays and objects are nested deeper than {MAX_NESTING} levels")
-            if isinstance(value, dict):
-                for key, item in value.items():
-                    _check_text(key, path)
-                    pending.append((item, path + (key,), depth + 1))
+        value, path = pending.pop()
+        if len(path) >= MAX_NESTING:  # a container at depth len(path) + 1
+            raise _NotJson(_field_name(path), f"arrays and objects are nested deeper than {MAX_NESTING} levels")
+        if isinstance(value, dict):
+            for key in value:
+                _check_text(key, path)
+            entries = value.items()
+        elif _small_integers(value):
+            continue
+        else:
+            entries = enumerate(value)
+        for key, item in entries:
+            kind = type(item)
+            if kind in _PLAIN_TYPES or (kind is int and -_INTEGER_BOUND < item < _INTEGER_BOUND):
+                continue
+            if kind is dict or kind is list:
+                pending.append((item, path + (key,)))
+            elif kind is str:
+                _check_text(item, path, key)
             else:
-                pending.extend((item, path + (index,), depth + 1) for index, item in enumerate(value))
+                _check_scalar(item, path + (key,))
 
 
-def _check_text(text: str, path: tuple) -> None:
+def _small_integers(values: list) -> bool:
+    """Whether an array holds only integers of at most MAX_INTEGER_DIGITS digits (token ids),
+    tested by C loops rather than one Python step per element."""
+    return (bool(values) and set(map(type, values)) == {int}
+            and -_INTEGER_BOUND < min(values) and max(values) < _INTEGER_BOUND)
+
+
+def _check_scalar(value: Any, path: tuple) -> None:
+    if isinstance(value, _Refused):
+        raise _NotJson(_field_name(path), value.problem)
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif type(value) is int and not -_INTEGER_BOUND < value < _INTEGER_BOUND:
+        raise _NotJson(_field_name(path), _long_integer(len(str(abs(value)))))
+
+
+def _check_text(text: str, path: tuple, key: str | int | None = None) -> None:
+    """A lone surrogate names the field holding the text: `path`, or `key` within it."""
+    if text.isascii():
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _NotJson(_field_name(path), f"a string holds a lone surrogate (\\u{ord(text[exc.start]):04x}), which "
-                                          f"is not valid Unicode") from None
+        field = _field_name(path if key is None else path + (key,))
+        raise _NotJson(field, f"a string holds a lone surrogate (\\u{ord(text[exc.start]):04x}), which "
+                              f"is not valid Unicode") from None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object; 400 for anything strict JSON, MAX_NESTING or
     MAX_INTEGER_DIGITS refuse, naming the field where there is one."""
     try:
-        data = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        data = _parse(raw)
         _check_tree(data)
     except RecursionError:
         raise ApiError(400, f"request body is not valid JSON: arrays and objects are nested deeper than "
