@@ -210,3 +210,80 @@ def test_random_demo_keeps_its_checkpoint_in_the_cache(tmp_path):
         assert body["model"] == "flare-demo-qwen3"
     finally:
         _stop(process, tmp_path / "demo.log")
+
+
+CITY_QUESTION = "Give the capital of France and its country as JSON."
+
+
+def _city_model():
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        country: str
+        is_capital: bool
+        size: Literal["small", "medium", "large"]
+
+    return City
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 5}])
+def test_sdk_parse_returns_a_valid_instance(smollm2_server, sampling):
+    """`chat.completions.parse` and `responses.parse` with a pydantic model: the output is
+    constrained to the model's JSON schema, so the SDK parses it into an instance, streamed or not."""
+    from openai import OpenAI
+
+    City = _city_model()
+    client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = "smollm2-135m-instruct.q4_1"
+    messages = [{"role": "user", "content": CITY_QUESTION}]
+    completion = client.chat.completions.parse(model=model, messages=messages, response_format=City,
+                                               max_tokens=80, **sampling)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City), choice.message.content
+    with client.chat.completions.stream(model=model, messages=messages, response_format=City, max_tokens=80,
+                                        **sampling) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    assert streamed.parsed == choice.message.parsed
+    response = client.responses.parse(model=model, input=CITY_QUESTION, text_format=City, max_output_tokens=80,
+                                      temperature=sampling["temperature"])
+    assert isinstance(response.output_parsed, City), response.output_text
+    if sampling["temperature"] == 0:  # greedy: a trained model's answer, constrained
+        assert "Paris" in choice.message.parsed.city
+
+
+def test_guided_fields_ollama_format_and_bad_grammars(smollm2_server):
+    model = "smollm2-135m-instruct.q4_1"
+    messages = [{"role": "user", "content": QUESTION}]
+    choice = smollm2_server.post("/v1/chat/completions", {"model": model, "messages": messages, "temperature": 0,
+                                                          "guided_choice": ["Paris", "Lyon", "Nice"]})
+    assert choice.status == 200 and choice.json()["choices"][0]["message"]["content"] in ("Paris", "Lyon", "Nice")
+    assert choice.json()["choices"][0]["finish_reason"] == "stop", choice.body
+    regex = smollm2_server.post("/v1/completions", {"model": model, "prompt": "The year is", "max_tokens": 10,
+                                                    "temperature": 0.9, "seed": 1, "guided_regex": r" [0-9]{4}\."})
+    assert re.fullmatch(r" [0-9]{4}\.", regex.json()["choices"][0]["text"]), regex.body
+    for body in ({"format": "json"}, {"format": {"type": "object", "properties": {"capital": {"type": "string"}},
+                                                 "required": ["capital"]}}):
+        reply = smollm2_server.post("/api/chat", {"model": model, "stream": False, "messages": messages,
+                                                  "options": {"temperature": 0, "num_predict": 60}, **body})
+        value = json.loads(reply.json()["message"]["content"])
+        assert isinstance(value, dict) and reply.json()["done_reason"] == "stop", reply.body
+    assert isinstance(value["capital"], str)
+    from anthropic import Anthropic
+
+    anthropic = Anthropic(base_url=smollm2_server.url, api_key="unused", max_retries=0, timeout=300)
+    message = anthropic.messages.create(model=model, max_tokens=60, messages=messages, extra_body={
+        "temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": {
+            "type": "object", "properties": {"capital": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["capital", "country"]}}}})
+    value = json.loads(message.content[0].text)
+    assert message.stop_reason == "end_turn" and set(value) == {"capital", "country"}, message.content
+    bad = smollm2_server.post("/v1/chat/completions", {"model": model, "messages": messages,
+                                                       "response_format": {"type": "json_schema", "json_schema": {
+                                                           "name": "x", "schema": {"type": "frob"}}}})
+    error = bad.json()["error"]
+    assert bad.status == 400 and error["param"] == "response_format.json_schema.schema", bad.body
+    assert "frob" in error["message"]
+    assert smollm2_server.get("/health").status == 200

@@ -27,6 +27,8 @@ from flare_core.server.anthropic_messages import (
 )
 from flare_core.server.errors import ApiError, Flavor, error_body
 from flare_core.server.generation import INTERRUPTED, Outcome, Piece, output_parser, unfinished_error
+from flare_core.server.ollama import parse_chat_request as ollama_chat_call
+from flare_core.server.ollama import parse_generate_request as ollama_generate_call
 from flare_core.server.openai_chat import parse_chat_request
 from flare_core.server.openai_completions import parse_completion_request
 from flare_core.server.openai_responses import ResponseBuilder, parse_responses_request, responses_messages
@@ -273,7 +275,13 @@ def test_chat_request_translation(state):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(a"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{x"}, "guided_json"),
+    ({"guided_regex": "a", "guided_grammar": 'root ::= "a"'}, "guided_grammar"),
     ({"stop_token_ids": [10**9]}, "stop_token_ids[0]"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "an object"}}]},
      "tools[0].function.parameters"),
@@ -362,6 +370,9 @@ def test_anthropic_system_thinking_and_prefill(state):
     ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages.0.extra: Extra inputs"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'messages.0.content.0.type'"),
     ({"max_tokens": 100_000}, "--context-length"),
+    ({"output_config": {"format": {"type": "regex"}}}, "'output_config.format.type': must be \"json_schema\""),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "frob"}}}},
+     "'output_config.format.schema': cannot be compiled"),
 ])
 def test_anthropic_request_errors(state, fields, message):
     error = bad_request(parse_messages_request, state, anthropic_body(**fields), "rid")
@@ -513,3 +524,40 @@ def test_responses_cut_by_shutdown_or_failed_are_never_answered_as_complete():
     assert unfinished_error(Outcome("cancelled", usage)) is INTERRUPTED and INTERRUPTED.status == 503
     failed = unfinished_error(Outcome("error", usage, error="boom"))
     assert failed.status == 500 and "boom" in failed.message
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_grammar_fields_of_every_route_and_where_the_grammar_starts(state):
+    """Each route's grammar field compiles into the request's grammar. With thinking on (the
+    fixture's default) the grammar waits for Qwen3's `</think>`; with thinking off the prompt
+    ends with it and the grammar applies from the first token; raw completions open no reasoning."""
+    think_end = state.frontend.tokenizer.token_to_id("</think>")
+    chat = parse_chat_request(state, chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "c", "schema": SCHEMA}}), "rid").request.grammar
+    assert chat.kind.value == "json_schema" and chat.starts_after == think_end
+    off = parse_chat_request(state, chat_body(response_format={"type": "json_object"}, reasoning_effort="none"),
+                             "rid").request.grammar
+    assert off.kind.value == "json_object" and off.starts_after is None
+    assert parse_chat_request(state, chat_body(response_format={"type": "text"}), "rid").request.grammar is None
+    completion = parse_completion_request(state, {"prompt": "Name a city:", "max_tokens": 8,
+                                                  "guided_choice": ["Paris", "Rome"]}, "rid").request.grammar
+    assert completion.kind.value == "choice" and completion.starts_after is None
+    responses = parse_responses_request(state, {"input": "Hi", "text": {"format": {
+        "type": "json_schema", "name": "c", "schema": SCHEMA, "strict": True}}}, "rid")
+    assert responses.request.grammar.kind.value == "json_schema"
+    assert responses.echo["text"]["format"]["type"] == "json_schema"
+    messages = parse_messages_request(state, anthropic_body(output_config={"format": {
+        "type": "json_schema", "schema": SCHEMA}}), "rid")
+    assert messages.request.grammar.kind.value == "json_schema"
+    for route in ("/api/chat", "/api/generate"):
+        body = {"model": "tiny-qwen3", "format": "json", "stream": False}
+        body.update({"messages": [{"role": "user", "content": "Hi"}]} if route == "/api/chat" else {"prompt": "Hi"})
+        call = (ollama_chat_call if route == "/api/chat" else ollama_generate_call)(state, body, "rid")
+        assert call.request.grammar.kind.value == "json_object"
+    error = bad_request(ollama_chat_call, state, {"model": "tiny-qwen3", "format": "yaml",
+                                                  "messages": [{"role": "user", "content": "Hi"}]}, "rid")
+    assert error.param == "format"
+    assert bad_request(parse_responses_request, state, {"input": "Hi", "text": {"format": {
+        "type": "json_schema", "schema": 5}}}, "rid").param == "text.format.schema"

@@ -320,20 +320,26 @@ class Parser:
     """An output parser registered under an id that recipes name in their FrontendSpec.
     `kind` is "reasoning" or "tool"; `factory` returns a fresh streaming parser per request, called
     as `factory(starts_in_reasoning=...)` for reasoning parsers (whether the prompt already opened
-    the reasoning block) and as `factory()` for tool parsers."""
+    the reasoning block) and as `factory()` for tool parsers. `closing` (reasoning parsers): the
+    text that closes reasoning, one token of the vocabulary; a grammar constraining the output
+    (structured output) applies after it, unless the prompt already ends with it."""
 
     id: str
     kind: str
     factory: Callable[..., Any]
+    closing: str | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.id, "Parser", "id")
         _require(self.kind in ("reasoning", "tool"), f"Parser({self.id})", "kind",
                  f"must be 'reasoning' or 'tool', got {self.kind!r}")
+        _require(self.closing is None or (isinstance(self.closing, str) and self.closing.strip() != ""),
+                 f"Parser({self.id})", "closing", f"must be None or a non-empty string, got {self.closing!r}")
         if self.kind == "reasoning":
             _check_call(self.factory, f"Parser({self.id})", "factory", "factory(starts_in_reasoning=bool)",
                         starts_in_reasoning=False)
         else:
+            _require(self.closing is None, f"Parser({self.id})", "closing", "is for reasoning parsers only")
             _check_call(self.factory, f"Parser({self.id})", "factory", "factory()")
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flare_core.contract import Parser, SamplingPolicy
+from flare_core.frontend.grammar import Grammars
 from flare_core.frontend.template import ChatTemplate
 from flare_core.frontend.tokenizer import Tokenizer
 
@@ -16,7 +17,8 @@ from flare_core.frontend.tokenizer import Tokenizer
 class Frontend:
     """Tokenizer; chat template (None: completions only); sampling policy (defaults and ranges);
     the output parsers the core names; the special tokens and option defaults its template
-    receives; and the context length a prompt plus its output must fit in."""
+    receives; the context length a prompt plus its output must fit in; and the compiler of the
+    grammars that constrain outputs (structured output)."""
 
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
@@ -26,11 +28,14 @@ class Frontend:
     tool_parser: Parser | None = None
     special_tokens: Mapping[str, str | None] = field(default_factory=dict)
     template_options: Mapping[str, Any] = field(default_factory=dict)
+    grammars: Grammars | None = None  # None: structured output is refused
 
     @classmethod
     def of_core(cls, tokenizer: Tokenizer, chat_template: ChatTemplate | None, sampling_policy: SamplingPolicy,
-                context_length: int, settings: Mapping[str, Any], parsers: Mapping[str, Parser]) -> Frontend:
-        """From a core manifest's `frontend` settings; the parsers it names must be installed."""
+                context_length: int, settings: Mapping[str, Any], parsers: Mapping[str, Parser], *,
+                vocab_size: int | None = None) -> Frontend:
+        """From a core manifest's `frontend` settings; the parsers it names must be installed.
+        `vocab_size`: the model's vocabulary rows (default: the tokenizer's ids)."""
         named = {}
         for kind in ("reasoning_parser", "tool_parser"):
             parser_id = settings.get(kind)
@@ -39,4 +44,5 @@ class Frontend:
             named[kind] = parsers[parser_id] if parser_id is not None else None
         return cls(tokenizer, chat_template, sampling_policy, context_length, named["reasoning_parser"],
                    named["tool_parser"], dict(settings.get("special_tokens") or {}),
-                   dict(settings.get("template_options") or {}))
+                   dict(settings.get("template_options") or {}),
+                   Grammars(tokenizer, vocab_size or tokenizer.vocab_size, settings.get("stop_token_ids") or ()))

@@ -70,6 +70,10 @@ class Tokenizer:
             self._literal = backend
         return backend
 
+    def copy_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the wrapped `tokenizers.Tokenizer`, for libraries that take one (grammar compilation)."""
+        return tokenizers.Tokenizer.from_str(self._backend.to_str())
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

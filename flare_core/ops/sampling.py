@@ -2,6 +2,8 @@
 path runs inside its graphs, and the `Sampler` front end that builds those tensors per step.
 
 Per row, in this order (the order Hugging Face's logits processors use):
+  0. a grammar's token mask (structured output): tokens it does not allow get -inf logits, for
+     every later stage and for the logprobs reported;
   1. penalties on the raw logits — repetition (prompt and output tokens: positive logits
      divided by the penalty, negative ones multiplied), then frequency (x count in the output)
      and presence (x 1 if in the output) subtracted, as OpenAI defines them;
@@ -25,7 +27,8 @@ by one random value per call, drawn from the sampler's own generator, and by the
 
 Logprobs are reported from the model's raw distribution, log_softmax of the unprocessed
 logits (before penalties, temperature and filtering), as vLLM does by default: they describe
-what the model predicted, independent of the request's sampling settings.
+what the model predicted, independent of the request's sampling settings — under a grammar, of
+the tokens it allows (masked logits, as vLLM applies the mask before its sampler).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flare_core.ops.token_masks import apply_token_masks
 from flare_core.ops.transfer import to_device
 from flare_core.runtime.types import SamplingParams
 
@@ -286,6 +290,7 @@ class StepSampling:
     penalties: Sequence[PenaltyState | None]
     logprobs: bool = False
     top_logprobs: int = 0
+    masks: torch.Tensor | None = None  # host int32 [rows, words]: the tokens each row may take (grammars)
 
     @property
     def greedy(self) -> bool:
@@ -339,12 +344,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                penalties: Sequence[PenaltyState | None] | None = None, *,
-               logprobs: bool = False, top_logprobs: int = 0) -> SampleOutput:
+               logprobs: bool = False, top_logprobs: int = 0, masks: torch.Tensor | None = None) -> SampleOutput:
         """`steps[i]`: how many tokens row i's request has generated before this one.
         `penalties[i]`: row i's history; needed only for rows with non-neutral penalties.
         `logprobs`: also return the sampled tokens' logprobs; `top_logprobs`: the N most
-        probable tokens per row (implies logprobs)."""
+        probable tokens per row (implies logprobs). `masks`: int32 [B, words] token bitmasks
+        (host or device); the tokens a row's mask leaves out are never sampled."""
         batch = self._check_batch(logits, params, steps, penalties, top_logprobs)
+        if masks is not None:
+            if masks.shape[0] != batch:
+                raise ValueError(f"Sampler.sample: {batch} logits rows but {masks.shape[0]} token masks")
+            logits = apply_token_masks(logits.clone(), to_device(masks, torch.int32, logits.device))
         working = logits
         penalised_rows = [i for i in range(batch) if params[i].penalised]
         if penalised_rows:

@@ -44,4 +44,5 @@ def flare_cache_schemes() -> list:
 
 @hookimpl
 def flare_parsers() -> list:
-    return [Parser("think", "reasoning", ThinkParser), Parser("hermes", "tool", HermesToolParser)]
+    return [Parser("think", "reasoning", ThinkParser, closing=ThinkParser.END_TAG),
+            Parser("hermes", "tool", HermesToolParser)]

@@ -48,7 +48,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
         parameters=loaded.parameters, core_path=str(loaded.core.path))
     loaded.tokenizer.literal_backend()  # built now, not on the frontend pool at the first request needing it
     frontend = Frontend.of_core(loaded.tokenizer, loaded.chat_template, loaded.sampling_policy,
-                                capacities.context_length, loaded.frontend, registry.parsers)
+                                capacities.context_length, loaded.frontend, registry.parsers,
+                                vocab_size=loaded.model_config.vocab_size)
 
     page_tokens = capacities.page_tokens
     logits_rows = LOGITS_ROWS_PER_REQUEST * max_concurrency if prefix_cache else 0

@@ -23,6 +23,7 @@ import torch
 
 from flare_core.executor import Executor
 from flare_core.frontend import Frontend
+from flare_core.frontend.grammar import GrammarMatcher
 from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
 from flare_core.runtime.memory import KvPlan
 from flare_core.runtime.metrics import RuntimeMetrics
@@ -80,6 +81,7 @@ class _Live:
     last_token_at: float | None = None
     finished: bool = False
     penalty_handle: RequestHandle | None = None  # the state row `penalties` is bound to
+    matcher: GrammarMatcher | None = None  # the request's place in its grammar (structured output)
 
     @property
     def generated(self) -> int:
@@ -293,11 +295,13 @@ class Engine:
             # fails alone rather than inside a step it shares with others.
             check_request(request, self._vocab)
             output = OutputProcessor(request, self.frontend.tokenizer, self._core_stop_ids)
-            live = _Live(request, stream, output, submitted)
+            matcher = GrammarMatcher(request.grammar) if request.grammar is not None else None
+            live = _Live(request, stream, output, submitted, matcher=matcher)
             self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
                                    message_ends=tuple(m for m in request.message_ends
                                                       if 0 < m <= len(request.prompt_ids)),
-                                   score_prompt=request.prompt_logprobs is not None)
+                                   score_prompt=request.prompt_logprobs is not None,
+                                   host_inputs=matcher is not None)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             live = _Live(request, stream, None, submitted)
@@ -335,7 +339,8 @@ class Engine:
                 penalties=[live.penalties if live else None for live in lives],
                 logprobs=any(live and live.request.logprobs for live in lives),
                 top_logprobs=max((live.request.top_logprobs for live in lives if live and live.request.logprobs),
-                                 default=0))
+                                 default=0),
+                masks=self._token_masks(lives))
         output = self.executor.step(plan, sampling)
         if output is not None:
             frame.output, frame.copied = self.executor.to_host(output)
@@ -343,6 +348,18 @@ class Engine:
             frame.done = torch.cuda.Event(enable_timing=True)
             frame.done.record()
         return frame
+
+    def _token_masks(self, lives: list[_Live | None]) -> torch.Tensor | None:
+        """The bitmasks of the tokens each sampling row may take (int32 [rows, words], all bits
+        set for rows without a grammar), or None when no row has one. The scheduler plans a
+        request with a grammar only once its matcher has seen every token sampled before."""
+        if not any(live is not None and live.matcher is not None for live in lives):
+            return None
+        masks = torch.full((len(lives), self.frontend.grammars.words), -1, dtype=torch.int32)
+        for row, live in enumerate(lives):
+            if live is not None and live.matcher is not None:
+                live.matcher.fill(masks, row)
+        return masks
 
     def _consume(self, frame: _Frame) -> None:
         """Read back the oldest issued step: confirm it with the scheduler, then stream its tokens."""
@@ -411,6 +428,8 @@ class Engine:
             n = live.request.top_logprobs
             if n:
                 top = tuple(zip(output.top_ids[row, :n].tolist(), output.top_logprobs[row, :n].tolist()))
+        if live.matcher is not None and not live.matcher.accept(token):
+            raise RuntimeError(f"token {token} was sampled against the request's grammar")
         event, finish = live.output.token(token, logprob, top)
         if event is not None:
             if live.first_token_at is None:
@@ -422,6 +441,9 @@ class Engine:
             self._emit(live, event)
         if finish is not None:
             self._finish(live, finish.reason, stop=finish.stop)
+        elif live.matcher is not None and live.matcher.terminated:
+            # The grammar is complete and took a stop token (one the request ignores, with ignore_eos).
+            self._finish(live, "stop", stop=token)
 
     def _finish(self, live: _Live, reason: str, stop: str | int | None = None, error: str | None = None) -> None:
         if live.finished:

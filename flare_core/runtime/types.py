@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flare_core.frontend.grammar import Grammar
 
 # A signed 64-bit integer: seeds and counts from clients are checked against it.
 _INT64 = (-2**63, 2**63 - 1)
@@ -73,6 +77,7 @@ class GenerationRequest:
     message_ends: tuple[int, ...] = ()
     skip_special_tokens: bool = True
     request_id: str = ""
+    grammar: Grammar | None = None  # constrains the output (structured output)
 
 
 def check_request(request: GenerationRequest, vocab_size: int) -> None:

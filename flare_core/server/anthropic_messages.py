@@ -25,6 +25,7 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
+from flare_core.server.structured import anthropic_format, constrained
 from flare_core.server.validation import as_object, get_object, get_str, invalid, json_body, json_type, reject_unknown
 
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
@@ -41,7 +42,8 @@ _PROMPT_FIELDS = (
     Field("tools", "array", "tools: rendered by the template, calls parsed by the core's tool parser"),
     Field("tool_choice", "object", 'type "auto" (default) or "none"; forcing a call is refused'),
     Field("thinking", "object", 'type "enabled" / "adaptive" turns the template\'s thinking on, "disabled" off'),
-    Field("output_config", "object", "output_config.format (structured output) is refused"),
+    Field("output_config", "object", 'output_config.format: {"type": "json_schema", "schema"}: the output is '
+          "constrained to the schema"),
     Field("cache_control", "any", "prefix caching is automatic", use=Use.IGNORED),
     Field("speed", "any", "", use=Use.IGNORED),
     Field("user_profile_id", "any", "", use=Use.IGNORED),
@@ -189,9 +191,6 @@ def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any
     """(served model, prompt, whether to parse tool calls) for a messages or count_tokens body,
     whose fields `values` holds (read by its spec)."""
     frontend = state.frontend
-    output_config = values["output_config"]
-    if output_config is not None and output_config.get("format") is not None:
-        raise invalid("output_config.format", "structured output formats are not supported")
     model = resolve_model(state, values["model"], required=True)
     messages = anthropic_messages(values["system"], values["messages"])
     tools = anthropic_tools(values["tools"])
@@ -215,6 +214,8 @@ def parse_messages_request(state: ServerState, body: dict[str, Any], request_id:
     stop_sequences = read_stop(body, "stop_sequences")  # an array here (the spec), never a bare string
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=stop_sequences, message_ends=prompt.message_ends, request_id=request_id)
+    request = constrained(frontend, request, anthropic_format((values["output_config"] or {}).get("format")),
+                          prompt.text)
     return MessagesCall(model, values["stream"], prompt, request, sampling, parse_tools,
                         stop_sequences=stop_sequences)
 

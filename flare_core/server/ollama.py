@@ -27,6 +27,7 @@ from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
+from flare_core.server.structured import constrained, ollama_format
 from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_body
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -61,7 +62,8 @@ _COMMON_FIELDS = (
     Field("model", "string", "a served model name (a \":latest\" tag is accepted); absent: the first"),
     Field("think", "any", "true / an effort level turns the template's thinking on, false off",
           shape="boolean or string"),
-    Field("format", "any", "structured output formats are not supported", use=Use.REFUSED),
+    Field("format", "any", '"json" (a JSON object) or a JSON schema: the output is constrained to it',
+          shape="string or object"),
     Field("options", "object", "sampling and length options (below)"),
     Field("stream", "boolean", "stream NDJSON lines", default=True),
     Field("keep_alive", "any", "the core stays loaded while `flare run` runs", use=Use.IGNORED),
@@ -206,6 +208,7 @@ def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], mode
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 message_ends=prompt.message_ends, request_id=request_id)
+    request = constrained(frontend, request, ollama_format(body.get("format")), prompt.text)
     return Call(model, values["stream"], prompt, request, sampling, parse_tools)
 
 

@@ -22,6 +22,8 @@ from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
                                     sampling_fields)
 from flare_core.server.state import ServerState
+from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, constrained, guided_spec, one_spec,
+                                          openai_response_format)
 from flare_core.server.validation import invalid
 
 
@@ -29,7 +31,7 @@ SPEC = RequestSpec("POST /v1/chat/completions", (
     Field("model", "string", "a served model name; absent: the first"),
     Field("messages", "array", "the conversation, rendered by the core's chat template", required=True),
     Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
-    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call is refused (no constrained decoding)',
+    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call (required, a named function) is refused',
           shape="string or object"),
     Field("stream", "boolean", "stream chunks as server-sent events"),
     Field("stream_options", "object", "include_usage: a usage chunk ends the stream"),
@@ -41,7 +43,8 @@ SPEC = RequestSpec("POST /v1/chat/completions", (
     *OPENAI_CHOICE_FIELDS,
     Field("logprobs", "boolean", "logprobs of the output tokens"),
     Field("top_logprobs", "integer", "alternatives per token (needs logprobs)", **TOP_LOGPROBS_LIMIT),
-    Field("response_format", "object", 'only {"type": "text"}: structured output is not supported'),
+    RESPONSE_FORMAT_FIELD,
+    *GUIDED_FIELDS,
     Field("reasoning_effort", "any", '"none" turns the template\'s thinking off, any other effort on',
           shape="string"),
     Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
@@ -59,9 +62,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     frontend = state.frontend
     values = SPEC.read(body)
     model = resolve_model(state, values["model"])
-    response_format = values["response_format"]
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise invalid("response_format.type", f"only \"text\" is supported, got {response_format.get('type')!r}")
+    grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body))
     stream = values["stream"]
     include_usage = read_stream_options(body, stream)
     messages = openai_messages(values["messages"])
@@ -76,6 +77,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs)
+    request = constrained(frontend, request, grammar, prompt.text)
     return ChatCall(model, stream, prompt, request, sampling, tool_parsing_enabled(body, tools is not None),
                     include_usage=include_usage)
 

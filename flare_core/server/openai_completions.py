@@ -26,6 +26,8 @@ from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
                                     Use, sampling_fields)
 from flare_core.server.state import ServerState
+from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, constrained, guided_spec, one_spec,
+                                          openai_response_format)
 from flare_core.server.validation import invalid, json_type
 
 
@@ -44,6 +46,8 @@ SPEC = RequestSpec("POST /v1/completions", (
           **TOP_LOGPROBS_LIMIT),
     Field("echo", "boolean", "put the prompt before the output (with logprobs: the prompt's logprobs too)"),
     Field("suffix", "string", "is not supported by this server", use=Use.REFUSED),
+    RESPONSE_FORMAT_FIELD,
+    *GUIDED_FIELDS,
 ))
 
 
@@ -76,6 +80,7 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
     stream = values["stream"]
     include_usage = read_stream_options(body, stream)
     prompt = read_prompt(frontend, values["prompt"])
+    grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body))
     top_logprobs = values["logprobs"]
     echoed = values["echo"]
     if not echoed and body.get("max_tokens") == 0:
@@ -87,6 +92,8 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
                                            top_logprobs=top_logprobs or 0,
                                            prompt_logprobs=(top_logprobs or 0) if scoring else None,
                                            min_max_tokens=0 if echoed else 1)
+    # A raw prompt opens no reasoning block a grammar would wait for.
+    request = constrained(frontend, request, grammar, None)
     echo, first_token = "", None
     if echoed:
         echo = prompt.text or frontend.tokenizer.decode(prompt.ids)

@@ -25,6 +25,7 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import ServerState
+from flare_core.server.structured import constrained, responses_format
 from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -44,7 +45,7 @@ SPEC = RequestSpec("POST /v1/responses", (
           shape="string or array"),
     Field("instructions", "string", "a system message before the input"),
     Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
-    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call is refused (no constrained decoding)',
+    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call (required, a named function) is refused',
           shape="string or object"),
     Field("stream", "boolean", "stream typed server-sent events"),
     Field("max_output_tokens", "integer", "at most this many output tokens; absent: the context's room",
@@ -54,7 +55,8 @@ SPEC = RequestSpec("POST /v1/responses", (
     Field("top_logprobs", "integer", "logprobs of the output tokens with this many alternatives",
           **TOP_LOGPROBS_LIMIT),
     Field("include", "array", f'"{_LOGPROBS_INCLUDE}" asks for output logprobs'),
-    Field("text", "object", 'text.format: only {"type": "text"}; structured output is not supported'),
+    Field("text", "object", 'text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+          '"name", "schema", "strict"}: the output is constrained to JSON / the schema'),
     Field("reasoning", "object", 'reasoning.effort: "none" turns the template\'s thinking off, any other effort on'),
     Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
     Field("metadata", "object", "echoed in the response"),
@@ -144,8 +146,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     values = SPEC.read(body)
     model = resolve_model(state, values["model"])
     text_format = get_object(values["text"] or {}, "format", where="text.format")
-    if text_format is not None and text_format.get("type", "text") != "text":
-        raise invalid("text.format.type", f"only \"text\" is supported, got {text_format.get('type')!r}")
+    grammar = responses_format(text_format)
     stream = values["stream"]
     messages = responses_messages(values["instructions"], values["input"])
     tools = _tools(values["tools"])
@@ -159,6 +160,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_output_tokens",), logprobs=logprobs,
                                            top_logprobs=top_logprobs or 0)
+    request = constrained(frontend, request, grammar, prompt.text)
     echo = {
         "instructions": values["instructions"],
         "max_output_tokens": values["max_output_tokens"],
@@ -168,7 +170,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
         "top_p": sampling.params.top_p,
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": values["tools"] or [],
-        "text": {"format": {"type": "text"}},
+        "text": {"format": dict(text_format) if text_format is not None else {"type": "text"}},
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
         "truncation": values["truncation"] or "disabled",
         "store": False,

@@ -77,3 +77,38 @@ def test_steps_never_wait_for_the_device(session_flare, bf16_core):
     syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
     print("\n".join(syncs[:10]))
     assert not syncs, f"{len(syncs)} synchronising operations during steps, first: {syncs[:3]}"
+
+
+def test_grammars_on_cuda(session_flare, bf16_core):
+    """Grammar masks on the graph path (decode and prefill graphs, the eager fallback for mixed
+    steps): outputs follow their grammars with one and two steps in flight, alike; requests
+    without a grammar in the same batches give the tokens they give alone; no step waits for the
+    device."""
+    import json
+    import warnings
+
+    from test_structured_output import SCHEMA, grammar_requests, text_of
+
+    from flare_core.frontend.grammar import GrammarKind, GrammarSpec
+
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA), "test")
+    reference = asyncio.run(run_requests(make_engine(session_flare, bf16_core, 1, "cuda", False), REQUESTS))
+    runs = []
+    for frames in (1, 2):
+        engine = make_engine(session_flare, bf16_core, frames, "cuda", False)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                runs.append(asyncio.run(run_requests(engine, [*grammar_requests(engine, spec), *REQUESTS])))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+        assert not syncs, syncs[:3]
+        assert sum(g.replays for g in engine.executor.decode_graphs.values()) > 0
+    assert runs[0] == runs[1]
+    constrained = runs[0][:-len(REQUESTS)]
+    for tokens, _, reason, _ in constrained:
+        value = json.loads(text_of(engine, tokens))
+        assert set(value) == {"ok", "n", "tag"} and reason == "stop"
+    assert runs[0][-len(REQUESTS):] == reference
