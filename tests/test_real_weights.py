@@ -287,3 +287,24 @@ def test_guided_fields_ollama_format_and_bad_grammars(smollm2_server):
     assert bad.status == 400 and error["param"] == "response_format.json_schema.schema", bad.body
     assert "frob" in error["message"]
     assert smollm2_server.get("/health").status == 200
+
+
+def test_logit_bias_through_the_sdk(smollm2_server, smollm2_gguf):
+    """-100 on the greedy answer's first token keeps that token out of the answer; +100 on a token
+    makes every output token that token."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = "smollm2-135m-instruct.q4_1"
+    prompt = "The capital of France is"
+    free = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    first = tokenizer.encode(free.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                       logit_bias={str(first): -100})
+    assert tokenizer.decode([first]) not in banned.choices[0].logprobs.tokens, banned.choices[0].logprobs.tokens
+    forced = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=4, logit_bias={str(first): 100}, seed=3)
+    assert forced.choices[0].message.content == tokenizer.decode([first] * 4)
+    assert forced.choices[0].finish_reason == "length"

@@ -26,7 +26,7 @@ def test_defaults_apply_and_refused_values_name_the_field():
     assert values["stream"] is False and values["skip_special_tokens"] is True and values["model"] is None
     assert ollama.CHAT_SPEC.read({})["stream"] is True
     for body, message in [({"n": 2}, "'n': only n=1 is supported, got 2"),
-                          ({"logit_bias": {"5": 1}}, "'logit_bias': is not supported by this server"),
+                          ({"logit_bias": [5]}, "'logit_bias': must be an object"),
                           ({"top_logprobs": 21}, "'top_logprobs'"),
                           ({"user": 5}, "'user': must be a string")]:
         with pytest.raises(ApiError, match=message):

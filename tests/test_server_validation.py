@@ -561,3 +561,16 @@ def test_grammar_fields_of_every_route_and_where_the_grammar_starts(state):
     assert error.param == "format"
     assert bad_request(parse_responses_request, state, {"input": "Hi", "text": {"format": {
         "type": "json_schema", "schema": 5}}}, "rid").param == "text.format.schema"
+
+
+def test_logit_bias_reading(state):
+    call = parse_chat_request(state, chat_body(logit_bias={"15": 2.5, "0": -100, "7": 100}), "rid")
+    assert call.request.logit_bias == ((15, 2.5), (0, -100.0), (7, 100.0))
+    completion = parse_completion_request(state, {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"9": -1}}, "rid")
+    assert completion.request.logit_bias == ((9, -1.0),)
+    vocab_size = state.frontend.tokenizer.vocab_size
+    for bias, param in (({"-1": 1}, "logit_bias.-1"), ({"1.5": 1}, "logit_bias.1.5"), ({" 7": 1}, "logit_bias. 7"),
+                        ({str(vocab_size): 1}, f"logit_bias.{vocab_size}"), ({"5": 101}, "logit_bias.5"),
+                        ({"5": True}, "logit_bias.5"), ({"5": "1"}, "logit_bias.5"), ([1], "logit_bias"),
+                        ({str(i): 1 for i in range(1025)}, "logit_bias")):
+        assert bad_request(parse_chat_request, state, chat_body(logit_bias=bias), "rid").param == param, bias

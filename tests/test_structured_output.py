@@ -136,3 +136,23 @@ def test_matcher_waits_for_its_start_token(session_flare, qwen3_core):
     tokenizer = engine.frontend.tokenizer
     assert allowed and all("ab".startswith(tokenizer.decode([t])) for t in allowed)
     assert not matcher.accept(tokenizer.encode("zz")[0])
+
+
+def test_logit_bias_forces_and_bans_tokens(session_flare, qwen3_core):
+    """OpenAI's logit_bias: +100 makes a token all but certain, -100 bans it in effect; with one
+    and two steps in flight, next to requests without a bias, which are unchanged."""
+    base = GenerationRequest(prompt_ids=tuple(range(200, 260)), max_tokens=8, ignore_eos=True,
+                             sampling=SamplingParams(temperature=0.0))
+    results = []
+    for frames in (1, 2):
+        engine = make_engine(session_flare, qwen3_core, frames=frames)
+        [(free, *_)] = asyncio.run(run_requests(engine, [base]))
+        engine = make_engine(session_flare, qwen3_core, frames=frames)
+        forced = dataclasses.replace(base, logit_bias=((1234, 100.0),),
+                                     sampling=SamplingParams(temperature=1.0, seed=2))
+        banned = dataclasses.replace(base, logit_bias=tuple((token, -100.0) for token in set(free)))
+        results.append(asyncio.run(run_requests(engine, [forced, banned, *FREE])))
+        assert results[-1][0][0] == [1234] * 8
+        assert not set(results[-1][1][0]) & set(free) and len(results[-1][1][0]) == 8
+    assert results[0] == results[1]
+    assert results[0][2:] == asyncio.run(run_requests(make_engine(session_flare, qwen3_core, frames=2), FREE))

@@ -436,6 +436,8 @@ class GraphExecutor:
             # The samplers rewrite the tokens buffer the copy stream may still be reading for an
             # earlier step of this graph; the forward is already queued ahead of this wait.
             torch.cuda.current_stream().wait_event(self._copied)
+        if sampling.logit_bias is not None:
+            sampling.logit_bias.add_to(graph.logits, rows)
         if sampling.masks is not None:
             # A grammar's tokens: masked in the graph's logits, which every sampler and the
             # logprobs read; rows that do not sample keep every token.

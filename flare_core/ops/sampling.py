@@ -2,8 +2,9 @@
 path runs inside its graphs, and the `Sampler` front end that builds those tensors per step.
 
 Per row, in this order (the order Hugging Face's logits processors use):
-  0. a grammar's token mask (structured output): tokens it does not allow get -inf logits, for
-     every later stage and for the logprobs reported;
+  0. the request's logit bias (OpenAI's `logit_bias`) added, then a grammar's token mask
+     (structured output): tokens it does not allow get -inf logits; both hold for every later
+     stage and for the logprobs reported;
   1. penalties on the raw logits — repetition (prompt and output tokens: positive logits
      divided by the penalty, negative ones multiplied), then frequency (x count in the output)
      and presence (x 1 if in the output) subtracted, as OpenAI defines them;
@@ -280,6 +281,23 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """Entries (row, token, value) of a step's logit biases, as three host columns."""
+
+    rows: Sequence[int]
+    tokens: Sequence[int]
+    values: Sequence[float]
+
+    def add_to(self, logits: torch.Tensor, row_of: Sequence[int] | None = None) -> torch.Tensor:
+        """`logits` [B, V] with the biases added in place; `row_of[i]`: the logits row of sample
+        row i (default: the same). Enqueued without a host wait."""
+        rows = list(self.rows) if row_of is None else [row_of[r] for r in self.rows]
+        device = logits.device
+        index = (to_device(rows, torch.int64, device), to_device(list(self.tokens), torch.int64, device))
+        return logits.index_put_(index, to_device(list(self.values), logits.dtype, device), accumulate=True)
+
+
+@dataclass(frozen=True)
 class StepSampling:
     """How to sample each row of a step, in the order of `plan.samples`: the rows' parameters,
     how many tokens each row's request generated before (seeded noise is keyed by it), their
@@ -291,6 +309,8 @@ class StepSampling:
     logprobs: bool = False
     top_logprobs: int = 0
     masks: torch.Tensor | None = None  # host int32 [rows, words]: the tokens each row may take (grammars)
+    logit_bias: LogitBias | None = None  # values added to some rows' logits
+
 
     @property
     def greedy(self) -> bool:
@@ -344,13 +364,17 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                penalties: Sequence[PenaltyState | None] | None = None, *,
-               logprobs: bool = False, top_logprobs: int = 0, masks: torch.Tensor | None = None) -> SampleOutput:
+               logprobs: bool = False, top_logprobs: int = 0, masks: torch.Tensor | None = None,
+               logit_bias: LogitBias | None = None) -> SampleOutput:
         """`steps[i]`: how many tokens row i's request has generated before this one.
         `penalties[i]`: row i's history; needed only for rows with non-neutral penalties.
         `logprobs`: also return the sampled tokens' logprobs; `top_logprobs`: the N most
         probable tokens per row (implies logprobs). `masks`: int32 [B, words] token bitmasks
-        (host or device); the tokens a row's mask leaves out are never sampled."""
+        (host or device); the tokens a row's mask leaves out are never sampled. `logit_bias`:
+        values added to the logits first."""
         batch = self._check_batch(logits, params, steps, penalties, top_logprobs)
+        if logit_bias is not None:
+            logits = logit_bias.add_to(logits.clone())
         if masks is not None:
             if masks.shape[0] != batch:
                 raise ValueError(f"Sampler.sample: {batch} logits rows but {masks.shape[0]} token masks")

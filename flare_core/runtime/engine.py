@@ -24,7 +24,7 @@ import torch
 from flare_core.executor import Executor
 from flare_core.frontend import Frontend
 from flare_core.frontend.grammar import GrammarMatcher
-from flare_core.ops.sampling import PenaltyState, SampleOutput, StepSampling
+from flare_core.ops.sampling import LogitBias, PenaltyState, SampleOutput, StepSampling
 from flare_core.runtime.memory import KvPlan
 from flare_core.runtime.metrics import RuntimeMetrics
 from flare_core.runtime.output import OutputProcessor
@@ -340,7 +340,7 @@ class Engine:
                 logprobs=any(live and live.request.logprobs for live in lives),
                 top_logprobs=max((live.request.top_logprobs for live in lives if live and live.request.logprobs),
                                  default=0),
-                masks=self._token_masks(lives))
+                masks=self._token_masks(lives), logit_bias=self._logit_bias(lives))
         output = self.executor.step(plan, sampling)
         if output is not None:
             frame.output, frame.copied = self.executor.to_host(output)
@@ -360,6 +360,13 @@ class Engine:
             if live is not None and live.matcher is not None:
                 live.matcher.fill(masks, row)
         return masks
+
+    @staticmethod
+    def _logit_bias(lives: list[_Live | None]) -> LogitBias | None:
+        """The step's logit biases by sampling row, or None when no row has any."""
+        entries = [(row, token, value) for row, live in enumerate(lives) if live is not None
+                   for token, value in live.request.logit_bias]
+        return LogitBias(*zip(*entries)) if entries else None
 
     def _consume(self, frame: _Frame) -> None:
         """Read back the oldest issued step: confirm it with the scheduler, then stream its tokens."""

@@ -57,6 +57,10 @@ class SamplingParams:
 
 
 MAX_TOP_LOGPROBS = 20
+# OpenAI's logit_bias: values in [-100, 100] (-100 bans a token in effect, 100 all but forces it).
+LOGIT_BIAS_LIMIT = 100.0
+# Most tokens one request may bias (OpenAI states no count; this bounds the per-step work).
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     request_id: str = ""
     grammar: Grammar | None = None  # constrains the output (structured output)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit before sampling)
 
 
 def check_request(request: GenerationRequest, vocab_size: int) -> None:
@@ -90,6 +95,14 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
         if ids and not (0 <= min(ids) and max(ids) < vocab_size):
             raise ValueError(f"{name}: every id must be a token id in [0, {vocab_size}), got ids from "
                              f"{min(ids)} to {max(ids)}")
+    if len(request.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(request.logit_bias)}")
+    for token_id, value in request.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"logit_bias: {token_id} is not a token id in [0, {vocab_size})")
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= LOGIT_BIAS_LIMIT):
+            raise ValueError(f"logit_bias[{token_id}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                             f"{LOGIT_BIAS_LIMIT:g}], got {value!r}")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
     if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:

@@ -76,7 +76,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
         raise invalid("top_logprobs", "requires logprobs to be true")
     request, sampling = generation_request(frontend, body, prompt, request_id=request_id,
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
-                                           logprobs=logprobs, top_logprobs=top_logprobs)
+                                           logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=True)
     request = constrained(frontend, request, grammar, prompt.text)
     return ChatCall(model, stream, prompt, request, sampling, tool_parsing_enabled(body, tools is not None),
                     include_usage=include_usage)

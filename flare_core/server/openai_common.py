@@ -9,16 +9,17 @@ from flare_core.frontend import Frontend
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
-from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_max_tokens, read_sampling, read_stop,
-                                        read_token_ids)
+from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_logit_bias, read_max_tokens,
+                                        read_sampling, read_stop, read_token_ids)
 from flare_core.server.validation import get_bool, get_object, invalid
 
 
 def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
                        max_tokens_fields: tuple[str, ...], logprobs: bool = False,
                        top_logprobs: int = 0, prompt_logprobs: int | None = None,
-                       min_max_tokens: int = 1) -> tuple[GenerationRequest, Sampling]:
-    """The GenerationRequest an OpenAI-style body describes (vLLM's extra sampling fields included)."""
+                       min_max_tokens: int = 1, logit_bias: bool = False) -> tuple[GenerationRequest, Sampling]:
+    """The GenerationRequest an OpenAI-style body describes (vLLM's extra sampling fields included;
+    `logit_bias` on the routes that define it)."""
     sampling = read_sampling(frontend.sampling_policy, body, OPENAI_SAMPLING_FIELDS)
     requested, field = read_max_tokens(body, max_tokens_fields, minimum=min_max_tokens)
     max_tokens = fit_max_tokens(len(prompt.ids), requested, field, frontend.context_length)
@@ -35,6 +36,7 @@ def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prom
         message_ends=prompt.message_ends,
         skip_special_tokens=get_bool(body, "skip_special_tokens", default=True),
         request_id=request_id,
+        logit_bias=read_logit_bias(body, "logit_bias", frontend.tokenizer.vocab_size) if logit_bias else (),
     )
     return request, sampling
 

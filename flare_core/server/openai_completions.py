@@ -91,7 +91,7 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
                                            max_tokens_fields=("max_tokens",), logprobs=top_logprobs is not None,
                                            top_logprobs=top_logprobs or 0,
                                            prompt_logprobs=(top_logprobs or 0) if scoring else None,
-                                           min_max_tokens=0 if echoed else 1)
+                                           min_max_tokens=0 if echoed else 1, logit_bias=True)
     # A raw prompt opens no reasoning block a grammar would wait for.
     request = constrained(frontend, request, grammar, None)
     echo, first_token = "", None

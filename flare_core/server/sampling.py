@@ -14,7 +14,7 @@ from typing import Any
 
 from flare_core.contract import SamplingPolicy
 from flare_core.frontend.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_automaton
-from flare_core.runtime.types import SamplingParams
+from flare_core.runtime.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from flare_core.server.validation import get_int, get_number, invalid, json_type
 
 CLAMPED_HEADER = "x-flare-clamped"
@@ -106,6 +106,27 @@ def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
             raise invalid(f"{name}[{index}]", f"must be a token id in [0, {vocab_size}), got {item!r}")
     return tuple(value)
+
+
+def read_logit_bias(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object mapping token ids (as decimal strings) to values in
+    [-100, 100] added to those tokens' logits before sampling."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise invalid(name, f"must be an object mapping token ids to biases, got {json_type(value)}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(name, f"may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
+    biases = []
+    for key, bias in value.items():
+        field = f"{name}.{key}"
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
+            raise invalid(field, f"keys must be token ids in [0, {vocab_size}) written in decimal, got {key[:40]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise invalid(field, f"must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r}")
+        biases.append((int(key), float(bias)))
+    return tuple(biases)
 
 
 def read_max_tokens(body: Mapping[str, Any], names: tuple[str, ...], *, where: str = "",

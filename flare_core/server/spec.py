@@ -149,7 +149,8 @@ OPENAI_STOP_FIELDS = (
 OPENAI_CHOICE_FIELDS = (
     Field("n", "integer", "choices per request", minimum=1, only=1),
     Field("best_of", "integer", "", minimum=1, only=1),
-    Field("logit_bias", "object", "is not supported by this server", use=Use.REFUSED),
+    Field("logit_bias", "object", "token id -> bias in [-100, 100] added to its logit before sampling (at most "
+          "1,024 tokens)"),
     Field("user", "string", "an end-user id for the client's records", use=Use.IGNORED),
 )
 TOP_LOGPROBS_LIMIT = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
