@@ -88,3 +88,19 @@ def test_committed_json_schema_is_current():
     assert {"name", "version", "architectures", "aliases", "sampling", "frontend", "cache_scheme",
             "capacities"} <= set(recipe["required"])
     assert recipe["properties"]["build_model"] == {"x-python-callable": True}
+
+
+def test_parser_closing_and_call_format_are_checked():
+    from flare_core.contract import Parser, ToolCallFormat
+    from flare_core.frontend.parsers import HermesToolParser, ThinkParser
+
+    hermes = ToolCallFormat(call_begin='<tool_call>\n{"name": "{name}", "arguments": ', call_end="}\n</tool_call>")
+    assert hermes.around("f") == ('<tool_call>\n{"name": "f", "arguments": ', "}\n</tool_call>")
+    with pytest.raises(ContractError, match=r"ToolCallFormat\.call_begin: call_begin or call_end must hold \{name\}"):
+        ToolCallFormat(call_begin="<call>", call_end="</call>")
+    with pytest.raises(ContractError, match=r"Parser\(think\)\.call_format: is a ToolCallFormat, for tool parsers"):
+        Parser("think", "reasoning", ThinkParser, call_format=hermes)
+    with pytest.raises(ContractError, match=r"Parser\(hermes\)\.closing: is for reasoning parsers only"):
+        Parser("hermes", "tool", HermesToolParser, closing="</think>")
+    with pytest.raises(ContractError, match=r"Parser\(think\)\.closing: must be None or a non-empty string"):
+        Parser("think", "reasoning", ThinkParser, closing=" ")

@@ -639,3 +639,69 @@ def test_sigterm_drains_then_marks_cut_streams_and_exits_0(servers):
     log = server.log()
     assert re.search(r"draining\s+active_responses=[23] ", log)
     assert re.search(r"cancelled_after_grace\s+requests=2\b", log)
+
+
+# ---- forced tool calls -------------------------------------------------------------------------
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                         "days": {"type": "integer", "enum": [1, 2, 3]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+FORCED_ARGUMENTS = {"get_weather": ({"city", "days"}, {"Paris", "Rome", 1, 2, 3}), "get_time": ({"zone"}, {"UTC", "CET"})}
+
+
+def _valid_call(name: str, arguments: dict) -> bool:
+    keys, values = FORCED_ARGUMENTS[name]
+    return set(arguments) == keys and set(arguments.values()) <= values
+
+
+def test_forced_tool_calls_through_every_sdk(oai, claude):
+    """tool_choice "required" and a named tool (OpenAI chat and Responses), "any" and "tool"
+    (Anthropic): the output is the core's tool-call format (Hermes here) with arguments that
+    follow each tool's schema, parsed by the core's tool parser, with thinking off (the
+    grammar then applies from the first token) and with it on (the grammar waits for </think>,
+    which this random model does not write: its calls cannot be forced, and nothing breaks)."""
+    messages = _user("What's the weather in Paris, and the time?")
+    named = oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS, temperature=0.8, seed=4,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                        reasoning_effort="none", max_tokens=100)
+    [call] = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    assert _valid_call("get_time", json.loads(call.function.arguments))
+    required = oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS, temperature=0,
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           reasoning_effort="none", max_tokens=100)
+    [call] = required.choices[0].message.tool_calls
+    assert _valid_call(call.function.name, json.loads(call.function.arguments))
+    streamed = oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS, temperature=0,
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           reasoning_effort="none", max_tokens=100, stream=True)
+    pieces = [delta for chunk in streamed if chunk.choices for delta in chunk.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function.name == call.function.name
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+    response = oai.responses.create(model=SERVED, input="Weather?", tools=[
+        {"type": "function", **tool["function"]} for tool in FORCED_TOOLS], tool_choice="required",
+        parallel_tool_calls=False, reasoning={"effort": "none"}, max_output_tokens=100, temperature=0)
+    [item] = [item for item in response.output if item.type == "function_call"]
+    assert _valid_call(item.name, json.loads(item.arguments))
+
+    message = claude.messages.create(model=SERVED, max_tokens=100, messages=messages,
+                                     tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                            for t in FORCED_TOOLS],
+                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     extra_body={"temperature": 0, "thinking": {"type": "disabled"}})
+    [block] = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and block.name == "get_weather" and _valid_call(block.name, block.input)
+
+    thinking = oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS, temperature=0,
+                                           tool_choice="required", max_tokens=16)
+    assert thinking.choices[0].finish_reason == "length"  # still reasoning: the grammar has not started
+    with pytest.raises(openai.BadRequestError, match="names no tool the request offers"):
+        oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS,
+                                    tool_choice={"type": "function", "function": {"name": "absent"}})

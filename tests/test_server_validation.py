@@ -274,7 +274,10 @@ def test_chat_request_translation(state):
     ({"max_tokens": 10_000}, "max_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "absent"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
      "response_format.json_schema.schema"),
@@ -343,7 +346,7 @@ def test_anthropic_tool_history_renders_like_the_openai_one(state):
     tools = [{"name": "get_weather", "description": "Current weather",
               "input_schema": TOOLS[0]["function"]["parameters"]}]
     body = anthropic_body(messages=history, tools=tools)
-    _, anthropic_prompt, parse_tools = build_prompt(state, body, MESSAGES_SPEC.read(body))
+    _, anthropic_prompt, parse_tools, _ = build_prompt(state, body, MESSAGES_SPEC.read(body))
     openai_prompt = chat_prompt(state.frontend, openai_messages(weather_history({"city": "Paris"})), tools=TOOLS,
                                 options=template_options(state.frontend))
     assert parse_tools
@@ -366,7 +369,8 @@ def test_anthropic_system_thinking_and_prefill(state):
     ({"model": None}, "'model': is required"),
     ({"stop_sequences": "END"}, "'stop_sequences': must be an array, got string"),
     ({"thinking": {"type": "sometimes"}}, "'thinking.type'"),
-    ({"tool_choice": {"type": "any"}}, "'tool_choice.type'"),
+    ({"tool_choice": {"type": "sometimes"}}, "'tool_choice.type'"),
+    ({"tool_choice": {"type": "any"}}, "'tool_choice': forces a tool call, but the request offers no tools"),
     ({"messages": [{"role": "user", "content": "hi", "extra": 1}]}, "messages.0.extra: Extra inputs"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'messages.0.content.0.type'"),
     ({"max_tokens": 100_000}, "--context-length"),

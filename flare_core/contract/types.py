@@ -316,18 +316,43 @@ class Alias:
 
 
 @dataclass(frozen=True)
+class ToolCallFormat:
+    """How a tool parser's format writes calls, so that a grammar can force them (tool_choice
+    "required" or a named tool): each call is `call_begin`, the call's arguments as a JSON object,
+    then `call_end`; `{name}` in either stands for the tool's name; calls follow one another
+    separated by `separator`. The parser must read back what this writes."""
+
+    call_begin: str
+    call_end: str
+    separator: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("call_begin", "call_end", "separator"):
+            _require(isinstance(getattr(self, name), str), "ToolCallFormat", name, "must be a string")
+        _require("{name}" in self.call_begin + self.call_end, "ToolCallFormat", "call_begin",
+                 "call_begin or call_end must hold {name}, where the tool's name goes")
+
+    def around(self, name: str) -> tuple[str, str]:
+        """The text before and after one call's arguments."""
+        return self.call_begin.replace("{name}", name), self.call_end.replace("{name}", name)
+
+
+@dataclass(frozen=True)
 class Parser:
     """An output parser registered under an id that recipes name in their FrontendSpec.
     `kind` is "reasoning" or "tool"; `factory` returns a fresh streaming parser per request, called
     as `factory(starts_in_reasoning=...)` for reasoning parsers (whether the prompt already opened
     the reasoning block) and as `factory()` for tool parsers. `closing` (reasoning parsers): the
     text that closes reasoning, one token of the vocabulary; a grammar constraining the output
-    (structured output) applies after it, unless the prompt already ends with it."""
+    (structured output) applies after it, unless the prompt already ends with it. `call_format`
+    (tool parsers): how calls are written, so that a request can force them; None: forced calls
+    are refused on cores using this parser."""
 
     id: str
     kind: str
     factory: Callable[..., Any]
     closing: str | None = None
+    call_format: ToolCallFormat | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.id, "Parser", "id")
@@ -341,6 +366,8 @@ class Parser:
         else:
             _require(self.closing is None, f"Parser({self.id})", "closing", "is for reasoning parsers only")
             _check_call(self.factory, f"Parser({self.id})", "factory", "factory()")
+        _require(self.call_format is None or (self.kind == "tool" and isinstance(self.call_format, ToolCallFormat)),
+                 f"Parser({self.id})", "call_format", "is a ToolCallFormat, for tool parsers only")
 
 
 @dataclass(frozen=True)
@@ -416,4 +443,5 @@ __all__ = [
     "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
+    "ToolCallFormat",
 ]

@@ -1,9 +1,9 @@
 """Grammars that constrain a request's output (structured output), through xgrammar.
 
-A client's JSON schema, `json_object`, regex, EBNF grammar or list of choices is a
-`GrammarSpec`; `Grammars` compiles it against the served vocabulary on the frontend pool (xgrammar
-caches compiled grammars by source, so a repeated schema compiles once) and the request carries the
-`Grammar`. On the model thread a `GrammarMatcher` per request writes the next token's bitmask
+A client's JSON schema, `json_object`, regex, EBNF grammar or list of choices, or the tool calls
+a request forces (an xgrammar structural tag), is a `GrammarSpec`; `Grammars` compiles it against
+the served vocabulary on the frontend pool (xgrammar caches compiled grammars by source, so a
+repeated schema compiles once) and the request carries the `Grammar`. On the model thread a `GrammarMatcher` per request writes the next token's bitmask
 before each step that samples for it (bit j of word w allows token 32 w + j) and advances on each
 sampled token. JSON is constrained to the compact form (", " and ": " separators, no other
 whitespace): a grammar that allows any whitespace lets a model emit whitespace until max_tokens.
@@ -37,6 +37,7 @@ class GrammarKind(enum.Enum):
     REGEX = "regex"
     EBNF = "ebnf"  # xgrammar's EBNF (GBNF-compatible), root rule `root`
     CHOICE = "choice"  # exactly one of some strings
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural tag (JSON): forced tool calls
 
 
 class GrammarError(ValueError):
@@ -99,6 +100,8 @@ class Grammars:
                 compiled = compiler.compile_regex(spec.source)
             elif spec.kind is GrammarKind.EBNF:
                 compiled = compiler.compile_grammar(spec.source)
+            elif spec.kind is GrammarKind.STRUCTURAL_TAG:
+                compiled = compiler.compile_structural_tag(spec.source)
             else:
                 # EBNF string literals take JSON's escapes.
                 compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.source))

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flare_core.contract import CacheScheme, CacheSchemeFactory, PagedStore, Parser
+from flare_core.contract import CacheScheme, CacheSchemeFactory, PagedStore, Parser, ToolCallFormat
 from flare_core.frontend.parsers import HermesToolParser, ThinkParser
 from flare_core.plugins.hookspecs import hookimpl
+
+# The Hermes / Qwen tool-call block as the chat templates ask for it (HermesToolParser's docstring).
+HERMES_CALLS = ToolCallFormat(call_begin='<tool_call>\n{"name": "{name}", "arguments": ', call_end="}\n</tool_call>",
+                              separator="\n")
 
 
 def attention_kv_scheme(config: Any, dtype: str) -> CacheScheme:
@@ -45,4 +49,4 @@ def flare_cache_schemes() -> list:
 @hookimpl
 def flare_parsers() -> list:
     return [Parser("think", "reasoning", ThinkParser, closing=ThinkParser.END_TAG),
-            Parser("hermes", "tool", HermesToolParser)]
+            Parser("hermes", "tool", HermesToolParser, call_format=HERMES_CALLS)]

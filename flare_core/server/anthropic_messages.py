@@ -25,7 +25,9 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import STATE, ServerState
-from flare_core.server.structured import anthropic_format, constrained
+from flare_core.frontend.grammar import GrammarSpec
+from flare_core.server.structured import (ForcedCalls, anthropic_format, constrained, forced_calls, one_spec,
+                                          tool_calls_spec)
 from flare_core.server.validation import as_object, get_object, get_str, invalid, json_body, json_type, reject_unknown
 
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
@@ -40,7 +42,8 @@ _PROMPT_FIELDS = (
           required=True),
     Field("system", "any", "the system prompt", shape="string or array"),
     Field("tools", "array", "tools: rendered by the template, calls parsed by the core's tool parser"),
-    Field("tool_choice", "object", 'type "auto" (default) or "none"; forcing a call is refused'),
+    Field("tool_choice", "object", 'type "auto" (default), "none", "any" or "tool" (with name): forced calls are '
+          "written in the core's tool-call format, arguments constrained to the tool's input_schema"),
     Field("thinking", "object", 'type "enabled" / "adaptive" turns the template\'s thinking on, "disabled" off'),
     Field("output_config", "object", 'output_config.format: {"type": "json_schema", "schema"}: the output is '
           "constrained to the schema"),
@@ -164,14 +167,24 @@ def anthropic_tools(raw: list | None) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _parse_tools_enabled(body: dict[str, Any], tools: list | None) -> bool:
+def _tool_choice(body: dict[str, Any], tools: list | None) -> tuple[bool, ForcedCalls | None]:
+    """Whether tool calls are parsed out of the output, and the calls `tool_choice` forces: "any"
+    (one or more of the tools) or "tool" (the one named); `disable_parallel_tool_use` makes
+    "any" exactly one call."""
     choice = get_object(body, "tool_choice")
     choice_type = None if choice is None else choice.get("type")
+    names = [tool["function"]["name"] for tool in tools or ()]
     if choice_type in (None, "auto"):
-        return tools is not None
+        return tools is not None, None
     if choice_type == "none":
-        return False
-    raise invalid("tool_choice.type", f"only 'auto' and 'none' are supported, got {choice_type!r}")
+        return False, None
+    if choice_type == "any":
+        return True, forced_calls(names, None, "tool_choice", one=choice.get("disable_parallel_tool_use") is True)
+    if choice_type == "tool":
+        if choice.get("name") is None:
+            raise invalid("tool_choice.name", "is required: the tool to call")
+        return True, forced_calls(names, choice.get("name"), "tool_choice.name")
+    raise invalid("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {choice_type!r}")
 
 
 def _thinking(body: dict[str, Any]) -> bool | None:
@@ -187,9 +200,10 @@ def _thinking(body: dict[str, Any]) -> bool | None:
     raise invalid("thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
 
 
-def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any]) -> tuple[str, Prompt, bool]:
-    """(served model, prompt, whether to parse tool calls) for a messages or count_tokens body,
-    whose fields `values` holds (read by its spec)."""
+def build_prompt(state: ServerState, body: dict[str, Any],
+                 values: dict[str, Any]) -> tuple[str, Prompt, bool, GrammarSpec | None]:
+    """(served model, prompt, whether to parse tool calls, the grammar of forced tool calls) for a
+    messages or count_tokens body, whose fields `values` holds (read by its spec)."""
     frontend = state.frontend
     model = resolve_model(state, values["model"], required=True)
     messages = anthropic_messages(values["system"], values["messages"])
@@ -197,7 +211,8 @@ def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any
     options = template_options(frontend, thinking=_thinking(body))
     prefill = messages[-1]["role"] == "assistant" if messages else False
     prompt = chat_prompt(frontend, messages, tools=tools, options=options, continue_final_message=prefill)
-    return model, prompt, _parse_tools_enabled(body, tools)
+    parse_tools, forced = _tool_choice(body, tools)
+    return model, prompt, parse_tools, tool_calls_spec(frontend, tools, forced)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,14 +223,14 @@ class MessagesCall(Call):
 def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
     frontend = state.frontend
     values = SPEC.read(body)
-    model, prompt, parse_tools = build_prompt(state, body, values)
+    model, prompt, parse_tools, calls = build_prompt(state, body, values)
     max_tokens = fit_max_tokens(len(prompt.ids), values["max_tokens"], "max_tokens", frontend.context_length)
     sampling = read_sampling(frontend.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
     stop_sequences = read_stop(body, "stop_sequences")  # an array here (the spec), never a bare string
     request = GenerationRequest(prompt_ids=prompt.ids, max_tokens=max_tokens, sampling=sampling.params,
                                 stop_strings=stop_sequences, message_ends=prompt.message_ends, request_id=request_id)
-    request = constrained(frontend, request, anthropic_format((values["output_config"] or {}).get("format")),
-                          prompt.text)
+    grammar = one_spec(anthropic_format((values["output_config"] or {}).get("format")), calls)
+    request = constrained(frontend, request, grammar, prompt.text)
     return MessagesCall(model, values["stream"], prompt, request, sampling, parse_tools,
                         stop_sequences=stop_sequences)
 
@@ -337,7 +352,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 
     def count() -> tuple[str, Prompt]:
         body = json_body(request)
-        model, prompt, _ = build_prompt(state, body, COUNT_TOKENS_SPEC.read(body))
+        model, prompt, _, _ = build_prompt(state, body, COUNT_TOKENS_SPEC.read(body))
         return model, prompt
 
     model, prompt = await state.prepare(count)

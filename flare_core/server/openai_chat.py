@@ -14,7 +14,7 @@ from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Pie
                                           unfinished_error)
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, finish_reason, generation_request,
-                                             object_head, read_stream_options, thinking_switch, tool_parsing_enabled,
+                                             object_head, read_stream_options, read_tool_choice, thinking_switch,
                                              usage_json)
 from flare_core.server.prompts import chat_prompt, openai_messages, openai_tools, template_options
 from flare_core.server.request_log import RECORD
@@ -23,7 +23,7 @@ from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TO
                                     sampling_fields)
 from flare_core.server.state import ServerState
 from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, constrained, guided_spec, one_spec,
-                                          openai_response_format)
+                                          openai_response_format, tool_calls_spec)
 from flare_core.server.validation import invalid
 
 
@@ -31,8 +31,10 @@ SPEC = RequestSpec("POST /v1/chat/completions", (
     Field("model", "string", "a served model name; absent: the first"),
     Field("messages", "array", "the conversation, rendered by the core's chat template", required=True),
     Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
-    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call (required, a named function) is refused',
+    Field("tool_choice", "any", '"auto" (default), "none", "required" or {"type": "function", "function": {"name"}}: '
+          "forced calls are written in the core's tool-call format, arguments constrained to the tool's schema",
           shape="string or object"),
+    Field("parallel_tool_calls", "boolean", 'false: a forced ("required") call is exactly one call', default=True),
     Field("stream", "boolean", "stream chunks as server-sent events"),
     Field("stream_options", "object", "include_usage: a usage chunk ends the stream"),
     Field("max_completion_tokens", "integer", "at most this many output tokens; absent: the context's room",
@@ -62,11 +64,13 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     frontend = state.frontend
     values = SPEC.read(body)
     model = resolve_model(state, values["model"])
-    grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body))
     stream = values["stream"]
     include_usage = read_stream_options(body, stream)
     messages = openai_messages(values["messages"])
     tools = openai_tools(values["tools"])
+    parse_tools, forced = read_tool_choice(body, tools)
+    grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body),
+                       tool_calls_spec(frontend, tools, forced))
     options = template_options(frontend, values["chat_template_kwargs"] or {},
                                thinking=thinking_switch(values["reasoning_effort"], "reasoning_effort"))
     prompt = chat_prompt(frontend, messages, tools=tools, options=options,
@@ -78,7 +82,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=True)
     request = constrained(frontend, request, grammar, prompt.text)
-    return ChatCall(model, stream, prompt, request, sampling, tool_parsing_enabled(body, tools is not None),
+    return ChatCall(model, stream, prompt, request, sampling, parse_tools,
                     include_usage=include_usage)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, execut
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_logit_bias, read_max_tokens,
                                         read_sampling, read_stop, read_token_ids)
+from flare_core.server.structured import ForcedCalls, forced_calls
 from flare_core.server.validation import get_bool, get_object, invalid
 
 
@@ -134,16 +136,29 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int,
             "text_offset": offsets}
 
 
-def tool_parsing_enabled(body: Mapping[str, Any], has_tools: bool) -> bool:
-    """Whether tool calls are parsed out of the output: when tools are offered and `tool_choice`
-    is "auto" (the default) rather than "none". Forcing a call is not supported (no constrained
-    decoding), so "required" and named choices are refused instead of silently ignored."""
+def read_tool_choice(body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None, *,
+                     responses: bool = False) -> tuple[bool, ForcedCalls | None]:
+    """OpenAI's `tool_choice`: whether tool calls are parsed out of the output (tools offered and
+    not "none"), and the calls it forces: "required" (one or more of the tools; exactly one with
+    `parallel_tool_calls: false`) or a named function (Chat Completions:
+    {"type": "function", "function": {"name"}}; Responses: {"type": "function", "name"})."""
     choice = body.get("tool_choice")
+    names = [tool["function"]["name"] for tool in tools or ()]
     if choice is None or choice == "auto":
-        return has_tools
+        return bool(names), None
     if choice == "none":
-        return False
-    raise invalid("tool_choice", f"only \"auto\" and \"none\" are supported, got {choice!r}")
+        return False, None
+    if choice == "required":
+        return True, forced_calls(names, None, "tool_choice", one=body.get("parallel_tool_calls") is False)
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        function = choice if responses else choice.get("function")
+        field = "tool_choice.name" if responses else "tool_choice.function.name"
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if name is None:
+            raise invalid(field, "is required: the function to call")
+        return True, forced_calls(names, name, field)
+    raise invalid("tool_choice", f'must be "auto", "none", "required" or a named function, got '
+                                 f"{json.dumps(choice)[:80]}")
 
 
 def thinking_switch(effort: Any, field: str) -> bool | None:

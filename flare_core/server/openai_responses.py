@@ -18,14 +18,14 @@ from aiohttp import web
 from flare_core.runtime.types import TokenLogprob, Usage
 from flare_core.server.generation import Call, EventSink, Outcome, Piece, answer, execution_error, no_events, read_call
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import chat_logprobs, generation_request, thinking_switch, tool_parsing_enabled
+from flare_core.server.openai_common import chat_logprobs, generation_request, read_tool_choice, thinking_switch
 from flare_core.server.prompts import (chat_prompt, template_options, template_tool_call, text_of_parts, tool_arguments,
                                        tool_function, tool_name)
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
 from flare_core.server.state import ServerState
-from flare_core.server.structured import constrained, responses_format
+from flare_core.server.structured import constrained, one_spec, responses_format, tool_calls_spec
 from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -45,7 +45,8 @@ SPEC = RequestSpec("POST /v1/responses", (
           shape="string or array"),
     Field("instructions", "string", "a system message before the input"),
     Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
-    Field("tool_choice", "any", '"auto" (default) or "none"; forcing a call (required, a named function) is refused',
+    Field("tool_choice", "any", '"auto" (default), "none", "required" or {"type": "function", "name"}: forced calls are '
+          "written in the core's tool-call format, arguments constrained to the tool's schema",
           shape="string or object"),
     Field("stream", "boolean", "stream typed server-sent events"),
     Field("max_output_tokens", "integer", "at most this many output tokens; absent: the context's room",
@@ -60,7 +61,8 @@ SPEC = RequestSpec("POST /v1/responses", (
     Field("reasoning", "object", 'reasoning.effort: "none" turns the template\'s thinking off, any other effort on'),
     Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
     Field("metadata", "object", "echoed in the response"),
-    Field("parallel_tool_calls", "boolean", "echoed in the response", default=True),
+    Field("parallel_tool_calls", "boolean", 'echoed in the response; false: a forced ("required") call is exactly '
+          "one call", default=True),
     Field("truncation", "string", "echoed in the response"),
     Field("user", "string", "echoed in the response"),
     Field("store", "boolean", "responses are never stored (echoed as false)", use=Use.IGNORED),
@@ -146,10 +148,11 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     values = SPEC.read(body)
     model = resolve_model(state, values["model"])
     text_format = get_object(values["text"] or {}, "format", where="text.format")
-    grammar = responses_format(text_format)
     stream = values["stream"]
     messages = responses_messages(values["instructions"], values["input"])
     tools = _tools(values["tools"])
+    parse_tools, forced = read_tool_choice(body, tools, responses=True)
+    grammar = one_spec(responses_format(text_format), tool_calls_spec(frontend, tools, forced))
     reasoning = values["reasoning"] or {}
     options = template_options(frontend, values["chat_template_kwargs"] or {},
                                thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"))
@@ -176,7 +179,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
         "store": False,
         "user": values["user"],
     }
-    return ResponsesCall(model, stream, prompt, request, sampling, tool_parsing_enabled(body, tools is not None),
+    return ResponsesCall(model, stream, prompt, request, sampling, parse_tools,
                          echo=echo)
 
 

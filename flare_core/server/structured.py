@@ -5,15 +5,20 @@ OpenAI `response_format` (chat, completions) and Responses `text.format`: `json_
 `json_schema` with its `schema`. vLLM's extra fields: `guided_json` (a schema, as an object or
 JSON text), `guided_regex`, `guided_choice` (strings), `guided_grammar` (EBNF / GBNF). Ollama
 `format`: "json" or a schema. Anthropic `output_config.format`: `json_schema` with its `schema`. A
-request gives at most one of them.
+forced tool call (`tool_choice` "required" / "any" / a named tool) is a grammar too: the calls
+written in the core's tool-call format (its tool parser's `call_format`), each tool's arguments
+constrained to its parameters schema. A request gives at most one of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from dataclasses import dataclass
 
 from flare_core.frontend import Frontend
 from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec
@@ -101,6 +106,62 @@ def guided_spec(body: Mapping[str, Any]) -> GrammarSpec | None:
     if body.get("guided_grammar") is not None:
         specs.append(GrammarSpec(GrammarKind.EBNF, body["guided_grammar"], "guided_grammar"))
     return one_spec(*specs)
+
+
+@dataclass(frozen=True)
+class ForcedCalls:
+    """Tool calls a request forces: the tools the output may call, and whether exactly one call
+    (a named tool, or no parallel calls) or one or more."""
+
+    names: tuple[str, ...]
+    one: bool
+
+
+# Tool names a forced call's grammar writes: OpenAI's function-name characters (plus . and :), which
+# every tool-call format takes as they are, with nothing to escape.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
+
+
+def forced_calls(names: Sequence[str], name: Any, field: str, one: bool = False) -> ForcedCalls:
+    """The calls a tool_choice forces among the request's tool `names`: any of them (`name`
+    None), or the one named (read from `field`)."""
+    if not names:
+        raise invalid("tool_choice", "forces a tool call, but the request offers no tools")
+    if name is None:
+        return ForcedCalls(tuple(names), one)
+    if not isinstance(name, str) or name not in names:
+        raise invalid(field, f"names no tool the request offers: {json.dumps(name)[:80]} (offered: "
+                             f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
+    return ForcedCalls((name,), True)
+
+
+def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | None,
+                    forced: ForcedCalls | None) -> GrammarSpec | None:
+    """The grammar of the forced calls in the core's tool-call format (`tools`: the request's
+    tools in the template's shape, {"type": "function", "function": {"name", "parameters"}})."""
+    if forced is None:
+        return None
+    parser = frontend.tool_parser
+    if parser is None or parser.call_format is None:
+        which = "has no tool parser" if parser is None else f"'s tool parser {parser.id!r} cannot write them"
+        raise invalid("tool_choice", f"forcing a tool call is not available: this core{which}")
+    tags = []
+    for tool in tools or ():
+        function = tool["function"]
+        if function["name"] not in forced.names:
+            continue
+        if not _PLAIN_NAME.fullmatch(function["name"]):
+            raise invalid("tool_choice", f"can force only tools whose names are letters, digits, _ . : and -; "
+                                         f"got {json.dumps(function['name'])[:80]}")
+        begin, end = parser.call_format.around(function["name"])
+        schema = function.get("parameters") or {"type": "object"}
+        # At most one whitespace character between JSON tokens: a model cannot pad forever.
+        tags.append({"type": "tag", "begin": begin, "end": end,
+                     "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}})
+    tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
+                                                "separator": parser.call_format.separator, "at_least_one": True,
+                                                "stop_after_first": forced.one}}
+    return GrammarSpec(GrammarKind.STRUCTURAL_TAG, json.dumps(tag), "tool_choice")
 
 
 def one_spec(*specs: GrammarSpec | None) -> GrammarSpec | None:
