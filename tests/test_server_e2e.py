@@ -652,7 +652,8 @@ FORCED_TOOLS = [
         "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}}},
 ]
-FORCED_ARGUMENTS = {"get_weather": ({"city", "days"}, {"Paris", "Rome", 1, 2, 3}), "get_time": ({"zone"}, {"UTC", "CET"})}
+FORCED_ARGUMENTS = {"get_weather": ({"city", "days"}, {"Paris", "Rome", 1, 2, 3}),
+                    "get_time": ({"zone"}, {"UTC", "CET"})}
 
 
 def _valid_call(name: str, arguments: dict) -> bool:

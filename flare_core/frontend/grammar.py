@@ -3,9 +3,9 @@
 A client's JSON schema, `json_object`, regex, EBNF grammar or list of choices, or the tool calls
 a request forces (an xgrammar structural tag), is a `GrammarSpec`; `Grammars` compiles it against
 the served vocabulary on the frontend pool (xgrammar caches compiled grammars by source, so a
-repeated schema compiles once) and the request carries the `Grammar`. On the model thread a `GrammarMatcher` per request writes the next token's bitmask
-before each step that samples for it (bit j of word w allows token 32 w + j) and advances on each
-sampled token. JSON is constrained to the compact form (", " and ": " separators, no other
+repeated schema compiles once) and the request carries the `Grammar`. On the model thread a
+`GrammarMatcher` per request writes the next token's bitmask before each step that samples for
+it (bit j of word w allows token 32 w + j) and advances on each sampled token. JSON is constrained to the compact form (", " and ": " separators, no other
 whitespace): a grammar that allows any whitespace lets a model emit whitespace until max_tokens.
 
 A grammar may start after reasoning: with `starts_after` set, the output is free until that token

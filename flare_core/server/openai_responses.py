@@ -45,8 +45,8 @@ SPEC = RequestSpec("POST /v1/responses", (
           shape="string or array"),
     Field("instructions", "string", "a system message before the input"),
     Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
-    Field("tool_choice", "any", '"auto" (default), "none", "required" or {"type": "function", "name"}: forced calls are '
-          "written in the core's tool-call format, arguments constrained to the tool's schema",
+    Field("tool_choice", "any", '"auto" (default), "none", "required" or {"type": "function", "name"}: forced '
+          "calls are written in the core's tool-call format, arguments constrained to the tool's schema",
           shape="string or object"),
     Field("stream", "boolean", "stream typed server-sent events"),
     Field("max_output_tokens", "integer", "at most this many output tokens; absent: the context's room",
