@@ -156,3 +156,15 @@ def test_logit_bias_forces_and_bans_tokens(session_flare, qwen3_core):
         assert not set(results[-1][1][0]) & set(free) and len(results[-1][1][0]) == 8
     assert results[0] == results[1]
     assert results[0][2:] == asyncio.run(run_requests(make_engine(session_flare, qwen3_core, frames=2), FREE))
+
+
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(session_flare, qwen3_core):
+    """The stop token a complete grammar allows ends the request; with ignore_eos the request
+    would otherwise go on against a grammar that allows nothing more."""
+    engine = make_engine(session_flare, qwen3_core, frames=2)
+    [request] = grammar_requests(engine, GrammarSpec(GrammarKind.CHOICE, ("north", "south"), "test"))[:1]
+    results = asyncio.run(run_requests(engine, [dataclasses.replace(request, ignore_eos=True)]))
+    [(tokens, _, reason, usage)] = results
+    assert text_of(engine, tokens) in ("north", "south") and reason == "stop"
+    assert engine.frontend.tokenizer.decode(tokens[-1:]) in ("<|im_end|>", "<|endoftext|>")
+    assert engine.resources().live == 0
