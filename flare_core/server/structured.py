@@ -16,9 +16,8 @@ import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 from flare_core.frontend import Frontend
 from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec
