@@ -578,3 +578,24 @@ def test_logit_bias_reading(state):
                         ({"5": True}, "logit_bias.5"), ({"5": "1"}, "logit_bias.5"), ([1], "logit_bias"),
                         ({str(i): 1 for i in range(1025)}, "logit_bias")):
         assert bad_request(parse_chat_request, state, chat_body(logit_bias=bias), "rid").param == param, bias
+
+
+def test_forced_calls_need_a_declared_call_format_but_counting_does_not(state):
+    """A core whose tool parser declares no call format refuses forced calls with a 400 naming the
+    parser; counting tokens of the same body works (what tool_choice forces is no part of the prompt)."""
+    import dataclasses
+
+    from flare_core.contract import Parser
+    from flare_core.frontend.parsers import HermesToolParser
+
+    plain = dataclasses.replace(state.frontend, tool_parser=Parser("plain-tools", "tool", HermesToolParser))
+    other = ServerState(engine=EngineParts(Info(), plain, RuntimeMetrics()), config=ServerConfig(), api_key=None,
+                        ingress_limit=12)
+    tools = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    body = anthropic_body(tools=tools, tool_choice={"type": "any"})
+    error = bad_request(parse_messages_request, other, body, "rid")
+    assert error.param == "tool_choice" and "'plain-tools' cannot write them" in error.message, error.message
+    assert build_prompt(other, body, MESSAGES_SPEC.read(body), generates=False)[3] is None
+    assert bad_request(parse_chat_request, other, chat_body(tools=TOOLS, tool_choice="required"),
+                       "rid").param == "tool_choice"
+    assert parse_messages_request(state, body, "rid").request.grammar.kind.value == "structural_tag"

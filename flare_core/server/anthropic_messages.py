@@ -200,10 +200,11 @@ def _thinking(body: dict[str, Any]) -> bool | None:
     raise invalid("thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
 
 
-def build_prompt(state: ServerState, body: dict[str, Any],
-                 values: dict[str, Any]) -> tuple[str, Prompt, bool, GrammarSpec | None]:
+def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any], *,
+                 generates: bool = True) -> tuple[str, Prompt, bool, GrammarSpec | None]:
     """(served model, prompt, whether to parse tool calls, the grammar of forced tool calls) for a
-    messages or count_tokens body, whose fields `values` holds (read by its spec)."""
+    messages or count_tokens body, whose fields `values` holds (read by its spec). Counting
+    (`generates` false) builds no grammar: what tool_choice forces does not change the prompt."""
     frontend = state.frontend
     model = resolve_model(state, values["model"], required=True)
     messages = anthropic_messages(values["system"], values["messages"])
@@ -212,7 +213,7 @@ def build_prompt(state: ServerState, body: dict[str, Any],
     prefill = messages[-1]["role"] == "assistant" if messages else False
     prompt = chat_prompt(frontend, messages, tools=tools, options=options, continue_final_message=prefill)
     parse_tools, forced = _tool_choice(body, tools)
-    return model, prompt, parse_tools, tool_calls_spec(frontend, tools, forced)
+    return model, prompt, parse_tools, tool_calls_spec(frontend, tools, forced) if generates else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,7 +353,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 
     def count() -> tuple[str, Prompt]:
         body = json_body(request)
-        model, prompt, _, _ = build_prompt(state, body, COUNT_TOKENS_SPEC.read(body))
+        model, prompt, _, _ = build_prompt(state, body, COUNT_TOKENS_SPEC.read(body), generates=False)
         return model, prompt
 
     model, prompt = await state.prepare(count)
