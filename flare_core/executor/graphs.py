@@ -38,9 +38,8 @@ from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import compile_layers
-from flare_core.ops.sampling import (PromptScores, SampleOutput, StepSampling, penalise, row_columns, sample_rows,
-                                     window)
-from flare_core.ops.token_masks import apply_token_masks
+from flare_core.ops.sampling import (PromptScores, SampleOutput, StepSampling, constrain, penalise, row_columns,
+                                     sample_rows, window)
 from flare_core.ops.transfer import to_device, upload
 from flare_core.scheduler import StepPlan
 
@@ -436,14 +435,9 @@ class GraphExecutor:
             # The samplers rewrite the tokens buffer the copy stream may still be reading for an
             # earlier step of this graph; the forward is already queued ahead of this wait.
             torch.cuda.current_stream().wait_event(self._copied)
-        if sampling.logit_bias is not None:
-            sampling.logit_bias.add_to(graph.logits, rows)
-        if sampling.masks is not None:
-            # A grammar's tokens: masked in the graph's logits, which every sampler and the
-            # logprobs read; rows that do not sample keep every token.
-            masks = torch.full((graph.logits.shape[0], sampling.masks.shape[1]), -1, dtype=torch.int32)
-            masks[rows] = sampling.masks
-            apply_token_masks(graph.logits, to_device(masks, torch.int32, self.device))
+        # Logit biases and grammar masks go into the graph's logits, which every sampler and the
+        # logprobs read.
+        constrain(graph.logits, sampling.masks, sampling.logit_bias, rows)
         graph.samplers.for_step(sampling, self.vocab_size).replay()
         # Views of the graph's buffers: valid until this graph's next replay, which is enqueued
         # after everything the engine enqueues on them (host copies, logprobs).

@@ -297,6 +297,22 @@ class LogitBias:
         return logits.index_put_(index, to_device(list(self.values), logits.dtype, device), accumulate=True)
 
 
+def constrain(logits: torch.Tensor, masks: torch.Tensor | None, logit_bias: LogitBias | None,
+              rows: Sequence[int] | None = None) -> torch.Tensor:
+    """`logits` [B, V] in place with `logit_bias` added, then the tokens `masks` (int32 [rows,
+    words]) leaves out set to -inf. `rows[i]`: the logits row of sampling row i (default: i);
+    logits rows no sampling row maps to keep every token."""
+    if logit_bias is not None:
+        logit_bias.add_to(logits, rows)
+    if masks is not None:
+        if rows is not None:
+            table = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32)
+            table[list(rows)] = masks
+            masks = table
+        apply_token_masks(logits, to_device(masks, torch.int32, logits.device))
+    return logits
+
+
 @dataclass(frozen=True)
 class StepSampling:
     """How to sample each row of a step, in the order of `plan.samples`: the rows' parameters,
@@ -310,7 +326,6 @@ class StepSampling:
     top_logprobs: int = 0
     masks: torch.Tensor | None = None  # host int32 [rows, words]: the tokens each row may take (grammars)
     logit_bias: LogitBias | None = None  # values added to some rows' logits
-
 
     @property
     def greedy(self) -> bool:
@@ -373,12 +388,10 @@ class Sampler:
         (host or device); the tokens a row's mask leaves out are never sampled. `logit_bias`:
         values added to the logits first."""
         batch = self._check_batch(logits, params, steps, penalties, top_logprobs)
-        if logit_bias is not None:
-            logits = logit_bias.add_to(logits.clone())
-        if masks is not None:
-            if masks.shape[0] != batch:
-                raise ValueError(f"Sampler.sample: {batch} logits rows but {masks.shape[0]} token masks")
-            logits = apply_token_masks(logits.clone(), to_device(masks, torch.int32, logits.device))
+        if masks is not None and masks.shape[0] != batch:
+            raise ValueError(f"Sampler.sample: {batch} logits rows but {masks.shape[0]} token masks")
+        if masks is not None or logit_bias is not None:
+            logits = constrain(logits.clone(), masks, logit_bias)
         working = logits
         penalised_rows = [i for i in range(batch) if params[i].penalised]
         if penalised_rows:

@@ -20,7 +20,7 @@ from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Pie
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, completion_logprobs, finish_reason, generation_request,
                                              object_head, read_stream_options, usage_json)
-from flare_core.server.prompts import Prompt, is_integers, text_prompt, token_prompt
+from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
@@ -28,7 +28,7 @@ from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TO
 from flare_core.server.state import ServerState
 from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, constrained, guided_spec, one_spec,
                                           openai_response_format)
-from flare_core.server.validation import invalid, json_type
+from flare_core.server.validation import invalid, is_integers, json_type
 
 
 SPEC = RequestSpec("POST /v1/completions", (

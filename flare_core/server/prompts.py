@@ -16,7 +16,7 @@ from typing import Any
 
 from flare_core.frontend import Frontend, RenderedPrompt, TemplateError
 from flare_core.server.errors import ApiError
-from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_type
+from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, is_integers, json_type
 
 CONTEXT_SETTING = "flare export MODEL --context-length N"
 
@@ -113,11 +113,6 @@ def token_prompt(frontend: Frontend, ids: Sequence[Any], field: str) -> Prompt:
             if type(token_id) is not int or not 0 <= token_id < vocab_size:
                 raise invalid(f"{field}[{index}]", f"must be a token id in [0, {vocab_size}), got {token_id!r}")
     return Prompt(tuple(ids))
-
-
-def is_integers(values: Sequence[Any]) -> bool:
-    """Whether every element is a JSON integer (Python's bool, JSON's true/false, is not)."""
-    return set(map(type, values)) <= {int}
 
 
 def fit_max_tokens(prompt_tokens: int, requested: int | None, field: str, context_length: int) -> int:

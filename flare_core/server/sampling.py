@@ -123,7 +123,8 @@ def read_logit_bias(body: Mapping[str, Any], name: str, vocab_size: int) -> tupl
         field = f"{name}.{key}"
         if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
             raise invalid(field, f"keys must be token ids in [0, {vocab_size}) written in decimal, got {key[:40]!r}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+        number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not number or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
             raise invalid(field, f"must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r}")
         biases.append((int(key), float(bias)))
     return tuple(biases)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -149,11 +149,15 @@ def _check_tree(data: Any) -> None:
                 _check_scalar(item, path + (key,))
 
 
+def is_integers(values: Sequence[Any]) -> bool:
+    """Whether every element is a JSON integer (Python's bool, JSON's true/false, is not),
+    tested by a C loop rather than one Python step per element."""
+    return set(map(type, values)) <= {int}
+
+
 def _small_integers(values: list) -> bool:
-    """Whether an array holds only integers of at most MAX_INTEGER_DIGITS digits (token ids),
-    tested by C loops rather than one Python step per element."""
-    return (bool(values) and set(map(type, values)) == {int}
-            and -_INTEGER_BOUND < min(values) and max(values) < _INTEGER_BOUND)
+    """Whether an array holds only integers of at most MAX_INTEGER_DIGITS digits (token ids)."""
+    return bool(values) and is_integers(values) and -_INTEGER_BOUND < min(values) and max(values) < _INTEGER_BOUND
 
 
 def _check_scalar(value: Any, path: tuple) -> None:
