@@ -202,6 +202,25 @@ def test_jsonl_conversations_end_to_end(server, tmp_path):
     assert result["requests"][0]["prompt_tokens"] > result["requests"][1]["prompt_tokens"] > 5
 
 
+def test_json_schema_constrains_every_request(server, tmp_path):
+    # The schema admits one value, so each request ends once it is written, before its 16 tokens.
+    schema = tmp_path / "const.json"
+    schema.write_text(json.dumps({"const": "yes"}))
+    result = run_bench(server, tmp_path, "--random-input-len", "20", "--random-output-len", "16", "--ignore-eos",
+                       "--num-prompts", "2", "--json-schema", str(schema))
+    check_sane(result, 2)
+    assert all(1 <= r["output_tokens"] < 16 for r in result["requests"])
+    assert result["config"]["json_schema"] == str(schema)
+
+
+def test_json_schema_file_must_hold_an_object(tmp_path):
+    schema = tmp_path / "list.json"
+    schema.write_text("[1]")
+    outcome = CliRunner().invoke(bench, ["--json-schema", str(schema), "--num-prompts", "1"])
+    assert outcome.exit_code == 2
+    assert "holds no JSON object" in outcome.output
+
+
 def test_unknown_model_is_a_clear_error(server):
     outcome = CliRunner().invoke(bench, ["--base-url", server.url, "--model", "nope", "--num-prompts", "1"])
     assert outcome.exit_code == 1

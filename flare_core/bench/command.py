@@ -27,6 +27,19 @@ def _read_api_key(path: Path | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def _read_response_format(path: Path | None) -> dict | None:
+    """The `response_format` that constrains output to the JSON schema in `path`."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise click.BadParameter(f"{path} is not JSON: {exc}", param_hint="--json-schema") from exc
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{path} holds no JSON object", param_hint="--json-schema")
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema, "strict": True}}
+
+
 def _build_requests(params: dict, card: dict) -> list[BenchRequest]:
     """The workload for the served model `card` (its vocab_size, where the server reports one,
     bounds synthetic token ids)."""
@@ -59,6 +72,8 @@ def _build_requests(params: dict, card: dict) -> list[BenchRequest]:
               help='JSONL file, one {"messages": [...], "max_tokens"?: N} conversation per line.')
 @click.option("--jsonl-output-len", type=click.IntRange(min=1), default=256, show_default=True,
               help="max_tokens of conversations that set none.")
+@click.option("--json-schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Constrain every request's output to this JSON schema (response_format json_schema).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly max_tokens tokens (ignore end-of-sequence).")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
               help="Requests in flight at most (default: unlimited).")
@@ -79,8 +94,12 @@ def bench(**params) -> None:
         raise click.BadParameter("--dataset jsonl needs --dataset-path FILE", param_hint="--dataset-path")
     headers = _read_api_key(params["api_key_file"])
 
+    response_format = _read_response_format(params["json_schema"])
+
     def workload(card: dict) -> list[BenchRequest]:
         requests = _build_requests(params, card)
+        if response_format is not None:
+            requests = [BenchRequest(r.path, {**r.body, "response_format": response_format}) for r in requests]
         click.echo(f"sending {len(requests)} {params['dataset']} requests to {params['base_url']}", err=True)
         return requests
 

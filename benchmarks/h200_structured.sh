@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Structured output on the H200, Qwen3-8B-shaped random core (the one h200_serving.sh exports):
+# `flare bench` at concurrency 1 and 64 without and with a JSON-schema grammar
+# (benchmarks/note_schema.json), side by side against one server, then the schema's compile time.
+# The schema's body has a minLength beyond 256 tokens, so every constrained request runs to
+# max_tokens as the unconstrained ones do (--ignore-eos): a request that ended early would let the
+# next one in mid-run and mix prompt chunks into the decode steps, which measures another workload.
+#   bash benchmarks/h200_structured.sh OUTDIR [extra `flare run` flags]
+set -euo pipefail
+out=${1:?usage: h200_structured.sh OUTDIR [flare run flags]}
+shift
+bash benchmarks/h200_serving.sh --prepare-only
+work=/tmp/flare-bench
+flare="python3 -m flare_core.cli --config $work/config.toml"
+mkdir -p "$out"
+$flare run qwen3-8b-random --device cuda --port 8000 --no-dashboard "$@" > "$out/run.log" 2>&1 &
+server=$!
+until python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/health")' 2>/dev/null; do
+  kill -0 $server 2>/dev/null || { tail -30 "$out/run.log"; exit 1; }
+  sleep 0.5
+done
+common="--dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos"
+for kind in plain schema; do
+  grammar=(); [ $kind = schema ] && grammar=(--json-schema benchmarks/note_schema.json)
+  $flare bench $common --max-concurrency 1 --num-prompts 8 --num-warmups 1 "${grammar[@]}" \
+    --result-file "$out/bench-c1-$kind.json" 2>&1 | grep -E "Successful|Output token|Median TTFT|Median TPOT|Total gen"
+  $flare bench $common --max-concurrency 64 --num-prompts 256 "${grammar[@]}" \
+    --result-file "$out/bench-c64-$kind.json" 2>&1 | grep -E "Successful|Output token|Median TTFT|Median TPOT|Total gen"
+done
+python3 benchmarks/grammar_compile.py --out "$out/compile.json"
+kill -TERM $server; wait $server || true
+tail -3 "$out/run.log"
