@@ -97,7 +97,7 @@ class EagerExecutor:
             return SampleOutput(logits.new_zeros(0, dtype=torch.int64), prompt_scores=scores) if scores else None
         output = self.sampler.sample(logits, sampling.params, sampling.steps, sampling.penalties,
                                      logprobs=sampling.logprobs, top_logprobs=sampling.top_logprobs,
-                                     masks=sampling.masks, logit_bias=sampling.logit_bias)
+                                     masks=sampling.token_masks(), logit_bias=sampling.logit_bias)
         self.record_sampled([h.state_row for h in plan.samples], output.token_ids, penalised=sampling.penalised)
         return dataclasses.replace(output, prompt_scores=scores)
 

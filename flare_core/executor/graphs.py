@@ -437,7 +437,7 @@ class GraphExecutor:
             torch.cuda.current_stream().wait_event(self._copied)
         # Logit biases and grammar masks go into the graph's logits, which every sampler and the
         # logprobs read.
-        constrain(graph.logits, sampling.masks, sampling.logit_bias, rows)
+        constrain(graph.logits, sampling.token_masks(), sampling.logit_bias, rows)
         graph.samplers.for_step(sampling, self.vocab_size).replay()
         # Views of the graph's buffers: valid until this graph's next replay, which is enqueued
         # after everything the engine enqueues on them (host copies, logprobs).

@@ -145,8 +145,10 @@ class GrammarMatcher:
         return self._matcher.is_terminated()
 
     def fill(self, masks: torch.Tensor, row: int) -> None:
-        """Write row `row` of `masks` (int32 [rows, words], on the host)."""
-        if self.active:
+        """Write row `row` of `masks` (int32 [rows, words], on the host). A terminated grammar
+        allows every token: its request ends once its last step is read, and a step issued
+        meanwhile samples it for nothing."""
+        if self.active and not self.terminated:
             self._matcher.fill_next_token_bitmask(masks, row)
         else:
             masks[row].fill_(-1)

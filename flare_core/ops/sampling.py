@@ -34,7 +34,7 @@ the tokens it allows (masked logits, as vLLM applies the mask before its sampler
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -324,12 +324,18 @@ class StepSampling:
     penalties: Sequence[PenaltyState | None]
     logprobs: bool = False
     top_logprobs: int = 0
-    masks: torch.Tensor | None = None  # host int32 [rows, words]: the tokens each row may take (grammars)
+    # The tokens each row may take (grammars): called by the executor once the step's forward is
+    # enqueued, it returns host int32 [rows, words] bitmasks. Filling them may first wait for the
+    # tokens of the step still in flight, which the device has then already sampled.
+    masks: Callable[[], torch.Tensor] | None = None
     logit_bias: LogitBias | None = None  # values added to some rows' logits
 
     @property
     def greedy(self) -> bool:
         return all(p.greedy for p in self.params)
+
+    def token_masks(self) -> torch.Tensor | None:
+        return None if self.masks is None else self.masks()
 
     @property
     def penalised(self) -> bool:

@@ -10,6 +10,7 @@ state row never reaches the state row's previous request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -121,6 +122,9 @@ class _Frame:
     started: torch.cuda.Event | None = None  # CUDA only: bracket the step on the device's clock
     done: torch.cuda.Event | None = None
     copied: torch.cuda.Event | None = None  # the output's copy to the host, where it has its own stream
+    tokens: list[int] | None = None  # the sampled tokens, once the host has waited for them
+    duration: float = 0.0  # the step's time (on the device's clock on CUDA), once waited for
+    matchers_advanced: bool = False  # its tokens have advanced their requests' grammar matchers
 
 
 class Engine:
@@ -247,7 +251,7 @@ class Engine:
                     break
                 plan = self._scheduler.schedule() if len(frames) < self.frames_in_flight else None
                 if plan is not None:
-                    frames.append(self._launch(plan))
+                    frames.append(self._launch(plan, frames))
                 if frames and (plan is None or len(frames) >= self.frames_in_flight):
                     self._consume(frames.popleft())
                 elif plan is None and not self._scheduler.is_idle():
@@ -300,8 +304,7 @@ class Engine:
             self._scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
                                    message_ends=tuple(m for m in request.message_ends
                                                       if 0 < m <= len(request.prompt_ids)),
-                                   score_prompt=request.prompt_logprobs is not None,
-                                   host_inputs=matcher is not None)
+                                   score_prompt=request.prompt_logprobs is not None)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             live = _Live(request, stream, None, submitted)
@@ -312,9 +315,11 @@ class Engine:
         if self.telemetry is not None:
             self.telemetry.request_queued(request_id, len(request.prompt_ids))
 
-    def _launch(self, plan: StepPlan) -> _Frame:
-        """Issue `plan` and its sampling; nothing here waits for the device. Sampled tokens stay
-        on the device as the next decode inputs; their host copies are read in `_consume`."""
+    def _launch(self, plan: StepPlan, frames: deque[_Frame]) -> _Frame:
+        """Issue `plan` and its sampling. Sampled tokens stay on the device as the next decode
+        inputs; their host copies are read in `_consume`. Nothing here waits for the device, except
+        where a row has a grammar: its mask needs the tokens of the steps in `frames` (still in
+        flight), which are waited for once this step's forward is enqueued (see `_token_masks`)."""
         samples = plan.samples
         frame = _Frame(plan, time.perf_counter())
         if self._cuda:
@@ -340,7 +345,9 @@ class Engine:
                 logprobs=any(live and live.request.logprobs for live in lives),
                 top_logprobs=max((live.request.top_logprobs for live in lives if live and live.request.logprobs),
                                  default=0),
-                masks=self._token_masks(lives), logit_bias=self._logit_bias(lives))
+                masks=functools.partial(self._token_masks, lives, frames) if any(
+                    live is not None and live.matcher is not None for live in lives) else None,
+                logit_bias=self._logit_bias(lives))
         output = self.executor.step(plan, sampling)
         if output is not None:
             frame.output, frame.copied = self.executor.to_host(output)
@@ -349,15 +356,19 @@ class Engine:
             frame.done.record()
         return frame
 
-    def _token_masks(self, lives: list[_Live | None]) -> torch.Tensor | None:
-        """The bitmasks of the tokens each sampling row may take (int32 [rows, words], all bits
-        set for rows without a grammar), or None when no row has one. The scheduler plans a
-        request with a grammar only once its matcher has seen every token sampled before."""
-        if not any(live is not None and live.matcher is not None for live in lives):
-            return None
-        masks = torch.full((len(lives), self.frontend.grammars.words), -1, dtype=torch.int32)
+    def _token_masks(self, lives: list[_Live | None], frames: deque[_Frame]) -> torch.Tensor:
+        """The bitmasks of the tokens each sampling row may take (int32 [rows, words]; all bits
+        set for rows without a grammar). The executor calls this once the step's forward is
+        enqueued: a matcher must first see the token its request sampled in the step still in
+        flight, so that step's tokens are waited for here, while the device runs this step's
+        forward (rather than the request sitting out every other step). The rest of reading that
+        step (`_consume`: output processing, events) waits until this step is issued."""
+        for frame in frames:
+            self._advance_matchers(frame)
+        masks = torch.full((len(lives), self.frontend.grammars.words), -1, dtype=torch.int32, pin_memory=self._cuda)
         for row, live in enumerate(lives):
-            if live is not None and live.matcher is not None:
+            # A request that ended in the step just read samples once more, for nothing.
+            if live is not None and live.matcher is not None and not live.finished:
                 live.matcher.fill(masks, row)
         return masks
 
@@ -368,18 +379,38 @@ class Engine:
                    for token, value in live.request.logit_bias]
         return LogitBias(*zip(*entries)) if entries else None
 
+    def _wait(self, frame: _Frame) -> list[int]:
+        """Wait for `frame`'s results on the host; its sampled tokens."""
+        if frame.tokens is None:
+            if frame.copied is not None:
+                frame.copied.synchronize()
+            if frame.done is not None:
+                frame.done.synchronize()
+                frame.duration = frame.started.elapsed_time(frame.done) / 1000.0  # device time of this step
+            else:
+                frame.duration = time.perf_counter() - frame.issued
+            frame.tokens = frame.output.token_ids.tolist() if frame.output is not None else []
+        return frame.tokens
+
+    def _advance_matchers(self, frame: _Frame) -> None:
+        """Advance the grammar matchers of `frame`'s running requests by the tokens it sampled
+        (once). A token its grammar refuses ends that request alone."""
+        if frame.matchers_advanced:
+            return
+        frame.matchers_advanced = True
+        for handle, token in zip(frame.plan.samples, self._wait(frame)):
+            live = self._live.get(handle.request_id)
+            if live is not None and live.matcher is not None and not live.finished and not live.matcher.accept(token):
+                log.error("token sampled against its grammar", request_id=handle.request_id, token=token)
+                self._finish(live, "error", error=f"output processing failed: token {token} was sampled "
+                                                  "against the request's grammar")
+
     def _consume(self, frame: _Frame) -> None:
         """Read back the oldest issued step: confirm it with the scheduler, then stream its tokens."""
         plan, samples = frame.plan, frame.plan.samples
-        if frame.copied is not None:
-            frame.copied.synchronize()
-        if frame.done is not None:
-            frame.done.synchronize()
-            duration = frame.started.elapsed_time(frame.done) / 1000.0  # device time of this step
-        else:
-            duration = time.perf_counter() - frame.issued
+        token_list, duration = self._wait(frame), frame.duration
+        self._advance_matchers(frame)
         output = frame.output
-        token_list = output.token_ids.tolist() if output is not None else []
         self._note_first_work(plan)
         confirmed = self._scheduler.complete(plan, StepResult(token_list, duration))
         if self.telemetry is not None:
@@ -435,8 +466,6 @@ class Engine:
             n = live.request.top_logprobs
             if n:
                 top = tuple(zip(output.top_ids[row, :n].tolist(), output.top_logprobs[row, :n].tolist()))
-        if live.matcher is not None and not live.matcher.accept(token):
-            raise RuntimeError(f"token {token} was sampled against the request's grammar")
         event, finish = live.output.token(token, logprob, top)
         if event is not None:
             if live.first_token_at is None:

@@ -57,7 +57,6 @@ class Request:
     message_ends: tuple[int, ...]   # message-boundary token endpoints within the prompt, ascending
     order: int                      # submission order: lower is older and has priority
     score_prompt: bool = False      # every prompt position computed, never restored from the cache
-    host_inputs: bool = False       # each step needs the request's sampled tokens on the host first
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -108,8 +107,7 @@ class Request:
 
     def can_decode(self) -> bool:
         return (self.status is RequestStatus.RUNNING and self.prefill_done and self.restore is None
-                and self.num_planned_samples < self.max_tokens
-                and not (self.host_inputs and len(self.outputs) < self.num_planned_samples))
+                and self.num_planned_samples < self.max_tokens)
 
     def can_prefill(self) -> bool:
         return self.status is RequestStatus.RUNNING and not self.prefill_done

@@ -187,13 +187,10 @@ class Scheduler:
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
-               message_ends: Sequence[int] = (), score_prompt: bool = False, host_inputs: bool = False) -> None:
+               message_ends: Sequence[int] = (), score_prompt: bool = False) -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
         (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
-        reuse) and its chunks carry their prompt targets. With `host_inputs` the host prepares an
-        input of each of the request's steps from its sampled tokens (a grammar's token mask), so it
-        decodes only once its last sampled token is confirmed. The caller has already checked the
-        context limit."""
+        reuse) and its chunks carry their prompt targets. The caller has already checked the context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt = tuple(prompt)
@@ -210,8 +207,7 @@ class Scheduler:
         if need > self.pages.num_pages:
             raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
                              f"max_tokens {max_tokens}) but the cache has {self.pages.num_pages}")
-        request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
-                          host_inputs=host_inputs)
+        request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt)
         self._next_order += 1
         self._requests[request_id] = request
         heapq.heappush(self._waiting, (request.order, request))

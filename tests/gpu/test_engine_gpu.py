@@ -80,10 +80,12 @@ def test_steps_never_wait_for_the_device(session_flare, bf16_core):
 
 
 def test_grammars_on_cuda(session_flare, bf16_core):
-    """Grammar masks on the graph path (decode and prefill graphs, the eager fallback for mixed
-    steps): outputs follow their grammars with one and two steps in flight, alike; requests
-    without a grammar in the same batches give the tokens they give alone; no step waits for the
-    device."""
+    """Grammar masks and logit biases on the graph path (decode and prefill graphs, the eager
+    fallback for mixed steps): outputs follow their grammars with one and two steps in flight,
+    alike; a +100 bias lifts its token above all but the model's favourite (this random model's
+    logits reach ~260, so a bias cannot force a token here); requests with neither in the same batches
+    give the tokens they give alone; no step waits for the device."""
+    import dataclasses
     import json
     import warnings
 
@@ -100,14 +102,18 @@ def test_grammars_on_cuda(session_flare, bf16_core):
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                runs.append(asyncio.run(run_requests(engine, [*grammar_requests(engine, spec), *REQUESTS])))
+                forced = dataclasses.replace(REQUESTS[0], prompt_ids=tuple(range(600, 640)), max_tokens=4,
+                                             logit_bias=((1234, 100.0),))
+                runs.append(asyncio.run(run_requests(engine, [*grammar_requests(engine, spec), forced, *REQUESTS])))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
         assert not syncs, syncs[:3]
         assert sum(g.replays for g in engine.executor.decode_graphs.values()) > 0
     assert runs[0] == runs[1]
-    constrained = runs[0][:-len(REQUESTS)]
+    constrained, [forced_result] = runs[0][:-len(REQUESTS) - 1], runs[0][-len(REQUESTS) - 1:-len(REQUESTS)]
+    [_, _, first_top] = forced_result[1][0]
+    assert 1234 in first_top, first_top  # unbiased, its logit is ~2 and its rank in the thousands
     for tokens, _, reason, _ in constrained:
         value = json.loads(text_of(engine, tokens))
         assert set(value) == {"ok", "n", "tag"} and reason == "stop"
