@@ -308,3 +308,39 @@ def test_logit_bias_through_the_sdk(smollm2_server, smollm2_gguf):
                                             max_tokens=4, logit_bias={str(first): 100}, seed=3)
     assert forced.choices[0].message.content == tokenizer.decode([first] * 4)
     assert forced.choices[0].finish_reason == "length"
+
+
+def test_n_choices_share_one_prefill(smollm2_server):
+    """n=3 through the openai SDK: three choices, each the text its own seed (seed + i) gives
+    alone, usage counting the prompt once; the later choices restore the prompt from the prefix
+    cache; streamed choices carry their index and one usage chunk ends the stream."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model, messages = "smollm2-135m-instruct.q4_1", [{"role": "user", "content": "Name a fruit and a colour."}]
+    hits = smollm2_server.metrics().get("flare_prefix_cache_hits_total", 0)
+    reply = client.chat.completions.create(model=model, messages=messages, n=3, seed=11, temperature=1.0,
+                                           max_tokens=24)
+    assert smollm2_server.metrics()["flare_prefix_cache_hits_total"] >= hits + 2
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(model=model, messages=messages, seed=seed, temperature=1.0,
+                                            max_tokens=24) for seed in (11, 12, 13)]
+    assert [c.message.content for c in reply.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in reply.choices}) > 1
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    texts, finishes, usages = ["", "", ""], [None] * 3, []
+    for chunk in client.chat.completions.create(model=model, messages=messages, n=3, seed=11, temperature=1.0,
+                                                max_tokens=24, stream=True, stream_options={"include_usage": True}):
+        usages += [chunk.usage] if chunk.usage else []
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [c.message.content for c in reply.choices]
+    assert finishes == [c.finish_reason for c in reply.choices] and len(usages) == 1
+    assert usages[0].completion_tokens == reply.usage.completion_tokens
+
+    completion = client.completions.create(model=model, prompt="The sky is", n=2, seed=3, temperature=1.0,
+                                           max_tokens=8, extra_body={"ignore_eos": True})
+    assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens == 16

@@ -25,7 +25,8 @@ def test_defaults_apply_and_refused_values_name_the_field():
     values = openai_chat.SPEC.read({"messages": []})
     assert values["stream"] is False and values["skip_special_tokens"] is True and values["model"] is None
     assert ollama.CHAT_SPEC.read({})["stream"] is True
-    for body, message in [({"n": 2}, "'n': only n=1 is supported, got 2"),
+    for body, message in [({"n": 129}, "'n': must be at most 128"),
+                          ({"best_of": 2}, "'best_of': only best_of=1 is supported, got 2"),
                           ({"logit_bias": [5]}, "'logit_bias': must be an object"),
                           ({"top_logprobs": 21}, "'top_logprobs'"),
                           ({"user": 5}, "'user': must be a string")]:

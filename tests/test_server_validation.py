@@ -267,7 +267,9 @@ def test_chat_request_translation(state):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"),
+    ({"n": 13}, "n"),  # the fixture's max_concurrency 4 + queue_capacity 8
+    ({"n": 0}, "n"),
+    ({"best_of": 2}, "best_of"),
     ({"messages": "hi"}, "messages"),
     ({"temperature": "warm"}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -95,6 +95,7 @@ class _Submit:
     request: GenerationRequest
     stream: RequestStream
     submitted: float
+    leader: str | None = None  # a request with the same prompt, whose prefill this one waits for
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: list[tuple[RequestStream, GenerationEvent]] = []  # model thread: events not yet handed over
         self._prefix_seen = (0, 0, 0)
+        # Model thread: submits waiting for their leader's prompt to be prefilled, by leader id.
+        self._parked: dict[str, list[_Submit]] = {}
         self._thread = threading.Thread(target=self._run, name="flare-model", daemon=True)
 
     def executor_summary(self) -> str:
@@ -177,8 +180,11 @@ class Engine:
         self._thread.start()
         self._update_gauges()
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Call from the event loop thread (the loop that consumes the returned stream)."""
+    def submit(self, request: GenerationRequest, leader: RequestStream | None = None) -> RequestStream:
+        """Call from the event loop thread (the loop that consumes the returned stream). A request
+        with a `leader` (another choice of the same prompt, `n` > 1) is admitted now but scheduled
+        once the leader's prompt has been prefilled (its first token sampled): it then restores the
+        prompt from the prefix cache rather than computing it again."""
         self._loop = asyncio.get_running_loop()
         if self.failure is not None:
             raise AdmissionError(f"the model worker failed ({self.failure}); the server is exiting", status=503)
@@ -201,7 +207,8 @@ class Engine:
         request_id = request.request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id)
         self.metrics.request_admitted()
-        self._post(_Submit(request_id, request, stream, time.monotonic()))
+        self._post(_Submit(request_id, request, stream, time.monotonic(),
+                           leader=leader.request_id if leader is not None else None))
         return stream
 
     def begin_drain(self) -> None:
@@ -286,7 +293,7 @@ class Engine:
             if isinstance(message, _Submit):
                 self._admit(message)
             elif isinstance(message, _Cancel):
-                live = self._live.get(message.request_id)
+                live = self._live.get(message.request_id) or self._unpark(message.request_id)
                 if live is not None:
                     self._finish(live, "cancelled")
             # A cancel that leaves the scheduler idle is followed by no step that would refresh them.
@@ -294,6 +301,10 @@ class Engine:
 
     def _admit(self, message: _Submit) -> None:
         request_id, request, stream, submitted = message.request_id, message.request, message.stream, message.submitted
+        leader = self._live.get(message.leader) if message.leader is not None else None
+        if leader is not None and leader.generated == 0:
+            self._parked.setdefault(leader.stream.request_id, []).append(message)
+            return
         try:
             # The server validated the request; checked again here so that one that got past it
             # fails alone rather than inside a step it shares with others.
@@ -314,6 +325,22 @@ class Engine:
         self._live[request_id] = live
         if self.telemetry is not None:
             self.telemetry.request_queued(request_id, len(request.prompt_ids))
+
+    def _release_parked(self, leader_id: str) -> None:
+        """Admit the requests that waited for `leader_id`'s prefill (through the inbox: this may
+        run in the middle of a step)."""
+        for message in self._parked.pop(leader_id, ()):
+            self._inbox.put(replace(message, leader=None))
+
+    def _unpark(self, request_id: str) -> _Live | None:
+        """A parked request taken out of waiting (cancelled before admission), as a live one to finish."""
+        for messages in self._parked.values():
+            for message in messages:
+                if message.request_id == request_id:
+                    messages.remove(message)
+                    live = self._live[request_id] = _Live(message.request, message.stream, None, message.submitted)
+                    return live
+        return None
 
     def _launch(self, plan: StepPlan, frames: deque[_Frame]) -> _Frame:
         """Issue `plan` and its sampling. Sampled tokens stay on the device as the next decode
@@ -467,6 +494,8 @@ class Engine:
             if n:
                 top = tuple(zip(output.top_ids[row, :n].tolist(), output.top_logprobs[row, :n].tolist()))
         event, finish = live.output.token(token, logprob, top)
+        if live.output.generated == 1:
+            self._release_parked(live.stream.request_id)
         if event is not None:
             if live.first_token_at is None:
                 live.first_token_at = now
@@ -486,6 +515,7 @@ class Engine:
             return
         live.finished = True
         request_id = live.stream.request_id
+        self._release_parked(request_id)
         try:
             self._scheduler.finish(request_id, reason)
         except KeyError:

@@ -345,7 +345,7 @@ def _error_event(message: str, error_type: str = "api_error") -> dict[str, Any]:
 async def messages(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_messages_request)
     message_id = f"msg_{request[RECORD].request_id}"
-    return await answer(request, call, lambda sink: MessageBuilder(call, message_id, sink))
+    return await answer(request, call, lambda sink: [MessageBuilder(call, message_id, sink)])
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -7,9 +7,11 @@ handler cancelled, shutdown) cancels the engine request, which frees its slot.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -51,6 +53,7 @@ class Call:
     request: GenerationRequest
     sampling: Sampling
     parse_tools: bool = False
+    choices: int = 1  # independent outputs of the prompt (OpenAI's `n`)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,22 @@ class Outcome:
     usage: Usage
     stop: str | int | None = None
     error: str | None = None
+
+
+def choice_requests(request: GenerationRequest, choices: int) -> list[GenerationRequest]:
+    """The requests of `choices` outputs of one prompt: choice i > 0 has its own request id and,
+    when seeded, seed + i (as vLLM derives them), so that seeded choices differ yet repeat."""
+    seed = request.sampling.seed
+    return [request] + [replace(request, request_id=f"{request.request_id}.{i}",
+                                sampling=replace(request.sampling, seed=seed + i if seed is not None else None))
+                        for i in range(1, choices)]
+
+
+def choices_usage(outcomes: Sequence[Outcome]) -> Usage:
+    """Usage of a request with several choices: its prompt once (with the first choice's cache
+    reuse: the others restore what it computed), every choice's output."""
+    first = outcomes[0].usage
+    return Usage(first.prompt_tokens, sum(o.usage.completion_tokens for o in outcomes), first.cached_tokens)
 
 
 def execution_error(message: str | None) -> ApiError:
@@ -96,8 +115,9 @@ def output_parser(frontend: Frontend, prompt_text: str | None, tools: bool) -> O
 
 class Generation:
     def __init__(self, state: ServerState, record: RequestRecord, request: GenerationRequest,
-                 parser: OutputParser | None = None):
+                 parser: OutputParser | None = None, leader: Generation | None = None):
         self._state = state
+        self._leader = leader  # another choice of the same prompt, entered first: this one reuses its prefill
         self._record = record
         self._parser = parser or OutputParser()
         # Parsers read their markers (<think>, DeepSeek's and Kimi's tool-call tokens) as text, and
@@ -113,7 +133,8 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         try:
-            self._stream = self._state.engine.submit(self._request)
+            self._stream = self._state.engine.submit(self._request,
+                                                     leader=self._leader._stream if self._leader else None)
         except AdmissionError as exc:
             raise ApiError(exc.status, str(exc)) from exc
         self._submitted_at = time.monotonic()
@@ -194,50 +215,100 @@ async def read_call(request: web.Request, parse: Callable[[ServerState, dict[str
     return await state.prepare(lambda: parse(state, json_body(request), request_id))
 
 
-async def answer(request: web.Request, call: Call, new_builder: Callable[[EventSink], OutputBuilder], *,
-                 framing: Framing = Framing.NAMED_SSE, parsed: bool = True) -> web.StreamResponse:
-    """Run `call` and answer it through its route's builder. With `parsed`, the output goes
-    through the core's reasoning parser and (when the call asked for it) its tool parser."""
+# A route's builders, one per choice, writing stream events to the sink given.
+NewBuilders = Callable[[EventSink], Sequence[OutputBuilder]]
+# One response object of several choices' objects and outcomes (routes that take `n`).
+Combine = Callable[[Sequence[dict[str, Any]], Sequence[Outcome]], dict[str, Any]]
+
+
+async def answer(request: web.Request, call: Call, new_builders: NewBuilders, *,
+                 framing: Framing = Framing.NAMED_SSE, parsed: bool = True,
+                 combine: Combine | None = None) -> web.StreamResponse:
+    """Run `call` and answer it through its route's builders. With `parsed`, the output goes
+    through the core's reasoning parser and (when the call asked for it) its tool parser. A call
+    of several choices runs one generation each: the first is submitted first and the others
+    wait for its prefill (see Engine.submit); `combine` makes their one response object."""
     state, record = request.app[STATE], request[RECORD]
     record.model, record.stream = call.model, call.stream
-    parser = output_parser(state.frontend, call.prompt.text, call.parse_tools) if parsed else None
-    generation = Generation(state, record, call.request, parser)
-    async with generation:
-        return await builder_response(request, generation, new_builder, stream=call.stream,
-                                      headers=call.sampling.headers(), framing=framing)
+    async with AsyncExitStack() as entered:
+        generations: list[Generation] = []
+        for choice in choice_requests(call.request, call.choices):
+            parser = output_parser(state.frontend, call.prompt.text, call.parse_tools) if parsed else None
+            generation = Generation(state, record, choice, parser, leader=generations[0] if generations else None)
+            generations.append(await entered.enter_async_context(generation))
+        response = await builder_response(request, generations, new_builders, stream=call.stream,
+                                          headers=call.sampling.headers(), framing=framing, combine=combine)
+        if len(generations) > 1 and all(g.outcome is not None for g in generations):
+            record.record_usage(choices_usage([g.outcome for g in generations]))
+        return response
 
 
-async def builder_response(request: web.Request, generation: Generation,
-                           new_builder: Callable[[EventSink], OutputBuilder], *, stream: bool,
-                           headers: dict[str, str], framing: Framing = Framing.NAMED_SSE) -> web.StreamResponse:
-    """Every generating endpoint answers through here: with its builder's final object, or by
-    streaming the builder's events in `framing`. Both paths run the same builder, so they agree
-    by construction; an execution error (500) or a shutdown (503) is answered before anything is
-    sent, and the builder's own to report once streaming."""
-    if not stream:
-        builder = new_builder(no_events)
+class _Unfinished(Exception):
+    """A choice ended without completing (execution error, shutdown): the others stop."""
+
+
+async def _run_choices(generations: Sequence[Generation], builders: Sequence[OutputBuilder], *,
+                       finish: bool) -> None:
+    """Feed each generation's pieces to its builder (with `finish`, then finish it), the choices
+    concurrently; a choice that ends unfinished stops the others."""
+    async def run(generation: Generation, builder: OutputBuilder) -> None:
         await builder.start()
         async for piece in generation.pieces():
             await builder.add(piece)
-        error = unfinished_error(generation.outcome)
-        if error is not None:
-            raise error
-        return web.json_response(await builder.finish(generation.outcome), headers=headers)
+        if finish:
+            await builder.finish(generation.outcome)
+        if unfinished_error(generation.outcome) is not None:
+            raise _Unfinished
+
+    if len(generations) == 1:
+        try:
+            await run(generations[0], builders[0])
+        except _Unfinished:
+            pass
+        return
+    try:
+        async with asyncio.TaskGroup() as group:
+            for generation, builder in zip(generations, builders):
+                group.create_task(run(generation, builder))
+    except BaseExceptionGroup as failures:  # a failure other than an unfinished choice goes on as itself
+        others = [e for e in failures.exceptions if not isinstance(e, _Unfinished)]
+        if others:
+            raise others[0]
+
+
+async def builder_response(request: web.Request, generations: Sequence[Generation], new_builders: NewBuilders, *,
+                           stream: bool, headers: dict[str, str], framing: Framing = Framing.NAMED_SSE,
+                           combine: Combine | None = None) -> web.StreamResponse:
+    """Every generating endpoint answers through here: with its builders' final object, or by
+    streaming the builders' events in `framing`. Both paths run the same builders, so they agree
+    by construction; an execution error (500) or a shutdown (503) is answered before anything is
+    sent, and the builders' own to report once streaming."""
+    if not stream:
+        builders = new_builders(no_events)
+        await _run_choices(generations, builders, finish=False)
+        for generation in generations:  # choices stopped by another's failure have no outcome
+            error = unfinished_error(generation.outcome) if generation.outcome is not None else None
+            if error is not None:
+                raise error
+        objects = [await b.finish(g.outcome) for b, g in zip(builders, generations)]
+        if len(objects) == 1:
+            return web.json_response(objects[0], headers=headers)
+        assert combine is not None, "a route that takes several choices combines them"
+        return web.json_response(combine(objects, [g.outcome for g in generations]), headers=headers)
     ndjson = framing is Framing.NDJSON
     content_type = "application/x-ndjson" if ndjson else "text/event-stream"
     events = EventStream(request, headers=headers, content_type=content_type)
     await events.open()
 
-    async def send(event: dict[str, Any] | str) -> None:
-        if ndjson:
-            await events.line(event)
-        else:
-            await events.event(event, event=event["type"] if framing is Framing.NAMED_SSE else None)
+    writing = asyncio.Lock()  # choices write concurrently; each event goes out whole
 
-    builder = new_builder(send)
-    await builder.start()
-    async for piece in generation.pieces():
-        await builder.add(piece)
-    await builder.finish(generation.outcome)
+    async def send(event: dict[str, Any] | str) -> None:
+        async with writing:
+            if ndjson:
+                await events.line(event)
+            else:
+                await events.event(event, event=event["type"] if framing is Framing.NAMED_SSE else None)
+
+    await _run_choices(generations, new_builders(send), finish=True)
     await events.close()
     return events.response

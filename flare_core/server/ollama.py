@@ -296,7 +296,7 @@ class OllamaBuilder:
 async def _respond(request: web.Request, call: Call, text_key: str | None) -> web.StreamResponse:
     """Run a chat (`text_key` None) or generate ("response") request."""
     record, started = request[RECORD], time.monotonic()
-    return await answer(request, call, lambda sink: OllamaBuilder(call, text_key, record, started, sink),
+    return await answer(request, call, lambda sink: [OllamaBuilder(call, text_key, record, started, sink)],
                         framing=Framing.NDJSON)
 
 

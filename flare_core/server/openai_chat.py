@@ -13,9 +13,9 @@ from flare_core.runtime.types import TokenLogprob
 from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
                                           unfinished_error)
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, finish_reason, generation_request,
-                                             object_head, read_stream_options, read_tool_choice, thinking_switch,
-                                             usage_json)
+from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, combine_choices, finish_reason,
+                                             generation_request, object_head, read_choices, read_stream_options,
+                                             read_tool_choice, thinking_switch, usage_json)
 from flare_core.server.prompts import chat_prompt, openai_messages, openai_tools, template_options
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
@@ -82,7 +82,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=True)
     request = constrained(frontend, request, grammar, prompt.text)
-    return ChatCall(model, stream, prompt, request, sampling, parse_tools,
+    return ChatCall(model, stream, prompt, request, sampling, parse_tools, read_choices(state, values["n"]),
                     include_usage=include_usage)
 
 
@@ -107,37 +107,44 @@ def tool_call_deltas_json(deltas: tuple[ToolCallDelta, ...]) -> list[dict[str, A
 
 
 class ChatBuilder:
-    """A chat completion: chunks through `sink` while it streams, the chat.completion object at
-    the end."""
+    """Choice `index` of a chat completion: its chunks through `chunks` while it streams, a
+    chat.completion object of this choice at the end."""
 
-    def __init__(self, call: ChatCall, completion_id: str, created: int, sink: EventSink = no_events):
+    def __init__(self, call: ChatCall, completion_id: str, created: int, chunks: ChoiceChunks, index: int = 0):
         self._call = call
         self._head = object_head(completion_id, "chat.completion", created, call.model)
-        self._chunks = ChoiceChunks(object_head(completion_id, "chat.completion.chunk", created, call.model), "delta",
-                                    call.include_usage, sink)
+        self._chunks = chunks
+        self._index = index
         self._output = ParsedOutput()
         self._logprobs: list[TokenLogprob] = []
 
+    @classmethod
+    def for_choices(cls, call: ChatCall, completion_id: str, created: int,
+                    sink: EventSink = no_events) -> list[ChatBuilder]:
+        chunks = ChoiceChunks(object_head(completion_id, "chat.completion.chunk", created, call.model), "delta",
+                              call.include_usage, sink, call.choices)
+        return [cls(call, completion_id, created, chunks, index) for index in range(call.choices)]
+
     async def start(self) -> None:
-        await self._chunks.chunk({"role": "assistant", "content": ""})
+        await self._chunks.chunk({"role": "assistant", "content": ""}, index=self._index)
 
     async def add(self, piece: Piece) -> None:
         self._output.add(piece.delta)
         self._logprobs.extend(piece.logprobs)
         delta = _delta_json(piece)
         if delta or piece.logprobs:
-            await self._chunks.chunk(delta, logprobs=chat_logprobs(piece.logprobs) if self._call.request.logprobs
-                                     else None)
+            await self._chunks.chunk(delta, index=self._index,
+                                     logprobs=chat_logprobs(piece.logprobs) if self._call.request.logprobs else None)
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]:
         tool_calls = tool_calls_json(self._output)
-        await self._chunks.finish(outcome, {}, bool(tool_calls))
+        await self._chunks.finish(outcome, {}, bool(tool_calls), index=self._index)
         if unfinished_error(outcome) is not None:  # reported on the stream; nothing else is answered
             return {}
         output = self._output
         message = {"role": "assistant", "content": output.content if output.content or not tool_calls else None,
                    "reasoning_content": output.reasoning or None, "tool_calls": tool_calls}
-        choice = {"index": 0, "message": message,
+        choice = {"index": self._index, "message": message,
                   "logprobs": chat_logprobs(self._logprobs) if self._call.request.logprobs else None,
                   "finish_reason": finish_reason(outcome.finish_reason, bool(tool_calls)),
                   "stop_reason": outcome.stop}
@@ -147,8 +154,8 @@ class ChatBuilder:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_chat_request)
     completion_id, created = f"chatcmpl-{request[RECORD].request_id}", int(time.time())
-    return await answer(request, call, lambda sink: ChatBuilder(call, completion_id, created, sink),
-                        framing=Framing.SSE)
+    return await answer(request, call, lambda sink: ChatBuilder.for_choices(call, completion_id, created, sink),
+                        framing=Framing.SSE, combine=combine_choices)
 
 
 def _delta_json(piece: Piece) -> dict[str, Any]:

@@ -8,11 +8,12 @@ from typing import Any
 
 from flare_core.frontend import Frontend
 from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
-from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, execution_error
+from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, choices_usage, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_logit_bias, read_max_tokens,
                                         read_sampling, read_stop, read_token_ids)
 from flare_core.server.structured import ForcedCalls, forced_calls
+from flare_core.server.state import ServerState
 from flare_core.server.validation import get_bool, get_object, invalid
 
 
@@ -41,6 +42,18 @@ def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prom
         logit_bias=read_logit_bias(body, "logit_bias", frontend.tokenizer.vocab_size) if logit_bias else (),
     )
     return request, sampling
+
+
+def read_choices(state: ServerState, n: int | None) -> int:
+    """OpenAI's `n` (default 1). Every choice is admitted at once, so at most what the server
+    admits: its max_concurrency + queue_capacity."""
+    n = 1 if n is None else n
+    info = state.engine.info
+    room = info.max_concurrency + info.queue_capacity
+    if n > room:
+        raise invalid("n", f"must be at most {room} here (max_concurrency {info.max_concurrency} + queue_capacity "
+                           f"{info.queue_capacity}: every choice is admitted at once), got {n}")
+    return n
 
 
 def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:
@@ -74,33 +87,45 @@ def object_head(object_id: str, object_type: str, created: int, model: str) -> d
 
 
 class ChoiceChunks:
-    """The stream events of one (chat) completion choice, sent through `sink`: its chunks, then
-    the finish chunk, the usage chunk when asked for, and "[DONE]"; an execution error or a
-    shutdown ends it with an error chunk instead."""
+    """The stream events of a (chat) completion's `choices` choices, sent through `sink`: each
+    choice's chunks and finish chunk; once every choice has finished, the usage chunk when asked
+    for and "[DONE]". An execution error or a shutdown ends the stream with an error chunk."""
 
-    def __init__(self, head: dict[str, Any], content_key: str, include_usage: bool, sink: EventSink):
+    def __init__(self, head: dict[str, Any], content_key: str, include_usage: bool, sink: EventSink,
+                 choices: int = 1):
         self._head = head
         self._content_key = content_key  # "delta" (chat) or "text" (completions)
         self._include_usage = include_usage
         self._sink = sink
+        self._choices = choices
+        self._finished: list[Outcome] = []
 
-    async def chunk(self, content: Any, *, finish: str | None = None, logprobs: Any = None) -> None:
-        data = {**self._head, "choices": [{"index": 0, self._content_key: content, "logprobs": logprobs,
+    async def chunk(self, content: Any, *, index: int, finish: str | None = None, logprobs: Any = None) -> None:
+        data = {**self._head, "choices": [{"index": index, self._content_key: content, "logprobs": logprobs,
                                            "finish_reason": finish}]}
         if self._include_usage:
             data["usage"] = None
         await self._sink(data)
 
-    async def finish(self, outcome: Outcome, last_content: Any, tool_calls: bool) -> None:
+    async def finish(self, outcome: Outcome, last_content: Any, tool_calls: bool, *, index: int) -> None:
         if outcome.finish_reason == "error":
             await self._sink(error_chunk(execution_error(outcome.error).message))
         elif outcome.finish_reason == "cancelled":  # cut short by shutdown
             await self._sink(error_chunk(INTERRUPTED.message, INTERRUPTED.code))
         else:
-            await self.chunk(last_content, finish=finish_reason(outcome.finish_reason, tool_calls))
+            await self.chunk(last_content, index=index, finish=finish_reason(outcome.finish_reason, tool_calls))
+            self._finished.append(outcome)
+            if len(self._finished) < self._choices:
+                return
             if self._include_usage:
-                await self._sink({**self._head, "choices": [], "usage": usage_json(outcome.usage)})
+                await self._sink({**self._head, "choices": [], "usage": usage_json(choices_usage(self._finished))})
             await self._sink("[DONE]")
+
+
+def combine_choices(objects: Sequence[dict[str, Any]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """One (chat) completion of several choices' objects: every choice, the prompt counted once."""
+    return {**objects[0], "choices": [choice for o in objects for choice in o["choices"]],
+            "usage": usage_json(choices_usage(outcomes))}
 
 
 def error_chunk(message: str, code: str = "execution_failed") -> dict[str, Any]:

@@ -18,8 +18,9 @@ from flare_core.runtime.types import TokenLogprob
 from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
                                           unfinished_error)
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (ChoiceChunks, completion_logprobs, finish_reason, generation_request,
-                                             object_head, read_stream_options, usage_json)
+from flare_core.server.openai_common import (ChoiceChunks, combine_choices, completion_logprobs, finish_reason,
+                                             generation_request, object_head, read_choices, read_stream_options,
+                                             usage_json)
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
@@ -99,30 +100,40 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
         echo = prompt.text or frontend.tokenizer.decode(prompt.ids)
         if top_logprobs is not None:
             first_token = frontend.tokenizer.decode([prompt.ids[0]])
-    return CompletionCall(model, stream, prompt, request, sampling, include_usage=include_usage, echo=echo,
-                          first_token=first_token)
+    return CompletionCall(model, stream, prompt, request, sampling, choices=read_choices(state, values["n"]),
+                          include_usage=include_usage, echo=echo, first_token=first_token)
 
 
 class CompletionBuilder:
-    """A legacy completion: chunks through `sink` while it streams, the text_completion object at
-    the end. Logprob text offsets count characters of the whole text, echoed prompt included;
-    with echoed logprobs the echo waits for the prompt's scores, which come first."""
+    """Choice `index` of a legacy completion: its chunks through `chunks` while it streams, a
+    text_completion object of this choice at the end. Logprob text offsets count characters of
+    the whole text, echoed prompt included; with echoed logprobs the echo waits for the prompt's
+    scores, which come first."""
 
-    def __init__(self, call: CompletionCall, completion_id: str, created: int, sink: EventSink = no_events):
+    def __init__(self, call: CompletionCall, completion_id: str, created: int, chunks: ChoiceChunks,
+                 index: int = 0):
         self._call = call
         self._head = object_head(completion_id, "text_completion", created, call.model)
-        self._chunks = ChoiceChunks(self._head, "text", call.include_usage, sink)
+        self._chunks = chunks
+        self._index = index
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
         self._scored: list[TokenLogprob] = []
         self._offset = 0
         self._owed = len(call.request.prompt_ids) - 1 if call.first_token is not None else 0
 
+    @classmethod
+    def for_choices(cls, call: CompletionCall, completion_id: str, created: int,
+                    sink: EventSink = no_events) -> list[CompletionBuilder]:
+        chunks = ChoiceChunks(object_head(completion_id, "text_completion", created, call.model), "text",
+                              call.include_usage, sink, call.choices)
+        return [cls(call, completion_id, created, chunks, index) for index in range(call.choices)]
+
     async def start(self) -> None:
         call = self._call
         if call.echo and not self._owed:
             logprobs = completion_logprobs([], 0, call.first_token) if call.first_token is not None else None
-            await self._chunks.chunk(call.echo, logprobs=logprobs)
+            await self._chunks.chunk(call.echo, index=self._index, logprobs=logprobs)
             self._offset = len(call.echo)
 
     async def add(self, piece: Piece) -> None:
@@ -131,24 +142,25 @@ class CompletionBuilder:
         self._logprobs.extend(piece.logprobs)
         self._text.append(piece.delta.content)
         if self._owed and len(self._scored) >= self._owed:
-            await self._chunks.chunk(call.echo, logprobs=completion_logprobs(self._scored, 0, call.first_token))
+            await self._chunks.chunk(call.echo, index=self._index,
+                                     logprobs=completion_logprobs(self._scored, 0, call.first_token))
             self._offset, self._owed = len(call.echo), 0
         if not (piece.delta or piece.logprobs):
             return
         text = piece.delta.content
         logprobs = completion_logprobs(piece.logprobs, self._offset) if call.request.logprobs else None
         self._offset += len(text)
-        await self._chunks.chunk(text, logprobs=logprobs)
+        await self._chunks.chunk(text, index=self._index, logprobs=logprobs)
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]:
-        await self._chunks.finish(outcome, "", False)
+        await self._chunks.finish(outcome, "", False, index=self._index)
         if unfinished_error(outcome) is not None:  # reported on the stream; nothing else is answered
             return {}
         call, logprobs = self._call, None
         if call.request.logprobs:
             logprobs = completion_logprobs(self._scored + self._logprobs, 0, call.first_token) \
                 if call.first_token is not None else completion_logprobs(self._logprobs, len(call.echo))
-        choice = {"index": 0, "text": call.echo + "".join(self._text), "logprobs": logprobs,
+        choice = {"index": self._index, "text": call.echo + "".join(self._text), "logprobs": logprobs,
                   "finish_reason": finish_reason(outcome.finish_reason, False), "stop_reason": outcome.stop}
         return {**self._head, "choices": [choice], "usage": usage_json(outcome.usage)}
 
@@ -157,8 +169,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_completion_request)
     completion_id, created = f"cmpl-{request[RECORD].request_id}", int(time.time())
     # A raw prompt: no chat template opened anything, so no parser reads the output.
-    return await answer(request, call, lambda sink: CompletionBuilder(call, completion_id, created, sink),
-                        framing=Framing.SSE, parsed=False)
+    return await answer(request, call, lambda sink: CompletionBuilder.for_choices(call, completion_id, created, sink),
+                        framing=Framing.SSE, parsed=False, combine=combine_choices)
 
 
 def add_routes(app: web.Application) -> None:

@@ -321,7 +321,7 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
 async def responses(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_responses_request)
     response_id = f"resp_{request[RECORD].request_id}"
-    return await answer(request, call, lambda sink: ResponseBuilder(call, response_id, sink))
+    return await answer(request, call, lambda sink: [ResponseBuilder(call, response_id, sink)])
 
 
 def add_routes(app: web.Application) -> None:

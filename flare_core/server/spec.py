@@ -146,8 +146,11 @@ OPENAI_STOP_FIELDS = (
     Field("skip_special_tokens", "boolean", "leave special tokens out of the text", default=True),
 )
 # (Chat) completions' choices this server does not offer.
+MAX_CHOICES = 128  # OpenAI's n, at most
 OPENAI_CHOICE_FIELDS = (
-    Field("n", "integer", "choices per request", minimum=1, only=1),
+    Field("n", "integer", "choices: outputs sampled independently from one prefill of the prompt (a seeded "
+          "choice i uses seed + i); at most the server's max_concurrency + queue_capacity", minimum=1,
+          maximum=MAX_CHOICES),
     Field("best_of", "integer", "", minimum=1, only=1),
     Field("logit_bias", "object", "token id -> bias in [-100, 100] added to its logit before sampling (at most "
           "1,024 tokens)"),
