@@ -154,10 +154,10 @@ def test_two_thousand_hostile_bodies_get_no_5xx_and_the_worker_lives(server):
 
 # ---- disconnects ---------------------------------------------------------------------------------
 
-def _cut_before_first_byte(url: str) -> None:
+def _cut_before_first_byte(url: str, n: int = 1) -> None:
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": SERVED, "prompt": "Tell me everything", "max_tokens": 200, "stream": True,
-                       "ignore_eos": True}).encode()
+                       "ignore_eos": True, "n": n}).encode()
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -185,6 +185,20 @@ def test_disconnect_storm_leaves_no_slot_page_or_reservation_behind(server):
     assert [result for result in results if result is not None] == [3] * 12
     assert_idle(server)
     assert_serving(server, "the disconnect storm")
+
+
+def test_choices_cut_off_leave_nothing_behind(server):
+    """n=3 requests cut before their first byte, mid-stream (choices streaming together, or the
+    later ones still waiting for the first one's prefill) and answered whole: every choice ends."""
+    choices = {"model": SERVED, "n": 3, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    for _ in range(4):
+        _cut_before_first_byte(server.url, n=3)
+        stream = SseReader(server.url, "/v1/completions", {**choices, "prompt": "Go on"})
+        assert stream.status == 200 and stream.next_event() is not None
+        stream.close()
+    reply = server.process.post("/v1/completions", {**choices, "prompt": "Go on", "max_tokens": 3, "stream": False})
+    assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 9
+    assert_idle(server)
 
 
 # ---- slow and stalled clients --------------------------------------------------------------------
