@@ -98,6 +98,10 @@ def test_parser_closing_and_call_format_are_checked():
     assert hermes.around("f") == ('<tool_call>\n{"name": "f", "arguments": ', "}\n</tool_call>")
     with pytest.raises(ContractError, match=r"ToolCallFormat\.call_begin: call_begin or call_end must hold \{name\}"):
         ToolCallFormat(call_begin="<call>", call_end="</call>")
+    with pytest.raises(ContractError, match=r"ToolCallFormat\.call_end: \{index\} .* belongs in call_begin only"):
+        ToolCallFormat(call_begin="<call {name}>", call_end="</call {index}>")
+    with pytest.raises(ContractError, match=r"ToolCallFormat\.section_begin: section_begin and section_end are both"):
+        ToolCallFormat(call_begin="<call {name}>", call_end="</call>", section_begin="<calls>")
     with pytest.raises(ContractError, match=r"Parser\(think\)\.call_format: is a ToolCallFormat, for tool parsers"):
         Parser("think", "reasoning", ThinkParser, call_format=hermes)
     with pytest.raises(ContractError, match=r"Parser\(hermes\)\.closing: is for reasoning parsers only"):

@@ -601,3 +601,34 @@ def test_forced_calls_need_a_declared_call_format_but_counting_does_not(state):
     assert bad_request(parse_chat_request, other, chat_body(tools=TOOLS, tool_choice="required"),
                        "rid").param == "tool_choice"
     assert parse_messages_request(state, body, "rid").request.grammar.kind.value == "structural_tag"
+
+
+@pytest.mark.parametrize("parser_id", ["hermes", "deepseek-v3-tools", "deepseek-v3.1-tools", "kimi-k2-tools"])
+def test_forced_calls_in_each_declared_format_are_read_back_by_its_parser(state, parser_id):
+    """Two calls written as the parser's call_format says: the grammar a forced "required" builds
+    takes them, token by token, and ends; the parser reads back both names and arguments."""
+    import dataclasses
+
+    from flare_core.frontend.grammar import GrammarMatcher
+    from flare_core.frontend.parsers import ParsedOutput
+    from flare_core.server.structured import ForcedCalls, tool_calls_spec
+
+    parser = load_registry().parsers[parser_id]
+    frontend = dataclasses.replace(state.frontend, tool_parser=parser)
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+    spec = tool_calls_spec(frontend, [*TOOLS, clock], ForcedCalls(("get_weather", "get_time"), False))
+    calls = [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "UTC"})]
+    form = parser.call_format
+    written = []
+    for index, (name, arguments) in enumerate(calls):
+        begin, end = form.around(name)
+        written.append(begin.replace("{index}", str(index)) + json.dumps(arguments) + end)
+    text = form.section_begin + form.separator.join(written) + form.section_end
+    matcher = GrammarMatcher(frontend.grammars.compile(spec))
+    assert all(matcher.accept(token) for token in frontend.tokenizer.encode(text)), text
+    assert matcher.accept(151645) and matcher.terminated  # <|im_end|>: the grammar is complete
+    reader, output = parser.factory(), ParsedOutput()
+    output.add(reader.feed(text) + reader.finish())
+    assert [(call.name, json.loads(call.arguments)) for call in output.tool_calls] == calls
+    assert output.content.strip() == ""

@@ -319,18 +319,29 @@ class Alias:
 class ToolCallFormat:
     """How a tool parser's format writes calls, so that a grammar can force them (tool_choice
     "required" or a named tool): each call is `call_begin`, the call's arguments as a JSON object,
-    then `call_end`; `{name}` in either stands for the tool's name; calls follow one another
-    separated by `separator`. The parser must read back what this writes."""
+    then `call_end`; `{name}` in either stands for the tool's name, and `{index}` in `call_begin`
+    for the call's number, digits the model writes (Kimi K2's `functions.NAME:INDEX`). Calls follow
+    one another separated by `separator`, framed by `section_begin` ... `section_end` where the
+    format puts them in a section (DeepSeek, Kimi K2). The parser must read back what this writes."""
 
     call_begin: str
     call_end: str
     separator: str = ""
+    section_begin: str = ""
+    section_end: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("call_begin", "call_end", "separator"):
+        for name in ("call_begin", "call_end", "separator", "section_begin", "section_end"):
             _require(isinstance(getattr(self, name), str), "ToolCallFormat", name, "must be a string")
         _require("{name}" in self.call_begin + self.call_end, "ToolCallFormat", "call_begin",
                  "call_begin or call_end must hold {name}, where the tool's name goes")
+        _require(self.call_begin.count("{index}") <= 1, "ToolCallFormat", "call_begin",
+                 "holds {index} at most once")
+        for name in ("call_end", "separator", "section_begin", "section_end"):
+            _require("{index}" not in getattr(self, name), "ToolCallFormat", name,
+                     "{index} (the call's number) belongs in call_begin only")
+        _require(bool(self.section_begin) == bool(self.section_end), "ToolCallFormat", "section_begin",
+                 "section_begin and section_end are both set or both empty")
 
     def around(self, name: str) -> tuple[str, str]:
         """The text before and after one call's arguments."""

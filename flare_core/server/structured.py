@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flare_core.contract import ToolCallFormat
 from flare_core.frontend import Frontend
 from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec
 from flare_core.runtime.types import GenerationRequest
@@ -152,15 +153,30 @@ def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | Non
         if not _PLAIN_NAME.fullmatch(function["name"]):
             raise invalid("tool_choice", f"can force only tools whose names are letters, digits, _ . : and -; "
                                          f"got {json.dumps(function['name'])[:80]}")
-        begin, end = parser.call_format.around(function["name"])
-        schema = function.get("parameters") or {"type": "object"}
-        # At most one whitespace character between JSON tokens: a model cannot pad forever.
-        tags.append({"type": "tag", "begin": begin, "end": end,
-                     "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}})
-    tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
-                                                "separator": parser.call_format.separator, "at_least_one": True,
-                                                "stop_after_first": forced.one}}
+        tags.append(_call_tag(parser.call_format, function["name"], function.get("parameters") or {"type": "object"}))
+    call_format = parser.call_format
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": call_format.separator, "at_least_one": True,
+             "stop_after_first": forced.one}
+    if call_format.section_begin:
+        calls = {"type": "tag", "begin": call_format.section_begin, "content": calls, "end": call_format.section_end}
+    tag = {"type": "structural_tag", "format": calls}
     return GrammarSpec(GrammarKind.STRUCTURAL_TAG, json.dumps(tag), "tool_choice")
+
+
+def _call_tag(call_format: ToolCallFormat, name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The xgrammar tag of one call of tool `name` whose arguments follow `schema`."""
+    begin, end = call_format.around(name)
+    # At most one whitespace character between JSON tokens: a model cannot pad forever.
+    arguments = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    head, index, tail = begin.partition("{index}")
+    if not index:
+        return {"type": "tag", "begin": begin, "content": arguments, "end": end}
+    # The model numbers its calls: digits, then the rest of the opening, then the arguments.
+    elements = [{"type": "regex", "pattern": "[0-9]{1,4}"}]
+    if tail:
+        elements.append({"type": "const_string", "value": tail})
+    return {"type": "tag", "begin": head, "content": {"type": "sequence", "elements": [*elements, arguments]},
+            "end": end}
 
 
 def one_spec(*specs: GrammarSpec | None) -> GrammarSpec | None:

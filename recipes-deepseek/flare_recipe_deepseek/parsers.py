@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flare_core.contract import Parser
+from flare_core.contract import Parser, ToolCallFormat
 from flare_core.frontend.parsers import ParsedDelta, ToolCallDelta
 from flare_core.frontend.stops import partial_match_length
 
@@ -339,9 +339,17 @@ class DeepSeekV31ToolParser(MarkedToolCallParser):
         return None if name is None else (_new_call_id(), name)
 
 
+# The forms the parsers read (and the chat templates render): what a forced call is written as.
+DEEPSEEK_V3_CALLS = ToolCallFormat(call_begin="<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+                                   call_end="\n```<｜tool▁call▁end｜>", separator="\n",
+                                   section_begin="<｜tool▁calls▁begin｜>", section_end="<｜tool▁calls▁end｜>")
+DEEPSEEK_V31_CALLS = ToolCallFormat(call_begin="<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+                                    call_end="<｜tool▁call▁end｜>",
+                                    section_begin="<｜tool▁calls▁begin｜>", section_end="<｜tool▁calls▁end｜>")
+
 DEEPSEEK_PARSERS: tuple[Parser, ...] = (
-    Parser("deepseek-v3-tools", "tool", DeepSeekV3ToolParser),
-    Parser("deepseek-v3.1-tools", "tool", DeepSeekV31ToolParser),
+    Parser("deepseek-v3-tools", "tool", DeepSeekV3ToolParser, call_format=DEEPSEEK_V3_CALLS),
+    Parser("deepseek-v3.1-tools", "tool", DeepSeekV31ToolParser, call_format=DEEPSEEK_V31_CALLS),
 )
 """What flare-recipe-deepseek's `flare_parsers` hook returns. V3.1's reasoning parser is the
 built-in "think"; V3's template has no reasoning."""

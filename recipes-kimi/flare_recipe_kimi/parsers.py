@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from flare_core.contract import Parser
+from flare_core.contract import Parser, ToolCallFormat
 from flare_recipe_deepseek.parsers import MarkedToolCallParser, ToolCallMarkers
 
 # Kimi K2 writes `functions.NAME:INDEX` (the form its template renders); the prefix and index are
@@ -47,5 +47,10 @@ class KimiK2ToolParser(MarkedToolCallParser):
         return (text if own_id else "call_" + secrets.token_hex(12)), match.group("name")
 
 
-KIMI_PARSERS: tuple[Parser, ...] = (Parser("kimi-k2-tools", "tool", KimiK2ToolParser),)
+# The form the template renders, `functions.NAME:INDEX`, the index numbered by the model.
+KIMI_K2_CALLS = ToolCallFormat(call_begin="<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>",
+                               call_end="<|tool_call_end|>", section_begin="<|tool_calls_section_begin|>",
+                               section_end="<|tool_calls_section_end|>")
+
+KIMI_PARSERS: tuple[Parser, ...] = (Parser("kimi-k2-tools", "tool", KimiK2ToolParser, call_format=KIMI_K2_CALLS),)
 """What flare-recipe-kimi's `flare_parsers` hook returns."""
