@@ -632,3 +632,16 @@ def test_forced_calls_in_each_declared_format_are_read_back_by_its_parser(state,
     output.add(reader.feed(text) + reader.finish())
     assert [(call.name, json.loads(call.arguments)) for call in output.tool_calls] == calls
     assert output.content.strip() == ""
+
+
+def test_choice_seeds_count_up_from_the_request_seed_within_64_bits(state):
+    from flare_core.server.generation import choice_requests
+
+    call = parse_chat_request(state, chat_body(n=3, seed=2**63 - 1), "rid")
+    choices = choice_requests(call.request, call.choices)
+    assert [c.sampling.seed for c in choices] == [2**63 - 1, -2**63, -2**63 + 1]
+    assert [c.request_id for c in choices] == ["rid", "rid.1", "rid.2"]
+    for choice in choices:
+        choice.sampling.check("sampling")  # what the engine checks again at admission
+    unseeded = choice_requests(parse_chat_request(state, chat_body(n=2), "rid").request, 2)
+    assert [c.sampling.seed for c in unseeded] == [None, None]

@@ -66,10 +66,15 @@ class Outcome:
 
 def choice_requests(request: GenerationRequest, choices: int) -> list[GenerationRequest]:
     """The requests of `choices` outputs of one prompt: choice i > 0 has its own request id and,
-    when seeded, seed + i (as vLLM derives them), so that seeded choices differ yet repeat."""
+    when seeded, seed + i (as vLLM derives them; wrapping within 64 bits), so that seeded choices
+    differ yet repeat."""
     seed = request.sampling.seed
+
+    def choice_seed(i: int) -> int | None:
+        return None if seed is None else (seed + i + 2**63) % 2**64 - 2**63
+
     return [request] + [replace(request, request_id=f"{request.request_id}.{i}",
-                                sampling=replace(request.sampling, seed=seed + i if seed is not None else None))
+                                sampling=replace(request.sampling, seed=choice_seed(i)))
                         for i in range(1, choices)]
 
 
