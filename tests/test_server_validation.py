@@ -645,3 +645,17 @@ def test_choice_seeds_count_up_from_the_request_seed_within_64_bits(state):
         choice.sampling.check("sampling")  # what the engine checks again at admission
     unseeded = choice_requests(parse_chat_request(state, chat_body(n=2), "rid").request, 2)
     assert [c.sampling.seed for c in unseeded] == [None, None]
+
+
+def test_a_grammar_beyond_its_size_limit_is_refused_before_compiling(state):
+    from flare_core.frontend.grammar import MAX_GRAMMAR_BYTES
+
+    huge = {"enum": [f"value-{i:07d}" for i in range(MAX_GRAMMAR_BYTES // 15 + 1)]}
+    assert len(json.dumps(huge)) > MAX_GRAMMAR_BYTES
+    error = bad_request(parse_chat_request, state, chat_body(guided_json=huge), "rid")
+    assert error.param == "guided_json" and f"over the limit of {MAX_GRAMMAR_BYTES:,}" in error.message, error.message
+    choices = [f"choice-{i:07d}" for i in range(MAX_GRAMMAR_BYTES // 14 + 1)]
+    assert bad_request(parse_completion_request, state, {"prompt": "x", "guided_choice": choices}, "rid").param \
+        == "guided_choice"
+    just_under = {"enum": [f"v{i}" for i in range(1000)]}
+    assert parse_chat_request(state, chat_body(guided_json=just_under), "rid").request.grammar is not None

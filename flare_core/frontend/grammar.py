@@ -27,6 +27,14 @@ import torch
 from flare_core.frontend.tokenizer import Tokenizer
 from flare_core.ops.token_masks import MASK_BITS
 
+# A grammar's source (schema, regex, EBNF, choices, forced calls' tools), at most. Compile time and
+# memory grow with it: an enum of 100k strings (1 MB) took 4 s and 200 MB to compile on a CI core;
+# at this size ~1 s. Real schemas, even dozens of tools, stay well below it.
+MAX_GRAMMAR_BYTES = 256 * 1024
+# Compiled grammars kept for reuse, at most (xgrammar's cache is unbounded by default: distinct
+# schemas from clients would grow it without end). Least recently used entries go first.
+GRAMMAR_CACHE_BYTES = 512 * 1024 * 1024
+
 # xgrammar's errors start with a time, a C++ source location and, for failed checks, the check.
 _XGRAMMAR_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?(\S+\.cc:\d+:\s*)?(Check failed: .*? is false:\s*)?")
 
@@ -87,7 +95,12 @@ class Grammars:
         return (self.vocab_size + MASK_BITS - 1) // MASK_BITS
 
     def compile(self, spec: GrammarSpec, starts_after: int | None = None) -> Grammar:
-        """The compiled grammar, or GrammarError naming `spec.field` and xgrammar's reason."""
+        """The compiled grammar, or GrammarError naming `spec.field` and xgrammar's reason (or the
+        size limit)."""
+        size = sum(len(part.encode("utf-8")) for part in
+                   ((spec.source,) if isinstance(spec.source, str) else spec.source))
+        if size > MAX_GRAMMAR_BYTES:
+            raise GrammarError(spec.field, f"it is {size:,} bytes, over the limit of {MAX_GRAMMAR_BYTES:,}")
         compiler = self._ready()
         try:
             if spec.kind is GrammarKind.JSON_SCHEMA:
@@ -118,7 +131,8 @@ class Grammars:
                 wrapped = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.copy_backend())
                 info = xgrammar.TokenizerInfo.from_huggingface(wrapped, vocab_size=self.vocab_size,
                                                                stop_token_ids=self._stop_ids)
-                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True)
+                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True,
+                                                          cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
 
 
