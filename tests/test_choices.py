@@ -66,3 +66,27 @@ def test_a_choice_cancelled_while_waiting_for_the_prefill(session_flare, qwen3_c
     assert other_reason == "cancelled" and others == [] and usage.completion_tokens == 0
     resources = engine.resources()
     assert resources.live == 0 and resources.request_page_refs == 0 and engine.active_requests() == 0
+
+
+def test_a_choice_cancelled_as_it_is_released_is_not_run(session_flare, qwen3_core):
+    """The cancel of a parked choice can be read after the choice was released (put back in the
+    inbox behind the cancel, when the leader's first token came): it is then finished, not run."""
+    engine = make_engine(session_flare, qwen3_core, frames=2)
+
+    async def race():
+        leader = engine.submit(LEADER)
+        waiting = engine.submit(dataclasses.replace(LEADER, request_id="choice.1"), leader=leader)
+        engine._drain_inbox(block=False)  # the model thread's side, by hand: the choice is parked
+        waiting.cancel()  # the cancel is queued ...
+        engine._release_parked(leader.request_id)  # ... before the released choice
+        engine._drain_inbox(block=False)
+        assert "choice.1" not in engine._live
+        engine.start()
+        try:
+            return await asyncio.gather(collect(leader), collect(waiting))
+        finally:
+            await engine.aclose()
+
+    [(tokens, reason, _), (others, other_reason, _)] = asyncio.run(race())
+    assert reason == "length" and len(tokens) == 10 and (others, other_reason) == ([], "cancelled")
+    assert engine.resources().live == 0 and engine.active_requests() == 0

@@ -59,6 +59,10 @@ class RequestStream:
             self._done = True
         return event
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
     def cancel(self) -> None:
         if not self._cancelled and not self._done:
             self._cancelled = True
@@ -304,6 +308,10 @@ class Engine:
         leader = self._live.get(message.leader) if message.leader is not None else None
         if leader is not None and leader.generated == 0:
             self._parked.setdefault(leader.stream.request_id, []).append(message)
+            return
+        if stream.cancelled:  # cancelled while parked, its cancel read after it was released
+            live = self._live[request_id] = _Live(request, stream, None, submitted)
+            self._finish(live, "cancelled")
             return
         try:
             # The server validated the request; checked again here so that one that got past it
