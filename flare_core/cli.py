@@ -278,6 +278,14 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     log.info("device", device=str(torch_device), chosen=device_reason)
     runtime_core = open_verified_core(config, core, trust_publisher)
     registry = _registry()
+    compile_cache = None
+    if torch_device.type == "cuda":  # the CPU reference compiles nothing
+        from flare_core.runtime.compile_cache import compile_cache_dir, device_tag, library_versions, use_compile_cache
+
+        directory = compile_cache_dir(config.paths.compile_cache, runtime_core.path.name, runtime_core.manifest_bytes,
+                                      device_tag(torch_device), library_versions())
+        compile_cache = "warm" if use_compile_cache(directory) else "cold"
+        log.info("compile cache", directory=str(directory), start=compile_cache)
     try:
         loaded = load_core(runtime_core, registry, torch_device)
     except CoreLoadError as exc:
@@ -305,7 +313,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
              state_rows=concurrency + kv.snapshot_rows if loaded.cache_scheme.state else 0,
              state_row_bytes=loaded.cache_scheme.state_row_bytes(),
              max_concurrency=concurrency, context_length=capacities.context_length,
-             prefix_cache=prefix_cache, load_s=round(time.monotonic() - started, 2))
+             prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2))
     engine.start()
     server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
     while_serving = None

@@ -1,0 +1,66 @@
+"""Compiled kernels kept between runs of a core.
+
+`flare run` on CUDA compiles the decoder layers (torch.compile: Inductor, which writes Triton
+kernels) and Flare's own Triton kernels. Both libraries keep what they compile on disk, by
+default in a temporary directory (Inductor) and under ~/.triton (Triton), shared by every
+program. Flare gives them a directory per core, GPU model and library versions under `[paths]
+compile_cache`: the next `flare run` of the same core on the same kind of GPU finds its kernels
+there (a warm start), and another GPU or a new torch / Triton / FlashInfer starts a fresh one
+rather than reading what another build wrote. Directories of old versions can be deleted.
+
+The libraries take their cache directories from environment variables (TORCHINDUCTOR_CACHE_DIR,
+TRITON_CACHE_DIR), which they read when they compile; Flare sets them from its configuration
+before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# Libraries whose versions change what is compiled (a version the environment lacks is None).
+COMPILING_LIBRARIES = ("torch", "triton", "flashinfer-python")
+
+
+def library_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in COMPILING_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def device_tag(device: torch.device) -> str:
+    """The kind of device compiled code is specific to: a GPU's name and compute capability."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+
+
+def compile_cache_dir(root: Path, core_name: str, manifest: bytes, device: str,
+                      versions: dict[str, str | None]) -> Path:
+    """The directory of one core (its name, and its manifest, which names every payload by hash)
+    compiled on `device` with these library versions."""
+    key = json.dumps({"manifest": hashlib.sha256(manifest).hexdigest(), "device": device, "versions": versions},
+                     sort_keys=True)
+    return root / f"{core_name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def use_compile_cache(directory: Path) -> bool:
+    """Point Inductor's and Triton's caches into `directory`; whether it already held compiled
+    files (a warm start)."""
+    inductor, triton = directory / "inductor", directory / "triton"
+    warm = any(path.is_file() for path in directory.rglob("*")) if directory.exists() else False
+    inductor.mkdir(parents=True, exist_ok=True)
+    triton.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    os.environ["TRITON_CACHE_DIR"] = str(triton)
+    return warm

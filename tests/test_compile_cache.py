@@ -1,0 +1,66 @@
+"""Compiled kernels kept between runs (`[paths] compile_cache`): one directory per core, device
+kind and library versions; Inductor and Triton write into it, and a second process compiling
+the same code finds it there (an FX graph cache hit, with the CPU's C++ backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from flare_core.runtime.compile_cache import compile_cache_dir, device_tag, library_versions, use_compile_cache
+
+VERSIONS = {"torch": "2.11.0", "triton": "3.5.0", "flashinfer-python": "0.7.2"}
+
+
+def test_one_directory_per_core_device_and_versions(tmp_path):
+    def directory(manifest=b"{}", device="NVIDIA H200 sm90", versions=VERSIONS):
+        return compile_cache_dir(tmp_path, "qwen3-8b-1234", manifest, device, versions)
+
+    assert directory() == directory() and directory().parent == tmp_path
+    assert directory().name.startswith("qwen3-8b-1234-")
+    others = {directory(manifest=b'{"x": 1}'), directory(device="NVIDIA H100 sm90"),
+              directory(versions={**VERSIONS, "torch": "2.12.0"}), directory(versions={**VERSIONS, "triton": None})}
+    assert directory() not in others and len(others) == 4
+    assert device_tag(torch.device("cpu")) == "cpu"
+    assert set(library_versions()) == set(VERSIONS) and library_versions()["torch"] == torch.__version__
+
+
+_COMPILE = """
+import json, sys, torch
+from flare_core.runtime.compile_cache import use_compile_cache
+warm = use_compile_cache(Path(sys.argv[1]))
+import torch._inductor.runtime.cache_dir_utils as dirs
+from torch._dynamo.utils import counters
+torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.randn(8))
+print(json.dumps({"warm": warm, "inductor": dirs.cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+"""
+
+
+def test_a_second_process_finds_what_the_first_compiled(tmp_path):
+    directory = tmp_path / "core-0123"
+
+    def compile_once() -> dict:
+        done = subprocess.run([sys.executable, "-c", _COMPILE, str(directory)], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = compile_once()
+    assert first == {"warm": False, "inductor": str(directory / "inductor"), "hits": 0}
+    assert any(path.suffix == ".so" for path in (directory / "inductor").rglob("*"))
+    second = compile_once()
+    assert second["warm"] is True and second["hits"] == 1
+
+
+def test_use_compile_cache_points_both_libraries_into_the_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored after the test
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert use_compile_cache(tmp_path / "c") is False
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "c" / "triton")
+    (tmp_path / "c" / "triton" / "kernel.bin").write_bytes(b"x")
+    assert use_compile_cache(tmp_path / "c") is True
