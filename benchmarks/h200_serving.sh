@@ -7,8 +7,8 @@ set -euo pipefail
 out=${1:?usage: h200_serving.sh OUTDIR|--prepare-only [flare run flags]}
 shift
 work=/tmp/flare-bench; mkdir -p "$work"
-printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n' \
-  "$work" "$work" "$work" "$work" > "$work/config.toml"
+printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n%s\n' \
+  "$work" "$work" "$work" "$work" "compile_cache = \"$work/compiled\"" > "$work/config.toml"
 flare="python3 -m flare_core.cli --config $work/config.toml"
 [ -d "$work/qwen3-8b-random" ] || python3 benchmarks/random_checkpoint.py "$work/qwen3-8b-random"
 if [ ! -f "$work/exported" ]; then

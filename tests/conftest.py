@@ -22,7 +22,7 @@ def write_config(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "config.toml"
     path.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "hub"\nkeys = "keys"\ntrust_store = "trust.json"\n'
-                    'checkpoint_cache = "checkpoints"\n[defaults]\ndevice = "cpu"\n')
+                    'checkpoint_cache = "checkpoints"\ncompile_cache = "compiled"\n[defaults]\ndevice = "cpu"\n')
     return path
 
 
