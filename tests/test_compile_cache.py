@@ -31,6 +31,7 @@ def test_one_directory_per_core_device_and_versions(tmp_path):
 
 _COMPILE = """
 import json, sys, torch
+from pathlib import Path
 from flare_core.runtime.compile_cache import use_compile_cache
 warm = use_compile_cache(Path(sys.argv[1]))
 import torch._inductor.runtime.cache_dir_utils as dirs
