@@ -145,7 +145,7 @@ def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | Non
     if parser is None or parser.call_format is None:
         which = "has no tool parser" if parser is None else f"'s tool parser {parser.id!r} cannot write them"
         raise invalid("tool_choice", f"forcing a tool call is not available: this core{which}")
-    tags = []
+    call_format, tags = parser.call_format, []
     for tool in tools or ():
         function = tool["function"]
         if function["name"] not in forced.names:
@@ -153,8 +153,7 @@ def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | Non
         if not _PLAIN_NAME.fullmatch(function["name"]):
             raise invalid("tool_choice", f"can force only tools whose names are letters, digits, _ . : and -; "
                                          f"got {json.dumps(function['name'])[:80]}")
-        tags.append(_call_tag(parser.call_format, function["name"], function.get("parameters") or {"type": "object"}))
-    call_format = parser.call_format
+        tags.append(_call_tag(call_format, function["name"], function.get("parameters") or {"type": "object"}))
     calls = {"type": "tags_with_separator", "tags": tags, "separator": call_format.separator, "at_least_one": True,
              "stop_after_first": forced.one}
     if call_format.section_begin:
