@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -278,13 +279,14 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     log.info("device", device=str(torch_device), chosen=device_reason)
     runtime_core = open_verified_core(config, core, trust_publisher)
     registry = _registry()
-    compile_cache = None
+    compile_cache, compiling = None, contextlib.nullcontext()
     if torch_device.type == "cuda":  # the CPU reference compiles nothing
-        from flare_core.runtime.compile_cache import compile_cache_dir, device_tag, library_versions, use_compile_cache
+        from flare_core.runtime.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
+                                                      library_versions)
 
         directory = compile_cache_dir(config.paths.compile_cache, runtime_core.path.name, runtime_core.manifest_bytes,
                                       device_tag(torch_device), library_versions())
-        compile_cache = "warm" if use_compile_cache(directory) else "cold"
+        compile_cache, compiling = "warm" if holds_compiled(directory) else "cold", compiling_into(directory)
         log.info("compile cache", directory=str(directory), start=compile_cache)
     try:
         loaded = load_core(runtime_core, registry, torch_device)
@@ -297,10 +299,11 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         # Called by the engine once compilation and graphs have taken their memory (on CUDA).
         kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
                                     memory.memory_limit, memory.kv_cache_limit)
-        engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
-                              queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
-                              served_names=served_names or None, telemetry=telemetry,
-                              compile_model=compile_model)
+        with compiling:  # the layers are compiled and the graphs captured while the engine is built
+            engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
+                                  queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
+                                  served_names=served_names or None, telemetry=telemetry,
+                                  compile_model=compile_model)
     except (MemoryPlanError, ValueError) as exc:
         raise FlareCommandError(str(exc)) from exc
     kv = engine.kv

@@ -1,17 +1,17 @@
 """Compiled kernels kept between runs (`[paths] compile_cache`): one directory per core, device
-kind and library versions; Inductor and Triton write into it, and a second process compiling
-the same code finds it there (an FX graph cache hit, with the CPU's C++ backend)."""
+kind and library versions; Inductor and Triton are pointed into it, and a second process
+compiling the same code finds it there (an FX graph cache hit, with the CPU's C++ backend)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import torch
 
-from flare_core.runtime.compile_cache import compile_cache_dir, device_tag, library_versions, use_compile_cache
+from flare_core.runtime.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
+                                              library_versions)
 
 VERSIONS = {"torch": "2.11.0", "triton": "3.5.0", "flashinfer-python": "0.7.2"}
 
@@ -32,12 +32,14 @@ def test_one_directory_per_core_device_and_versions(tmp_path):
 _COMPILE = """
 import json, sys, torch
 from pathlib import Path
-from flare_core.runtime.compile_cache import use_compile_cache
-warm = use_compile_cache(Path(sys.argv[1]))
+from flare_core.runtime.compile_cache import compiling_into, holds_compiled
 import torch._inductor.runtime.cache_dir_utils as dirs
 from torch._dynamo.utils import counters
-torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.randn(8))
-print(json.dumps({"warm": warm, "inductor": dirs.cache_dir(), "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+warm = holds_compiled(Path(sys.argv[1]))
+with compiling_into(Path(sys.argv[1])):
+    torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.randn(8))
+    inductor = dirs.cache_dir()
+print(json.dumps({"warm": warm, "inductor": inductor, "hits": counters["inductor"]["fxgraph_cache_hit"]}))
 """
 
 
@@ -57,11 +59,19 @@ def test_a_second_process_finds_what_the_first_compiled(tmp_path):
     assert second["warm"] is True and second["hits"] == 1
 
 
-def test_use_compile_cache_points_both_libraries_into_the_directory(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored after the test
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    assert use_compile_cache(tmp_path / "c") is False
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "c" / "triton")
-    (tmp_path / "c" / "triton" / "kernel.bin").write_bytes(b"x")
-    assert use_compile_cache(tmp_path / "c") is True
+def test_compiling_into_points_both_libraries_into_the_directory(tmp_path):
+    import torch._inductor.runtime.cache_dir_utils as dirs
+    from triton import knobs
+
+    directory = tmp_path / "c"
+    outside, triton_before = dirs.cache_dir(), knobs.cache.dir
+    assert holds_compiled(directory) is False
+    try:
+        with compiling_into(directory):
+            assert dirs.cache_dir() == str(directory / "inductor")
+            assert knobs.cache.dir == str(directory / "triton")
+        assert dirs.cache_dir() == outside  # Inductor's only while the engine is built
+        (directory / "triton" / "kernel.bin").write_bytes(b"x")
+        assert holds_compiled(directory) is True
+    finally:
+        knobs.cache.dir = triton_before

@@ -8,9 +8,9 @@ compile_cache`: the next `flare run` of the same core on the same kind of GPU fi
 there (a warm start), and another GPU or a new torch / Triton / FlashInfer starts a fresh one
 rather than reading what another build wrote. Directories of old versions can be deleted.
 
-The libraries take their cache directories from environment variables (TORCHINDUCTOR_CACHE_DIR,
-TRITON_CACHE_DIR), which they read when they compile; Flare sets them from its configuration
-before anything is compiled.
+Each library is pointed there through its own setting: Triton's `knobs.cache.dir` for the rest
+of the process, Inductor's `temporary_cache_dir` while the engine is built (its layers are
+compiled and captured then; a shape first met later compiles into Inductor's default cache).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,13 +55,21 @@ def compile_cache_dir(root: Path, core_name: str, manifest: bytes, device: str,
     return root / f"{core_name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def use_compile_cache(directory: Path) -> bool:
-    """Point Inductor's and Triton's caches into `directory`; whether it already held compiled
-    files (a warm start)."""
+def holds_compiled(directory: Path) -> bool:
+    """Whether `directory` already holds compiled files (a start from it is warm)."""
+    return directory.exists() and any(path.is_file() for path in directory.rglob("*"))
+
+
+@contextmanager
+def compiling_into(directory: Path) -> Iterator[None]:
+    """Inductor's cache in `directory`/inductor while the block runs, Triton's in
+    `directory`/triton from now on."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    from triton import knobs
+
     inductor, triton = directory / "inductor", directory / "triton"
-    warm = any(path.is_file() for path in directory.rglob("*")) if directory.exists() else False
     inductor.mkdir(parents=True, exist_ok=True)
     triton.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
-    os.environ["TRITON_CACHE_DIR"] = str(triton)
-    return warm
+    knobs.cache.dir = str(triton)
+    with temporary_cache_dir(str(inductor)):
+        yield
