@@ -54,7 +54,7 @@ class Request:
     request_id: str
     prompt: tuple[int, ...]
     max_tokens: int
-    message_ends: tuple[int, ...]   # message-boundary token endpoints within the prompt, ascending
+    message_ends: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
     order: int                      # submission order: lower is older and has priority
     score_prompt: bool = False      # every prompt position computed, never restored from the cache
     status: RequestStatus = RequestStatus.WAITING

@@ -190,7 +190,8 @@ class Scheduler:
                message_ends: Sequence[int] = (), score_prompt: bool = False) -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
         (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
-        reuse) and its chunks carry their prompt targets. The caller has already checked the context limit."""
+        reuse) and its chunks carry their prompt targets. The caller has already checked the
+        context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt = tuple(prompt)
