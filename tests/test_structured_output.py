@@ -189,3 +189,20 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(session_flare,
     assert text_of(engine, tokens) in ("north", "south") and reason == "stop"
     assert engine.frontend.tokenizer.decode(tokens[-1:]) in ("<|im_end|>", "<|endoftext|>")
     assert engine.resources().live == 0
+
+
+def test_constrain_maps_sampling_rows_onto_logits_rows():
+    """The graph path's logits have a row per graph slot; sampling row i sits at rows[i]. Leading
+    rows (decode steps) and rows apart (prompt chunks) mask the same tokens; unmapped rows keep all."""
+    from flare_core.ops.sampling import LogitBias, constrain
+
+    vocab, words = 70, 3
+    masks = torch.zeros(2, words, dtype=torch.int32)
+    masks[0, 0], masks[1, 2] = 1 << 3, 1 << 1  # row 0 allows token 3, row 1 token 65
+    for rows in ([0, 1], [1, 3]):
+        logits = constrain(torch.zeros(4, vocab), masks, LogitBias([1], [7], [2.0]), rows)
+        allowed = [logits[r].isfinite().nonzero().flatten().tolist() for r in range(4)]
+        assert allowed[rows[0]] == [3] and allowed[rows[1]] == [65]
+        assert all(allowed[r] == list(range(vocab)) for r in range(4) if r not in rows)
+        assert logits[rows[1], 7] == float("-inf")  # biased, then masked out
+    assert logits[3, 65] == 0.0

@@ -304,12 +304,17 @@ def constrain(logits: torch.Tensor, masks: torch.Tensor | None, logit_bias: Logi
     logits rows no sampling row maps to keep every token."""
     if logit_bias is not None:
         logit_bias.add_to(logits, rows)
-    if masks is not None:
-        if rows is not None:
+    if masks is None:
+        return logits
+    target = logits
+    if rows is not None:
+        if list(rows) == list(range(len(rows))):  # the leading rows (every decode step): mask them in place
+            target = logits[:len(rows)]
+        else:  # rows apart (prompt chunks between them): every other row allows every token
             table = torch.full((logits.shape[0], masks.shape[1]), -1, dtype=torch.int32)
             table[list(rows)] = masks
             masks = table
-        apply_token_masks(logits, to_device(masks, torch.int32, logits.device))
+    apply_token_masks(target, to_device(masks, torch.int32, logits.device))
     return logits
 
 
