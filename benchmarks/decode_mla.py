@@ -48,11 +48,12 @@ def deepseek_v3_config(layers: int):
         tie_word_embeddings=False, num_nextn_predict_layers=0)
 
 
-def random_serving_model(config, device: torch.device) -> torch.nn.Module:
+def random_serving_model(config, device: torch.device, recipe=None) -> torch.nn.Module:
+    """`recipe`'s serving model (default DeepSeek-V3's) with random weights drawn on `device`."""
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
 
-    model = DEEPSEEK_V3.build_model(config, torch.bfloat16)  # on the meta device: names, shapes, dtypes
+    model = (recipe or DEEPSEEK_V3).build_model(config, torch.bfloat16)  # on the meta device: names, shapes, dtypes
     generator = torch.Generator(device=device).manual_seed(0)
     tensors = {}
     for name, meta in model.state_dict().items():

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from flare_core.contract import ContractError
 from flare_core.ops.attention import ForwardContext
 from flare_core.ops.gemv import one_token
+from flare_core.ops.moe import use_fused_experts
 from flare_core.ops.opaque import bound
 
 
@@ -67,12 +68,9 @@ class DecoderForServing(nn.Module):
 
     def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
         super().__init__()
-        # Transformers' default expert loop (MoE models) finds the experts in use with .nonzero(),
-        # a host sync that no CUDA graph can hold; its grouped_mm implementation computes the
-        # same from expert-sorted token rows with fixed shapes.
-        can_set = getattr(type(causal_lm), "_can_set_experts_implementation", None)
-        if can_set is not None and can_set():
-            causal_lm.set_experts_implementation("grouped_mm")
+        # MoE models: the routed experts through flare::routed_experts (Transformers' default
+        # expert loop finds the experts in use with a host sync that no CUDA graph can hold).
+        self.fused_experts = use_fused_experts(causal_lm)
         self.model = causal_lm.model
         self.model.rotary_emb = rotary_emb
         # A tied head reads the embedding matrix in forward: prepared weights name each tensor once.

@@ -1,0 +1,182 @@
+"""Mixture-of-experts decode, side by side in one process and one run: the routed experts through
+Transformers' `grouped_mm` (the path before the fused op) and through `flare::routed_experts`
+(flare_core.ops.moe), against the active-weight roofline, at batch 1, 8 and 64.
+
+Shapes (random bf16 weights drawn on the GPU under the recipe's prepared names):
+  * qwen3-30b-a3b-12l: Qwen3-30B-A3B cut to 12 layers (hidden 2048, 128 experts top-8 of
+    intermediate 768, 32/4 heads, vocab 151936; 8.1 B parameters), the MoE issue's model;
+  * deepseek-v3-4l: DeepSeek-V3's layer shapes cut to 4 layers (1 dense + 3 MoE of 256 experts
+    top-8 of intermediate 2048 and a shared expert; MLA; see benchmarks/decode_mla.py).
+
+Each implementation gets its own model (built, measured, freed; the same seed draws the same
+weights) served the way `flare run` serves it: compiled decoder layers, the one-token GEMV
+kernel, captured decode graphs with greedy sampling inside, two steps in flight and each step's
+tokens read back one step later. Per batch c: c requests prefilled with `--context` tokens, then
+decoded together. The roofline of a step is the bytes of the weights it must read at the copy
+bandwidth: every weight outside the routed experts, plus per MoE layer the experts its tokens
+select (expected with random routing: E (1 - (1 - k/E)^c)). Also the time of one `--context`
+token prompt through the model (eager prefill, as flare bench's TTFT includes).
+
+    python benchmarks/moe_decode.py --shape qwen3-30b-a3b-12l --out benchmarks/results/moe-decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from decode_c1 import copy_bandwidth
+from decode_mla import deepseek_v3_config, random_serving_model
+from random_qwen3 import qwen3_moe_config
+
+IMPLEMENTATIONS = ("grouped_mm", "flare")
+PAGE_TOKENS = 64
+WARMUP_STEPS = 8
+
+
+def shape(name: str):
+    """(config, recipe, MoE layers) of a named shape."""
+    if name == "qwen3-30b-a3b-12l":
+        from flare_recipe_qwen.recipes import QWEN3_MOE
+
+        config = qwen3_moe_config(12)
+        return config, QWEN3_MOE, config.num_hidden_layers
+    if name == "deepseek-v3-4l":
+        from flare_recipe_deepseek.recipes import DEEPSEEK_V3
+
+        config = deepseek_v3_config(4)
+        return config, DEEPSEEK_V3, config.num_hidden_layers - config.first_k_dense_replace
+    raise SystemExit(f"--shape: unknown {name!r}")
+
+
+def expert_geometry(config) -> tuple[int, int, int]:
+    """(routed experts, experts per token, bytes of one expert's matrices in bf16)."""
+    experts = getattr(config, "num_experts", None) or config.n_routed_experts
+    return experts, config.num_experts_per_tok, 3 * config.hidden_size * config.moe_intermediate_size * 2
+
+
+def roofline_tok_s(config, moe_layers: int, weight_bytes: int, batch: int, bandwidth: float) -> tuple[float, int]:
+    """(tok/s, bytes per step) if a step of `batch` tokens read only the weights it needs at `bandwidth`."""
+    experts, top_k, expert_bytes = expert_geometry(config)
+    dense_bytes = weight_bytes - moe_layers * experts * expert_bytes
+    used = experts * (1 - (1 - top_k / experts) ** batch)
+    step_bytes = int(dense_bytes + moe_layers * used * expert_bytes)
+    return batch * bandwidth / step_bytes, step_bytes
+
+
+def decode(config, model, recipe, device, batches: list[int], context: int, steps: int) -> dict:
+    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.ops.sampling import StepSampling
+    from flare_core.plugins import load_registry
+    from flare_core.runtime.types import SamplingParams
+    from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
+    from flare_core.scheduler.estimates import StepKind
+
+    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "bfloat16")
+    total = context + 2 * WARMUP_STEPS + steps + 8
+    per_request = -(-total // PAGE_TOKENS)
+    rows = max(batches)
+    started = time.perf_counter()
+    executor = GraphExecutor(model, scheme, num_pages=rows * per_request, page_tokens=PAGE_TOKENS, num_rows=rows,
+                             num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size, device=device,
+                             decode_capacities=tuple(sorted(set(batches))), context_length=total, compile_model=True)
+    results: dict = {"compile_and_capture_s": round(time.perf_counter() - started, 1)}
+    generator = torch.Generator().manual_seed(0)
+    seq = 0
+    for batch in batches:
+        handles = [RequestHandle(f"r{i}", i, 1) for i in range(batch)]
+        pages = [tuple(range(i * per_request, (i + 1) * per_request)) for i in range(batch)]
+        prefill_ms = []
+        for handle, table in zip(handles, pages):
+            prompt = tuple(torch.randint(1000, 100000, (context,), generator=generator).tolist())
+            plan = StepPlan(seq, StepKind.PREFILL, context, (), (), (PrefillChunk(handle, 0, context, prompt, table,
+                                                                                   True, None),), 0.0)
+            seq += 1
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            executor.record_sampled([handle.state_row], executor.run(plan).argmax(-1))
+            torch.cuda.synchronize()
+            prefill_ms.append(1000 * (time.perf_counter() - t0))
+        greedy = StepSampling([SamplingParams(temperature=0.0)] * batch, [0] * batch, [None] * batch)
+
+        def launch(position: int):
+            nonlocal seq
+            entries = tuple(DecodeEntry(h, position, None, table) for h, table in zip(handles, pages))
+            plan = StepPlan(seq, StepKind.DECODE, batch, (), entries, (), 0.0)
+            seq += 1
+            host = executor.step(plan, greedy).token_ids.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return host, done
+
+        def run(first: int, count: int) -> None:
+            pending = launch(first)
+            for i in range(1, count):  # two steps in flight: issue the next, then read the one before
+                following = launch(first + i)
+                pending[1].synchronize()
+                pending[0].tolist()
+                pending = following
+            pending[1].synchronize()
+
+        run(context, WARMUP_STEPS)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run(context + WARMUP_STEPS, steps)
+        seconds = time.perf_counter() - start
+        results[str(batch)] = {"decode_tok_s": round(batch * steps / seconds, 1),
+                               "ms_per_step": round(1000 * seconds / steps, 3),
+                               "prefill_ms_median": round(sorted(prefill_ms)[len(prefill_ms) // 2], 2)}
+    replays = {capacity: g.replays for capacity, g in executor.decode_graphs.items()}
+    if not all(replays.values()):
+        raise RuntimeError(f"decode steps did not all replay graphs: {replays}")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b-12l", choices=("qwen3-30b-a3b-12l", "deepseek-v3-4l"))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=128, help="timed decode steps per batch")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    config, recipe, moe_layers = shape(args.shape)
+    runs, weight_bytes = {}, 0
+    for implementation in IMPLEMENTATIONS:
+        model = random_serving_model(config, device, recipe)
+        model.model.set_experts_implementation(implementation)
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        runs[implementation] = decode(config, model, recipe, device, args.batch, args.context, args.steps)
+        del model
+        torch.cuda.empty_cache()
+        print(implementation, json.dumps(runs[implementation]), flush=True)
+    roofline = {}
+    for batch in args.batch:
+        tok_s, step_bytes = roofline_tok_s(config, moe_layers, weight_bytes, batch, bandwidth)
+        roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
+                                **{f"fraction_{impl}": round(runs[impl][str(batch)]["decode_tok_s"] / tok_s, 3)
+                                   for impl in IMPLEMENTATIONS}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    result = {"benchmark": "moe_decode", "shape": args.shape, "weight_bytes": weight_bytes,
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline,
+              "context": args.context, "steps": args.steps, "device": torch.cuda.get_device_name(device),
+              "torch": torch.__version__, "commit": (commit + ("-dirty" if dirty else "")) if commit else None,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Routed experts of mixture-of-experts layers: gate/up, SiLU * up, down and the weighted sum over
+a token's experts, as one custom op (`flare::routed_experts`) that CUDA graphs capture.
+
+The family's router stays the Transformers definition (softmax or sigmoid scoring, group limits,
+normalisation, scaling): it hands the experts module `top_k_index` / `top_k_weights`, and the
+op replaces only the expert loop. `use_fused_experts(causal_lm)` registers it with Transformers'
+experts interface, so every experts class decorated with `@use_experts_implementation` (Qwen3-MoE,
+DeepSeek-V3 and the families built like them) runs it.
+
+On a CUDA device two launches of one Triton kernel do the work; a token-expert *pair* is one
+token routed to one of its experts (a step of T tokens with top-k has P = T * k pairs).
+
+* Few pairs (P * 4 <= experts; decode of a few requests): one program group per pair reads
+  only its expert's rows, GEMV-style (float32 products summed once), like `flare_core.ops.gemv`.
+  A pair whose expert another pair also chose reads it again; at P <= E / 4 that costs less
+  than sorting the pairs (about E / 4 / (2 E) = 1/8 of the bytes at the limit).
+* More pairs: the pairs are sorted by expert (one stable argsort, counts and offsets in fixed
+  shapes, no host sync); one program group per expert reads that expert's rows once for all
+  its pairs, BLOCK_M pairs at a time, with tensor-core dots.
+
+The first launch writes silu(x @ gate^T) * (x @ up^T) per pair (bfloat16, computed in float32);
+the second writes route_weight * (that @ down^T) per pair in float32, and the pairs of a token
+are summed in float32 (a fixed order: the result does not depend on the schedule).
+Without Triton or CUDA the op computes the same with a loop over the experts in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op takes the loop over experts
+    triton = None
+
+# The implementation's name in Transformers' experts interface.
+EXPERTS_IMPLEMENTATION = "flare"
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """One launch's tiles: pairs per program iteration (1: the GEMV-style path), output features
+    per program, input features per loop iteration, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def per_pair(pairs: int, experts: int) -> bool:
+    """Whether a step of `pairs` token-expert pairs reads experts pair by pair (see the module
+    docstring) rather than sorting the pairs by expert."""
+    return pairs * 4 <= experts
+
+
+def experts_config(pairs: int, experts: int, gated: bool) -> ExpertsConfig:
+    """The tiles of one launch for `pairs` pairs over `experts` experts."""
+    if per_pair(pairs, experts):
+        return ExpertsConfig(block_m=1, block_n=16, block_k=512 if gated else 256, warps=4, stages=1)
+    if pairs <= 16 * experts:  # decode batches: a handful of pairs per expert
+        return ExpertsConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
+    return ExpertsConfig(block_m=64, block_n=128, block_k=64, warps=8, stages=3)  # prompt chunks
+
+
+if triton is not None:
+    @triton.jit
+    def _experts_kernel(in_ptr, w_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr, counts_ptr, N, K,
+                        TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
+        # segment s: one pair (PER_PAIR) or all pairs routed to expert s. GATED: the input rows
+        # are tokens (pair // TOP_K), the weights [E, 2N, K] (gate rows, then up rows), and the
+        # output silu(gate) * up; else the input rows are pairs, the weights [E, N, K], and the
+        # output is scaled by the pair's route weight.
+        segment = tl.program_id(0)
+        if PER_PAIR:
+            expert = tl.load(ids_ptr + segment).to(tl.int64)
+            start = segment
+            count = 1
+        else:
+            expert = segment.to(tl.int64)
+            start = tl.load(starts_ptr + segment)
+            count = tl.load(counts_ptr + segment)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        rows_per_expert = 2 * N if GATED else N
+        w_rows = w_ptr + expert * rows_per_expert * K + n.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+        up_shift = N.to(tl.int64) * K
+        for m0 in range(0, count, BLOCK_M):
+            slots = m0 + tl.arange(0, BLOCK_M)
+            m_mask = slots < count
+            if PER_PAIR:
+                pairs = (start + slots).to(tl.int64)
+            else:
+                pairs = tl.load(order_ptr + start + slots, mask=m_mask, other=0)
+            if GATED:
+                in_rows = in_ptr + (pairs // TOP_K)[:, None] * K  # [BLOCK_M, 1]: token rows
+            else:
+                in_rows = in_ptr + pairs[:, None] * K  # pair rows
+            if BLOCK_M == 1:  # products summed once after the loop, as the GEMV kernel does
+                acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+                up_acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                up_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k < K
+                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(in_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if BLOCK_M == 1:
+                    acc += w.to(tl.float32) * a.to(tl.float32)
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc)
+                if GATED:
+                    up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    if BLOCK_M == 1:
+                        up_acc += up.to(tl.float32) * a.to(tl.float32)
+                    else:
+                        up_acc = tl.dot(a, tl.trans(up), up_acc)
+            if BLOCK_M == 1:
+                y = tl.sum(acc, axis=1)[None, :]
+                up_y = tl.sum(up_acc, axis=1)[None, :]
+            else:
+                y = acc
+                up_y = up_acc
+            if GATED:
+                y = y * tl.sigmoid(y) * up_y
+            else:
+                y = y * tl.load(route_weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + pairs[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _launch(inputs: Tensor, weights: Tensor, out: Tensor, route_weights: Tensor, ids: Tensor,
+            sorted_pairs: tuple[Tensor, Tensor, Tensor] | None, top_k: int, gated: bool,
+            config: ExpertsConfig) -> None:
+    experts, rows, features = weights.shape
+    n = rows // 2 if gated else rows
+    order, starts, counts = sorted_pairs if sorted_pairs is not None else (ids, ids, ids)  # unread per pair
+    segments = ids.numel() if sorted_pairs is None else experts
+    _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
+        inputs, weights, out, route_weights, ids, order, starts, counts, n, features,
+        TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
+
+
+def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                  configs: tuple[ExpertsConfig, ExpertsConfig] | None = None) -> Tensor:
+    """The Triton path of `flare::routed_experts` (CUDA). `configs`: the gate/up and the down
+    launch's tiles (default: `experts_config`; benchmarks sweep them)."""
+    tokens, hidden = x.shape
+    experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    top_k = top_k_index.shape[1]
+    pairs = tokens * top_k
+    ids = top_k_index.reshape(-1)
+    sorted_pairs = None
+    if not per_pair(pairs, experts):
+        order = torch.argsort(ids, stable=True)
+        counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, ids, torch.ones(pairs, dtype=torch.int32, device=x.device))
+        sorted_pairs = (order, counts.cumsum(0, dtype=torch.int32) - counts, counts)
+    up_config, down_config = configs or (experts_config(pairs, experts, True), experts_config(pairs, experts, False))
+    route_weights = top_k_weights.reshape(-1).contiguous()
+    activated = x.new_empty(pairs, intermediate)
+    _launch(x.contiguous(), gate_up, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
+    weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _launch(activated, down, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
+    return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """`flare::routed_experts` as a loop over the experts in use (host synchronising): the CPU
+    path, and the GPU tests' reference."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in top_k_index.unique().tolist():
+        token, slot = (top_k_index == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]).float() * top_k_weights[token, slot, None].float()
+        out.index_add_(0, token, y)
+    return out.to(x.dtype)
+
+
+def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and gate_up.dtype == x.dtype and down.dtype == x.dtype and gate_up.is_contiguous() and down.is_contiguous())
+
+
+@torch.library.custom_op("flare::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """sum over k of top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = top_k_index[t, k];
+    x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down [E, hidden, I]."""
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    if _triton_path(x, gate_up, down):
+        return fused_experts(x, gate_up, down, top_k_index, top_k_weights)
+    return reference_experts(x, gate_up, down, top_k_index, top_k_weights)
+
+
+@routed_experts.register_fake
+def _(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _fusable(experts: nn.Module) -> bool:
+    """Whether a Transformers experts module computes what the op does: concatenated [gate; up]
+    rows [E, 2I, hidden], no biases, no post-expert norm, SiLU gating. (Transformers releases
+    before these flags existed had only that layout: a missing flag reads as it.)"""
+    from transformers.activations import ACT2FN
+    from transformers.integrations import moe
+
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    return (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)
+            and not getattr(experts, "has_bias", False) and not getattr(experts, "is_transposed", False)
+            and not getattr(experts, "has_post_expert_norm", False)
+            and apply_gate in (None, getattr(moe, "_default_apply_gate", None))
+            and isinstance(getattr(experts, "act_fn", None), (nn.SiLU, type(ACT2FN["silu"]))))
+
+
+def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    return torch.ops.flare.routed_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+
+
+def use_fused_experts(causal_lm: nn.Module) -> bool:
+    """Run a Transformers MoE model's experts through `flare::routed_experts` when every experts
+    module is one the op computes exactly (else Transformers' `grouped_mm`, which also keeps
+    fixed shapes for CUDA graphs: its default loop finds the experts in use with a host sync).
+    Returns whether the op is used; a model without switchable experts is left as it is."""
+    can_set = getattr(type(causal_lm), "_can_set_experts_implementation", None)
+    if can_set is None or not can_set():
+        return False
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
+    experts = [m for m in causal_lm.modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
+    fused = bool(experts) and all(_fusable(m) for m in experts)
+    causal_lm.set_experts_implementation(EXPERTS_IMPLEMENTATION if fused else "grouped_mm")
+    return fused

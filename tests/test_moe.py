@@ -1,0 +1,49 @@
+"""Which MoE models run their routed experts through flare::routed_experts, and the op's CPU path
+(the loop over the experts in use) against Transformers' own experts forward."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+from flare_core.ops.moe import EXPERTS_IMPLEMENTATION, use_fused_experts
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def qwen3_moe(**overrides) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**SMALL, "head_dim": 16, "moe_intermediate_size": 32,
+                                                 "num_experts": 8, "num_experts_per_tok": 2, **overrides}))
+
+
+def test_moe_models_switch_to_the_op_and_dense_ones_are_left_alone():
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+
+    model = qwen3_moe()
+    assert use_fused_experts(model) and model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    deepseek = DeepseekV3ForCausalLM(DeepseekV3Config(
+        **SMALL, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16))
+    assert use_fused_experts(deepseek)
+    dense = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16))
+    assert not use_fused_experts(dense)
+
+
+def test_experts_the_op_does_not_compute_keep_grouped_mm():
+    model = qwen3_moe(hidden_act="gelu")
+    assert not use_fused_experts(model) and model.config._experts_implementation == "grouped_mm"
+
+
+def test_the_ops_cpu_path_matches_transformers_experts():
+    model = qwen3_moe()
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(1, 37, 64)
+    expected = block(hidden)  # Transformers' default expert loop
+    assert use_fused_experts(model)
+    torch.testing.assert_close(block(hidden), expected, rtol=1e-5, atol=1e-6)
