@@ -15,7 +15,8 @@ tokens read back one step later. Per batch c: c requests prefilled with `--conte
 decoded together. The roofline of a step is the bytes of the weights it must read at the copy
 bandwidth: every weight outside the routed experts, plus per MoE layer the experts its tokens
 select (expected with random routing: E (1 - (1 - k/E)^c)). Also the time of one `--context`
-token prompt through the model (eager prefill, as flare bench's TTFT includes).
+token prompt through the model (eager prefill, as flare bench's TTFT includes). With --sweep, the
+op alone at one token for several tile choices first (op_sweep).
 
     python benchmarks/moe_decode.py --shape qwen3-30b-a3b-12l --out benchmarks/results/moe-decode.json
 """
@@ -62,9 +63,12 @@ def expert_geometry(config) -> tuple[int, int, int]:
 
 
 def roofline_tok_s(config, moe_layers: int, weight_bytes: int, batch: int, bandwidth: float) -> tuple[float, int]:
-    """(tok/s, bytes per step) if a step of `batch` tokens read only the weights it needs at `bandwidth`."""
+    """(tok/s, bytes per step) if a step of `batch` tokens read only the weights it needs at
+    `bandwidth`: not the routed experts no token chose, nor the embedding table (one row per token)
+    unless it is also the head."""
     experts, top_k, expert_bytes = expert_geometry(config)
-    dense_bytes = weight_bytes - moe_layers * experts * expert_bytes
+    embedding_bytes = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * 2
+    dense_bytes = weight_bytes - moe_layers * experts * expert_bytes - embedding_bytes
     used = experts * (1 - (1 - top_k / experts) ** batch)
     step_bytes = int(dense_bytes + moe_layers * used * expert_bytes)
     return batch * bandwidth / step_bytes, step_bytes
@@ -138,17 +142,70 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
     return results
 
 
+def op_sweep(config, moe_layers: int, device, repeats: int = 50) -> dict:
+    """The op alone at one token, per tile choice: microseconds per MoE layer and the bandwidth of
+    reading the chosen experts, over `moe_layers` layers of distinct weights replayed as one CUDA
+    graph (as a decode step holds them), each layer with its own random route."""
+    from flare_core.ops.moe import ExpertsConfig, experts_config, fused_experts
+
+    experts, top_k, expert_bytes = expert_geometry(config)
+    hidden, intermediate = config.hidden_size, config.moe_intermediate_size
+    up, down = experts_config(top_k, experts, True), experts_config(top_k, experts, False)
+    candidates = {
+        "default": (up, down),
+        "down as pairs + sum": (up, ExpertsConfig(1, 16, 256, 4, 1)),
+        "down sum n8 w2": (up, ExpertsConfig(1, 8, 256, 2, 1, True)),
+        "down sum n32 k128": (up, ExpertsConfig(1, 32, 128, 4, 1, True)),
+        "up n8 k512": (ExpertsConfig(1, 8, 512, 4, 1), down),
+        "up n16 k256": (ExpertsConfig(1, 16, 256, 4, 1), down),
+        "up n32 k256 w8": (ExpertsConfig(1, 32, 256, 8, 1), down),
+        "up n16 k1024 w8": (ExpertsConfig(1, 16, 1024, 8, 1), down),
+    }
+    generator = torch.Generator(device=device).manual_seed(0)
+    layers = [(torch.randn(experts, 2 * intermediate, hidden, device=device, generator=generator).bfloat16(),
+               torch.randn(experts, hidden, intermediate, device=device, generator=generator).bfloat16())
+              for _ in range(moe_layers)]
+    x = torch.randn(1, hidden, device=device, generator=generator).bfloat16()
+    routes = [(weights.bfloat16(), index) for weights, index in (
+        torch.randn(1, experts, device=device, generator=generator).softmax(-1).topk(top_k) for _ in layers)]
+    results = {}
+    for name, configs in candidates.items():
+        def step():
+            for (gate_up, down_proj), (weights, index) in zip(layers, routes):
+                fused_experts(x, gate_up, down_proj, index, weights, configs)
+        step()  # compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        layer_us = 1000 * start.elapsed_time(end) / repeats / moe_layers
+        results[name] = {"us_per_layer": round(layer_us, 2), "gb_s": round(top_k * expert_bytes / layer_us / 1e3, 1)}
+        print(f"op sweep {name}: {results[name]}", flush=True)
+    layers.clear()
+    torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-30b-a3b-12l", choices=("qwen3-30b-a3b-12l", "deepseek-v3-4l"))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per batch")
+    parser.add_argument("--sweep", action="store_true", help="first time the op alone at one token per tile choice")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     config, recipe, moe_layers = shape(args.shape)
+    sweep = op_sweep(config, moe_layers, device) if args.sweep else None
     runs, weight_bytes = {}, 0
     for implementation in IMPLEMENTATIONS:
         model = random_serving_model(config, device, recipe)
@@ -168,7 +225,7 @@ def main() -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     result = {"benchmark": "moe_decode", "shape": args.shape, "weight_bytes": weight_bytes,
-              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline,
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline, "op_sweep": sweep,
               "context": args.context, "steps": args.steps, "device": torch.cuda.get_device_name(device),
               "torch": torch.__version__, "commit": (commit + ("-dirty" if dirty else "")) if commit else None,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -44,7 +44,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("count,top_k,hidden,intermediate", [(128, 8, 1024, 352), (256, 8, 768, 256)])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64, 700])
 def test_fused_experts_match_the_float32_reference(count, top_k, hidden, intermediate, tokens):
-    from flare_core.ops.moe import per_pair, reference_experts
+    from flare_core.ops.moe import reference_experts
 
     gate_up, down = experts(count, hidden, intermediate)
     x, index, weights = routed(tokens, hidden, count, top_k)
@@ -52,7 +52,6 @@ def test_fused_experts_match_the_float32_reference(count, top_k, hidden, interme
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     expected = reference_experts(x.float(), gate_up.float(), down.float(), index, weights.float())
     assert_close(out, expected)
-    assert per_pair(tokens * top_k, count) == (tokens * top_k * 4 <= count)
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
@@ -77,7 +76,8 @@ def test_fused_experts_replay_in_a_cuda_graph_with_new_routes(tokens):
 
 def test_qwen3_moe_block_through_the_op_matches_grouped_mm():
     """A Qwen3-MoE sparse block (Transformers' router, softmax top-k) with its experts switched to
-    the op gives what Transformers' grouped_mm gives, for one token and a prompt's worth."""
+    the op gives what Transformers' grouped_mm gives: one token (per pair), a decode batch
+    (sorted pairs) and a prompt chunk (which takes grouped_mm itself)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
@@ -90,7 +90,7 @@ def test_qwen3_moe_block_through_the_op_matches_grouped_mm():
     model = Qwen3MoeForCausalLM(config).cuda().bfloat16()
     block = model.model.layers[0].mlp
     assert use_fused_experts(model)
-    for tokens in (1, 300):
+    for tokens in (1, 100, 300):
         hidden = torch.randn(1, tokens, 512, device="cuda").bfloat16()
         fused = block(hidden)
         model.set_experts_implementation("grouped_mm")
