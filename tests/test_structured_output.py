@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from flare_core.frontend.grammar import GrammarKind, GrammarMatcher, GrammarSpec, advance
+from flare_core.frontend.grammar import GrammarKind, GrammarMatcher, GrammarSpec
 from flare_core.ops.sampling import Sampler
 from flare_core.ops.token_masks import MASK_BITS, apply_token_masks
 from flare_core.runtime.types import GenerationRequest, SamplingParams
@@ -144,45 +144,15 @@ def test_masks_bind_every_sampling_mode():
         assert all(token in allowed[row] for row, token in enumerate(tokens)), tokens
 
 
-def test_a_steps_matchers_fill_and_advance_together_as_each_would_alone(session_flare, qwen3_core):
-    """Grammars.fill and advance take a whole step's matchers in one xgrammar call each: rows at
-    different places of the grammar get the masks each matcher gives alone, rows without a
-    constraining matcher keep theirs, a refused token is reported for its row only, and a stop
-    token accepted after the complete value terminates that matcher."""
-    import xgrammar
-
-    engine = make_engine(session_flare, qwen3_core, frames=1)
-    grammars, tokenizer = engine.frontend.grammars, engine.frontend.tokenizer
-    grammar = grammars.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA), "test"))
-    late = grammars.compile(GrammarSpec(GrammarKind.CHOICE, ("ab",), "test"), starts_after=7)
-    texts = ['{"ok": true, "n": 2', '{"ok"', "", '{"ok": false, "n": 1, "tag": "red"}']
-    matchers = [GrammarMatcher(grammar) for _ in texts] + [GrammarMatcher(late)]
-    for matcher, text in zip(matchers, texts):
-        assert all(advance([matcher], [token]) == [True] for token in tokenizer.encode(text))
-    masks = torch.full((len(matchers) + 1, grammars.words), -1, dtype=torch.int32)
-    grammars.fill([*matchers, None], masks)
-    for row, text in enumerate(texts):
-        alone = xgrammar.GrammarMatcher(grammar.compiled)
-        assert all(alone.accept_token(token) for token in tokenizer.encode(text))
-        expected = torch.zeros(1, grammars.words, dtype=torch.int32)
-        alone.fill_next_token_bitmask(expected, 0)
-        assert torch.equal(masks[row], expected[0]), text
-    assert (masks[len(texts):] == -1).all()  # the inactive matcher and the row without one
-    end, stop = tokenizer.encode(",")[0], 151645  # <|im_end|>
-    assert advance(matchers, [end, end, tokenizer.encode("x")[0], stop, 7]) == [True, False, False, True, True]
-    assert [m.terminated for m in matchers] == [False, False, False, True, False] and matchers[4].active
-    assert not matchers[3].constrains and advance([matchers[3]], [stop]) == [False]
-
-
 def test_matcher_waits_for_its_start_token(session_flare, qwen3_core):
     engine = make_engine(session_flare, qwen3_core, frames=1)
     grammars = engine.frontend.grammars
     matcher = GrammarMatcher(grammars.compile(GrammarSpec(GrammarKind.CHOICE, ("ab",), "test"), starts_after=7))
-    masks = torch.full((1, grammars.words), -1, dtype=torch.int32)
-    grammars.fill([matcher], masks)
+    masks = torch.zeros(1, grammars.words, dtype=torch.int32)
+    matcher.fill(masks, 0)
     assert (masks == -1).all() and matcher.accept(123) and not matcher.active
     assert matcher.accept(7) and matcher.active
-    grammars.fill([matcher], masks)
+    matcher.fill(masks, 0)
     allowed = apply_token_masks(torch.zeros(1, grammars.vocab_size), masks).isfinite().nonzero()[:, 1].tolist()
     tokenizer = engine.frontend.tokenizer
     assert allowed and all("ab".startswith(tokenizer.decode([t])) for t in allowed)

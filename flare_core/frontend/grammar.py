@@ -4,9 +4,8 @@ A client's JSON schema, `json_object`, regex, EBNF grammar or list of choices, o
 a request forces (an xgrammar structural tag), is a `GrammarSpec`; `Grammars` compiles it against
 the served vocabulary on the frontend pool (xgrammar caches compiled grammars by source, so a
 repeated schema compiles once) and the request carries the `Grammar`. On the model thread a
-`GrammarMatcher` per request tracks its place; before each step that samples, `Grammars.fill`
-writes the step's bitmasks (bit j of word w allows token 32 w + j), and `advance` moves the
-matchers by the sampled tokens, each in one xgrammar call for the whole step. JSON is constrained to the compact form (", " and ": " separators, no other
+`GrammarMatcher` per request writes the next token's bitmask before each step that samples for
+it (bit j of word w allows token 32 w + j) and advances on each sampled token. JSON is constrained to the compact form (", " and ": " separators, no other
 whitespace): a grammar that allows any whitespace lets a model emit whitespace until max_tokens.
 
 A grammar may start after reasoning: with `starts_after` set, the output is free until that token
@@ -75,7 +74,6 @@ class Grammar:
 
     compiled: Any  # xgrammar.CompiledGrammar
     kind: GrammarKind
-    stop_ids: frozenset[int]  # the tokens that complete it (the served vocabulary's stop tokens)
     starts_after: int | None = None
 
 
@@ -90,20 +88,6 @@ class Grammars:
         self._stop_ids = sorted(set(stop_ids))
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, on the model thread
-
-    def fill(self, matchers: Sequence[GrammarMatcher | None], masks: torch.Tensor) -> None:
-        """Write row i of `masks` (int32 [rows, words], on the host) for `matchers[i]`, in one
-        xgrammar call on its threads (see `advance` for why one call); rows whose matcher is
-        None or does not constrain are left as they are."""
-        rows = [row for row, matcher in enumerate(matchers) if matcher is not None and matcher.constrains]
-        if not rows:
-            return
-        if self._batch is None:
-            import xgrammar
-
-            self._batch = xgrammar.BatchGrammarMatcher()  # half the host's hardware threads
-        self._batch.batch_fill_next_token_bitmask([matchers[row]._matcher for row in rows], masks, rows)
 
     @property
     def words(self) -> int:
@@ -136,7 +120,7 @@ class Grammars:
                 compiled = compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.source))
         except RuntimeError as exc:
             raise GrammarError(spec.field, _xgrammar_reason(exc)) from None
-        return Grammar(compiled, spec.kind, frozenset(self._stop_ids), starts_after)
+        return Grammar(compiled, spec.kind, starts_after)
 
     def _ready(self) -> Any:
         with self._lock:
@@ -158,8 +142,8 @@ def _xgrammar_reason(exc: Exception) -> str:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar, on the model thread; `advance` moves matchers by
-    their sampled tokens and `Grammars.fill` writes their bitmasks. Before
+    """One request's position in its grammar, on the model thread: `fill` writes the bitmask of
+    the tokens the grammar allows next, `accept` advances by the sampled token. Before
     `grammar.starts_after` has been sampled the matcher is inactive and allows every token."""
 
     def __init__(self, grammar: Grammar) -> None:
@@ -167,43 +151,25 @@ class GrammarMatcher:
 
         self._matcher = xgrammar.GrammarMatcher(grammar.compiled)
         self._starts_after = grammar.starts_after
-        self._stop_ids = grammar.stop_ids
         self.active = grammar.starts_after is None
-        # The grammar is complete and has accepted a stop token: nothing may follow. Kept here
-        # rather than asked of xgrammar (see `advance`).
-        self.terminated = False
 
     @property
-    def constrains(self) -> bool:
-        """Whether the next token is constrained. A terminated grammar allows every token: its
-        request ends once its last step is read, and a step issued meanwhile samples it for nothing."""
-        return self.active and not self.terminated
+    def terminated(self) -> bool:
+        """The grammar is complete and has accepted a stop token: nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def fill(self, masks: torch.Tensor, row: int) -> None:
+        """Write row `row` of `masks` (int32 [rows, words], on the host). A terminated grammar
+        allows every token: its request ends once its last step is read, and a step issued
+        meanwhile samples it for nothing."""
+        if self.active and not self.terminated:
+            self._matcher.fill_next_token_bitmask(masks, row)
+        else:
+            masks[row].fill_(-1)
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False if the grammar does not allow it."""
-        return advance([self], [token])[0]
-
-
-def advance(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
-    """Advance each matcher by its token, the active ones in one xgrammar call; per matcher,
-    False if its grammar does not allow the token. Every xgrammar call releases the GIL, and
-    getting it back waits for any busy thread (the server's event loop) to yield it, up to the
-    interpreter's switch interval: calls per row rather than per step cost milliseconds."""
-    accepted = [True] * len(matchers)
-    batch = []
-    for index, (matcher, token) in enumerate(zip(matchers, tokens)):
-        if matcher.terminated:
-            accepted[index] = False
-        elif matcher.active:
-            batch.append(index)
-        else:
-            matcher.active = token == matcher._starts_after
-    if batch:
-        import xgrammar
-
-        results = xgrammar.BatchGrammarMatcher.batch_accept_token([matchers[i]._matcher for i in batch],
-                                                                  [tokens[i] for i in batch])
-        for index, ok in zip(batch, results):
-            accepted[index] = ok
-            matchers[index].terminated = ok and tokens[index] in matchers[index]._stop_ids
-    return accepted
+        if not self.active:
+            self.active = token == self._starts_after
+            return True
+        return self._matcher.accept_token(token)

@@ -24,7 +24,7 @@ import torch
 
 from flare_core.executor import Executor
 from flare_core.frontend import Frontend
-from flare_core.frontend.grammar import GrammarMatcher, advance
+from flare_core.frontend.grammar import GrammarMatcher
 from flare_core.ops.sampling import LogitBias, PenaltyState, SampleOutput, StepSampling
 from flare_core.runtime.memory import KvPlan
 from flare_core.runtime.metrics import RuntimeMetrics
@@ -401,9 +401,10 @@ class Engine:
         for frame in frames:
             self._advance_matchers(frame)
         masks = torch.full((len(lives), self.frontend.grammars.words), -1, dtype=torch.int32, pin_memory=self._cuda)
-        # A request that ended in the step just read samples once more, for nothing.
-        self.frontend.grammars.fill([live.matcher if live is not None and not live.finished else None
-                                     for live in lives], masks)
+        for row, live in enumerate(lives):
+            # A request that ended in the step just read samples once more, for nothing.
+            if live is not None and live.matcher is not None and not live.finished:
+                live.matcher.fill(masks, row)
         return masks
 
     @staticmethod
@@ -432,13 +433,10 @@ class Engine:
         if frame.matchers_advanced:
             return
         frame.matchers_advanced = True
-        rows = [(handle.request_id, live, token) for handle, token in zip(frame.plan.samples, self._wait(frame))
-                if (live := self._live.get(handle.request_id)) is not None and live.matcher is not None
-                and not live.finished]
-        accepted = advance([live.matcher for _, live, _ in rows], [token for _, _, token in rows])
-        for (request_id, live, token), ok in zip(rows, accepted):
-            if not ok:
-                log.error("token sampled against its grammar", request_id=request_id, token=token)
+        for handle, token in zip(frame.plan.samples, self._wait(frame)):
+            live = self._live.get(handle.request_id)
+            if live is not None and live.matcher is not None and not live.finished and not live.matcher.accept(token):
+                log.error("token sampled against its grammar", request_id=handle.request_id, token=token)
                 self._finish(live, "error", error=f"output processing failed: token {token} was sampled "
                                                   "against the request's grammar")
 
