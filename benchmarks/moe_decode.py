@@ -153,13 +153,12 @@ def op_sweep(config, moe_layers: int, device, repeats: int = 50) -> dict:
     up, down = experts_config(top_k, experts, True), experts_config(top_k, experts, False)
     candidates = {
         "default": (up, down),
-        "down as pairs + sum": (up, ExpertsConfig(1, 16, 256, 4, 1)),
-        "down sum n8 w2": (up, ExpertsConfig(1, 8, 256, 2, 1, True)),
-        "down sum n32 k128": (up, ExpertsConfig(1, 32, 128, 4, 1, True)),
+        "up k512": (ExpertsConfig(1, 16, 512, 4, 1), down),
         "up n8 k512": (ExpertsConfig(1, 8, 512, 4, 1), down),
-        "up n16 k256": (ExpertsConfig(1, 16, 256, 4, 1), down),
         "up n32 k256 w8": (ExpertsConfig(1, 32, 256, 8, 1), down),
-        "up n16 k1024 w8": (ExpertsConfig(1, 16, 1024, 8, 1), down),
+        "up k1024 w8": (ExpertsConfig(1, 16, 1024, 8, 1), down),
+        "down n8 w2": (up, ExpertsConfig(1, 8, 256, 2, 1)),
+        "down n32 k128": (up, ExpertsConfig(1, 32, 128, 4, 1)),
     }
     generator = torch.Generator(device=device).manual_seed(0)
     layers = [(torch.randn(experts, 2 * intermediate, hidden, device=device, generator=generator).bfloat16(),

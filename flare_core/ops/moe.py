@@ -10,21 +10,20 @@ DeepSeek-V3 and the families built like them) runs it.
 On a CUDA device a step of T tokens with top-k routing has P = T * k token-expert *pairs*:
 
 * Few pairs (P * 4 <= E experts; decode of a few requests): one program group per pair reads
-  only its expert's rows, GEMV-style (float32 products summed once), like `flare_core.ops.gemv`;
-  the down projection's programs each take one token's k pairs and write its weighted sum. A
-  pair whose expert another pair also chose reads it again; at P <= E / 4 that costs less than
-  sorting the pairs (about E / 4 / (2 E) = 1/8 of the bytes at the limit).
+  only its expert's rows, GEMV-style (float32 products summed once), like `flare_core.ops.gemv`.
+  A pair whose expert another pair also chose reads it again: about P / (2 E) of the reads
+  repeat, 1/8 at the limit, which costs less than sorting the pairs.
 * Up to MAX_PAIRS_PER_EXPERT pairs per expert (decode batches): the pairs are sorted by expert
   (one stable argsort, counts and offsets in fixed shapes, no host sync); one program group per
-  expert reads that expert's rows once for all its pairs with tensor-core dots; each pair's
-  weighted output is written in float32 and a token's pairs are summed in a fixed order.
+  expert reads that expert's rows once for all its pairs with tensor-core dots.
 * More (prompt chunks): Transformers' grouped_mm path, whose grouped GEMMs took a 1024-token
   prompt through the 12-layer Qwen3-30B-A3B shape in 13.0 ms against 25.4 ms with these tiles
   (H200, benchmarks/moe_decode.py).
 
-The activation between the two projections is silu(x @ gate^T) * (x @ up^T) per pair, computed
-in float32 and stored in bfloat16. Without Triton or CUDA the op computes the same with a loop
-over the experts in use.
+In the Triton paths the activation between the two projections, silu(x @ gate^T) * (x @ up^T)
+per pair, is computed in float32 and stored in bfloat16; each pair's weighted output is written
+in float32 and a token's pairs are summed in a fixed order (the result does not depend on the
+schedule). Without Triton or CUDA the op computes the same with a loop over the experts in use.
 """
 
 from __future__ import annotations
@@ -52,15 +51,13 @@ MAX_PAIRS_PER_EXPERT = 16
 @dataclass(frozen=True)
 class ExpertsConfig:
     """One launch's tiles: pairs per program iteration (1: the GEMV-style path), output features
-    per program, input features per loop iteration, warps and pipeline stages; `sum_tokens`
-    (per-pair down projection): each program sums one token's pairs instead of writing them."""
+    per program, input features per loop iteration, warps and pipeline stages."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int
-    sum_tokens: bool = False
 
 
 def per_pair(pairs: int, experts: int) -> bool:
@@ -72,9 +69,11 @@ def per_pair(pairs: int, experts: int) -> bool:
 def experts_config(pairs: int, experts: int, gated: bool) -> ExpertsConfig:
     """The tiles of one launch for `pairs` pairs over `experts` experts."""
     if per_pair(pairs, experts):
-        if gated:
-            return ExpertsConfig(block_m=1, block_n=16, block_k=512, warps=4, stages=1)
-        return ExpertsConfig(block_m=1, block_n=16, block_k=256, warps=4, stages=1, sum_tokens=True)
+        # One token of the Qwen3-30B-A3B shape on the H200 (benchmarks/moe_decode.py --sweep): 16
+        # rows x 256 columns per iteration took 34.4 us a layer for gate/up against 36.6 with 512
+        # columns, 37.6 with 1024 and 8 warps, 44.0 with 32 rows; for down, writing each pair and
+        # summing after took 34.1 against 36.6 for a kernel that sums a token's pairs itself.
+        return ExpertsConfig(block_m=1, block_n=16, block_k=256, warps=4, stages=1)
     return ExpertsConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
 
 
@@ -148,29 +147,6 @@ if triton is not None:
                      mask=m_mask[:, None] & n_mask[None, :])
 
 
-    @triton.jit
-    def _token_sum_kernel(act_ptr, w_ptr, out_ptr, route_weights_ptr, ids_ptr, N, K, TOP_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Program (t, j): output features [j * BLOCK_N, (j + 1) * BLOCK_N) of token t, the sum over
-        # its TOP_K pairs of route weight * (activation @ down^T), weights [E, N, K].
-        token = tl.program_id(0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n < N
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        for slot in tl.static_range(TOP_K):
-            pair = token * TOP_K + slot
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            scale = tl.load(route_weights_ptr + pair).to(tl.float32)
-            w_rows = w_ptr + expert * N * K + n.to(tl.int64)[:, None] * K
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k < K
-                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(act_ptr + pair.to(tl.int64) * K + k, mask=k_mask, other=0.0)
-                acc += w.to(tl.float32) * (a.to(tl.float32) * scale)[None, :]
-        tl.store(out_ptr + token.to(tl.int64) * N + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 def _launch(inputs: Tensor, weights: Tensor, out: Tensor, route_weights: Tensor, ids: Tensor,
             sorted_pairs: tuple[Tensor, Tensor, Tensor] | None, top_k: int, gated: bool,
             config: ExpertsConfig) -> None:
@@ -203,13 +179,6 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor,
     route_weights = top_k_weights.reshape(-1).contiguous()
     activated = x.new_empty(pairs, intermediate)
     _launch(x.contiguous(), gate_up, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
-    if down_config.sum_tokens and sorted_pairs is None:
-        out = x.new_empty(tokens, hidden)
-        _token_sum_kernel[(tokens, triton.cdiv(hidden, down_config.block_n))](
-            activated, down, out, route_weights, ids, hidden, intermediate, TOP_K=top_k,
-            BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k, num_warps=down_config.warps,
-            num_stages=down_config.stages)
-        return out
     weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _launch(activated, down, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
     return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
