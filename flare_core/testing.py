@@ -28,7 +28,10 @@ def serve_paged(model: torch.nn.Module, scheme: CacheScheme, sequences: Sequence
     for n in pages_needed:
         pages.append(page_ids[start:start + n])
         start += n
-    storage = allocate_cache_storage(scheme, len(page_ids), page_tokens, device)
+    # Request r keeps its continuation state (schemes with state tensors) in row r.
+    storage = allocate_cache_storage(scheme, len(page_ids), page_tokens, device,
+                                     num_rows=len(sequences) if scheme.state else 0)
+    layer_map = scheme.layer_map()
     consumed = [0] * len(sequences)
     while any(c < n for c, n in zip(consumed, lengths)):
         budget, step = step_tokens, []
@@ -38,11 +41,12 @@ def serve_paged(model: torch.nn.Module, scheme: CacheScheme, sequences: Sequence
             take = min(prompt_lens[r] - consumed[r], budget) if consumed[r] < prompt_lens[r] else 1
             step.append((r, take))
             budget -= take
-        batch = AttentionBatch.build([(take, consumed[r], pages[r]) for r, take in step], page_tokens, device)
+        batch = AttentionBatch.build([(take, consumed[r], pages[r]) for r, take in step], page_tokens, device,
+                                     state_rows=[r for r, _ in step] if scheme.state else ())
         input_ids = torch.tensor([t for r, take in step for t in sequences[r][consumed[r]:consumed[r] + take]],
                                  device=device)
         with torch.no_grad():
-            logits = model(input_ids, batch.positions(), ForwardContext(batch, storage))
+            logits = model(input_ids, batch.positions(), ForwardContext(batch, storage, layer_map=layer_map))
         if logits.shape[0] != len(step) or logits.dtype != torch.float32:
             raise AssertionError(f"the model returned {tuple(logits.shape)} {logits.dtype} logits for a step of "
                                  f"{len(step)} requests; the protocol wants float32 [{len(step)}, vocab]")

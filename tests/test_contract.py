@@ -3,9 +3,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from flare_core.contract import (Alias, CacheScheme, Capacities, ContractError, FrontendSpec, PagedStore, Range,
-                                 SamplingPolicy)
+                                 SamplingPolicy, StateTensor)
 from flare_core.contract.schema import render
 
 DOCS_SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "contract.schema.json"
@@ -44,6 +45,24 @@ def test_cache_scheme_sizes():
     assert scheme.state_row_bytes() == 0
     with pytest.raises(ContractError, match=r"PagedStore\(k\)\.dtype"):
         PagedStore("k", (8, 128), "bf16", 36)
+
+
+def test_stores_may_cover_some_layers_and_the_forward_context_hands_each_layer_its_own():
+    from flare_core.ops.attention import AttentionBatch, ForwardContext
+
+    scheme = CacheScheme("hybrid", paged=(PagedStore("k", (2, 4), "float32", 1, layer_ids=(3,)),),
+                         state=(StateTensor("s", (5,), "float32", 3, layer_ids=(0, 1, 2)),))
+    assert scheme.layer_map() == {"k": {3: 0}, "s": {0: 0, 1: 1, 2: 2}}
+    assert CacheScheme("plain", paged=(PagedStore("k", (2, 4), "float32", 2),)).layer_map() == {}
+    for bad in ((3, 1), (1,), (0, 0)):
+        with pytest.raises(ContractError, match=r"StateTensor\(s\)\.layer_ids"):
+            StateTensor("s", (5,), "float32", 2, layer_ids=bad)
+    cache = {"k": [torch.zeros(1)], "s": [torch.full((1,), float(i)) for i in range(3)]}
+    context = ForwardContext(AttentionBatch.build([(1, 0, [0])], 16, "cpu", state_rows=[2]), cache,
+                             layer_map=scheme.layer_map())
+    assert context.batch.state_rows_host == (2,)
+    assert set(context.for_layer(3).layer) == {"k"} and context.for_layer(3).layer["k"] is cache["k"][0]
+    assert set(context.for_layer(1).layer) == {"s"} and context.for_layer(1).layer["s"] is cache["s"][1]
 
 
 def test_frontend_and_alias_validation():

@@ -152,6 +152,9 @@ class PagedStore:
     dtype: str
     layers: int
     tokens_per_record: int = 1
+    # The model layers the store covers, ascending: its layer i is model layer layer_ids[i]. Empty:
+    # model layers 0 .. layers - 1. A hybrid model keeps K/V only for its attention layers.
+    layer_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_name(self.name, "PagedStore", "name")
@@ -160,6 +163,7 @@ class PagedStore:
         _require(self.dtype in DTYPES, f"PagedStore({self.name})", "dtype", f"must be one of {DTYPES}")
         _check_positive_int(self.layers, f"PagedStore({self.name})", "layers")
         _check_positive_int(self.tokens_per_record, f"PagedStore({self.name})", "tokens_per_record")
+        _check_layer_ids(self.layer_ids, self.layers, f"PagedStore({self.name})")
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ class StateTensor:
     shape: tuple[int, ...]
     dtype: str
     layers: int
+    layer_ids: tuple[int, ...] = ()  # as PagedStore.layer_ids: the model layers with this state
 
     def __post_init__(self) -> None:
         _check_name(self.name, "StateTensor", "name")
@@ -178,6 +183,13 @@ class StateTensor:
                  f"StateTensor({self.name})", "shape", f"must be positive integers, got {self.shape!r}")
         _require(self.dtype in DTYPES, f"StateTensor({self.name})", "dtype", f"must be one of {DTYPES}")
         _check_positive_int(self.layers, f"StateTensor({self.name})", "layers")
+        _check_layer_ids(self.layer_ids, self.layers, f"StateTensor({self.name})")
+
+
+def _check_layer_ids(layer_ids: tuple[int, ...], layers: int, obj: str) -> None:
+    _require(not layer_ids or (len(layer_ids) == layers and all(isinstance(i, int) and i >= 0 for i in layer_ids)
+                               and list(layer_ids) == sorted(set(layer_ids))), obj, "layer_ids",
+             f"must be empty or {layers} distinct ascending layer indices, got {layer_ids!r}")
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1,
@@ -209,6 +221,12 @@ class CacheScheme:
 
     def state_row_bytes(self) -> int:
         return sum(math.prod(s.shape) * _DTYPE_BYTES[s.dtype] * s.layers for s in self.state)
+
+    def layer_map(self) -> dict[str, dict[int, int]]:
+        """For each store that covers only some model layers (`layer_ids`): model layer -> the
+        store's own layer index. Stores not listed cover every layer under its own index."""
+        return {store.name: {layer: index for index, layer in enumerate(store.layer_ids)}
+                for store in (*self.paged, *self.state) if store.layer_ids}
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class EagerExecutor:
         self.storage = self._allocate_storage(num_pages)
         self._paged = [s.name for s in scheme.paged]
         self._state = [s.name for s in scheme.state]
+        self.layer_map = scheme.layer_map()  # stores that cover only some model layers
         # Live requests' continuation-state rows are in `storage`; prefix resume points keep theirs here.
         self.snapshots = {s.name: [torch.zeros(num_snapshot_rows, *s.shape, dtype=layer.dtype, device=device)
                                    for layer in self.storage[s.name]] for s in scheme.state}
@@ -196,9 +197,12 @@ class EagerExecutor:
         """Logits of every row of the step (each decode, then each prefill chunk's last token;
         every token of a chunk that scores its prompt)."""
         sequences = self._sequences(plan)
-        batch = AttentionBatch.build(sequences, self.page_tokens, self.device, self._every_row(plan))
+        state_rows = [e.handle.state_row for e in plan.decodes] + [c.handle.state_row for c in plan.prefills] \
+            if self._state else ()
+        batch = AttentionBatch.build(sequences, self.page_tokens, self.device, self._every_row(plan), state_rows)
         attention = self._plan_attention(sequences) if self._plan_attention is not None else None
-        return self.model(self._input_ids(plan), batch.positions(), ForwardContext(batch, self.storage, attention))
+        return self.model(self._input_ids(plan), batch.positions(),
+                          ForwardContext(batch, self.storage, attention, layer_map=self.layer_map))
 
     def _save(self, chunk, logits_row: torch.Tensor) -> None:
         save = chunk.save

@@ -179,6 +179,12 @@ class GraphExecutor:
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
                  prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
                  triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
+        if scheme.state:
+            # Recurrent layers read their state rows through the host's batch layout, which a
+            # captured graph would freeze; their GPU kernels are not built yet.
+            raise ValueError(f"cache scheme {scheme.name!r} keeps continuation state "
+                             f"({', '.join(s.name for s in scheme.state)}): the CUDA graph path does not run "
+                             "such models yet; serve them with --device cpu")
         self.model, self.device, self.page_tokens, self.vocab_size = model, device, page_tokens, vocab_size
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         self.eager = EagerExecutor(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens,
@@ -279,7 +285,8 @@ class GraphExecutor:
         """Run the prefill path once over `tokens` scratch-page tokens (nothing live is touched)."""
         pages = [self.scratch_page] * -(-tokens // self.page_tokens)
         batch = AttentionBatch.build([(tokens, 0, pages)], self.page_tokens, self.device)
-        context = ForwardContext(batch, self.storage, self._plan_prefill([(tokens, 0, pages)]))
+        context = ForwardContext(batch, self.storage, self._plan_prefill([(tokens, 0, pages)]),
+                                 layer_map=self.eager.layer_map)
         self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
 
     def _scratch_layout(self, rows: int) -> PagedLayout:
@@ -321,7 +328,7 @@ class GraphExecutor:
             slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
             kv_lens_host=(1,) * capacity)
-        context = ForwardContext(batch, self.storage, attention)
+        context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
         attention.plan(self._scratch_layout(capacity), self.scale)
         last_sampled = self.eager.last_sampled
 
@@ -354,7 +361,7 @@ class GraphExecutor:
             slot_mapping=tokens_in["cache_indices"], logits_indices=ints["last_token_index"],
             page_tokens=self.page_tokens,
             query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1))
-        context = ForwardContext(batch, self.storage, attention)
+        context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
         attention.plan(self._prefill_layout((), capacity, requests), self.scale)
         forward_graph, logits = self._captured(
             lambda: self.model(tokens_in["ids"], tokens_in["positions"], context), pool)

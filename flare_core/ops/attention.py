@@ -17,7 +17,7 @@ reference computation for FlashInfer behind the same interface.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Protocol, Sequence
 
 import torch
@@ -50,6 +50,9 @@ class AttentionBatch:
     page_tokens: int
     query_start_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
+    # Each request's continuation-state row (schemes with state tensors; empty otherwise): where
+    # its recurrent layers read and write their state.
+    state_rows_host: tuple[int, ...] = ()
 
     @property
     def num_requests(self) -> int:
@@ -69,13 +72,17 @@ class AttentionBatch:
 
     @classmethod
     def build(cls, sequences: Sequence[tuple[int, int, Sequence[int]]], page_tokens: int,
-              device: torch.device | str, every_row: Sequence[bool] = ()) -> AttentionBatch:
+              device: torch.device | str, every_row: Sequence[bool] = (),
+              state_rows: Sequence[int] = ()) -> AttentionBatch:
         """Describe a step from `(num_new_tokens, num_cached_before, page_ids)` per request.
 
         `page_ids` lists the request's pages in order and must cover all its tokens after the
         step. Logits are produced for each request's last new token, and for every new token of
-        the requests `every_row` flags (prompt scoring).
+        the requests `every_row` flags (prompt scoring). `state_rows`: each request's
+        continuation-state row, when the cache scheme has state tensors.
         """
+        if state_rows and len(state_rows) != len(sequences):
+            raise ValueError(f"AttentionBatch.build: {len(state_rows)} state rows for {len(sequences)} requests")
         if not sequences:
             raise ValueError("AttentionBatch.build: sequences is empty; a step needs at least one request")
         if page_tokens <= 0:
@@ -111,6 +118,7 @@ class AttentionBatch:
             page_tokens=page_tokens,
             query_start_host=tuple(query_start),
             kv_lens_host=tuple(kv_lens),
+            state_rows_host=tuple(state_rows),
         )
 
 
@@ -124,21 +132,34 @@ class ForwardContext:
     `layer` holds one layer's tensors (store name -> tensor) in the context a decoder loop hands
     to that layer (`for_layer`): compiled layers then find their cache without indexing by their
     layer number, which torch.compile would bake into each layer's code (one compilation per
-    layer instead of one shared by all)."""
+    layer instead of one shared by all).
+
+    `layer_map` (`CacheScheme.layer_map`): for the stores that cover only some model layers,
+    model layer -> the store's own layer index; a layer a store does not cover has none of it."""
 
     batch: AttentionBatch
     cache: Mapping[str, Sequence[Tensor]]
     attention: "AttentionBackend | None" = None
     layer: Mapping[str, Tensor] | None = None
+    layer_map: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
 
     def for_layer(self, index: int) -> ForwardContext:
-        return replace(self, layer={name: layers[index] for name, layers in self.cache.items()})
+        own = {name: self._own_layer(name, index) for name in self.cache}
+        return replace(self, layer={name: self.cache[name][i] for name, i in own.items() if i is not None})
 
     def store(self, name: str, module: nn.Module) -> Tensor:
-        """The layer of paged store `name` that `module` (with a `layer_idx`) reads and writes."""
+        """The layer of store `name` (paged or state) that `module` (with a `layer_idx`: the model
+        layer) reads and writes."""
         if self.layer is not None:
             return self.layer[name]
-        return self.cache[name][module.layer_idx]
+        own = self._own_layer(name, module.layer_idx)
+        if own is None:
+            raise KeyError(f"store {name!r} does not cover model layer {module.layer_idx}")
+        return self.cache[name][own]
+
+    def _own_layer(self, name: str, index: int) -> int | None:
+        covered = self.layer_map.get(name)
+        return index if covered is None else covered.get(index)
 
 
 class AttentionBackend(Protocol):
