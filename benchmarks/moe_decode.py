@@ -224,7 +224,8 @@ def main() -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     result = {"benchmark": "moe_decode", "shape": args.shape, "weight_bytes": weight_bytes,
-              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline, "op_sweep": sweep,
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline,
+              "op_sweep": sweep,
               "context": args.context, "steps": args.steps, "device": torch.cuda.get_device_name(device),
               "torch": torch.__version__, "commit": (commit + ("-dirty" if dirty else "")) if commit else None,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

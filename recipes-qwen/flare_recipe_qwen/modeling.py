@@ -19,6 +19,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from flare_core.ops.gqa import FusedQKVAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
+from flare_recipe_qwen import hybrid
 
 # Transformers classes per architecture: (causal LM, attention, dense MLPs, rotary embedding).
 _CLASSES = {
@@ -30,10 +31,13 @@ _CLASSES = {
 
 
 def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
-    """Qwen3 / Qwen3-MoE serving model with parameters on the meta device in `dtype` and the
-    rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    """Qwen3 / Qwen3-MoE / Qwen3-Next serving model with parameters on the meta device in `dtype`
+    and the rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    if config.model_type == "qwen3_next":
+        return hybrid.build_model(config, dtype)
     if config.model_type not in _CLASSES:
-        raise ValueError(f"config.model_type: {config.model_type!r} is not a Qwen3 model type ({', '.join(_CLASSES)})")
+        raise ValueError(f"config.model_type: {config.model_type!r} is not a Qwen3 model type "
+                         f"({', '.join([*_CLASSES, 'qwen3_next'])})")
     causal_lm_class, attention_class, dense_mlp_classes, rotary_class = _CLASSES[config.model_type]
     with torch.device("meta"):
         causal_lm = causal_lm_class(config)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from flare_core.contract import Recipe, TemplatePatch
+from flare_core.contract import CacheSchemeFactory, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
+from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
 from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
 
@@ -16,3 +17,10 @@ def flare_recipes() -> list[Recipe]:
 @hookimpl
 def flare_template_patches() -> list[TemplatePatch]:
     return list(QWEN_TEMPLATE_PATCHES)
+
+
+@hookimpl
+def flare_cache_schemes() -> list[CacheSchemeFactory]:
+    return [CacheSchemeFactory("gated-deltanet-hybrid", gated_deltanet_hybrid_scheme,
+                               "K/V pages for the full-attention layers; convolution window and recurrent "
+                               "state rows for the Gated DeltaNet layers")]

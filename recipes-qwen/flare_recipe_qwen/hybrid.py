@@ -1,0 +1,147 @@
+"""Qwen3-Next for serving: Gated DeltaNet (linear attention with a recurrent state) interleaved
+with gated full attention, built from the Transformers classes.
+
+Transformers' decoder layers, norms, rotary embedding and MoE blocks are reused as they are.
+Replaced for serving:
+
+* each Gated DeltaNet layer keeps Transformers' parameters and projections but reads and writes
+  its requests' continuation state (the causal convolution's last `kernel - 1` inputs and the
+  [value heads, key dim, value dim] recurrent matrix) in the runtime's state rows, one request
+  of the flattened batch at a time, with Transformers' own chunked (prompt) and recurrent (one
+  token) gated delta rules;
+* each full-attention layer attends over the paged K/V cache (`PagedAttention`), with the
+  original projections, q/k norms, partial rotary embedding and sigmoid output gate;
+* dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`).
+
+The cache scheme (`gated_deltanet_hybrid_scheme`) keeps K/V pages for the full-attention layers
+only and two state tensors for the linear ones. Prepared tensor names are the Transformers names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+from flare_core.contract import CacheScheme, PagedStore, StateTensor
+from flare_core.ops.attention import ForwardContext, PagedAttention
+from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def gated_deltanet_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
+    """K and V pages for the full-attention layers; for the Gated DeltaNet layers the convolution
+    window ("conv": [conv channels, kernel - 1], in the cache dtype) and the recurrent state
+    ("recurrent": [value heads, key head dim, value head dim], float32 as the delta rule keeps it)."""
+    full = tuple(i for i, kind in enumerate(config.layer_types) if kind == FULL)
+    linear = tuple(i for i, kind in enumerate(config.layer_types) if kind == LINEAR)
+    conv_channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    record = (config.num_key_value_heads, config.head_dim)
+    return CacheScheme(
+        name="gated-deltanet-hybrid",
+        paged=(PagedStore("k", record, dtype, len(full), layer_ids=full),
+               PagedStore("v", record, dtype, len(full), layer_ids=full)),
+        state=(StateTensor("conv", (conv_channels, config.linear_conv_kernel_dim - 1), dtype, len(linear),
+                           layer_ids=linear),
+               StateTensor("recurrent", (config.linear_num_value_heads, config.linear_key_head_dim,
+                                         config.linear_value_head_dim), "float32", len(linear), layer_ids=linear)),
+    )
+
+
+class GatedDeltaNetForServing(qn.Qwen3NextGatedDeltaNet):
+    """Transformers' Gated DeltaNet (same parameters, same state dict) over the runtime's state
+    rows: `forward` takes the step's flattened batch and the forward context instead of a cache."""
+
+    def forward(self, hidden_states: Tensor, context: ForwardContext, **_: Any) -> Tensor:
+        batch = context.batch
+        conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
+        qkvz, ba = self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
+        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)[0]
+        beta = b.sigmoid()
+        # As Transformers computes it: in float32, else A might be -inf in half precision.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight  # [channels, 1, kernel]
+        window = weight.shape[-1] - 1
+        outputs = []
+        for r in range(batch.num_requests):
+            start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
+            row = batch.state_rows_host[r]
+            # The convolution continues from the request's last `window` inputs (zeros when fresh).
+            inputs = torch.cat([conv_rows[row].to(weight.dtype), mixed[start:end].T.to(weight.dtype)], dim=-1)
+            conv_rows[row].copy_(inputs[:, -window:])
+            convolved = ACT2FN[self.activation](F.conv1d(inputs[None], weight, self.conv1d.bias,
+                                                         groups=inputs.shape[0]))
+            q, k, v = convolved[0].T.to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            rule = qn.torch_recurrent_gated_delta_rule if end - start == 1 else qn.torch_chunk_gated_delta_rule
+            out, state = rule(q.reshape(1, end - start, -1, self.head_k_dim),
+                              k.reshape(1, end - start, -1, self.head_k_dim),
+                              v.reshape(1, end - start, -1, self.head_v_dim),
+                              g=g[:, start:end], beta=beta[:, start:end],
+                              initial_state=recurrent_rows[row][None], output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+            recurrent_rows[row].copy_(state[0])
+            outputs.append(out)
+        core = torch.cat(outputs, dim=1)  # [1, tokens, value heads, value head dim]
+        core = self.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
+        return self.out_proj(core.reshape(1, core.shape[0] // self.num_v_heads, -1))
+
+
+class GatedAttentionForServing(nn.Module):
+    """Qwen3-Next's full attention over the paged cache: the query projection also yields a
+    per-head output gate, q and k are RMS-normed per head, the rotary embedding covers the
+    leading part of each head."""
+
+    def __init__(self, original: qn.Qwen3NextAttention, config: Any, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = original.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = original.q_proj, original.k_proj, original.v_proj, \
+            original.o_proj
+        self.q_norm, self.k_norm = original.q_norm, original.k_norm
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], context: ForwardContext,
+                **_: Any) -> tuple[Tensor, None]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        query, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query = self.q_norm(query)
+        key = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        value = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = position_embeddings
+        query, key = qn.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
+        out = self.attn(query, key, value, context).reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(out).reshape(shape), None  # layers unpack (output, weights)
+
+
+def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
+    """Qwen3-Next serving model with parameters on the meta device in `dtype` and the rotary
+    embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    with torch.device("meta"):
+        causal_lm = qn.Qwen3NextForCausalLM(config)
+        for layer_idx, layer in enumerate(causal_lm.model.layers):
+            if layer.block_type == LINEAR:
+                layer.linear_attn.__class__ = GatedDeltaNetForServing  # adds no state: only forward differs
+            else:
+                layer.self_attn = GatedAttentionForServing(layer.self_attn, config, layer_idx)
+            if isinstance(layer.mlp, qn.Qwen3NextMLP):
+                layer.mlp = _fused(layer.mlp, config)
+            else:
+                layer.mlp.shared_expert = _fused(layer.mlp.shared_expert, config)
+    causal_lm.to(dtype)
+    with torch.device("cpu"):
+        rotary_emb = qn.Qwen3NextRotaryEmbedding(config)
+    return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
+
+
+def _fused(mlp: qn.Qwen3NextMLP, config: Any) -> FusedGatedMLP:
+    return FusedGatedMLP(config.hidden_size, mlp.intermediate_size, mlp.act_fn)

@@ -1,0 +1,122 @@
+"""Qwen3-Next (Gated DeltaNet + gated attention, flare_recipe_qwen.hybrid) on the CPU, in fp32.
+
+* Logits parity with the Transformers forward: requests of mixed lengths prefilled in 64-token
+  steps that cut prompts mid-way (the recurrent and convolution state carried across chunks in
+  the runtime's state rows), then decoded together over non-contiguous pages.
+* Exact prefix reuse through the runtime: a scheduler with a prefix cache and an eager executor
+  serve a request whose prompt starts with an earlier request's prompt up to a message
+  boundary; it restores the state snapshot taken there (and the K/V pages), and every logits
+  row it produces still matches the Transformers forward of its whole sequence.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
+
+from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.contract import Capacities
+from flare_core.executor.eager import EagerExecutor
+from flare_core.ops.loading import load_prepared_weights
+from flare_core.plugins import load_registry
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
+from flare_core.testing import assert_logits_parity
+from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
+from flare_recipe_qwen.modeling import build_model
+from flare_recipe_qwen.weights import map_weights
+
+# Four layers: three Gated DeltaNet, then full attention (Transformers' default layout); MoE with a
+# shared expert except layer 1, a dense MLP.
+SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+             num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
+             mlp_only_layers=[1])
+RECIPE = types.SimpleNamespace(check_config=None, build_model=build_model, map_weights=map_weights,
+                               cache_scheme="gated-deltanet-hybrid")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Qwen3NextForCausalLM, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**SMALL)).eval()
+    directory = tmp_path_factory.mktemp("qwen3-next")
+    model.save_pretrained(directory)
+    return model, load_file(directory / "model.safetensors")
+
+
+def test_scheme_keeps_pages_for_attention_layers_and_state_rows_for_the_others():
+    scheme = load_registry().cache_schemes["gated-deltanet-hybrid"].build(Qwen3NextConfig(**SMALL), "bfloat16")
+    assert [(s.name, s.layer_ids) for s in scheme.paged] == [("k", (3,)), ("v", (3,))]
+    assert [(s.name, s.shape, s.dtype, s.layer_ids) for s in scheme.state] == [
+        ("conv", (2 * 2 * 8 + 4 * 8, 3), "bfloat16", (0, 1, 2)), ("recurrent", (4, 8, 8), "float32", (0, 1, 2))]
+    assert scheme.layer_map() == {"k": {3: 0}, "v": {3: 0}, "conv": {0: 0, 1: 1, 2: 2},
+                                  "recurrent": {0: 0, 1: 1, 2: 2}}
+
+
+@pytest.mark.parametrize("page_tokens", [16, 64])
+def test_qwen3_next_logits_match_transformers(reference, page_tokens):
+    model, checkpoint = reference
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in checkpoint
+    assert_logits_parity(RECIPE, model, checkpoint, Qwen3NextConfig(**SMALL), page_tokens=page_tokens,
+                         prompt_lens=(5, 70, 131, 1))
+
+
+def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tuple[dict[str, list], int]:
+    """Run the scheduler's requests greedily to `max_tokens`; per request, the logits rows it sampled
+    from, and how many restores the steps made."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    restores = 0
+    while not scheduler.is_idle():
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        restores += len(plan.restores)
+        logits = executor.run(plan)
+        tokens = logits.argmax(-1)
+        executor.record_sampled([h.state_row for h in plan.samples], tokens)
+        for handle, row in zip(plan.samples, logits):
+            rows.setdefault(handle.request_id, []).append(row)
+        for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
+            if len(rows[sampled.handle.request_id]) == max_tokens:
+                scheduler.finish(sampled.handle.request_id, "length")
+    return rows, restores
+
+
+def test_a_restored_state_snapshot_continues_exactly(reference):
+    model, checkpoint = reference
+    config = Qwen3NextConfig(**SMALL)
+    serving = load_prepared_weights(build_model(config, torch.float32),
+                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
+    scheme = gated_deltanet_hybrid_scheme(config, "float32")
+    page_tokens, num_pages, rows = 16, 64, 4
+    executor = EagerExecutor(serving, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=rows,
+                             num_snapshot_rows=2 * rows, num_logits_rows=8, vocab_size=config.vocab_size,
+                             device=torch.device("cpu"))
+    pages = PageAllocator(num_pages)
+    prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
+                         logits_rows=8)
+    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512)
+    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
+                                          page_tokens), pages, prefix)
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, config.vocab_size, (37,), generator=generator).tolist()  # ends mid-page
+    first = shared + torch.randint(0, config.vocab_size, (20,), generator=generator).tolist()
+    second = shared + torch.randint(0, config.vocab_size, (45,), generator=generator).tolist()
+    max_tokens = 3
+    scheduler.submit("first", first, max_tokens, message_ends=(len(shared),))
+    done, _ = drive(scheduler, executor, max_tokens)
+    scheduler.submit("second", second, max_tokens, message_ends=(len(shared),))
+    again, restores = drive(scheduler, executor, max_tokens)
+    assert restores == 1  # the second request resumed at the end of the shared messages
+    with torch.no_grad():
+        for prompt, logits in ((first, done["first"]), (second, again["second"])):
+            sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
+            expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
+            torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+    assert scheduler.state_rows.free_count == rows and prefix.free_snapshot_rows < 2 * rows  # snapshots kept
