@@ -1,14 +1,14 @@
-"""Qwen3-Next for serving: Gated DeltaNet (linear attention with a recurrent state) interleaved
-with gated full attention, built from the Transformers classes.
+"""Qwen3-Next and Qwen3.5 (dense and MoE, text) for serving: Gated DeltaNet (linear attention with
+a recurrent state) interleaved with gated full attention, built from the Transformers classes.
 
-Transformers' decoder layers, norms, rotary embedding and MoE blocks are reused as they are.
+Transformers' decoder layers, norms, rotary embeddings and MoE blocks are reused as they are.
 Replaced for serving:
 
 * each Gated DeltaNet layer keeps Transformers' parameters and projections but reads and writes
   its requests' continuation state (the causal convolution's last `kernel - 1` inputs and the
   [value heads, key dim, value dim] recurrent matrix) in the runtime's state rows, one request
   of the flattened batch at a time, with Transformers' own chunked (prompt) and recurrent (one
-  token) gated delta rules;
+  token) gated delta rules; Qwen3-Next and Qwen3.5 differ only in how they project the input;
 * each full-attention layer attends over the paged K/V cache (`PagedAttention`), with the
   original projections, q/k norms, partial rotary embedding and sigmoid output gate;
 * dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`).
@@ -19,6 +19,7 @@ only and two state tensors for the linear ones. Prepared tensor names are the Tr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,16 +56,23 @@ def gated_deltanet_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
     )
 
 
-class GatedDeltaNetForServing(qn.Qwen3NextGatedDeltaNet):
-    """Transformers' Gated DeltaNet (same parameters, same state dict) over the runtime's state
-    rows: `forward` takes the step's flattened batch and the forward context instead of a cache."""
+class GatedDeltaNetForServing(nn.Module):
+    """A Transformers Gated DeltaNet layer (its parameters, under their names) over the runtime's
+    state rows: `forward` takes the step's flattened batch and the forward context instead of a
+    cache. Subclasses give `project(hidden_states)` -> (mixed q/k/v [tokens, conv channels], z, b, a)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        for name in ("layer_idx", "activation", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim",
+                     "value_dim"):
+            setattr(self, name, getattr(original, name))
+        self.conv1d, self.dt_bias, self.A_log = original.conv1d, original.dt_bias, original.A_log
+        self.norm, self.out_proj = original.norm, original.out_proj
 
     def forward(self, hidden_states: Tensor, context: ForwardContext, **_: Any) -> Tensor:
         batch = context.batch
         conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
-        qkvz, ba = self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
-        query, key, value, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
-        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)[0]
+        mixed, z, b, a = self.project(hidden_states)
         beta = b.sigmoid()
         # As Transformers computes it: in float32, else A might be -inf in half precision.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -90,8 +98,35 @@ class GatedDeltaNetForServing(qn.Qwen3NextGatedDeltaNet):
             recurrent_rows[row].copy_(state[0])
             outputs.append(out)
         core = torch.cat(outputs, dim=1)  # [1, tokens, value heads, value head dim]
-        core = self.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))
-        return self.out_proj(core.reshape(1, core.shape[0] // self.num_v_heads, -1))
+        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.reshape(1, -1, self.value_dim))
+
+
+class NextGatedDeltaNet(GatedDeltaNetForServing):
+    """Qwen3-Next: q, k, v and z from one projection, b and a from another, grouped per key head."""
+
+    def __init__(self, original: qn.Qwen3NextGatedDeltaNet):
+        super().__init__(original)
+        self.in_proj_qkvz, self.in_proj_ba = original.in_proj_qkvz, original.in_proj_ba
+
+    def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        query, key, value, z, b, a = qn.Qwen3NextGatedDeltaNet.fix_query_key_value_ordering(
+            self, self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)[0]
+        return mixed, z, b, a
+
+
+class Qwen35GatedDeltaNet(GatedDeltaNetForServing):
+    """Qwen3.5 (dense and MoE): separate projections for q/k/v, z, b and a."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__(original)
+        self.in_proj_qkv, self.in_proj_z = original.in_proj_qkv, original.in_proj_z
+        self.in_proj_b, self.in_proj_a = original.in_proj_b, original.in_proj_a
+
+    def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return (self.in_proj_qkv(hidden_states)[0], self.in_proj_z(hidden_states), self.in_proj_b(hidden_states),
+                self.in_proj_a(hidden_states))
 
 
 class GatedAttentionForServing(nn.Module):
@@ -123,25 +158,55 @@ class GatedAttentionForServing(nn.Module):
         return self.o_proj(out).reshape(shape), None  # layers unpack (output, weights)
 
 
+@dataclass(frozen=True)
+class Family:
+    """What differs between the hybrid families: the Transformers causal LM, the serving Gated
+    DeltaNet, the dense MLP class and the rotary embedding class."""
+
+    causal_lm: type
+    delta_net: type[GatedDeltaNetForServing]
+    mlp: type
+    rotary: type
+
+
+def family(model_type: str) -> Family | None:
+    """The hybrid family of a config's `model_type` (Transformers imported only for that one), or None."""
+    if model_type == "qwen3_next":
+        return Family(qn.Qwen3NextForCausalLM, NextGatedDeltaNet, qn.Qwen3NextMLP, qn.Qwen3NextRotaryEmbedding)
+    if model_type == "qwen3_5_text":
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+        return Family(q35.Qwen3_5ForCausalLM, Qwen35GatedDeltaNet, q35.Qwen3_5MLP, q35.Qwen3_5TextRotaryEmbedding)
+    if model_type == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35m
+
+        return Family(q35m.Qwen3_5MoeForCausalLM, Qwen35GatedDeltaNet, q35m.Qwen3_5MoeMLP,
+                      q35m.Qwen3_5MoeTextRotaryEmbedding)
+    return None
+
+
 def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
-    """Qwen3-Next serving model with parameters on the meta device in `dtype` and the rotary
-    embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    """A hybrid family's serving model with parameters on the meta device in `dtype` and the
+    rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    kind = family(config.model_type)
+    if kind is None:
+        raise ValueError(f"config.model_type: {config.model_type!r} is not a Gated DeltaNet hybrid")
     with torch.device("meta"):
-        causal_lm = qn.Qwen3NextForCausalLM(config)
+        causal_lm = kind.causal_lm(config)
         for layer_idx, layer in enumerate(causal_lm.model.layers):
-            if layer.block_type == LINEAR:
-                layer.linear_attn.__class__ = GatedDeltaNetForServing  # adds no state: only forward differs
+            if config.layer_types[layer_idx] == LINEAR:
+                layer.linear_attn = kind.delta_net(layer.linear_attn)
             else:
                 layer.self_attn = GatedAttentionForServing(layer.self_attn, config, layer_idx)
-            if isinstance(layer.mlp, qn.Qwen3NextMLP):
+            if isinstance(layer.mlp, kind.mlp):
                 layer.mlp = _fused(layer.mlp, config)
             else:
                 layer.mlp.shared_expert = _fused(layer.mlp.shared_expert, config)
     causal_lm.to(dtype)
     with torch.device("cpu"):
-        rotary_emb = qn.Qwen3NextRotaryEmbedding(config)
+        rotary_emb = kind.rotary(config)
     return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
 
 
-def _fused(mlp: qn.Qwen3NextMLP, config: Any) -> FusedGatedMLP:
+def _fused(mlp: nn.Module, config: Any) -> FusedGatedMLP:
     return FusedGatedMLP(config.hidden_size, mlp.intermediate_size, mlp.act_fn)

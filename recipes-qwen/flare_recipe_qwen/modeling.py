@@ -31,13 +31,14 @@ _CLASSES = {
 
 
 def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
-    """Qwen3 / Qwen3-MoE / Qwen3-Next serving model with parameters on the meta device in `dtype`
-    and the rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
-    if config.model_type == "qwen3_next":
+    """Qwen3 / Qwen3-MoE serving model, or a Gated DeltaNet hybrid's (Qwen3-Next, Qwen3.5:
+    flare_recipe_qwen.hybrid), with parameters on the meta device in `dtype` and the rotary
+    embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    if hybrid.family(config.model_type) is not None:
         return hybrid.build_model(config, dtype)
     if config.model_type not in _CLASSES:
         raise ValueError(f"config.model_type: {config.model_type!r} is not a Qwen3 model type "
-                         f"({', '.join([*_CLASSES, 'qwen3_next'])})")
+                         f"({', '.join([*_CLASSES, 'qwen3_next', 'qwen3_5_text', 'qwen3_5_moe_text'])})")
     causal_lm_class, attention_class, dense_mlp_classes, rotary_class = _CLASSES[config.model_type]
     with torch.device("meta"):
         causal_lm = causal_lm_class(config)

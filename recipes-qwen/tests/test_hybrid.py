@@ -1,6 +1,7 @@
-"""Qwen3-Next (Gated DeltaNet + gated attention, flare_recipe_qwen.hybrid) on the CPU, in fp32.
+"""Qwen3-Next and Qwen3.5 dense / MoE (Gated DeltaNet + gated attention, flare_recipe_qwen.hybrid) on
+the CPU, in fp32.
 
-* Logits parity with the Transformers forward: requests of mixed lengths prefilled in 64-token
+* Logits parity with the Transformers forward, for each family: requests of mixed lengths prefilled in 64-token
   steps that cut prompts mid-way (the recurrent and convolution state carried across chunks in
   the runtime's state rows), then decoded together over non-contiguous pages.
 * Exact prefix reuse through the runtime: a scheduler with a prefix cache and an eager executor
@@ -16,7 +17,9 @@ import types
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3NextConfig
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
 from flare_core.cache import PageAllocator, PrefixCache
@@ -30,28 +33,36 @@ from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
 from flare_recipe_qwen.modeling import build_model
 from flare_recipe_qwen.weights import map_weights
 
-# Four layers: three Gated DeltaNet, then full attention (Transformers' default layout); MoE with a
-# shared expert except layer 1, a dense MLP.
+# Four layers: three Gated DeltaNet, then full attention (Transformers' default layout). Qwen3-Next: MoE
+# with a shared expert except layer 1, a dense MLP; Qwen3.5: dense MLPs; Qwen3.5-MoE: MoE everywhere.
 SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-             num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512,
-             mlp_only_layers=[1])
+             head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=512)
+MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3-next": (Qwen3NextForCausalLM, lambda: Qwen3NextConfig(**SMALL, **MOE, mlp_only_layers=[1])),
+    "qwen3.5": (Qwen3_5ForCausalLM, lambda: Qwen3_5TextConfig(**SMALL)),
+    "qwen3.5-moe": (Qwen3_5MoeForCausalLM, lambda: Qwen3_5MoeTextConfig(**SMALL, **MOE)),
+}
 RECIPE = types.SimpleNamespace(check_config=None, build_model=build_model, map_weights=map_weights,
                                cache_scheme="gated-deltanet-hybrid")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Qwen3NextForCausalLM, dict[str, torch.Tensor]]:
+def saved(family: str, directory) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    model_class, config = FAMILIES[family]
     torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**SMALL)).eval()
-    directory = tmp_path_factory.mktemp("qwen3-next")
+    model = model_class(config()).eval()
     model.save_pretrained(directory)
     return model, load_file(directory / "model.safetensors")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Qwen3NextForCausalLM, dict[str, torch.Tensor]]:
+    return saved("qwen3-next", tmp_path_factory.mktemp("qwen3-next"))
+
+
 def test_scheme_keeps_pages_for_attention_layers_and_state_rows_for_the_others():
-    scheme = load_registry().cache_schemes["gated-deltanet-hybrid"].build(Qwen3NextConfig(**SMALL), "bfloat16")
+    scheme = load_registry().cache_schemes["gated-deltanet-hybrid"].build(FAMILIES["qwen3-next"][1](), "bfloat16")
     assert [(s.name, s.layer_ids) for s in scheme.paged] == [("k", (3,)), ("v", (3,))]
     assert [(s.name, s.shape, s.dtype, s.layer_ids) for s in scheme.state] == [
         ("conv", (2 * 2 * 8 + 4 * 8, 3), "bfloat16", (0, 1, 2)), ("recurrent", (4, 8, 8), "float32", (0, 1, 2))]
@@ -63,8 +74,15 @@ def test_scheme_keeps_pages_for_attention_layers_and_state_rows_for_the_others()
 def test_qwen3_next_logits_match_transformers(reference, page_tokens):
     model, checkpoint = reference
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in checkpoint
-    assert_logits_parity(RECIPE, model, checkpoint, Qwen3NextConfig(**SMALL), page_tokens=page_tokens,
+    assert_logits_parity(RECIPE, model, checkpoint, FAMILIES["qwen3-next"][1](), page_tokens=page_tokens,
                          prompt_lens=(5, 70, 131, 1))
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe"])
+def test_qwen3_5_logits_match_transformers(tmp_path, family):
+    model, checkpoint = saved(family, tmp_path)
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in checkpoint
+    assert_logits_parity(RECIPE, model, checkpoint, FAMILIES[family][1](), page_tokens=16, prompt_lens=(5, 70, 131, 1))
 
 
 def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tuple[dict[str, list], int]:
@@ -90,7 +108,7 @@ def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tup
 
 def test_a_restored_state_snapshot_continues_exactly(reference):
     model, checkpoint = reference
-    config = Qwen3NextConfig(**SMALL)
+    config = FAMILIES["qwen3-next"][1]()
     serving = load_prepared_weights(build_model(config, torch.float32),
                                     dict(map_weights(config, checkpoint, torch.float32)), "cpu")
     scheme = gated_deltanet_hybrid_scheme(config, "float32")
