@@ -85,6 +85,24 @@ def test_qwen3_5_logits_match_transformers(tmp_path, family):
     assert_logits_parity(RECIPE, model, checkpoint, FAMILIES[family][1](), page_tokens=16, prompt_lens=(5, 70, 131, 1))
 
 
+def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, EagerExecutor, PrefixCache]:
+    """A scheduler with a prefix cache that snapshots continuation state, over an eager executor
+    of the serving model (16-token pages, 64-token prompt chunks)."""
+    serving = load_prepared_weights(build_model(config, torch.float32),
+                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
+    page_tokens = 16
+    executor = EagerExecutor(serving, gated_deltanet_hybrid_scheme(config, "float32"), num_pages=num_pages,
+                             page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=2 * rows, num_logits_rows=8,
+                             vocab_size=config.vocab_size, device=torch.device("cpu"))
+    pages = PageAllocator(num_pages)
+    prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
+                         logits_rows=8)
+    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512)
+    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
+                                          page_tokens), pages, prefix)
+    return scheduler, executor, prefix
+
+
 def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tuple[dict[str, list], int]:
     """Run the scheduler's requests greedily to `max_tokens`; per request, the logits rows it sampled
     from, and how many restores the steps made."""
@@ -109,19 +127,8 @@ def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tup
 def test_a_restored_state_snapshot_continues_exactly(reference):
     model, checkpoint = reference
     config = FAMILIES["qwen3-next"][1]()
-    serving = load_prepared_weights(build_model(config, torch.float32),
-                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
-    scheme = gated_deltanet_hybrid_scheme(config, "float32")
-    page_tokens, num_pages, rows = 16, 64, 4
-    executor = EagerExecutor(serving, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=rows,
-                             num_snapshot_rows=2 * rows, num_logits_rows=8, vocab_size=config.vocab_size,
-                             device=torch.device("cpu"))
-    pages = PageAllocator(num_pages)
-    prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
-                         logits_rows=8)
-    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512)
-    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), pages, prefix)
+    rows = 4
+    scheduler, executor, prefix = serving_runtime(config, checkpoint, rows, num_pages=64)
     generator = torch.Generator().manual_seed(3)
     shared = torch.randint(0, config.vocab_size, (37,), generator=generator).tolist()  # ends mid-page
     first = shared + torch.randint(0, config.vocab_size, (20,), generator=generator).tolist()
@@ -146,19 +153,8 @@ def test_preempted_requests_resume_from_their_snapshots_exactly(reference):
     from still matches the Transformers forward of its sequence."""
     model, checkpoint = reference
     config = FAMILIES["qwen3-next"][1]()
-    serving = load_prepared_weights(build_model(config, torch.float32),
-                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
-    scheme = gated_deltanet_hybrid_scheme(config, "float32")
-    page_tokens, num_pages, rows = 16, 9, 3
-    executor = EagerExecutor(serving, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=rows,
-                             num_snapshot_rows=2 * rows, num_logits_rows=8, vocab_size=config.vocab_size,
-                             device=torch.device("cpu"))
-    pages = PageAllocator(num_pages)
-    prefix = PrefixCache(b"\x03" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
-                         logits_rows=8)
-    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512)
-    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), pages, prefix)
+    rows = 3
+    scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=9)
     generator = torch.Generator().manual_seed(4)
     prompts = {f"r{i}": torch.randint(0, config.vocab_size, (30 + 7 * i,), generator=generator).tolist()
                for i in range(rows)}
