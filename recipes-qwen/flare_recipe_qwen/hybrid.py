@@ -4,11 +4,10 @@ a recurrent state) interleaved with gated full attention, built from the Transfo
 Transformers' decoder layers, norms, rotary embeddings and MoE blocks are reused as they are.
 Replaced for serving:
 
-* each Gated DeltaNet layer keeps Transformers' parameters and projections but reads and writes
-  its requests' continuation state (the causal convolution's last `kernel - 1` inputs and the
-  [value heads, key dim, value dim] recurrent matrix) in the runtime's state rows, one request
-  of the flattened batch at a time, with Transformers' own chunked (prompt) and recurrent (one
-  token) gated delta rules; Qwen3-Next and Qwen3.5 differ only in how they project the input;
+* each Gated DeltaNet layer keeps Transformers' parameters and projections but continues its
+  requests' state rows (flare_core.ops.delta_rule) with Transformers' own chunked (prompt) and
+  recurrent (one token) gated delta rules; Qwen3-Next and Qwen3.5 differ only in how they
+  project the input;
 * each full-attention layer attends over the paged K/V cache (`PagedAttention`), with the
   original projections, q/k norms, partial rotary embedding and sigmoid output gate;
 * dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`).
@@ -25,11 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
 from flare_core.contract import CacheScheme, PagedStore, StateTensor
 from flare_core.ops.attention import ForwardContext, PagedAttention
+from flare_core.ops.delta_rule import DeltaRuleForServing
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
 
@@ -56,10 +55,13 @@ def gated_deltanet_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
     )
 
 
-class GatedDeltaNetForServing(nn.Module):
-    """A Transformers Gated DeltaNet layer (its parameters, under their names) over the runtime's
-    state rows: `forward` takes the step's flattened batch and the forward context instead of a
-    cache. Subclasses give `project(hidden_states)` -> (mixed q/k/v [tokens, conv channels], z, b, a)."""
+class GatedDeltaNetForServing(DeltaRuleForServing):
+    """A Qwen Gated DeltaNet layer (its parameters, under their names) over the runtime's state rows
+    (flare_core.ops.delta_rule). Subclasses give `project_inputs(hidden_states)` -> (q/k/v
+    channels [tokens, conv channels], z, b, a)."""
+
+    recurrent_rule = staticmethod(qn.torch_recurrent_gated_delta_rule)
+    chunk_rule = staticmethod(qn.torch_chunk_gated_delta_rule)
 
     def __init__(self, original: nn.Module):
         super().__init__()
@@ -69,35 +71,13 @@ class GatedDeltaNetForServing(nn.Module):
         self.conv1d, self.dt_bias, self.A_log = original.conv1d, original.dt_bias, original.A_log
         self.norm, self.out_proj = original.norm, original.out_proj
 
-    def forward(self, hidden_states: Tensor, context: ForwardContext, **_: Any) -> Tensor:
-        batch = context.batch
-        conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
-        mixed, z, b, a = self.project(hidden_states)
-        beta = b.sigmoid()
+    def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        mixed, z, b, a = self.project_inputs(hidden_states)
         # As Transformers computes it: in float32, else A might be -inf in half precision.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        weight = self.conv1d.weight  # [channels, 1, kernel]
-        window = weight.shape[-1] - 1
-        outputs = []
-        for r in range(batch.num_requests):
-            start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
-            row = batch.state_rows_host[r]
-            # The convolution continues from the request's last `window` inputs (zeros when fresh).
-            inputs = torch.cat([conv_rows[row].to(weight.dtype), mixed[start:end].T.to(weight.dtype)], dim=-1)
-            conv_rows[row].copy_(inputs[:, -window:])
-            convolved = ACT2FN[self.activation](F.conv1d(inputs[None], weight, self.conv1d.bias,
-                                                         groups=inputs.shape[0]))
-            q, k, v = convolved[0].T.to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            rule = qn.torch_recurrent_gated_delta_rule if end - start == 1 else qn.torch_chunk_gated_delta_rule
-            out, state = rule(q.reshape(1, end - start, -1, self.head_k_dim),
-                              k.reshape(1, end - start, -1, self.head_k_dim),
-                              v.reshape(1, end - start, -1, self.head_v_dim),
-                              g=g[:, start:end], beta=beta[:, start:end],
-                              initial_state=recurrent_rows[row][None], output_final_state=True,
-                              use_qk_l2norm_in_kernel=True)
-            recurrent_rows[row].copy_(state[0])
-            outputs.append(out)
-        core = torch.cat(outputs, dim=1)  # [1, tokens, value heads, value head dim]
+        return mixed, g, b.sigmoid(), z
+
+    def output(self, core: Tensor, z: Tensor) -> Tensor:
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(1, -1, self.value_dim))
 
@@ -109,7 +89,7 @@ class NextGatedDeltaNet(GatedDeltaNetForServing):
         super().__init__(original)
         self.in_proj_qkvz, self.in_proj_ba = original.in_proj_qkvz, original.in_proj_ba
 
-    def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def project_inputs(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         query, key, value, z, b, a = qn.Qwen3NextGatedDeltaNet.fix_query_key_value_ordering(
             self, self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
         mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)[0]
@@ -124,7 +104,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNetForServing):
         self.in_proj_qkv, self.in_proj_z = original.in_proj_qkv, original.in_proj_z
         self.in_proj_b, self.in_proj_a = original.in_proj_b, original.in_proj_a
 
-    def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def project_inputs(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return (self.in_proj_qkv(hidden_states)[0], self.in_proj_z(hidden_states), self.in_proj_b(hidden_states),
                 self.in_proj_a(hidden_states))
 
