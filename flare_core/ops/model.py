@@ -66,7 +66,7 @@ class DecoderForServing(nn.Module):
     The decoder layers are called as Transformers defines them; the forward context reaches
     the replaced attention modules through their keyword arguments."""
 
-    def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module, tie_word_embeddings: bool):
+    def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module | None, tie_word_embeddings: bool):
         super().__init__()
         # MoE models: the routed experts through flare::routed_experts (Transformers' default
         # expert loop finds the experts in use with a host sync that no CUDA graph can hold).
@@ -89,9 +89,11 @@ class DecoderForServing(nn.Module):
         # viewing [T, hidden] as [1, T, hidden]) hands every layer a tensor that is no view, so
         # compiled layers share one code: a view input would give the first layer its own.
         hidden = self.model.embed_tokens(input_ids[None])
-        # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
-        cos, sin = self.model.rotary_emb(hidden, positions[None])
-        position_embeddings = (cos[0], sin[0])
+        position_embeddings = None  # models without position encoding (Kimi Linear) have no rotary module
+        if self.model.rotary_emb is not None:
+            # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
+            cos, sin = self.model.rotary_emb(hidden, positions[None])
+            position_embeddings = (cos[0], sin[0])
         if self.compiled_groups:
             first = 0
             for group in self.compiled_groups:

@@ -52,7 +52,7 @@ class AbsorbedMLA(nn.Module):
     """DeepSeek-V3 multi-head latent attention over the paged latent cache. Called by the
     Transformers decoder layer, which passes the forward context through its keyword arguments."""
 
-    def __init__(self, original: ds.DeepseekV3Attention, config: Any, layer_idx: int):
+    def __init__(self, original: ds.DeepseekV3Attention, config: Any, layer_idx: int, rotary: bool = True):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
@@ -67,12 +67,15 @@ class AbsorbedMLA(nn.Module):
         self.o_proj = original.o_proj
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank))
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.kv_lora_rank, self.v_dim))
-        self.rotate = ds.apply_rotary_pos_emb_interleave if config.rope_interleave else ds.apply_rotary_pos_emb
+        # rotary=False: no position encoding at all (Kimi Linear's MLA layers keep the shared key
+        # part, unrotated).
+        self.rotate = None if not rotary else \
+            ds.apply_rotary_pos_emb_interleave if config.rope_interleave else ds.apply_rotary_pos_emb
         # original.scaling is Transformers' softmax scale, YaRN mscale included.
         self.attn = MLAPagedAttention(self.num_heads, self.kv_lora_rank, self.rope_dim, original.scaling, layer_idx)
 
-    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor], context: ForwardContext,
-                **_: Any) -> tuple[Tensor, None]:
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None,
+                context: ForwardContext, **_: Any) -> tuple[Tensor, None]:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         tokens = x.shape[0]
@@ -83,8 +86,10 @@ class AbsorbedMLA(nn.Module):
         q_nope, q_rope = q.view(tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        cos, sin = position_embeddings
-        q_rope, k_rope = self.rotate(q_rope, k_rope[:, None, :], cos, sin, unsqueeze_dim=1)
+        k_rope = k_rope[:, None, :]
+        if self.rotate is not None:
+            cos, sin = position_embeddings
+            q_rope, k_rope = self.rotate(q_rope, k_rope, cos, sin, unsqueeze_dim=1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         out_latent = self.attn(q_latent, q_rope, latent, k_rope[:, 0, :], context)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)

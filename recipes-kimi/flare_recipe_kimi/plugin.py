@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from flare_core.contract import Parser, Recipe, TemplatePatch
+from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
+from flare_recipe_kimi.linear import kda_mla_hybrid_scheme
 from flare_recipe_kimi.parsers import KIMI_PARSERS
 from flare_recipe_kimi.recipes import KIMI_K2
 from flare_recipe_kimi.templates import KIMI_TEMPLATE_PATCHES
@@ -22,3 +23,10 @@ def flare_template_patches() -> list[TemplatePatch]:
 @hookimpl
 def flare_parsers() -> list[Parser]:
     return list(KIMI_PARSERS)
+
+
+@hookimpl
+def flare_cache_schemes() -> list[CacheSchemeFactory]:
+    return [CacheSchemeFactory("kda-mla-hybrid", kda_mla_hybrid_scheme,
+                               "latent MLA pages for the attention layers; convolution window and recurrent "
+                               "state rows for the Kimi Delta Attention layers")]

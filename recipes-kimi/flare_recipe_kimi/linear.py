@@ -1,0 +1,146 @@
+"""Kimi Linear for serving: Kimi Delta Attention (KDA, a gated delta rule with per-channel decay)
+interleaved with multi-head latent attention without position encoding, and DeepSeek-style MoE,
+built from the Transformers classes.
+
+Transformers' decoder layers, norms, router and experts are reused as they are. Replaced:
+
+* each KDA layer keeps Transformers' parameters and continues its requests' state rows
+  (flare_core.ops.delta_rule) with Transformers' own chunked and recurrent KDA rules;
+* each MLA layer is flare_recipe_deepseek's absorbed MLA over the paged latent cache, with the
+  rotation off (Kimi Linear's MLA encodes no positions; its shared key part is stored as it is);
+* dense MLPs and each MoE block's shared experts fuse gate and up (`FusedGatedMLP`).
+
+The cache scheme (`kda_mla_hybrid_scheme`) keeps latent pages for the MLA layers only and the
+convolution window and recurrent state for the KDA layers. Prepared tensor names are the
+Transformers names (read from the checkpoint's own names, `checkpoint_name`), with MLA's `w_uk`
+/ `w_uv` split from `kv_b_proj` as for DeepSeek-V3.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+from transformers.models.kimi_linear import modeling_kimi_linear as kl
+
+from flare_core.contract import CacheScheme, PagedStore, StateTensor
+from flare_core.ops.delta_rule import DeltaRuleForServing
+from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing
+from flare_core.ops.weights import checkpoint_reader, prepare_weights
+from flare_recipe_deepseek.modeling import AbsorbedMLA
+from flare_recipe_deepseek.weights import split_kv_b_proj
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def kda_mla_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
+    """Latent ("ckv") and shared-key ("kpe") pages for the MLA layers; for the KDA layers the
+    convolution window ("conv": [3 x heads x head dim, kernel - 1], in the cache dtype) and the
+    recurrent state ("recurrent": [heads, head dim, head dim], float32 as the rule keeps it)."""
+    full = tuple(i for i, kind in enumerate(config.layer_types) if kind == FULL)
+    linear = tuple(i for i, kind in enumerate(config.layer_types) if kind == LINEAR)
+    heads, head_dim = config.linear_num_heads, config.linear_head_dim
+    return CacheScheme(
+        name="kda-mla-hybrid",
+        paged=(PagedStore("ckv", (config.kv_lora_rank,), dtype, len(full), layer_ids=full),
+               PagedStore("kpe", (config.qk_rope_head_dim,), dtype, len(full), layer_ids=full)),
+        state=(StateTensor("conv", (3 * heads * head_dim, config.linear_conv_kernel_dim - 1), dtype, len(linear),
+                           layer_ids=linear),
+               StateTensor("recurrent", (heads, head_dim, head_dim), "float32", len(linear), layer_ids=linear)),
+    )
+
+
+class KimiDeltaAttentionForServing(DeltaRuleForServing):
+    """Transformers' KDA layer (its parameters, under their names) over the runtime's state rows."""
+
+    recurrent_rule = staticmethod(kl.recurrent_kimi_delta_attention)
+    chunk_rule = staticmethod(kl.chunk_kimi_delta_attention)
+
+    def __init__(self, original: kl.KimiLinearDeltaAttention):
+        super().__init__()
+        self.layer_idx, self.activation = original.layer_idx, original.activation
+        self.head_k_dim = self.head_v_dim = original.head_dim
+        self.key_dim = self.value_dim = original.qkv_dim
+        self.q_proj, self.k_proj, self.v_proj = original.q_proj, original.k_proj, original.v_proj
+        self.conv1d, self.forget_gate, self.b_proj = original.conv1d, original.forget_gate, original.b_proj
+        self.g_a_proj, self.g_b_proj = original.g_a_proj, original.g_b_proj
+        self.o_norm, self.o_proj = original.o_norm, original.o_proj
+
+    def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)],
+                          dim=-1)[0]
+        gate = self.g_b_proj(self.g_a_proj(hidden_states))
+        return mixed, self.forget_gate(hidden_states), torch.sigmoid(self.b_proj(hidden_states)), gate
+
+    def output(self, core: Tensor, gate: Tensor) -> Tensor:
+        tokens = core.shape[1]
+        out = self.o_norm(core, gate.view(1, tokens, -1, self.head_v_dim)).reshape(1, tokens, -1)
+        return self.o_proj(out)
+
+
+def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
+    """Kimi Linear serving model with parameters on the meta device in `dtype` (the router bias
+    in float32, as for DeepSeek-V3)."""
+    if config.model_type != "kimi_linear":
+        raise ValueError(f"config.model_type: {config.model_type!r} is not kimi_linear")
+    with torch.device("meta"):
+        causal_lm = kl.KimiLinearForCausalLM(config)
+        for layer_idx, layer in enumerate(causal_lm.model.layers):
+            if config.layer_types[layer_idx] == LINEAR:
+                layer.self_attn = KimiDeltaAttentionForServing(layer.self_attn)
+            else:
+                layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx, rotary=False)
+            if isinstance(layer.mlp, kl.KimiLinearMoE):
+                layer.mlp.shared_experts = _fused(layer.mlp.shared_experts)
+            else:
+                layer.mlp = _fused(layer.mlp)
+    causal_lm.to(dtype)
+    for layer in causal_lm.model.layers:
+        if isinstance(layer.mlp, kl.KimiLinearMoE):
+            gate = layer.mlp.gate
+            gate.e_score_correction_bias = torch.empty_like(gate.e_score_correction_bias, dtype=torch.float32)
+    return DecoderForServing(causal_lm, None, bool(config.tie_word_embeddings))
+
+
+# Kimi Linear checkpoints name the MoE block `block_sparse_moe` (dense layers too) and a routed
+# expert's matrices w1 (gate), w3 (up), w2 (down); the forget gate's tensors sit on the attention
+# module; q, k and v have one depthwise convolution each (Transformers concatenates them).
+_EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_EXPERT = re.compile(r"(.*\.experts\.\d+\.)(gate_proj|up_proj|down_proj)(\.weight)$")
+
+
+def checkpoint_name(name: str) -> str:
+    """The Kimi Linear checkpoint's name of a tensor Transformers' module tree calls `name`."""
+    name = name.replace(".mlp.", ".block_sparse_moe.").replace(".self_attn.forget_gate.", ".self_attn.")
+    match = _EXPERT.match(name)
+    return match[1] + _EXPERT_PARTS[match[2]] + match[3] if match else name
+
+
+def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """(prepared name, tensor) for every tensor the serving model loads; ValueError naming a
+    missing checkpoint tensor."""
+    plain = checkpoint_reader(checkpoint)
+
+    def read(name: str, target: str, target_dtype: torch.dtype) -> Tensor:
+        return plain(checkpoint_name(name), target, target_dtype)
+
+    def special(name: str, target_dtype: torch.dtype) -> Tensor | None:
+        """MLA's absorbed up-projections split from kv_b_proj, and KDA's q/k/v convolutions as
+        one; None for every other tensor."""
+        owner = name.rpartition(".self_attn.")[0] + ".self_attn."
+        if name.endswith(".self_attn.conv1d.weight"):
+            return torch.cat([plain(f"{owner}{part}_conv1d.weight", name, target_dtype) for part in "qkv"])
+        if not (name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv")):
+            return None
+        w_uk, w_uv = split_kv_b_proj(plain(owner + "kv_b_proj.weight", name, torch.float32), config)
+        return (w_uk if name.endswith("w_uk") else w_uv).to(target_dtype)
+
+    yield from prepare_weights(build_model(config, dtype), read, num_experts=config.num_local_experts,
+                               special=special)
+
+
+def _fused(mlp: nn.Module) -> FusedGatedMLP:
+    return FusedGatedMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act_fn)
