@@ -67,8 +67,9 @@ def cache_scheme_from_manifest(data: dict) -> CacheScheme:
     return CacheScheme(
         name=data["name"],
         paged=tuple(PagedStore(s["name"], tuple(s["record_shape"]), s["dtype"], s["layers"],
-                               s.get("tokens_per_record", 1)) for s in data["paged"]),
-        state=tuple(StateTensor(s["name"], tuple(s["shape"]), s["dtype"], s["layers"]) for s in data.get("state", ())),
+                               s.get("tokens_per_record", 1), tuple(s.get("layer_ids", ()))) for s in data["paged"]),
+        state=tuple(StateTensor(s["name"], tuple(s["shape"]), s["dtype"], s["layers"], tuple(s.get("layer_ids", ())))
+                    for s in data.get("state", ())),
     )
 
 

@@ -31,6 +31,17 @@ def check_qwen3_moe_config(config: Any) -> None:
                             f"{config.num_experts_per_tok} exceeds num_experts {config.num_experts}")
 
 
+def check_qwen3_next_config(config: Any) -> None:
+    _check_common(config, "qwen3_next")
+    kinds = set(config.layer_types)
+    if not kinds <= {"linear_attention", "full_attention"}:
+        raise ContractError("Qwen3NextConfig", "layer_types", f"holds {sorted(kinds)}; recipe qwen3-next implements "
+                            "linear_attention (Gated DeltaNet) and full_attention layers")
+    if config.linear_num_value_heads % config.linear_num_key_heads != 0:
+        raise ContractError("Qwen3NextConfig", "linear_num_key_heads", f"{config.linear_num_key_heads} does not divide "
+                            f"linear_num_value_heads {config.linear_num_value_heads}")
+
+
 def _check_common(config: Any, model_type: str) -> None:
     obj = type(config).__name__
     if config.model_type != model_type:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from flare_core.contract import CacheSchemeFactory, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
-from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
+from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE, QWEN3_NEXT
 from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
 
 
 @hookimpl
 def flare_recipes() -> list[Recipe]:
-    return [QWEN3, QWEN3_MOE]
+    return [QWEN3, QWEN3_MOE, QWEN3_NEXT]
 
 
 @hookimpl

@@ -8,7 +8,7 @@ from typing import Callable
 from flare_core.contract import (
     SAMPLING_LIMITS, Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy,
 )
-from flare_recipe_qwen.checks import check_qwen3_config, check_qwen3_moe_config
+from flare_recipe_qwen.checks import check_qwen3_config, check_qwen3_moe_config, check_qwen3_next_config
 from flare_recipe_qwen.modeling import build_model
 from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
 from flare_recipe_qwen.weights import map_weights
@@ -86,4 +86,48 @@ QWEN3_MOE = Recipe(
     description="Qwen3 mixture-of-experts models (Transformers Qwen3MoeForCausalLM with paged attention)",
     assets=QWEN3_ASSETS,
     check_config=check_qwen3_moe_config,
+)
+
+QWEN3_NEXT_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct#best-practices"
+
+# The Instruct model card's "Best Practices": Temperature=0.7, TopP=0.8, TopK=20, MinP=0; it too
+# suggests presence_penalty between 0 and 2 against endless repetition.
+QWEN3_NEXT_SAMPLING = SamplingPolicy(
+    defaults={"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
+    ranges={**SAMPLING_LIMITS, "presence_penalty": Range(0.0, 2.0)},
+    source=QWEN3_NEXT_MODEL_CARD,
+)
+
+# Qwen3-Next-80B-A3B-Instruct writes no reasoning section; the rest is Qwen3's chat format.
+QWEN3_NEXT_FRONTEND = FrontendSpec(
+    tool_parser="hermes",
+    template_patches=tuple(patch.id for patch in QWEN_TEMPLATE_PATCHES),
+    required_tokens=("<|im_start|>", "<|im_end|>"),
+    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+)
+
+
+def qwen3_next_plan_notes(config) -> tuple[str, ...]:
+    return ("Gated DeltaNet layers keep per-request state: served on the CPU reference path only "
+            "(the CUDA graph executor does not run them yet); prefix reuse at message boundaries and prompt ends",
+            "sampling defaults and parsers are the Instruct model's: a Thinking checkpoint is served without a "
+            "reasoning parser")
+
+
+QWEN3_NEXT = Recipe(
+    name="qwen3-next",
+    version=RECIPE_VERSION,
+    architectures=("Qwen3NextForCausalLM",),
+    aliases=(Alias("qwen3-next-80b-a3b-instruct", "Qwen/Qwen3-Next-80B-A3B-Instruct"),),
+    sampling=QWEN3_NEXT_SAMPLING,
+    frontend=QWEN3_NEXT_FRONTEND,
+    cache_scheme="gated-deltanet-hybrid",
+    capacities=Capacities(),
+    build_model=build_model,
+    map_weights=map_weights,
+    description="Qwen3-Next (Gated DeltaNet + gated attention, MoE; Transformers Qwen3NextForCausalLM), "
+                "CPU reference path",
+    assets=QWEN3_ASSETS,
+    check_config=check_qwen3_next_config,
+    plan_notes=qwen3_next_plan_notes,
 )
