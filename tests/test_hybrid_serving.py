@@ -1,7 +1,11 @@
 """A hybrid recurrent model (Qwen3-Next: Gated DeltaNet state rows + paged attention) exported and
-served by the engine on the CPU: a request sharing an earlier one's messages restores that
-request's state snapshot at the message boundary (cached tokens > 0) and generates exactly what
-a fresh engine generates for it without any cache; nothing stays held afterwards."""
+served on the CPU:
+
+* by the engine: a request sharing an earlier one's messages restores that request's state
+  snapshot at the message boundary (cached tokens > 0) and generates exactly what a fresh engine
+  generates for it without any cache; nothing stays held afterwards;
+* by `flare run` through the openai SDK: turn 2 of a chat restores turn 1's snapshot (the real
+  Qwen3 template's marks) and answers as a server without a prefix cache does."""
 
 from __future__ import annotations
 
@@ -9,7 +13,10 @@ import asyncio
 
 import pytest
 
+import openai
+
 from conftest import write_checkpoint
+from server_process import ServerProcess
 from flare_core.runtime.types import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
 
@@ -60,3 +67,38 @@ def test_a_request_sharing_messages_restores_the_state_snapshot_exactly(session_
     assert second == alone and len(second) == 8
     resources = engine.resources()
     assert resources.live == 0 and resources.request_page_refs == 0 and resources.steps_in_flight == 0
+
+
+@pytest.fixture(scope="module")
+def chat_servers(tmp_path_factory, session_flare, qwen3_next_core):
+    root = tmp_path_factory.mktemp("hybrid-servers")
+    cached = ServerProcess(session_flare.config_path, qwen3_next_core, root / "cached.log", "--served-name", "next")
+    uncached = ServerProcess(session_flare.config_path, qwen3_next_core, root / "uncached.log", "--served-name",
+                             "next", "--no-prefix-cache")
+    try:
+        for server in (cached, uncached):
+            server.wait_ready()
+        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+               for s in (cached, uncached)]
+    finally:
+        for server in (cached, uncached):
+            server.stop()
+
+
+def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_servers):
+    cached, uncached = chat_servers
+
+    def chat(client, messages):
+        return client.chat.completions.create(model="next", messages=messages, max_tokens=12, temperature=0)
+
+    turn1 = [{"role": "system", "content": "You answer questions about mountain weather in two sentences."},
+             {"role": "user", "content": "What is the forecast for Davos tomorrow morning?"}]
+    first = chat(cached, turn1)
+    assert first.choices[0].message == chat(uncached, turn1).choices[0].message
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                     {"role": "user", "content": "And for Zermatt in the afternoon?"}]
+    second, reference = chat(cached, turn2), chat(uncached, turn2)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert reference.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message == reference.choices[0].message
+    assert second.usage.completion_tokens == reference.usage.completion_tokens
