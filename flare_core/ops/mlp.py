@@ -21,6 +21,11 @@ class FusedGatedMLP(nn.Module):
         # gate and up and apply silu(gate) * up in one GEMV kernel.
         self.gated_kernel = False
 
+    @classmethod
+    def like(cls, mlp: nn.Module) -> FusedGatedMLP:
+        """The fused replacement of a Transformers gated MLP (gate_proj, up_proj, down_proj, act_fn)."""
+        return cls(mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.act_fn)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.gated_kernel and one_token(x):
             return self.down_proj(torch.ops.flare.gated_linear(x, self.gate_up_proj.weight))

@@ -96,8 +96,13 @@ class AbsorbedMLA(nn.Module):
         return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
 
 
-def _fused(mlp: ds.DeepseekV3MLP) -> FusedGatedMLP:
-    return FusedGatedMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act_fn)
+def keep_router_bias_float32(causal_lm: nn.Module) -> None:
+    """The MoE routers' score correction bias (DeepSeek-V3's, Kimi's) back in float32 after the
+    model was cast to its dtype: the routers add it to float32 scores."""
+    for module in causal_lm.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, Tensor):
+            module.e_score_correction_bias = torch.empty_like(bias, dtype=torch.float32)
 
 
 def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
@@ -111,14 +116,11 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
         for layer_idx, layer in enumerate(causal_lm.model.layers):
             layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx)
             if isinstance(layer.mlp, ds.DeepseekV3MoE):
-                layer.mlp.shared_experts = _fused(layer.mlp.shared_experts)
+                layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
             else:
-                layer.mlp = _fused(layer.mlp)
+                layer.mlp = FusedGatedMLP.like(layer.mlp)
     causal_lm.to(dtype)
-    for layer in causal_lm.model.layers:
-        if isinstance(layer.mlp, ds.DeepseekV3MoE):
-            gate = layer.mlp.gate
-            gate.e_score_correction_bias = torch.empty_like(gate.e_score_correction_bias, dtype=torch.float32)
+    keep_router_bias_float32(causal_lm)
     with torch.device("cpu"):
         rotary_emb = ds.DeepseekV3RotaryEmbedding(config)
     return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor
 
-from flare_core.ops.weights import prepare_weights
+from flare_core.ops.weights import Reader, prepare_weights
 from flare_recipe_deepseek.fp8 import FP8_DTYPES, SUPPORTED, Fp8Blocks, Fp8ConfigError, dequantize, fp8_blocks, \
     scale_name
 from flare_recipe_deepseek.modeling import build_model
@@ -49,16 +49,18 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
         raise ValueError(f"config.json {exc}") from exc
     source = _Source(checkpoint, blocks)
 
-    def absorbed(name: str, dtype: torch.dtype) -> Tensor | None:
-        """MLA's absorbed up-projections, split from kv_b_proj; None for every other tensor."""
-        if not (name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv")):
-            return None
-        kv_b_proj = source.take(name.rpartition(".")[0] + ".kv_b_proj.weight", name, torch.float32)
-        w_uk, w_uv = split_kv_b_proj(kv_b_proj, config)
-        return (w_uk if name.endswith("w_uk") else w_uv).to(dtype)
-
     yield from prepare_weights(build_model(config, dtype), source.take, num_experts=config.n_routed_experts,
-                               special=absorbed)
+                               special=lambda name, dtype: absorbed_mla(name, source.take, config, dtype))
+
+
+def absorbed_mla(name: str, read: Reader, config: Any, dtype: torch.dtype) -> Tensor | None:
+    """Prepared tensor `name` if it is one of MLA's absorbed up-projections (`self_attn.w_uk` /
+    `w_uv`), split from the checkpoint's kv_b_proj read through `read`; None for every other tensor."""
+    if not (name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv")):
+        return None
+    kv_b_proj = read(name.rpartition(".")[0] + ".kv_b_proj.weight", name, torch.float32)
+    w_uk, w_uv = split_kv_b_proj(kv_b_proj, config)
+    return (w_uk if name.endswith("w_uk") else w_uv).to(dtype)
 
 
 def split_kv_b_proj(kv_b_proj: Tensor, config: Any) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ import re
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
 from flare_core.contract import CacheScheme, PagedStore, StateTensor
@@ -30,8 +30,8 @@ from flare_core.ops.delta_rule import DeltaRuleForServing
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
 from flare_core.ops.weights import checkpoint_reader, prepare_weights
-from flare_recipe_deepseek.modeling import AbsorbedMLA
-from flare_recipe_deepseek.weights import split_kv_b_proj
+from flare_recipe_deepseek.modeling import AbsorbedMLA, keep_router_bias_float32
+from flare_recipe_deepseek.weights import absorbed_mla
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -94,14 +94,11 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
             else:
                 layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx, rotary=False)
             if isinstance(layer.mlp, kl.KimiLinearMoE):
-                layer.mlp.shared_experts = _fused(layer.mlp.shared_experts)
+                layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
             else:
-                layer.mlp = _fused(layer.mlp)
+                layer.mlp = FusedGatedMLP.like(layer.mlp)
     causal_lm.to(dtype)
-    for layer in causal_lm.model.layers:
-        if isinstance(layer.mlp, kl.KimiLinearMoE):
-            gate = layer.mlp.gate
-            gate.e_score_correction_bias = torch.empty_like(gate.e_score_correction_bias, dtype=torch.float32)
+    keep_router_bias_float32(causal_lm)
     return DecoderForServing(causal_lm, None, bool(config.tie_word_embeddings))
 
 
@@ -128,19 +125,12 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
         return plain(checkpoint_name(name), target, target_dtype)
 
     def special(name: str, target_dtype: torch.dtype) -> Tensor | None:
-        """MLA's absorbed up-projections split from kv_b_proj, and KDA's q/k/v convolutions as
-        one; None for every other tensor."""
-        owner = name.rpartition(".self_attn.")[0] + ".self_attn."
+        """KDA's q/k/v convolutions as one, and MLA's absorbed up-projections; None for every other tensor."""
         if name.endswith(".self_attn.conv1d.weight"):
+            owner = name.removesuffix("conv1d.weight")
             return torch.cat([plain(f"{owner}{part}_conv1d.weight", name, target_dtype) for part in "qkv"])
-        if not (name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv")):
-            return None
-        w_uk, w_uv = split_kv_b_proj(plain(owner + "kv_b_proj.weight", name, torch.float32), config)
-        return (w_uk if name.endswith("w_uk") else w_uv).to(target_dtype)
+        return absorbed_mla(name, plain, config, target_dtype)
 
     yield from prepare_weights(build_model(config, dtype), read, num_experts=config.num_local_experts,
                                special=special)
 
-
-def _fused(mlp: nn.Module) -> FusedGatedMLP:
-    return FusedGatedMLP(mlp.hidden_size, mlp.intermediate_size, mlp.act_fn)

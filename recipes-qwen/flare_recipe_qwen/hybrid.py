@@ -149,6 +149,10 @@ class Family:
     rotary: type
 
 
+# The config model_types `family` knows.
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def family(model_type: str) -> Family | None:
     """The hybrid family of a config's `model_type` (Transformers imported only for that one), or None."""
     if model_type == "qwen3_next":
@@ -179,14 +183,11 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
             else:
                 layer.self_attn = GatedAttentionForServing(layer.self_attn, config, layer_idx)
             if isinstance(layer.mlp, kind.mlp):
-                layer.mlp = _fused(layer.mlp, config)
+                layer.mlp = FusedGatedMLP.like(layer.mlp)
             else:
-                layer.mlp.shared_expert = _fused(layer.mlp.shared_expert, config)
+                layer.mlp.shared_expert = FusedGatedMLP.like(layer.mlp.shared_expert)
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = kind.rotary(config)
     return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
 
-
-def _fused(mlp: nn.Module, config: Any) -> FusedGatedMLP:
-    return FusedGatedMLP(config.hidden_size, mlp.intermediate_size, mlp.act_fn)

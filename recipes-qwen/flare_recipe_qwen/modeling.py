@@ -34,11 +34,11 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
     """Qwen3 / Qwen3-MoE serving model, or a Gated DeltaNet hybrid's (Qwen3-Next, Qwen3.5:
     flare_recipe_qwen.hybrid), with parameters on the meta device in `dtype` and the rotary
     embedding's buffers built on the CPU (see flare_core.ops.loading)."""
-    if hybrid.family(config.model_type) is not None:
+    if config.model_type in hybrid.MODEL_TYPES:
         return hybrid.build_model(config, dtype)
     if config.model_type not in _CLASSES:
         raise ValueError(f"config.model_type: {config.model_type!r} is not a Qwen3 model type "
-                         f"({', '.join([*_CLASSES, 'qwen3_next', 'qwen3_5_text', 'qwen3_5_moe_text'])})")
+                         f"({', '.join([*_CLASSES, *hybrid.MODEL_TYPES])})")
     causal_lm_class, attention_class, dense_mlp_classes, rotary_class = _CLASSES[config.model_type]
     with torch.device("meta"):
         causal_lm = causal_lm_class(config)
@@ -49,7 +49,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
             layer.self_attn = FusedQKVAttention(layer.self_attn, config, layer_idx,
                                                 modeling_qwen3.apply_rotary_pos_emb, qk_norm=True)
             if isinstance(layer.mlp, dense_mlp_classes):
-                layer.mlp = FusedGatedMLP(config.hidden_size, layer.mlp.intermediate_size, layer.mlp.act_fn)
+                layer.mlp = FusedGatedMLP.like(layer.mlp)
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = rotary_class(config)

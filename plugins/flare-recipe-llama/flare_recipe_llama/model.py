@@ -43,7 +43,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
         causal_lm = LlamaForCausalLM(config)
         for layer_idx, layer in enumerate(causal_lm.model.layers):
             layer.self_attn = FusedQKVAttention(layer.self_attn, config, layer_idx, apply_rotary_pos_emb)
-            layer.mlp = FusedGatedMLP(config.hidden_size, config.intermediate_size, layer.mlp.act_fn)
+            layer.mlp = FusedGatedMLP.like(layer.mlp)
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = LlamaRotaryEmbedding(config)
