@@ -21,13 +21,12 @@ tokens read back every step (as serving does). Decode tok/s = steps per second x
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from provenance import commit_and_date, report
 
 # DeepSeek-V3's config.json rope scaling.
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -145,9 +144,6 @@ def main() -> None:
         flashinfer_version = flashinfer.__version__
     except ImportError:
         flashinfer_version = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
     result = {
         "benchmark": "decode_mla",
         "concurrency": {str(c): flare[str(c)] for c in args.concurrency},
@@ -165,13 +161,9 @@ def main() -> None:
                   "page_tokens": PAGE_TOKENS},
         "context": args.context, "steps": args.steps, "warmup_steps": WARMUP_STEPS, "sampling": "greedy",
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "flashinfer": flashinfer_version,
-        "commit": (commit + ("-dirty" if dirty else "")) if commit else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **commit_and_date(),
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

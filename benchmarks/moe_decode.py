@@ -24,9 +24,7 @@ op alone at one token for several tile choices first (op_sweep).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 
 from decode_c1 import copy_bandwidth
 from decode_mla import deepseek_v3_config, random_serving_model
+from provenance import commit_and_date, report
 from random_qwen3 import qwen3_moe_config
 
 IMPLEMENTATIONS = ("grouped_mm", "flare")
@@ -220,19 +219,12 @@ def main() -> None:
         roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
                                 **{f"fraction_{impl}": round(runs[impl][str(batch)]["decode_tok_s"] / tok_s, 3)
                                    for impl in IMPLEMENTATIONS}}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
     result = {"benchmark": "moe_decode", "shape": args.shape, "weight_bytes": weight_bytes,
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline,
               "op_sweep": sweep,
               "context": args.context, "steps": args.steps, "device": torch.cuda.get_device_name(device),
-              "torch": torch.__version__, "commit": (commit + ("-dirty" if dirty else "")) if commit else None,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+              "torch": torch.__version__, **commit_and_date()}
+    report(result, args.out)
 
 
 if __name__ == "__main__":
