@@ -20,6 +20,6 @@ for round in $(seq 1 "$rounds"); do
     tree=$(cd "$tree" && pwd); name=$(basename "$tree")
     (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra:+:$extra}" &&
      python3 -c "import flare_core, flare_recipe_qwen; assert flare_core.__file__.startswith('$tree'), flare_core.__file__; print('$name round $round:', flare_core.__file__)" &&
-     { bash benchmarks/h200_serving.sh "$out/$name-$round" 2>&1 | grep -E "startup_s|Output token|Median TTFT|Median TPOT" || true; })
+     { bash benchmarks/h200_serving.sh "$out/$name-$round" 2>&1 | grep -E "startup_|Output token|Median TTFT|Median TPOT" || true; })
   done
 done

@@ -73,7 +73,8 @@ def roofline_tok_s(config, moe_layers: int, weight_bytes: int, batch: int, bandw
     return batch * bandwidth / step_bytes, step_bytes
 
 
-def decode(config, model, recipe, device, batches: list[int], context: int, steps: int) -> dict:
+def decode(config, model, recipe, device, batches: list[int], context: int, steps: int,
+           profile: Path | None = None) -> dict:
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import StepSampling
     from flare_core.plugins import load_registry
@@ -132,6 +133,13 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
         start = time.perf_counter()
         run(context + WARMUP_STEPS, steps)
         seconds = time.perf_counter() - start
+        if profile is not None and batch == batches[0]:  # where a step's device time goes, by kernel
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(context + WARMUP_STEPS + steps, 20)
+            profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60,
+                                                         max_name_column_width=90))
         results[str(batch)] = {"decode_tok_s": round(batch * steps / seconds, 1),
                                "ms_per_step": round(1000 * seconds / steps, 3),
                                "prefill_ms_median": round(sorted(prefill_ms)[len(prefill_ms) // 2], 2)}
@@ -198,6 +206,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per batch")
     parser.add_argument("--sweep", action="store_true", help="first time the op alone at one token per tile choice")
+    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--profile", type=Path,
+                        help="write a per-kernel table of 20 decode steps of the fused path at the first batch here")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -205,11 +216,12 @@ def main() -> None:
     config, recipe, moe_layers = shape(args.shape)
     sweep = op_sweep(config, moe_layers, device) if args.sweep else None
     runs, weight_bytes = {}, 0
-    for implementation in IMPLEMENTATIONS:
+    for implementation in args.implementations:
         model = random_serving_model(config, device, recipe)
         model.model.set_experts_implementation(implementation)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        runs[implementation] = decode(config, model, recipe, device, args.batch, args.context, args.steps)
+        runs[implementation] = decode(config, model, recipe, device, args.batch, args.context, args.steps,
+                                      args.profile if implementation == "flare" else None)
         del model
         torch.cuda.empty_cache()
         print(implementation, json.dumps(runs[implementation]), flush=True)
@@ -218,7 +230,7 @@ def main() -> None:
         tok_s, step_bytes = roofline_tok_s(config, moe_layers, weight_bytes, batch, bandwidth)
         roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
                                 **{f"fraction_{impl}": round(runs[impl][str(batch)]["decode_tok_s"] / tok_s, 3)
-                                   for impl in IMPLEMENTATIONS}}
+                                   for impl in args.implementations}}
     result = {"benchmark": "moe_decode", "shape": args.shape, "weight_bytes": weight_bytes,
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "implementations": runs, "roofline": roofline,
               "op_sweep": sweep,

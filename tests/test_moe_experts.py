@@ -47,3 +47,20 @@ def test_the_ops_cpu_path_matches_transformers_experts():
     expected = block(hidden)  # Transformers' default expert loop
     assert use_fused_experts(model)
     torch.testing.assert_close(block(hidden), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_serving_router_computes_what_transformers_router_does():
+    """SoftmaxTopKRouter (flare::linear and flare::softmax_top_k; their CPU paths here) against
+    Qwen3-MoE's router on its weight: logits, weights and experts at one token and at many, with
+    and without the division by the sum."""
+    from flare_core.ops.routing import SoftmaxTopKRouter
+
+    for normalize in (True, False):
+        router = qwen3_moe(norm_topk_prob=normalize).model.layers[0].mlp.gate
+        torch.nn.init.normal_(router.weight)
+        serving = SoftmaxTopKRouter.like(router, normalize=normalize)
+        serving.load_state_dict(router.state_dict())
+        for tokens in (1, 37):
+            hidden = torch.randn(tokens, 64)
+            for actual, expected in zip(serving(hidden), router(hidden)):
+                torch.testing.assert_close(actual, expected, rtol=0, atol=0)

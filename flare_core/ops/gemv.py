@@ -61,8 +61,10 @@ def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: b
     Rows per program: 16 for matrices of at most 4,096 rows (256 programs or fewer), else 2;
     1,024 columns per iteration (2,048 for the gated kernel, which reads two tiles per
     iteration); four warps. On the H200 these were the best, or within 1 %, of 52 configurations
-    on each Qwen3-8B shape (benchmarks/gemv.py, benchmarks/results/h200-gemv-sweep.json)."""
-    rows = 16 if out_features <= 4096 else 2
+    on each Qwen3-8B shape (benchmarks/gemv.py, benchmarks/results/h200-gemv-sweep.json).
+    Matrices of fewer than 1,024 rows (MoE routers: 128 experts) take one row per program, so
+    that their few rows still spread over the device's 132 SMs rather than 8 programs."""
+    rows = 1 if out_features < 1024 else 16 if out_features <= 4096 else 2
     for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
         if in_features % columns == 0:
             return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)

@@ -1,5 +1,6 @@
-"""Routed experts of mixture-of-experts layers: gate/up, SiLU * up, down and the weighted sum over
-a token's experts, as one custom op (`flare::routed_experts`) that CUDA graphs capture.
+"""Routed experts of mixture-of-experts layers: gate/up, SiLU * up and down, each token-expert
+pair's output scaled by its route weight, as one custom op (`flare::routed_experts`) that CUDA
+graphs capture; the sum over a token's experts follows it in the caller's compiled code.
 
 The family's router stays the Transformers definition (softmax or sigmoid scoring, group limits,
 normalisation, scaling): it hands the experts module `top_k_index` / `top_k_weights`, and the
@@ -22,8 +23,11 @@ On a CUDA device a step of T tokens with top-k routing has P = T * k token-exper
 
 In the Triton paths the activation between the two projections, silu(x @ gate^T) * (x @ up^T)
 per pair, is computed in float32 and stored in bfloat16; each pair's weighted output is written
-in float32 and a token's pairs are summed in a fixed order (the result does not depend on the
-schedule). Without Triton or CUDA the op computes the same with a loop over the experts in use.
+in float32. The op returns them per pair, [T, k, hidden], and `_experts_forward` sums a token's
+pairs after it: under torch.compile that sum and the cast to bfloat16 fuse into the kernel that
+adds the residual and norms the next layer's input, where as the op's last step they were two
+more launches per layer (~5 us at one token on the H200). Without Triton or CUDA the op computes
+the same with a loop over the experts in use.
 """
 
 from __future__ import annotations
@@ -181,19 +185,18 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor,
     _launch(x.contiguous(), gate_up, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
     weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _launch(activated, down, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
-    return weighted.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return weighted.view(tokens, top_k, hidden)
 
 
 def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """`flare::routed_experts` as a loop over the experts in use (host synchronising): the CPU
     path, and the GPU tests' reference."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in top_k_index.unique().tolist():
         token, slot = (top_k_index == expert).nonzero(as_tuple=True)
         gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]).float() * top_k_weights[token, slot, None].float()
-        out.index_add_(0, token, y)
-    return out.to(x.dtype)
+        out[token, slot] = F.linear(F.silu(gate) * up, down[expert]).float() * top_k_weights[token, slot, None].float()
+    return out
 
 
 def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
@@ -203,10 +206,10 @@ def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
 
 @torch.library.custom_op("flare::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """sum over k of top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = top_k_index[t, k];
-    x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down [E, hidden, I]."""
+    """[T, k, hidden] float32: top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
+    e = top_k_index[t, k]; x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down [E, hidden, I]."""
     if x.shape[0] == 0:
-        return x.new_zeros(x.shape)
+        return x.new_zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
     if _triton_path(x, gate_up, down):
         return fused_experts(x, gate_up, down, top_k_index, top_k_weights)
     return reference_experts(x, gate_up, down, top_k_index, top_k_weights)
@@ -214,7 +217,7 @@ def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor
 
 @routed_experts.register_fake
 def _(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    return x.new_empty(x.shape)
+    return x.new_empty((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
 
 
 def _fusable(experts: nn.Module) -> bool:
@@ -239,7 +242,9 @@ def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return torch.ops.flare.routed_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    pairs = torch.ops.flare.routed_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
+                                           top_k_weights)
+    return pairs.sum(dim=1).to(hidden_states.dtype)
 
 
 def use_fused_experts(causal_lm: nn.Module) -> bool:

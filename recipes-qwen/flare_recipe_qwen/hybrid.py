@@ -10,7 +10,8 @@ Replaced for serving:
   project the input;
 * each full-attention layer attends over the paged K/V cache (`PagedAttention`), with the
   original projections, q/k norms, partial rotary embedding and sigmoid output gate;
-* dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`).
+* dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`), and MoE
+  routers compute their softmax top-k with flare's ops (`SoftmaxTopKRouter`).
 
 The cache scheme (`gated_deltanet_hybrid_scheme`) keeps K/V pages for the full-attention layers
 only and two state tensors for the linear ones. Prepared tensor names are the Transformers names.
@@ -30,6 +31,7 @@ from flare_core.contract import CacheScheme, PagedStore, StateTensor
 from flare_core.ops.attention import ForwardContext, PagedAttention
 from flare_core.ops.delta_rule import DeltaRuleForServing
 from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.routing import SoftmaxTopKRouter
 from flare_core.ops.model import DecoderForServing
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -186,6 +188,9 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
                 layer.mlp = FusedGatedMLP.like(layer.mlp)
             else:
                 layer.mlp.shared_expert = FusedGatedMLP.like(layer.mlp.shared_expert)
+                # Qwen3.5-MoE's router always divides by the sum (its config has no norm_topk_prob).
+                layer.mlp.gate = SoftmaxTopKRouter.like(layer.mlp.gate,
+                                                        normalize=getattr(config, "norm_topk_prob", True))
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = kind.rotary(config)

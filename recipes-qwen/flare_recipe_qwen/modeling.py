@@ -3,8 +3,9 @@
 The Transformers model is built on the meta device from the config; its embeddings, decoder
 layers, norms and MoE blocks are reused as they are. Only what serving changes is replaced:
 attention becomes core's `FusedQKVAttention` (fused `qkv_proj`, the original q/k norms and
-`o_proj`, `PagedAttention` over the runtime cache) and each dense MLP becomes `FusedGatedMLP`
-(fused `gate_up_proj`). Prepared tensor names are the Transformers names, with those fused
+`o_proj`, `PagedAttention` over the runtime cache), each dense MLP becomes `FusedGatedMLP`
+(fused `gate_up_proj`) and each MoE router `SoftmaxTopKRouter` (the same softmax top-k in two
+launches; flare_core.ops.routing). Prepared tensor names are the Transformers names, with those fused
 tensors in place of their parts (declared in `flare_core.ops.weights`).
 """
 
@@ -19,6 +20,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from flare_core.ops.gqa import FusedQKVAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
+from flare_core.ops.routing import SoftmaxTopKRouter
 from flare_recipe_qwen import hybrid
 
 # Transformers classes per architecture: (causal LM, attention, dense MLPs, rotary embedding).
@@ -50,6 +52,8 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
                                                 modeling_qwen3.apply_rotary_pos_emb, qk_norm=True)
             if isinstance(layer.mlp, dense_mlp_classes):
                 layer.mlp = FusedGatedMLP.like(layer.mlp)
+            elif isinstance(getattr(layer.mlp, "gate", None), modeling_qwen3_moe.Qwen3MoeTopKRouter):
+                layer.mlp.gate = SoftmaxTopKRouter.like(layer.mlp.gate, normalize=config.norm_topk_prob)
     causal_lm.to(dtype)
     with torch.device("cpu"):
         rotary_emb = rotary_class(config)
