@@ -212,13 +212,11 @@ class GraphExecutor:
         reserved = torch.cuda.memory_reserved(device)
         if gemv:  # one-token matmuls through the GEMV kernel (flare_core.ops.gemv), before compiling
             use_gemv(self.model)
+        self._compiled = compile_model
+        self._prefill_chunk_size = prefill_chunk_size
         if compile_model:
-            self._compile()
-        if prefill_chunk_size:
-            # The largest prompt chunk, eagerly: the allocator keeps its activations' memory
-            # reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that
-            # run eagerly (those restoring prefix resume points, or prompt chunks without graphs).
-            self._warm_prefill(prefill_chunk_size)
+            compile_layers(self.model)
+        self._warm_eager()
         self.decode_graphs: dict[int, _Graph] = {}  # by batch capacity (rows)
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.capture_s = 0.0
@@ -254,6 +252,13 @@ class GraphExecutor:
         self.prefill_graphs.clear()
         self.eager.replace_storage(num_pages + 1)
         self.scratch_page = num_pages
+        if self._compiled:
+            # Compiled code is kept unless the new storage fails one of its guards: a layer's store
+            # of 2**31 elements or more makes Inductor compile again with 64-bit indexing (the
+            # 12-layer Qwen3-30B-A3B shape on the H200 did, and stalled its first eager steps
+            # 20 s each while serving). The eager path is warmed again so that any such
+            # compilation happens here; the captures below compile the graphs' own variants.
+            self._warm_eager()
         self._capture()
 
     def record_sampled(self, state_rows: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
@@ -268,25 +273,35 @@ class GraphExecutor:
 
     # ---- compile and capture ---------------------------------------------------------------
 
-    def _compile(self) -> None:
-        """Compile each decoder layer (one compiled code shared by all layers: they differ only in
-        weights, which are graph inputs) with symbolic token counts, and run it once per step kind
-        so that compilation happens at load, not in the first requests."""
+    def _warm_eager(self) -> None:
+        """Run the eager path once per step kind over the current storage. Compiled (each decoder
+        layer with symbolic token counts, one code for all layers): a prompt chunk and a single
+        decode row (size 1 compiles separately), so that compilation happens at load, not in the
+        first requests. Then the largest prompt chunk: the allocator keeps its activations' memory
+        reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that run
+        eagerly (those restoring prefix resume points, or prompt chunks without graphs); with
+        compiled layers it also compiles the path of many tokens where it differs (MoE experts
+        through grouped_mm, flare_core.ops.moe)."""
         started = time.perf_counter()
-        compile_layers(self.model)
-        for tokens in (3, 1):  # a prompt chunk, then a single decode row (size 1 compiles separately)
-            self._warm_prefill(tokens)
+        # (tokens, requests): two requests give two logits rows (one compiles apart from several).
+        steps = [(3, 2), (1, 1)] if self._compiled else []
+        if self._prefill_chunk_size:
+            steps.append((self._prefill_chunk_size, 1))
+        for tokens, requests in steps:
+            self._warm_prefill(tokens, requests)
         torch.cuda.synchronize()
-        self.compile_s = time.perf_counter() - started
-        log.info("compiled decoder layers", seconds=round(self.compile_s, 1))
+        if self._compiled:
+            self.compile_s += time.perf_counter() - started
+            log.info("compiled decoder layers", seconds=round(self.compile_s, 1))
 
     @torch.inference_mode()
-    def _warm_prefill(self, tokens: int) -> None:
-        """Run the prefill path once over `tokens` scratch-page tokens (nothing live is touched)."""
-        pages = [self.scratch_page] * -(-tokens // self.page_tokens)
-        batch = AttentionBatch.build([(tokens, 0, pages)], self.page_tokens, self.device)
-        context = ForwardContext(batch, self.storage, self._plan_prefill([(tokens, 0, pages)]),
-                                 layer_map=self.eager.layer_map)
+    def _warm_prefill(self, tokens: int, requests: int) -> None:
+        """Run the prefill path once over `tokens` scratch-page tokens of `requests` requests, the
+        first holding all but one token for each other (nothing live is touched)."""
+        sequences = [(n, 0, [self.scratch_page] * -(-n // self.page_tokens))
+                     for n in [tokens - requests + 1] + [1] * (requests - 1)]
+        batch = AttentionBatch.build(sequences, self.page_tokens, self.device)
+        context = ForwardContext(batch, self.storage, self._plan_prefill(sequences), layer_map=self.eager.layer_map)
         self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
 
     def _scratch_layout(self, rows: int) -> PagedLayout:

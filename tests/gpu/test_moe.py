@@ -102,9 +102,10 @@ def test_qwen3_moe_block_through_the_op_matches_grouped_mm():
 @pytest.mark.parametrize("tokens", [1, 5, 300])
 def test_softmax_top_k_kernel_matches_torch(count, top_k, normalize, tokens):
     """flare::softmax_top_k's kernel against Transformers' torch code (softmax in float32, topk,
-    division by the sum): the same experts in the same order, weights within a bf16 rounding.
-    Qwen3-30B-A3B's 128 / top-8, Qwen3-Next's 512 / top-10, and an expert count that is no power
-    of two."""
+    division by the sum): experts holding the k largest probabilities, largest first (bf16 logits
+    tie often; the two may pick different experts of equal probability), weights within two bf16
+    roundings. Qwen3-30B-A3B's 128 / top-8, Qwen3-Next's 512 / top-10, and an expert count that is
+    no power of two."""
     import flare_core.ops.routing  # noqa: F401  (registers the op)
 
     generator = torch.Generator(device="cuda").manual_seed(tokens)
@@ -115,8 +116,9 @@ def test_softmax_top_k_kernel_matches_torch(count, top_k, normalize, tokens):
     if normalize:
         expected = expected / expected.sum(-1, keepdim=True)
     assert ids.dtype == torch.int64 and weights.dtype == torch.bfloat16
-    assert torch.equal(ids, expected_ids)
-    torch.testing.assert_close(weights.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-3)
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    assert torch.equal(probs.gather(-1, ids), probs.gather(-1, expected_ids))
+    torch.testing.assert_close(weights.float(), expected.bfloat16().float(), rtol=1e-2, atol=4e-3)
 
 
 def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
