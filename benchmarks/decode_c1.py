@@ -18,14 +18,12 @@ One process, one run, one set of random bf16 weights of a real shape (default: Q
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from provenance import commit_and_date, report
 from random_qwen3 import qwen3_config, random_hf_model
 
 
@@ -204,7 +202,6 @@ def main() -> None:
     best = max(variants, key=lambda name: variants[name]["decode_c1_tok_s"])
     flare = variants[best]
     roofline_tok_s = bandwidth / weight_bytes
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
         **flare,
         "variant": best,
@@ -220,13 +217,9 @@ def main() -> None:
         "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                   "heads": "32/8", "head_dim": 128, "vocab": 151936, "dtype": "bfloat16"},
         "context": args.context, "steps": args.steps, "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__, "commit": commit or None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, **commit_and_date(),
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,24 +23,15 @@ fi
 [ "$out" = --prepare-only ] && exit 0
 mkdir -p "$out"
 
-start_server() {  # start `flare run`, wait for /health, write the seconds it took to $out/startup-$1.txt
-  local start; start=$(python3 -c 'import time; print(time.time())')
-  $flare run "$name" --device cuda --port 8000 --no-dashboard "${flags[@]}" > "$out/run-$1.log" 2>&1 &
-  server=$!
-  until python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/health")' 2>/dev/null; do
-    kill -0 $server 2>/dev/null || { tail -30 "$out/run-$1.log"; exit 1; }
-    sleep 0.5
-  done
-  python3 -c "import time; print('startup_$1_s', round(time.time() - $start, 1))" | tee "$out/startup-$1.txt"
-}
-
-flags=("$@")
-start_server cold
+source benchmarks/flare_server.sh
+start_server "$name" "$out/run-cold.log" "$@"
+echo "startup_cold_s $startup_s" | tee "$out/startup-cold.txt"
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 1 \
   --num-prompts 8 --num-warmups 1 --result-file "$out/bench-c1.json" 2>&1 | tail -25
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 64 \
   --num-prompts 256 --result-file "$out/bench-c64.json" 2>&1 | tail -25
 kill -TERM $server; wait $server || true
 tail -5 "$out/run-cold.log"
-start_server warm
+start_server "$name" "$out/run-warm.log" "$@"
+echo "startup_warm_s $startup_s" | tee "$out/startup-warm.txt"
 kill -TERM $server; wait $server || true

@@ -13,12 +13,8 @@ bash benchmarks/h200_serving.sh --prepare-only
 work=/tmp/flare-bench
 flare="python3 -m flare_core.cli --config $work/config.toml"
 mkdir -p "$out"
-$flare run qwen3-8b-random --device cuda --port 8000 --no-dashboard "$@" > "$out/run.log" 2>&1 &
-server=$!
-until python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8000/health")' 2>/dev/null; do
-  kill -0 $server 2>/dev/null || { tail -30 "$out/run.log"; exit 1; }
-  sleep 0.5
-done
+source benchmarks/flare_server.sh
+start_server qwen3-8b-random "$out/run.log" "$@"
 common="--dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos"
 for kind in plain schema; do
   grammar=(); [ $kind = schema ] && grammar=(--json-schema benchmarks/note_schema.json)
