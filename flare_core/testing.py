@@ -57,18 +57,27 @@ def serve_paged(model: torch.nn.Module, scheme: CacheScheme, sequences: Sequence
 
 def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config, *, page_tokens: int,
                          prompt_lens: Sequence[int] = (5, 70, 131), decode_steps: int = 4, seed: int = 2,
-                         step_tokens: int = 64, atol: float = 1e-4) -> None:
+                         step_tokens: int = 64, atol: float = 1e-4, ranks=None) -> None:
     """Build `recipe`'s model from `checkpoint` (on-disk tensors) in float32, serve random
     requests of `prompt_lens` tokens plus `decode_steps` decode tokens through `serve_paged`,
     and require every logits row to match the Transformers `reference` forward on the full
-    sequence."""
+    sequence. With `ranks` (flare_core.parallel.Ranks, in a process of an initialised
+    torch.distributed group), this process's tensor-parallel share of the model, its cache and
+    its all-reduces; every rank must produce the full model's logits."""
     from flare_core.ops.loading import load_prepared_weights
     from flare_core.plugins import load_registry
 
     if recipe.check_config is not None:
         recipe.check_config(config)
+    if ranks is not None:
+        from flare_core.parallel import rank_checkpoint, rank_config, reduce_partial_sums, spec_of
+
+        checkpoint = rank_checkpoint(recipe, config, checkpoint, ranks)
+        config = rank_config(config, spec_of(recipe), ranks.size)
     model = load_prepared_weights(recipe.build_model(config, torch.float32),
                                   dict(recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
+    if ranks is not None:
+        reduce_partial_sums(model, spec_of(recipe), ranks)
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(0, config.vocab_size, (n + decode_steps,), generator=generator).tolist()

@@ -400,6 +400,26 @@ class Parser:
 
 
 @dataclass(frozen=True)
+class TensorParallelSpec:
+    """How a recipe's model splits over tensor-parallel ranks. Each rank builds the model from the
+    config with the `divided` fields (head counts, intermediate sizes) divided by the number of
+    ranks, so its projections hold 1/size of the heads and intermediate features; its tensors are
+    the full model's sliced along the one dimension where the two models' shapes differ (fused
+    projections and packed experts slice each checkpoint part). The outputs of the decoder-layer
+    submodules named in `partial_sums` (those ending in a row-parallel projection: attention,
+    MLP) are each rank's share of a sum and are all-reduced. Everything else is replicated."""
+
+    divided: tuple[str, ...]
+    partial_sums: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("divided", "partial_sums"):
+            values = getattr(self, name)
+            _require(isinstance(values, tuple) and len(values) > 0 and all(isinstance(v, str) and v for v in values),
+                     "TensorParallelSpec", name, f"must be a non-empty tuple of names, got {values!r}")
+
+
+@dataclass(frozen=True)
 class Recipe:
     """How to prepare and run one model family.
 
@@ -414,6 +434,8 @@ class Recipe:
     a checkpoint by architecture and, where recipes declare them, model_type. Empty: any.
     `plan_notes(config)` returns lines the export plan prints for this checkpoint (parts that are
     not loaded, approximations), or None when there is nothing to say.
+    `tensor_parallel`: how the model splits over tensor-parallel ranks (flare_core.parallel);
+    None: it runs on one device only.
     """
 
     name: str
@@ -437,6 +459,7 @@ class Recipe:
     # Builds tokenizer.json text from a checkpoint directory that ships none (e.g. a tiktoken BPE
     # file); export calls it before the generic vocab.json + merges.txt route.
     tokenizer_builder: Callable[[Any], str] | None = None
+    tensor_parallel: TensorParallelSpec | None = None
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -460,6 +483,8 @@ class Recipe:
                                ("plan_notes", "config"), ("tokenizer_builder", "directory")):
             if getattr(self, name) is not None:
                 _check_call(getattr(self, name), obj, name, f"{name}({argument}) or None", None)
+        _require(self.tensor_parallel is None or isinstance(self.tensor_parallel, TensorParallelSpec), obj,
+                 "tensor_parallel", "must be a TensorParallelSpec or None")
         for asset_name, loader in self.assets.items():
             _require(asset_name in ASSET_NAMES and callable(loader), obj, f"assets.{asset_name}",
                      f"asset names are {ASSET_NAMES} and values callables returning bytes")
@@ -472,5 +497,5 @@ __all__ = [
     "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
-    "ToolCallFormat",
+    "TensorParallelSpec", "ToolCallFormat",
 ]

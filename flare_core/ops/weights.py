@@ -47,7 +47,7 @@ def source_names(name: str, num_experts: int = 0,
     packed expert tensor (stacked), else one group (concatenated)."""
     *owner, module, leaf = ["", *name.split(".")]
     base = ".".join(owner[1:] + [""])  # the path above `module`, with its trailing dot
-    if _packed(name, num_experts):
+    if packed_experts(name, num_experts):
         return [tuple(f"{base}experts.{e}.{part}.weight" for part in fused.get(leaf, (leaf,)))
                 for e in range(num_experts)]
     if module in fused:
@@ -65,12 +65,12 @@ def prepare_weights(model: nn.Module, read: Reader, *, num_experts: int = 0,
         tensor = special(name, target.dtype) if special is not None else None
         if tensor is None:
             groups = source_names(name, num_experts, fused)
-            tensor = _stack(name, groups, read, target.dtype) if _packed(name, num_experts) else \
+            tensor = _stack(name, groups, read, target.dtype) if packed_experts(name, num_experts) else \
                 _concatenate(name, groups[0], read, target.dtype)
         yield name, tensor.contiguous()
 
 
-def _packed(name: str, num_experts: int) -> bool:
+def packed_experts(name: str, num_experts: int) -> bool:
     """A packed expert tensor: `[<prefix>.]experts.<leaf>`, no expert index between."""
     parts = name.split(".")
     return bool(num_experts) and len(parts) >= 2 and parts[-2] == "experts"

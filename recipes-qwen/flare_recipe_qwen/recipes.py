@@ -6,7 +6,7 @@ from importlib import resources
 from typing import Callable
 
 from flare_core.contract import (
-    SAMPLING_LIMITS, Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy,
+    SAMPLING_LIMITS, Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy, TensorParallelSpec,
 )
 from flare_recipe_qwen.checks import check_qwen3_config, check_qwen3_moe_config, check_qwen3_next_config
 from flare_recipe_qwen.modeling import build_model
@@ -41,6 +41,14 @@ QWEN3_FRONTEND = FrontendSpec(
 )
 
 
+# Attention heads and MLP / expert intermediate features split over tensor-parallel ranks; the
+# attention and MLP outputs (row-parallel o_proj, down_proj) are summed over the ranks.
+QWEN3_TENSOR_PARALLEL = TensorParallelSpec(
+    divided=("num_attention_heads", "num_key_value_heads", "intermediate_size"), partial_sums=("self_attn", "mlp"))
+QWEN3_MOE_TENSOR_PARALLEL = TensorParallelSpec(
+    divided=(*QWEN3_TENSOR_PARALLEL.divided, "moe_intermediate_size"), partial_sums=("self_attn", "mlp"))
+
+
 def _asset(file_name: str) -> Callable[[], bytes]:
     def load() -> bytes:
         return resources.files("flare_recipe_qwen").joinpath("assets", file_name).read_bytes()
@@ -70,6 +78,7 @@ QWEN3 = Recipe(
     assets=QWEN3_ASSETS,
     check_config=check_qwen3_config,
     demo_checkpoint=lambda directory: write_demo_checkpoint(directory),
+    tensor_parallel=QWEN3_TENSOR_PARALLEL,
 )
 
 QWEN3_MOE = Recipe(
@@ -86,6 +95,7 @@ QWEN3_MOE = Recipe(
     description="Qwen3 mixture-of-experts models (Transformers Qwen3MoeForCausalLM with paged attention)",
     assets=QWEN3_ASSETS,
     check_config=check_qwen3_moe_config,
+    tensor_parallel=QWEN3_MOE_TENSOR_PARALLEL,
 )
 
 QWEN3_NEXT_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct#best-practices"

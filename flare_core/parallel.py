@@ -1,0 +1,132 @@
+"""Tensor parallelism: a serving model split over the ranks of one torch.distributed group, as
+its recipe's `TensorParallelSpec` declares (flare_core.contract).
+
+Every rank builds the recipe's model from `rank_config`: the config with the declared head
+counts and intermediate sizes divided by the number of ranks. Its attention then holds 1/size of
+the query and KV heads (column-parallel QKV, a row-parallel output projection, 1/size of the KV
+cache), its MLPs and routed experts 1/size of the intermediate features (column-parallel gate/up,
+row-parallel down); embeddings, norms, routers and the head are whole on every rank. Which
+dimension of which tensor a rank holds a slice of is not declared anywhere: it is the one
+dimension where the full model's shape and the rank's model's shape differ, and
+`rank_checkpoint` slices the checkpoint tensors each such tensor is built from (every part of a
+fused projection, every expert of a packed tensor) before the recipe's own `map_weights` fuses
+them, so each rank's fused QKV holds its own q, k and v heads. The row-parallel outputs are each
+rank's share of a sum: `reduce_partial_sums` all-reduces the outputs of the decoder-layer
+submodules the spec names, and every rank then carries the same residual stream.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flare_core.contract import Recipe, TensorParallelSpec
+from flare_core.ops.weights import packed_experts, source_names
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a tensor-parallel group: `rank` of `size`, all-reducing over
+    `group` (a torch.distributed process group; None: the default group)."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+
+def spec_of(recipe: Recipe) -> TensorParallelSpec:
+    if recipe.tensor_parallel is None:
+        raise ValueError(f"recipe {recipe.name} declares no tensor parallelism: its models run on one device")
+    return recipe.tensor_parallel
+
+
+def rank_config(config: Any, spec: TensorParallelSpec, size: int) -> Any:
+    """A copy of `config` with each `spec.divided` field divided by `size`. A config that derives
+    head_dim from hidden_size / num_attention_heads gets it set explicitly first, so that dividing
+    the heads does not change it. ValueError naming a field that is missing or does not divide."""
+    local = copy.deepcopy(config)
+    if getattr(config, "head_dim", None) is None and getattr(config, "num_attention_heads", None):
+        local.head_dim = config.hidden_size // config.num_attention_heads
+    for name in spec.divided:
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"config.{name}: tensor parallelism divides it, but the config has {value!r}")
+        if value % size:
+            raise ValueError(f"config.{name} = {value} does not divide over {size} tensor-parallel ranks")
+        setattr(local, name, value // size)
+    return local
+
+
+def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor], ranks: Ranks) -> Mapping[str, Tensor]:
+    """`checkpoint` as rank `ranks.rank` reads it: the tensors its sharded tensors are built from
+    sliced to the rank's share, the others whole. Hand it to the recipe's `map_weights` with
+    `rank_config(config, ...)`. ValueError naming a tensor whose shapes do not split evenly."""
+    spec = spec_of(recipe)
+    full = recipe.build_model(config, torch.float32).state_dict()  # meta tensors: shapes only
+    local = recipe.build_model(rank_config(config, spec, ranks.size), torch.float32).state_dict()
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
+    dims: dict[str, int] = {}
+    for name, target in local.items():
+        whole = full[name].shape
+        differing = [d for d, (a, b) in enumerate(zip(whole, target.shape)) if a != b]
+        if not differing:
+            continue
+        dim = differing[0]
+        if len(differing) > 1 or whole[dim] != target.shape[dim] * ranks.size:
+            raise ValueError(f"{name}: the full model's {tuple(whole)} and a rank's {tuple(target.shape)} are no even "
+                             f"split over {ranks.size} ranks along one dimension")
+        packed = packed_experts(name, num_experts)
+        for group in source_names(name, num_experts):
+            for part in group:
+                dims[part] = dim - 1 if packed else dim  # a packed tensor stacks its parts along dim 0
+    return _RankSlices(checkpoint, dims, ranks)
+
+
+class _RankSlices(Mapping):
+    def __init__(self, checkpoint: Mapping[str, Tensor], dims: Mapping[str, int], ranks: Ranks):
+        self._checkpoint, self._dims, self._ranks = checkpoint, dims, ranks
+
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = self._checkpoint[name]
+        dim = self._dims.get(name)
+        if dim is None:
+            return tensor
+        if tensor.shape[dim] % self._ranks.size:
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: dimension {dim} does not split over "
+                             f"{self._ranks.size} tensor-parallel ranks")
+        return tensor.chunk(self._ranks.size, dim=dim)[self._ranks.rank]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._checkpoint)
+
+    def __len__(self) -> int:
+        return len(self._checkpoint)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._checkpoint
+
+
+def reduce_partial_sums(model: nn.Module, spec: TensorParallelSpec, ranks: Ranks) -> int:
+    """All-reduce (sum over the group) the output of every decoder layer's submodules named in
+    `spec.partial_sums`, in place, through forward hooks (parameter names do not change). A
+    tuple output (attention: output, weights) has its first element reduced. Returns how many
+    modules were hooked."""
+    import torch.distributed as dist
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        dist.all_reduce(output[0] if isinstance(output, tuple) else output, group=ranks.group)
+        return output
+
+    hooked = 0
+    for layer in model.model.layers:
+        for name in spec.partial_sums:
+            module = getattr(layer, name, None)
+            if module is not None:
+                module.register_forward_hook(hook)
+                hooked += 1
+    return hooked
