@@ -179,11 +179,13 @@ def _is_silu(module: nn.Module) -> bool:
 
 def use_gemv(model: nn.Module) -> int:
     """Switch every bias-free nn.Linear of `model` to `GemvLinear`, every SiLU `FusedGatedMLP`
-    to the gated kernel and a `DecoderForServing`'s output head to `flare::linear`, in place;
+    to the gated kernel, a `DecoderForServing`'s output head and MoE routers' logits
+    (`SoftmaxTopKRouter`) to `flare::linear`, in place;
     returns how many modules changed. Weights stay where they are. Without Triton or a CUDA
     device the ops compute what the modules did."""
-    from flare_core.ops.mlp import FusedGatedMLP  # both call this module's ops
+    from flare_core.ops.mlp import FusedGatedMLP  # these call this module's ops
     from flare_core.ops.model import DecoderForServing
+    from flare_core.ops.routing import SoftmaxTopKRouter
 
     switched = 0
     for module in model.modules():
@@ -195,5 +197,8 @@ def use_gemv(model: nn.Module) -> int:
             switched += 1
         elif isinstance(module, DecoderForServing):
             module.gemv_head = True
+            switched += 1
+        elif isinstance(module, SoftmaxTopKRouter):
+            module.gemv_logits = True
             switched += 1
     return switched

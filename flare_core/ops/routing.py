@@ -5,10 +5,11 @@ Transformers computes it as a linear layer, a softmax, `torch.topk` and a divisi
 on the H200 those are five launches and ~16 us a layer (the cuBLAS GEMM ~5 us, top-k's radix
 select and bitonic sort ~9 us; benchmarks/moe_decode.py --profile, Qwen3-30B-A3B shape), more
 than a third of the routed experts' own time. `SoftmaxTopKRouter` computes the same with two:
-the logits through `flare::linear` (the GEMV kernel at one token) and `flare::softmax_top_k`, one
-Triton program per token that keeps the row in registers and takes its k largest entries one
-after another (one warp up to 512 experts: each of the 2k reductions is then warp shuffles, with
-no round trip through shared memory). On the CPU, and without Triton, the op runs Transformers' torch code.
+the logits through `flare::linear` (the GEMV kernel at one token, once `use_gemv` switched the
+model) and `flare::softmax_top_k`, one Triton program per token that keeps the row in registers
+and takes its k largest entries one after another (one warp up to 512 experts: each of the 2k
+reductions is then warp shuffles, with no round trip through shared memory). On the CPU, and
+without Triton, the op runs Transformers' torch code.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, hidden_size))
         self.top_k = top_k
         self.normalize = normalize
+        # Set by flare_core.ops.gemv.use_gemv: one token's logits through flare::linear.
+        self.gemv_logits = False
 
     @classmethod
     def like(cls, router: nn.Module, normalize: bool) -> SoftmaxTopKRouter:
@@ -98,7 +101,7 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
-        if one_token(hidden_states):
+        if self.gemv_logits and one_token(hidden_states):
             logits = torch.ops.flare.linear(hidden_states, self.weight)
         else:
             logits = F.linear(hidden_states, self.weight)

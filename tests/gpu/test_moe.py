@@ -106,11 +106,11 @@ def test_softmax_top_k_kernel_matches_torch(count, top_k, normalize, tokens):
     tie often; the two may pick different experts of equal probability), weights within two bf16
     roundings. Qwen3-30B-A3B's 128 / top-8, Qwen3-Next's 512 / top-10, and an expert count that is
     no power of two."""
-    import flare_core.ops.routing  # noqa: F401  (registers the op)
+    from flare_core.ops.routing import softmax_top_k
 
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     logits = (torch.randn(tokens, count, device="cuda", generator=generator) * 3).bfloat16()
-    weights, ids = torch.ops.flare.softmax_top_k(logits, top_k, normalize)
+    weights, ids = softmax_top_k(logits, top_k, normalize)
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     expected, expected_ids = probs.topk(top_k, dim=-1)
     if normalize:
@@ -128,6 +128,7 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
+    from flare_core.ops.gemv import use_gemv
     from flare_core.ops.moe import use_fused_experts
     from flare_core.ops.routing import SoftmaxTopKRouter
 
@@ -143,5 +144,7 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     router.load_state_dict(block.gate.state_dict())
     block.gate = router
     assert use_fused_experts(model)
+    use_gemv(model)  # one token's router logits through the GEMV kernel, as served
+    assert router.gemv_logits
     for h, e in zip(hidden, expected):
         assert_close(block(h), e)
