@@ -72,9 +72,11 @@ def recipes() -> None:
 @click.option("--recipe", "recipe_name", help="Use this recipe instead of choosing by alias/architecture.")
 @click.option("--offline", is_flag=True, help="Use the hub cache only; never download.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--tp", "tensor_parallel", type=int, default=1,
+              help="Split the model over this many tensor-parallel ranks (served with --device cpu so far).")
 @click.pass_context
 def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, recipe_name,
-           offline, no_progress) -> None:
+           offline, no_progress, tensor_parallel) -> None:
     """Prepare MODEL (alias, Hugging Face repo id or checkpoint dir) into a runtime core."""
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
@@ -86,7 +88,7 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
         capacities=CapacityRequest(max_concurrency or defaults.max_concurrency,
                                    prefill_chunk_size or defaults.prefill_chunk_size,
                                    context_length or defaults.context_length, page_tokens),
-        offline=offline, recipe=recipe_name, progress=not no_progress)
+        offline=offline, recipe=recipe_name, progress=not no_progress, tensor_parallel=tensor_parallel)
     try:
         result = export_model(request, config, _registry(), echo=click.echo)
     except (ValueError, LookupError, OSError) as exc:
@@ -279,58 +281,79 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     log.info("device", device=str(torch_device), chosen=device_reason)
     runtime_core = open_verified_core(config, core, trust_publisher)
     registry = _registry()
-    compile_cache, compiling = None, contextlib.nullcontext()
-    if torch_device.type == "cuda":  # the CPU reference compiles nothing
-        from flare_core.runtime.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
-                                                      library_versions)
+    ranks = runtime_core.manifest.get("tensor_parallel", 1)
+    leader = None
+    if ranks > 1:
+        if torch_device.type != "cpu":
+            raise FlareCommandError(f"{runtime_core.path}: the core is split over {ranks} tensor-parallel ranks; "
+                                    f"only the CPU path (--device cpu) serves such cores so far")
+        from flare_core.runtime.tensor_parallel import RankLeader
 
-        directory = compile_cache_dir(config.paths.compile_cache, runtime_core.path.name, runtime_core.manifest_bytes,
-                                      device_tag(torch_device), library_versions())
-        compile_cache, compiling = "warm" if holds_compiled(directory) else "cold", compiling_into(directory)
-        log.info("compile cache", directory=str(directory), start=compile_cache)
+        try:
+            leader = RankLeader.start(runtime_core.path, ranks)
+        except (RuntimeError, ValueError) as exc:
+            raise FlareCommandError(f"{runtime_core.path}: the tensor-parallel ranks did not start ({exc})") from exc
+        log.info("tensor-parallel ranks", ranks=ranks, workers="started")
     try:
-        loaded = load_core(runtime_core, registry, torch_device)
-    except CoreLoadError as exc:
-        raise FlareCommandError(str(exc)) from exc
-    capacities = loaded.capacities
-    concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
-    memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)
-    try:
-        # Called by the engine once compilation and graphs have taken their memory (on CUDA).
-        kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
-                                    memory.memory_limit, memory.kv_cache_limit)
-        with compiling:  # the layers are compiled and the graphs captured while the engine is built
-            engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
-                                  queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
-                                  served_names=served_names or None, telemetry=telemetry,
-                                  compile_model=compile_model)
-    except (MemoryPlanError, ValueError) as exc:
-        raise FlareCommandError(str(exc)) from exc
-    kv = engine.kv
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
-             architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),
-             executor=engine.executor_summary(),
-             parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
-             kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
-             state_rows=concurrency + kv.snapshot_rows if loaded.cache_scheme.state else 0,
-             state_row_bytes=loaded.cache_scheme.state_row_bytes(),
-             max_concurrency=concurrency, context_length=capacities.context_length,
-             prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2))
-    engine.start()
-    server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
-    while_serving = None
-    if telemetry is not None:
-        from flare_core.dashboard import Dashboard
+        compile_cache, compiling = None, contextlib.nullcontext()
+        if torch_device.type == "cuda":  # the CPU reference compiles nothing
+            from flare_core.runtime.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
+                                                          library_versions)
 
-        while_serving = Dashboard(telemetry, logs, title=f"{engine.info.served_names[0]} on {torch_device}").run
-    try:
-        serve(engine, server, while_serving=while_serving)
-    except ServeError as exc:
-        raise FlareCommandError(str(exc)) from exc
-    except WorkerFailed as exc:  # exit status 1, so a supervisor restarts the server
-        raise FlareCommandError(f"the model worker failed ({exc}); the server stopped") from exc
+            directory = compile_cache_dir(config.paths.compile_cache, runtime_core.path.name,
+                                          runtime_core.manifest_bytes, device_tag(torch_device), library_versions())
+            compile_cache, compiling = "warm" if holds_compiled(directory) else "cold", compiling_into(directory)
+            log.info("compile cache", directory=str(directory), start=compile_cache)
+        try:
+            loaded = load_core(runtime_core, registry, torch_device)
+        except CoreLoadError as exc:
+            raise FlareCommandError(str(exc)) from exc
+        if leader is not None:
+            from flare_core.parallel import Ranks, reduce_partial_sums, spec_of
 
+            reduce_partial_sums(loaded.model, spec_of(registry.recipes[loaded.recipe_name]), Ranks(0, ranks))
+        capacities = loaded.capacities
+        concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
+        memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)
+        try:
+            # Called by the engine once compilation and graphs have taken their memory (on CUDA).
+            kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
+                                        memory.memory_limit, memory.kv_cache_limit)
+            with compiling:  # the layers are compiled and the graphs captured while the engine is built
+                engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
+                                      queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
+                                      served_names=served_names or None, telemetry=telemetry,
+                                      compile_model=compile_model, leader=leader)
+        except (MemoryPlanError, ValueError, RuntimeError) as exc:
+            raise FlareCommandError(str(exc)) from exc
+        kv = engine.kv
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
+                 architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),
+                 executor=engine.executor_summary(),
+                 parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
+                 kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
+                 state_rows=concurrency + kv.snapshot_rows if loaded.cache_scheme.state else 0,
+                 state_row_bytes=loaded.cache_scheme.state_row_bytes(),
+                 max_concurrency=concurrency, context_length=capacities.context_length,
+                 prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2))
+        engine.start()
+        server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
+        while_serving = None
+        if telemetry is not None:
+            from flare_core.dashboard import Dashboard
+
+            while_serving = Dashboard(telemetry, logs, title=f"{engine.info.served_names[0]} on {torch_device}").run
+        try:
+            serve(engine, server, while_serving=while_serving)
+        except ServeError as exc:
+            raise FlareCommandError(str(exc)) from exc
+        except WorkerFailed as exc:  # exit status 1, so a supervisor restarts the server
+            raise FlareCommandError(f"the model worker failed ({exc}); the server stopped") from exc
+
+    finally:
+        if leader is not None:  # the engine's model thread has stopped: no step is in flight
+            leader.close()
 
 _SERVE_OPTIONS = [
     click.option("--device", default=None, help="cuda, cpu or auto (default from config: [defaults] device)."),

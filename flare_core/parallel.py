@@ -39,6 +39,12 @@ class Ranks:
     group: Any = None
 
 
+def rank_tensor_name(rank: int, name: str) -> str:
+    """A core's name for rank `rank`'s slice of prepared tensor `name` (replicated tensors are
+    stored once under their own name)."""
+    return f"rank{rank}.{name}"
+
+
 def spec_of(recipe: Recipe) -> TensorParallelSpec:
     if recipe.tensor_parallel is None:
         raise ValueError(f"recipe {recipe.name} declares no tensor parallelism: its models run on one device")
@@ -62,7 +68,8 @@ def rank_config(config: Any, spec: TensorParallelSpec, size: int) -> Any:
     return local
 
 
-def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor], ranks: Ranks) -> Mapping[str, Tensor]:
+def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor],
+                    ranks: Ranks) -> Mapping[str, Tensor]:
     """`checkpoint` as rank `ranks.rank` reads it: the tensors its sharded tensors are built from
     sliced to the rank's share, the others whole. Hand it to the recipe's `map_weights` with
     `rank_config(config, ...)`. ValueError naming a tensor whose shapes do not split evenly."""

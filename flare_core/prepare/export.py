@@ -35,6 +35,7 @@ class ExportRequest:
     offline: bool = False
     recipe: str | None = None  # force a recipe instead of choosing by alias/architecture
     progress: bool = True
+    tensor_parallel: int = 1  # ranks the core is split over (flare_core.parallel)
 
 
 @dataclass(frozen=True)
@@ -101,25 +102,37 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             where = source.path if source.kind == "gguf" else source.path / "config.json"
             raise ExportError(f"{where}: the config is not supported by recipe {recipe.name}: {exc}") from exc
     capacities = plan_capacities(recipe, model_config, request.capacities)
-    scheme = registry.cache_schemes[recipe.cache_scheme].build(model_config, request.dtype)
+    ranks = request.tensor_parallel
+    rank_model_config = _rank_config(recipe, model_config, ranks)
+    # The cache scheme of one rank: each holds its share of the KV heads.
+    scheme = registry.cache_schemes[recipe.cache_scheme].build(rank_model_config, request.dtype)
     assets = collect_frontend_assets(checkpoint, recipe, registry)
 
     torch_dtype = DTYPES[request.dtype]
     skeleton = _skeleton(recipe, model_config, torch_dtype)
     parameters = sum(t.numel() for t in skeleton.values())
     weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
+    rank_notes = () if ranks == 1 else (
+        f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(recipe.tensor_parallel.divided)} "
+        f"and its share of the KV cache (the cache scheme above is one rank's); `flare run` starts the ranks",)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
         architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
-        notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ()),
+        notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
+        + rank_notes,
     )
     for line in plan.lines():
         echo(line)
 
-    tensors = _map_weights(recipe, model_config, checkpoint.tensors, torch_dtype, skeleton, request.progress)
+    if ranks == 1:
+        tensors = _map_weights(recipe, model_config, checkpoint.tensors, torch_dtype, skeleton, request.progress)
+    else:
+        tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint.tensors, torch_dtype, skeleton,
+                                ranks, request.progress)
     manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
+    manifest["tensor_parallel"] = ranks
     key = load_or_create_signing_key(config.paths.keys)
     TrustStore(config.paths.trust_store).trust(key.publisher)
     store = CoreStore(config.paths.core_cache)
@@ -136,6 +149,43 @@ def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, tor
     """The prepared layout the recipe's model expects: names, shapes and dtypes (meta tensors)."""
     model = recipe.build_model(model_config, dtype)
     return dict(model.state_dict())
+
+
+def _rank_config(recipe: Recipe, model_config, ranks: int):
+    """The config each of `ranks` tensor-parallel ranks builds its model from (ExportError when the
+    recipe declares no tensor parallelism or the config does not divide)."""
+    if ranks < 1:
+        raise ExportError(f"--tp {ranks}: the number of tensor-parallel ranks must be at least 1")
+    if ranks == 1:
+        return model_config
+    from flare_core.parallel import rank_config
+
+    if recipe.tensor_parallel is None:
+        raise ExportError(f"--tp {ranks}: recipe {recipe.name} declares no tensor parallelism (its models run on "
+                          f"one device)")
+    try:
+        return rank_config(model_config, recipe.tensor_parallel, ranks)
+    except ValueError as exc:
+        raise ExportError(f"--tp {ranks}: {exc}") from exc
+
+
+def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: Mapping[str, torch.Tensor],
+                  dtype: torch.dtype, skeleton: dict[str, torch.Tensor], ranks: int,
+                  progress: bool) -> dict[str, torch.Tensor]:
+    """Every rank's tensors: those a rank holds a slice of under `rank{r}.NAME` (flare_core.parallel.
+    rank_tensor_name), the replicated ones once under their name."""
+    from flare_core.parallel import Ranks, rank_checkpoint, rank_tensor_name
+
+    rank_skeleton = _skeleton(recipe, rank_model_config, dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for rank in range(ranks):
+        share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks))
+        for name, tensor in _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress).items():
+            if rank_skeleton[name].shape != skeleton[name].shape:
+                tensors[rank_tensor_name(rank, name)] = tensor
+            elif rank == 0:
+                tensors[name] = tensor
+    return {name: tensors[name] for name in sorted(tensors)}
 
 
 def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype,

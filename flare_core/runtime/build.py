@@ -24,6 +24,7 @@ from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, St
 
 if TYPE_CHECKING:
     from flare_core.dashboard.telemetry import Telemetry
+    from flare_core.runtime.tensor_parallel import RankLeader
 
 # Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live state row.
 LOGITS_ROWS_PER_REQUEST = 4
@@ -32,10 +33,12 @@ LOGITS_ROWS_PER_REQUEST = 4
 def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
-                 frames_in_flight: int | None = None) -> Engine:
+                 frames_in_flight: int | None = None, leader: RankLeader | None = None) -> Engine:
     """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
     executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
-    executor overlaps (2 for CUDA graphs, 1 for the eager reference)."""
+    executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
+    of a core split over tensor-parallel ranks (flare_core.runtime.tensor_parallel), which build
+    the same executor and follow its steps."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
         raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
@@ -58,6 +61,9 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_rows=snapshot_rows,
                          num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
+    if leader is not None and loaded.device.type != "cpu":
+        raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
+                         f"path (--device cpu) serves such cores so far")
     if loaded.device.type == "cuda":
         from flare_core.executor.graphs import GraphExecutor
 
@@ -72,6 +78,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     else:
         kv = plan_kv()
         executor = EagerExecutor(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args)
+        if leader is not None:
+            executor = leader.lead(executor, dict(num_pages=kv.num_pages, **executor_args))
 
     pages = PageAllocator(kv.num_pages)
     prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),

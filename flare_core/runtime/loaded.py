@@ -4,6 +4,7 @@ tokenizer, the annotated chat template, and the contract data from the manifest.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class LoadedCore:
     sampling_policy: SamplingPolicy
     frontend: dict
     identity: bytes  # 32 bytes naming exactly this core: the root of prefix-cache hashes
+    tensor_parallel: int = 1  # ranks the core is split over; this process holds one rank's share
 
     @property
     def manifest(self) -> dict:
@@ -48,7 +50,11 @@ class LoadedCore:
 
     @property
     def parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """The whole model's parameters (a tensor-parallel rank's model holds a share of them; the
+        core holds every rank's slices and the replicated tensors once)."""
+        if self.tensor_parallel == 1:
+            return sum(p.numel() for p in self.model.parameters())
+        return sum(math.prod(self.core.locations[name].shape) for name in self.core.tensor_names())
 
 
 def _major(version: str) -> str:
@@ -79,8 +85,10 @@ def sampling_policy_from_manifest(data: dict) -> SamplingPolicy:
                           source=data.get("source", ""))
 
 
-def load_core(core: RuntimeCore, registry: Registry, device: torch.device) -> LoadedCore:
-    """Build the recipe's model from the core's tensors on `device` (the core must be verified)."""
+def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank: int = 0) -> LoadedCore:
+    """Build the recipe's model from the core's tensors on `device` (the core must be verified).
+    A core split over tensor-parallel ranks (flare_core.parallel) gives rank `rank`'s share: its
+    model built from the divided config, with its slices of the sharded tensors."""
     manifest = core.manifest
     if _major(manifest["contract_version"]) != _major(CONTRACT_VERSION):
         raise CoreLoadError(f"core was prepared for contract {manifest['contract_version']}; this flare speaks "
@@ -100,8 +108,14 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device) -> Lo
         raise CoreLoadError(f"core weights are {manifest['dtype']}, which the CUDA path does not serve (FlashInfer "
                             f"attention is bfloat16 / float16): serve it with --device cpu, or export the model "
                             f"again with --dtype bfloat16")
-    model = recipe.build_model(model_config, dtype)
-    load_prepared_weights(model, core.load_tensors(device="cpu"), device)
+    ranks = manifest.get("tensor_parallel", 1)
+    if not 0 <= rank < ranks:
+        raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
+    if ranks == 1:
+        model = recipe.build_model(model_config, dtype)
+        load_prepared_weights(model, core.load_tensors(device="cpu"), device)
+    else:
+        model = _rank_model(core, recipe, model_config, dtype, rank, ranks, device)
 
     frontend = manifest["frontend"]
     tokenizer = Tokenizer.from_str(core.asset(frontend["tokenizer"]).decode("utf-8"))
@@ -113,5 +127,22 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device) -> Lo
         tokenizer=tokenizer, chat_template=template, capacities=Capacities(**manifest["capacities"]),
         cache_scheme=cache_scheme_from_manifest(manifest["cache_scheme"]),
         sampling_policy=sampling_policy_from_manifest(manifest["sampling"]), frontend=frontend,
-        identity=hashlib.sha256(core.manifest_bytes).digest(),
+        identity=hashlib.sha256(core.manifest_bytes).digest(), tensor_parallel=ranks,
     )
+
+
+def _rank_model(core: RuntimeCore, recipe, model_config, dtype: torch.dtype, rank: int, ranks: int,
+                device: torch.device) -> torch.nn.Module:
+    """Rank `rank`'s model: built from the divided config, loaded with the rank's slices of the
+    sharded tensors and the replicated ones."""
+    from flare_core.parallel import rank_config, rank_tensor_name, spec_of
+
+    if recipe.tensor_parallel is None:
+        raise CoreLoadError(f"core is split over {ranks} tensor-parallel ranks, but the installed recipe "
+                            f"{recipe.name} declares no tensor parallelism")
+    model = recipe.build_model(rank_config(model_config, spec_of(recipe), ranks), dtype)
+    stored = set(core.tensor_names())
+    names = {name: rank_tensor_name(rank, name) if rank_tensor_name(rank, name) in stored else name
+             for name in model.state_dict()}
+    tensors = core.load_tensors(device="cpu", names=names.values())
+    return load_prepared_weights(model, {name: tensors[stored_name] for name, stored_name in names.items()}, device)

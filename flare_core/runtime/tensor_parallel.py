@@ -1,0 +1,208 @@
+"""The ranks of a server whose core is split over tensor-parallel ranks (flare_core.parallel), on
+the CPU: worker processes, the gloo group they form with the server, and the executor through
+which rank 0 leads them.
+
+`flare run` is rank 0: it serves HTTP, schedules and samples as any server does. `RankLeader`
+starts one worker process per other rank; each joins the group, loads its rank's share of the
+core, and builds the executor rank 0 builds, over the same number of pages. For every step,
+rank 0 first sends the step's plan to every worker (`LeadingExecutor.step`); all ranks then run
+the step's forward, whose all-reduces meet inside the model; rank 0 samples and sends the sampled
+tokens, which each worker records as its rows' next decode inputs. Every rank thus issues the
+same collectives in the same order, holds the same pages, restores and snapshots, and never
+samples on its own. Plans and tokens travel over one multiprocessing queue per worker (an idle
+server waits there without a collective that could time out); only the model's all-reduces use
+the group.
+
+A rank that fails breaks the group: the others' next all-reduce raises, so rank 0's step fails
+and the server exits 1 (the worker-failure path). A worker whose server process is gone stops.
+Closing sends each worker a stop and waits for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# How long a rank waits for the others to join the group, and for a collective to complete.
+GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+# How long rank 0 waits for the workers to load their shares and build their executors.
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
+
+
+def threads_per_rank(ranks: int) -> int:
+    """CPU threads for each rank's kernels: the host's cores shared among the ranks."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+class RankLeader:
+    """Rank 0's side of the group: starts the workers (`start`), joins the group, hands them the
+    executor's geometry (`lead`) and stops them (`close`)."""
+
+    def __init__(self, core_path: Path, ranks: int):
+        self.ranks = ranks
+        self._directory = Path(tempfile.mkdtemp(prefix="flare-ranks-"))
+        context = multiprocessing.get_context("spawn")
+        self._commands = [context.Queue() for _ in range(1, ranks)]
+        self._status = context.Queue()
+        self._workers = [context.Process(target=run_worker, name=f"flare-rank-{rank}", daemon=True,
+                                         args=(str(core_path), rank, ranks, str(self._directory / "group"),
+                                               self._commands[rank - 1], self._status))
+                         for rank in range(1, ranks)]
+        self._joined = False
+
+    @classmethod
+    def start(cls, core_path: Path, ranks: int) -> RankLeader:
+        """Start the workers and join the group as rank 0 (waits for every worker to join)."""
+        import torch.distributed as dist
+
+        leader = cls(core_path, ranks)
+        try:
+            for worker in leader._workers:
+                worker.start()
+            torch.set_num_threads(threads_per_rank(ranks))
+            dist.init_process_group("gloo", init_method=f"file://{leader._directory / 'group'}", rank=0,
+                                    world_size=ranks, timeout=GROUP_TIMEOUT)
+            leader._joined = True
+        except BaseException:
+            leader.close()
+            raise
+        return leader
+
+    def lead(self, executor: Any, executor_args: dict) -> LeadingExecutor:
+        """Have every worker build its executor with `executor_args` (rank 0's own, its page count
+        included) and wait until all have; RuntimeError naming a worker that failed or died."""
+        for commands in self._commands:
+            commands.put(("build", executor_args))
+        ready: set[int] = set()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(ready) < len(self._workers):
+            try:
+                kind, rank, detail = self._status.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w.name for w in self._workers if not w.is_alive()]
+                if dead:
+                    raise RuntimeError(f"tensor-parallel worker {dead[0]} exited during start-up") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel workers not ready after {READY_TIMEOUT_S:.0f} s") from None
+                continue
+            if kind == "failed":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+            ready.add(rank)
+        return LeadingExecutor(executor, self._commands, self.ranks)
+
+    def close(self) -> None:
+        """Stop the workers (after the engine's model thread has stopped: no step is in flight)."""
+        import torch.distributed as dist
+
+        for commands, worker in zip(self._commands, self._workers):
+            if worker.is_alive():
+                commands.put(("stop",))
+        for worker in self._workers:
+            if worker.pid is None:
+                continue
+            worker.join(STOP_TIMEOUT_S)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join()
+        if self._joined:
+            dist.destroy_process_group()
+            self._joined = False
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class LeadingExecutor:
+    """Rank 0's executor: `step` sends each worker the plan, runs it (the workers run its forward
+    alongside), then sends the tokens it sampled. Everything else is the wrapped executor's."""
+
+    def __init__(self, executor: Any, commands: list, ranks: int):
+        self._executor = executor
+        self._commands = commands
+        self._ranks = ranks
+
+    def step(self, plan, sampling):
+        for commands in self._commands:
+            commands.put(("step", plan))
+        output = self._executor.step(plan, sampling)
+        if plan.samples:
+            tokens = output.token_ids.to("cpu")
+            for commands in self._commands:
+                commands.put(("sampled", tokens))
+        return output
+
+    def summary(self) -> str:
+        return f"{self._executor.summary()}, tensor-parallel over {self._ranks} ranks (gloo)"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._executor, name)
+
+
+def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands, status) -> None:
+    """A worker process: join the group, load rank `rank`'s share of the core, build the executor
+    rank 0 describes, then follow rank 0's steps until told to stop."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads_per_rank(ranks))
+        dist.init_process_group("gloo", init_method=f"file://{group_file}", rank=rank, world_size=ranks,
+                                timeout=GROUP_TIMEOUT)
+        executor = _build_executor(core_path, rank, ranks, commands)
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which fails its start-up
+        status.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
+        return
+    status.put(("ready", rank, None))
+    try:
+        _follow(executor, commands)
+    finally:
+        dist.destroy_process_group()
+
+
+def _build_executor(core_path: str, rank: int, ranks: int, commands):
+    from flare_core.core import open_core
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.parallel import Ranks, reduce_partial_sums, spec_of
+    from flare_core.plugins import load_registry
+    from flare_core.runtime.loaded import load_core
+
+    registry = load_registry()
+    # The signature is checked on opening; rank 0 verified the payload hashes and the publisher.
+    loaded = load_core(open_core(Path(core_path)), registry, torch.device("cpu"), rank)
+    reduce_partial_sums(loaded.model, spec_of(registry.recipes[loaded.recipe_name]), Ranks(rank, ranks))
+    kind, executor_args = _next(commands)
+    if kind != "build":
+        raise RuntimeError(f"expected the executor's geometry from rank 0, got {kind!r}")
+    return EagerExecutor(loaded.model, loaded.cache_scheme, **executor_args)
+
+
+def _follow(executor, commands) -> None:
+    while True:
+        message = _next(commands)
+        if message is None or message[0] == "stop":
+            return
+        plan = message[1]
+        executor.run_scored(plan)
+        if plan.samples:
+            sampled = _next(commands)
+            if sampled is None or sampled[0] != "sampled":
+                return
+            executor.record_sampled([h.state_row for h in plan.samples], sampled[1])
+
+
+def _next(commands):
+    """The next message from rank 0; None once the server process is gone."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return commands.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None

@@ -1,0 +1,100 @@
+"""A core split over two tensor-parallel ranks (`flare export --tp 2`) served by `flare run
+--device cpu`: the server is rank 0 and leads one worker process over a gloo group. Through the
+openai SDK it answers greedy requests token for token as the unsplit core does (Qwen3 and
+Qwen3-MoE), reuses a shared prefix (cached tokens > 0, same answer), survives a client that hangs
+up mid-stream with every slot back, and stops its worker on SIGTERM. A recipe without a
+tensor-parallel declaration, or a config that does not divide, is refused at export."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server_process import ServerProcess, SseReader
+
+SERVED = "tiny"
+PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is the capital of Italy?"]
+EXPORT = ("--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024", "--prefill-chunk-size", "128")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
+def servers(request, session_flare, qwen3_checkpoint, qwen3_moe_checkpoint, tmp_path_factory):
+    """(split server, whole server) over the same checkpoint."""
+    checkpoint = qwen3_checkpoint if request.param == "qwen3" else qwen3_moe_checkpoint
+    split_core = session_flare.export(checkpoint, *EXPORT, "--tp", "2")
+    whole_core = session_flare.export(checkpoint, *EXPORT)
+    root = tmp_path_factory.mktemp(f"tp-{request.param}")
+    split = ServerProcess(session_flare.config_path, split_core, root / "split.log", "--served-name", SERVED)
+    whole = ServerProcess(session_flare.config_path, whole_core, root / "whole.log", "--served-name", SERVED)
+    try:
+        for server in (split, whole):
+            server.wait_ready()
+        yield split, whole
+    finally:
+        for server in (split, whole):
+            if server.process.poll() is None:
+                server.stop()
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy(server: ServerProcess, prompt: str):
+    return client(server).chat.completions.create(model=SERVED, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=16, temperature=0)
+
+
+def test_split_core_answers_as_the_whole_core(servers):
+    split, whole = servers
+    assert "tensor-parallel over 2 ranks" in split.log()
+    counts = [server.post("/api/show", {"model": SERVED}).json()["model_info"]["general.parameter_count"]
+              for server in (split, whole)]
+    assert counts[0] == counts[1]  # the whole model's, not rank 0's share
+    for prompt in PROMPTS:
+        ours, reference = greedy(split, prompt), greedy(whole, prompt)
+        assert ours.choices[0].message.content == reference.choices[0].message.content, prompt
+        assert ours.usage.completion_tokens == reference.usage.completion_tokens
+
+
+def test_a_shared_prefix_is_reused_and_answers_the_same(servers):
+    split, whole = servers
+    messages = [{"role": "system", "content": "You are a terse assistant who answers in one line."},
+                {"role": "user", "content": "Name a river in France."}]
+
+    def chat(server):
+        return client(server).chat.completions.create(model=SERVED, messages=messages, max_tokens=12, temperature=0)
+
+    first, second, reference = chat(split), chat(split), chat(whole)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert first.choices[0].message == second.choices[0].message == reference.choices[0].message
+
+
+def test_a_client_hanging_up_mid_stream_frees_its_slot(servers):
+    split, _ = servers
+    stream = SseReader(split.url, "/v1/chat/completions",
+                       {"model": SERVED, "messages": [{"role": "user", "content": "Count to one hundred."}],
+                        "max_tokens": 200, "stream": True, "temperature": 0, "ignore_eos": True})
+    assert stream.status == 200
+    assert isinstance(stream.next_event(), dict)  # generation has started on both ranks
+    stream.close()
+    split.wait_metrics({"flare_slots_live": 0.0, "flare_requests_waiting": 0.0})
+    after = greedy(split, PROMPTS[0])  # and the group still steps together
+    assert after.choices[0].message.content == greedy(servers[1], PROMPTS[0]).choices[0].message.content
+
+
+def test_export_refuses_what_does_not_split(flare, qwen3_checkpoint, tmp_path):
+    from transformers import DeepseekV3Config
+
+    from conftest import write_checkpoint
+
+    result = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "4", "--no-progress", expect_ok=False)
+    assert result.exit_code != 0 and "config.num_key_value_heads = 2 does not divide over 4" in result.output
+    deepseek = write_checkpoint(tmp_path / "deepseek", DeepseekV3Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=2048))
+    result = flare("export", deepseek, *EXPORT, "--recipe", "deepseek-v3", "--tp", "2", "--no-progress",
+                   expect_ok=False)
+    assert result.exit_code != 0 and "recipe deepseek-v3 declares no tensor parallelism" in result.output
