@@ -293,7 +293,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
             leader = RankLeader.start(runtime_core.path, ranks)
         except (RuntimeError, ValueError) as exc:
             raise FlareCommandError(f"{runtime_core.path}: the tensor-parallel ranks did not start ({exc})") from exc
-        log.info("tensor-parallel ranks", ranks=ranks, workers="started")
+        log.info("tensor-parallel ranks", ranks=ranks, worker_pids=leader.worker_pids)
     try:
         compile_cache, compiling = None, contextlib.nullcontext()
         if torch_device.type == "cuda":  # the CPU reference compiles nothing

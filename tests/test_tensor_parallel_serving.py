@@ -2,15 +2,19 @@
 --device cpu`: the server is rank 0 and leads one worker process over a gloo group. Through the
 openai SDK it answers greedy requests token for token as the unsplit core does (Qwen3 and
 Qwen3-MoE), reuses a shared prefix (cached tokens > 0, same answer), survives a client that hangs
-up mid-stream with every slot back, and stops its worker on SIGTERM. A recipe without a
-tensor-parallel declaration, or a config that does not divide, is refused at export."""
+up mid-stream with every slot back, and stops its worker on SIGTERM; a worker that dies fails the
+server (exit status 1), not a hang. A recipe without a tensor-parallel declaration, or a config
+that does not divide, is refused at export."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import openai
 import pytest
 
-from server_process import ServerProcess, SseReader
+from server_process import ServerProcess, SseReader, wait_until
 
 SERVED = "tiny"
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is the capital of Italy?"]
@@ -98,3 +102,35 @@ def test_export_refuses_what_does_not_split(flare, qwen3_checkpoint, tmp_path):
     result = flare("export", deepseek, *EXPORT, "--recipe", "deepseek-v3", "--tp", "2", "--no-progress",
                    expect_ok=False)
     assert result.exit_code != 0 and "recipe deepseek-v3 declares no tensor parallelism" in result.output
+
+
+def worker_pids(server: ServerProcess) -> list[int]:
+    match = re.search(r"tensor-parallel ranks .*worker_pids=\[([0-9, ]+)\]", server.log())
+    assert match, server.log()
+    return [int(pid) for pid in match.group(1).split(",")]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_stops_the_workers_and_a_dead_worker_fails_the_server(session_flare, qwen3_checkpoint, tmp_path):
+    core = session_flare.export(qwen3_checkpoint, *EXPORT, "--tp", "2")
+    server = ServerProcess(session_flare.config_path, core, tmp_path / "stopped.log", "--served-name", SERVED)
+    server.wait_ready()
+    [pid] = worker_pids(server)
+    assert greedy(server, PROMPTS[1]).usage.completion_tokens > 0
+    server.stop()  # SIGTERM: exit status 0
+    wait_until(lambda: gone(pid), 30, f"worker {pid} to exit")
+
+    server = ServerProcess(session_flare.config_path, core, tmp_path / "killed.log", "--served-name", SERVED)
+    server.wait_ready()
+    [pid] = worker_pids(server)
+    os.kill(pid, 9)  # the server reaps it only when it stops: no waiting for it to be gone
+    reply = server.post("/v1/completions", {"model": SERVED, "prompt": "Hello", "max_tokens": 4})
+    assert reply.status >= 500, reply.body
+    assert server.wait_exit() == 1, server.log()

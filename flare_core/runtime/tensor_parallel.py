@@ -78,6 +78,10 @@ class RankLeader:
             raise
         return leader
 
+    @property
+    def worker_pids(self) -> list[int]:
+        return [worker.pid for worker in self._workers]
+
     def lead(self, executor: Any, executor_args: dict) -> LeadingExecutor:
         """Have every worker build its executor with `executor_args` (rank 0's own, its page count
         included) and wait until all have; RuntimeError naming a worker that failed or died."""
