@@ -309,9 +309,9 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         except CoreLoadError as exc:
             raise FlareCommandError(str(exc)) from exc
         if leader is not None:
-            from flare_core.parallel import Ranks, reduce_partial_sums, spec_of
+            from flare_core.parallel import Ranks, join_group, spec_of
 
-            reduce_partial_sums(loaded.model, spec_of(registry.recipes[loaded.recipe_name]), Ranks(0, ranks))
+            join_group(loaded.model, spec_of(registry.recipes[loaded.recipe_name]), Ranks(0, ranks))
         capacities = loaded.capacities
         concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
         memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)

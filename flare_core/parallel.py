@@ -10,9 +10,15 @@ dimension of which tensor a rank holds a slice of is not declared anywhere: it i
 dimension where the full model's shape and the rank's model's shape differ, and
 `rank_checkpoint` slices the checkpoint tensors each such tensor is built from (every part of a
 fused projection, every expert of a packed tensor) before the recipe's own `map_weights` fuses
-them, so each rank's fused QKV holds its own q, k and v heads. The row-parallel outputs are each
+them, so each rank's fused QKV holds its own q, k and v heads. A tensor the recipe computes from
+another checkpoint tensor (the spec's `derived`) has that one sliced as declared. The row-parallel outputs are each
 rank's share of a sum: `reduce_partial_sums` all-reduces the outputs of the decoder-layer
 submodules the spec names, and every rank then carries the same residual stream.
+
+The head (an untied `lm_head` of a vocabulary that divides over the ranks) is vocabulary-parallel:
+rank r holds rows [r * V / size, (r + 1) * V / size) and the logits rows are gathered from every
+rank's slice before sampling. A tied head reads the embedding matrix, which every rank holds
+whole, and stays replicated.
 """
 
 from __future__ import annotations
@@ -68,6 +74,30 @@ def rank_config(config: Any, spec: TensorParallelSpec, size: int) -> Any:
     return local
 
 
+def build_rank_model(recipe: Recipe, config: Any, dtype: torch.dtype, size: int) -> nn.Module:
+    """One rank's model (parameters on the meta device): the recipe's model of `rank_config`, its
+    head split over the vocabulary where `splits_head` says it can be."""
+    model = recipe.build_model(rank_config(config, spec_of(recipe), size), dtype)
+    if splits_head(model, size):
+        head = model.lm_head
+        with torch.device("meta"):
+            model.lm_head = HeadSlice(head.in_features, head.out_features // size, bias=False,
+                                      dtype=head.weight.dtype)
+    return model
+
+
+class HeadSlice(nn.Linear):
+    """A rank's rows of a vocabulary-parallel head (`join_group` gathers its logits)."""
+
+
+def splits_head(model: nn.Module, size: int) -> bool:
+    """Whether `model`'s head splits over `size` ranks: an untied, bias-free `lm_head` whose
+    vocabulary divides."""
+    head = getattr(model, "lm_head", None)
+    return (hasattr(model, "gather_logits") and isinstance(head, nn.Linear) and head.bias is None
+            and head.out_features % size == 0)
+
+
 def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor],
                     ranks: Ranks) -> Mapping[str, Tensor]:
     """`checkpoint` as rank `ranks.rank` reads it: the tensors its sharded tensors are built from
@@ -75,7 +105,7 @@ def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor
     `rank_config(config, ...)`. ValueError naming a tensor whose shapes do not split evenly."""
     spec = spec_of(recipe)
     full = recipe.build_model(config, torch.float32).state_dict()  # meta tensors: shapes only
-    local = recipe.build_model(rank_config(config, spec, ranks.size), torch.float32).state_dict()
+    local = build_rank_model(recipe, config, torch.float32, ranks.size).state_dict()
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
     dims: dict[str, int] = {}
     for name, target in local.items():
@@ -87,6 +117,10 @@ def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor
         if len(differing) > 1 or whole[dim] != target.shape[dim] * ranks.size:
             raise ValueError(f"{name}: the full model's {tuple(whole)} and a rank's {tuple(target.shape)} are no even "
                              f"split over {ranks.size} ranks along one dimension")
+        derived = next((d for d in spec.derived if name.endswith("." + d.prepared)), None)
+        if derived is not None:
+            dims[name[:-len(derived.prepared)] + derived.source] = derived.dim
+            continue
         packed = packed_experts(name, num_experts)
         for group in source_names(name, num_experts):
             for part in group:
@@ -118,11 +152,12 @@ class _RankSlices(Mapping):
         return name in self._checkpoint
 
 
-def reduce_partial_sums(model: nn.Module, spec: TensorParallelSpec, ranks: Ranks) -> int:
-    """All-reduce (sum over the group) the output of every decoder layer's submodules named in
-    `spec.partial_sums`, in place, through forward hooks (parameter names do not change). A
-    tuple output (attention: output, weights) has its first element reduced. Returns how many
-    modules were hooked."""
+def join_group(model: nn.Module, spec: TensorParallelSpec, ranks: Ranks) -> int:
+    """Make rank `ranks.rank`'s model (built by `build_rank_model`) compute with the others: the
+    output of every decoder layer's submodules named in `spec.partial_sums` is all-reduced (summed
+    over the group) in place through forward hooks (parameter names do not change; a tuple output,
+    attention's (output, weights), has its first element reduced), and a split head's logits are
+    gathered from every rank's slice of the vocabulary. Returns how many modules were hooked."""
     import torch.distributed as dist
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -136,4 +171,11 @@ def reduce_partial_sums(model: nn.Module, spec: TensorParallelSpec, ranks: Ranks
             if module is not None:
                 module.register_forward_hook(hook)
                 hooked += 1
+    if isinstance(getattr(model, "lm_head", None), HeadSlice):
+        def gather_logits(logits: Tensor) -> Tensor:
+            slices = [torch.empty_like(logits) for _ in range(ranks.size)]
+            dist.all_gather(slices, logits.contiguous(), group=ranks.group)
+            return torch.cat(slices, dim=-1)
+
+        model.gather_logits = gather_logits
     return hooked

@@ -1,7 +1,7 @@
 """A core split over two tensor-parallel ranks (`flare export --tp 2`) served by `flare run
 --device cpu`: the server is rank 0 and leads one worker process over a gloo group. Through the
-openai SDK it answers greedy requests token for token as the unsplit core does (Qwen3 and
-Qwen3-MoE), reuses a shared prefix (cached tokens > 0, same answer), survives a client that hangs
+openai SDK it answers greedy requests token for token as the unsplit core does (Qwen3,
+Qwen3-MoE and DeepSeek-V3), reuses a shared prefix (cached tokens > 0, same answer), survives a client that hangs
 up mid-stream with every slot back, and stops its worker on SIGTERM; a worker that dies fails the
 server (exit status 1), not a hang. A recipe without a tensor-parallel declaration, or a config
 that does not divide, is refused at export."""
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
+from conftest import FIXTURES
 from server_process import ServerProcess, SseReader, wait_until
 
 SERVED = "tiny"
@@ -21,13 +24,35 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is
 EXPORT = ("--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024", "--prefill-chunk-size", "128")
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
+def deepseek_v3_checkpoint(directory: Path) -> Path:
+    """A tiny DeepSeek-V3 (MLA, a dense first layer, group-limited MoE with a shared expert) with
+    DeepSeek-V3's real chat template and a byte-level tokenizer holding its special tokens."""
+    from transformers import DeepseekV3Config
+
+    from flare_recipe_deepseek.testing import ascii_tokenizer_json, random_model, save_model, write_frontend
+
+    special = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+    vocab_size = len(Tokenizer.from_str(ascii_tokenizer_json(special)).get_vocab())
+    config = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+        topk_group=2, first_k_dense_replace=1, max_position_embeddings=1024, architectures=["DeepseekV3ForCausalLM"])
+    save_model(directory, random_model(config, seed=5))
+    write_frontend(directory, vocab_size=vocab_size, special_tokens=special,
+                   chat_template=(FIXTURES / "chat_templates" / "deepseek-ai-DeepSeek-V3.jinja").read_text("utf-8"),
+                   bos_token=special[0], eos_token=special[1], stop_token=special[1])
+    return directory
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "deepseek-v3"])
 def servers(request, session_flare, qwen3_checkpoint, qwen3_moe_checkpoint, tmp_path_factory):
     """(split server, whole server) over the same checkpoint."""
-    checkpoint = qwen3_checkpoint if request.param == "qwen3" else qwen3_moe_checkpoint
-    split_core = session_flare.export(checkpoint, *EXPORT, "--tp", "2")
-    whole_core = session_flare.export(checkpoint, *EXPORT)
     root = tmp_path_factory.mktemp(f"tp-{request.param}")
+    checkpoint, flags = {"qwen3": (qwen3_checkpoint, ()), "qwen3-moe": (qwen3_moe_checkpoint, ())}.get(
+        request.param) or (deepseek_v3_checkpoint(root / "checkpoint"), ("--recipe", "deepseek-v3"))
+    split_core = session_flare.export(checkpoint, *EXPORT, *flags, "--tp", "2")
+    whole_core = session_flare.export(checkpoint, *EXPORT, *flags)
     split = ServerProcess(session_flare.config_path, split_core, root / "split.log", "--served-name", SERVED)
     whole = ServerProcess(session_flare.config_path, whole_core, root / "whole.log", "--served-name", SERVED)
     try:
@@ -87,21 +112,23 @@ def test_a_client_hanging_up_mid_stream_frees_its_slot(servers):
     assert after.choices[0].message.content == greedy(servers[1], PROMPTS[0]).choices[0].message.content
 
 
-def test_export_refuses_what_does_not_split(flare, qwen3_checkpoint, tmp_path):
-    from transformers import DeepseekV3Config
+def test_export_plans_the_split_and_refuses_what_does_not_split(flare, qwen3_checkpoint, qwen3_moe_checkpoint,
+                                                                tmp_path):
+    from transformers import LlamaConfig
 
     from conftest import write_checkpoint
 
+    plan = flare("export", qwen3_moe_checkpoint, *EXPORT, "--tp", "2", "--no-progress").output
+    assert "tensor parallelism: 2 ranks" in plan and "the head split over the vocabulary (75968 rows each)" in plan
+    plan = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "2", "--no-progress").output
+    assert "the head whole on every rank (tied to the embeddings" in plan
     result = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "4", "--no-progress", expect_ok=False)
     assert result.exit_code != 0 and "config.num_key_value_heads = 2 does not divide over 4" in result.output
-    deepseek = write_checkpoint(tmp_path / "deepseek", DeepseekV3Config(
-        vocab_size=151936, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=2048))
-    result = flare("export", deepseek, *EXPORT, "--recipe", "deepseek-v3", "--tp", "2", "--no-progress",
-                   expect_ok=False)
-    assert result.exit_code != 0 and "recipe deepseek-v3 declares no tensor parallelism" in result.output
+    llama = write_checkpoint(tmp_path / "llama", LlamaConfig(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024))
+    result = flare("export", llama, *EXPORT, "--recipe", "llama", "--tp", "2", "--no-progress", expect_ok=False)
+    assert result.exit_code != 0 and "recipe llama declares no tensor parallelism" in result.output
 
 
 def worker_pids(server: ServerProcess) -> list[int]:

@@ -400,6 +400,24 @@ class Parser:
 
 
 @dataclass(frozen=True)
+class DerivedShard:
+    """A prepared tensor that a recipe's `map_weights` computes from another checkpoint tensor
+    rather than fusing or packing parts (DeepSeek's absorbed MLA `w_uk` / `w_uv` come from
+    `kv_b_proj.weight`): a rank's share of a prepared tensor whose name ends in `prepared` comes
+    from the checkpoint tensor of the same module path ending in `source`, sliced along `dim`."""
+
+    prepared: str
+    source: str
+    dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("prepared", "source"):
+            _require(isinstance(getattr(self, name), str) and getattr(self, name), "DerivedShard", name,
+                     "must be a non-empty tensor name suffix")
+        _require(isinstance(self.dim, int) and self.dim >= 0, "DerivedShard", "dim", "must be an int >= 0")
+
+
+@dataclass(frozen=True)
 class TensorParallelSpec:
     """How a recipe's model splits over tensor-parallel ranks. Each rank builds the model from the
     config with the `divided` fields (head counts, intermediate sizes) divided by the number of
@@ -407,16 +425,20 @@ class TensorParallelSpec:
     the full model's sliced along the one dimension where the two models' shapes differ (fused
     projections and packed experts slice each checkpoint part). The outputs of the decoder-layer
     submodules named in `partial_sums` (those ending in a row-parallel projection: attention,
-    MLP) are each rank's share of a sum and are all-reduced. Everything else is replicated."""
+    MLP) are each rank's share of a sum and are all-reduced. Prepared tensors computed from
+    another checkpoint tensor name it in `derived`. Everything else is replicated."""
 
     divided: tuple[str, ...]
     partial_sums: tuple[str, ...]
+    derived: tuple[DerivedShard, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("divided", "partial_sums"):
             values = getattr(self, name)
             _require(isinstance(values, tuple) and len(values) > 0 and all(isinstance(v, str) and v for v in values),
                      "TensorParallelSpec", name, f"must be a non-empty tuple of names, got {values!r}")
+        _require(isinstance(self.derived, tuple) and all(isinstance(d, DerivedShard) for d in self.derived),
+                 "TensorParallelSpec", "derived", "must be a tuple of DerivedShard")
 
 
 @dataclass(frozen=True)
@@ -497,5 +519,5 @@ __all__ = [
     "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
-    "TensorParallelSpec", "ToolCallFormat",
+    "DerivedShard", "TensorParallelSpec", "ToolCallFormat",
 ]

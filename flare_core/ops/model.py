@@ -26,7 +26,7 @@ How the runtime builds a model from prepared tensors:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,9 @@ class DecoderForServing(nn.Module):
         # Set by flare_core.ops.gemv.use_gemv: the head's matmul through flare::linear (a single
         # row's logits then read the [vocab, hidden] matrix with the GEMV kernel).
         self.gemv_head = False
+        # Set by flare_core.parallel.split_head: this rank's head holds a slice of the vocabulary
+        # and its logits are gathered from every rank's slice.
+        self.gather_logits: Callable[[Tensor], Tensor] | None = None
         self.compiled_groups: list[nn.Module] = []  # set by compile_layers
 
     def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
@@ -110,8 +113,10 @@ class DecoderForServing(nn.Module):
         hidden = self.model.norm(hidden[0].index_select(0, logits_indices))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.gemv_head and one_token(hidden):
-            return torch.ops.flare.linear(hidden, weight).float()
-        return F.linear(hidden, weight).float()
+            logits = torch.ops.flare.linear(hidden, weight).float()
+        else:
+            logits = F.linear(hidden, weight).float()
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
 
 class _LayerGroup(nn.Module):

@@ -112,9 +112,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     skeleton = _skeleton(recipe, model_config, torch_dtype)
     parameters = sum(t.numel() for t in skeleton.values())
     weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
-    rank_notes = () if ranks == 1 else (
-        f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(recipe.tensor_parallel.divided)} "
-        f"and its share of the KV cache (the cache scheme above is one rank's); `flare run` starts the ranks",)
+    rank_notes = () if ranks == 1 else _rank_notes(recipe, model_config, torch_dtype, ranks)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
         architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
@@ -169,14 +167,25 @@ def _rank_config(recipe: Recipe, model_config, ranks: int):
         raise ExportError(f"--tp {ranks}: {exc}") from exc
 
 
+def _rank_notes(recipe: Recipe, model_config, dtype: torch.dtype, ranks: int) -> tuple[str, ...]:
+    from flare_core.parallel import HeadSlice, build_rank_model
+
+    split = isinstance(getattr(build_rank_model(recipe, model_config, dtype, ranks), "lm_head", None), HeadSlice)
+    head = f"the head split over the vocabulary ({model_config.vocab_size // ranks} rows each)" if split else \
+        "the head whole on every rank (tied to the embeddings, or a vocabulary that does not divide)"
+    return (f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(recipe.tensor_parallel.divided)} "
+            f"and its share of the KV cache (the cache scheme above is one rank's), {head}; `flare run` starts "
+            f"the ranks",)
+
+
 def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: Mapping[str, torch.Tensor],
                   dtype: torch.dtype, skeleton: dict[str, torch.Tensor], ranks: int,
                   progress: bool) -> dict[str, torch.Tensor]:
     """Every rank's tensors: those a rank holds a slice of under `rank{r}.NAME` (flare_core.parallel.
     rank_tensor_name), the replicated ones once under their name."""
-    from flare_core.parallel import Ranks, rank_checkpoint, rank_tensor_name
+    from flare_core.parallel import Ranks, build_rank_model, rank_checkpoint, rank_tensor_name
 
-    rank_skeleton = _skeleton(recipe, rank_model_config, dtype)
+    rank_skeleton = dict(build_rank_model(recipe, model_config, dtype, ranks).state_dict())
     tensors: dict[str, torch.Tensor] = {}
     for rank in range(ranks):
         share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks))

@@ -51,10 +51,19 @@ class LoadedCore:
     @property
     def parameters(self) -> int:
         """The whole model's parameters (a tensor-parallel rank's model holds a share of them; the
-        core holds every rank's slices and the replicated tensors once)."""
+        core holds every rank's slices and the replicated tensors once, buffers such as a router's
+        bias among them, which are no parameters)."""
         if self.tensor_parallel == 1:
             return sum(p.numel() for p in self.model.parameters())
-        return sum(math.prod(self.core.locations[name].shape) for name in self.core.tensor_names())
+        from flare_core.parallel import rank_tensor_name
+
+        stored = self.core.locations
+        total = 0
+        for name, _ in self.model.named_parameters():
+            shares = [rank_tensor_name(r, name) for r in range(self.tensor_parallel)]
+            total += sum(math.prod(stored[share].shape) for share in shares) if shares[0] in stored else \
+                math.prod(stored[name].shape)
+        return total
 
 
 def _major(version: str) -> str:
@@ -135,12 +144,12 @@ def _rank_model(core: RuntimeCore, recipe, model_config, dtype: torch.dtype, ran
                 device: torch.device) -> torch.nn.Module:
     """Rank `rank`'s model: built from the divided config, loaded with the rank's slices of the
     sharded tensors and the replicated ones."""
-    from flare_core.parallel import rank_config, rank_tensor_name, spec_of
+    from flare_core.parallel import build_rank_model, rank_tensor_name
 
     if recipe.tensor_parallel is None:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel ranks, but the installed recipe "
                             f"{recipe.name} declares no tensor parallelism")
-    model = recipe.build_model(rank_config(model_config, spec_of(recipe), ranks), dtype)
+    model = build_rank_model(recipe, model_config, dtype, ranks)
     stored = set(core.tensor_names())
     names = {name: rank_tensor_name(rank, name) if rank_tensor_name(rank, name) in stored else name
              for name in model.state_dict()}

@@ -11,7 +11,8 @@ from __future__ import annotations
 from importlib import resources
 from typing import Callable
 
-from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
+from flare_core.contract import Alias, Capacities, DerivedShard, FrontendSpec, Recipe, SamplingPolicy, \
+    TensorParallelSpec
 from flare_recipe_deepseek.checks import check_deepseek_v3_config, deepseek_v3_plan_notes
 from flare_recipe_deepseek.modeling import build_model
 from flare_recipe_deepseek.templates import DEEPSEEK_V3_1_TEMPLATE_PATCH, DEEPSEEK_V3_TEMPLATE_PATCH
@@ -58,6 +59,20 @@ DEEPSEEK_V3_1_FRONTEND = FrontendSpec(
     template_options={"thinking": False},
 )
 
+# Attention heads split over tensor-parallel ranks (q_b_proj rows, the absorbed w_uk / w_uv, o_proj
+# columns), the latent KV path (kv_a_proj_with_mqa, its norm, the paged latent cache) replicated:
+# every rank's heads attend over the whole latent (num_key_value_heads, nominal for MLA, divides
+# with the heads so a rank's config passes the same checks). Dense-layer and expert intermediate features
+# split too (the shared experts' size is moe_intermediate_size * n_shared_experts); the router
+# stays whole. kv_b_proj's rows are per head ([H * (nope + v), kv_lora_rank]), so a rank's w_uk and
+# w_uv come from its slice of rows.
+DEEPSEEK_V3_TENSOR_PARALLEL = TensorParallelSpec(
+    divided=("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"),
+    partial_sums=("self_attn", "mlp"),
+    derived=(DerivedShard("self_attn.w_uk", "self_attn.kv_b_proj.weight", 0),
+             DerivedShard("self_attn.w_uv", "self_attn.kv_b_proj.weight", 0)),
+)
+
 
 def _asset(file_name: str) -> Callable[[], bytes]:
     def load() -> bytes:
@@ -81,6 +96,7 @@ DEEPSEEK_V3 = Recipe(
     assets={"chat_template.jinja": _asset("deepseek-v3.jinja")},
     check_config=check_deepseek_v3_config,
     plan_notes=deepseek_v3_plan_notes,
+    tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )
 
 DEEPSEEK_V3_1 = Recipe(
@@ -100,4 +116,5 @@ DEEPSEEK_V3_1 = Recipe(
     assets={"chat_template.jinja": _asset("deepseek-v3.1.jinja")},
     check_config=check_deepseek_v3_config,
     plan_notes=deepseek_v3_plan_notes,
+    tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )

@@ -10,7 +10,7 @@ from importlib import resources
 from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
 from flare_recipe_deepseek.checks import check_deepseek_v3_config, deepseek_v3_plan_notes
 from flare_recipe_deepseek.modeling import build_model
-from flare_recipe_deepseek.recipes import ARCHITECTURES, CACHE_SCHEME
+from flare_recipe_deepseek.recipes import ARCHITECTURES, CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL
 from flare_recipe_deepseek.weights import map_weights
 from flare_recipe_kimi.config import KIMI_K2_MODEL_TYPE
 from flare_recipe_kimi.templates import KIMI_K2_TEMPLATE_PATCH
@@ -57,4 +57,5 @@ KIMI_K2 = Recipe(
     check_config=check_deepseek_v3_config,
     plan_notes=deepseek_v3_plan_notes,
     tokenizer_builder=convert_tiktoken_checkpoint,
+    tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )

@@ -19,7 +19,8 @@ from flare_core.parallel import Ranks, rank_checkpoint, rank_config
 from flare_core.testing import assert_logits_parity
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
 
-CASES = {"qwen3": (QWEN3, Qwen3ForCausalLM, qwen3_config), "qwen3-moe": (QWEN3_MOE, Qwen3MoeForCausalLM, qwen3_moe_config)}
+CASES = {"qwen3": (QWEN3, Qwen3ForCausalLM, qwen3_config),
+         "qwen3-moe": (QWEN3_MOE, Qwen3MoeForCausalLM, qwen3_moe_config)}
 
 
 def serve_rank(rank: int, size: int, directory: str, case: str) -> None:
@@ -46,7 +47,8 @@ def test_two_ranks_produce_the_whole_models_logits(tmp_path, case):
 
 def test_a_rank_holds_its_heads_and_features(tmp_path):
     """Rank 1 of 2: the fused QKV rows are its own q, k and v heads (each part sliced before
-    fusing), o_proj its columns, each expert's gate/up and down its intermediate features."""
+    fusing), o_proj its columns, each expert's gate/up and down its intermediate features, the
+    head its half of the vocabulary."""
     config = qwen3_moe_config()
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
@@ -66,6 +68,8 @@ def test_a_rank_holds_its_heads_and_features(tmp_path):
     torch.testing.assert_close(tensors["model.layers.0.mlp.experts.gate_up_proj"][3],
                                torch.cat([gate[half:], up[half:]]), rtol=0, atol=0)
     torch.testing.assert_close(tensors["model.layers.0.mlp.experts.down_proj"][3], down[:, half:], rtol=0, atol=0)
+    head = checkpoint["lm_head.weight"]  # vocabulary-parallel: rank 1's rows of the vocabulary
+    torch.testing.assert_close(tensors["lm_head.weight"], head[head.shape[0] // 2:], rtol=0, atol=0)
     for whole in ("model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", f"{attention}q_norm.weight"):
         torch.testing.assert_close(tensors[whole], checkpoint[whole], rtol=0, atol=0)
 
