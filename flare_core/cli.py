@@ -74,9 +74,12 @@ def recipes() -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--tp", "tensor_parallel", type=int, default=1,
               help="Split the model over this many tensor-parallel ranks (served with --device cpu so far).")
+@click.option("--quantize", type=click.Choice(["fp8"]), default=None,
+              help="Keep the decoder layers' linear weights as FP8 with one scale per 128x128 block "
+                   "(served with --device cpu so far).")
 @click.pass_context
 def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, recipe_name,
-           offline, no_progress, tensor_parallel) -> None:
+           offline, no_progress, tensor_parallel, quantize) -> None:
     """Prepare MODEL (alias, Hugging Face repo id or checkpoint dir) into a runtime core."""
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
@@ -88,7 +91,8 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
         capacities=CapacityRequest(max_concurrency or defaults.max_concurrency,
                                    prefill_chunk_size or defaults.prefill_chunk_size,
                                    context_length or defaults.context_length, page_tokens),
-        offline=offline, recipe=recipe_name, progress=not no_progress, tensor_parallel=tensor_parallel)
+        offline=offline, recipe=recipe_name, progress=not no_progress, tensor_parallel=tensor_parallel,
+        quantize=quantize)
     try:
         result = export_model(request, config, _registry(), echo=click.echo)
     except (ValueError, LookupError, OSError) as exc:

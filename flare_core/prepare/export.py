@@ -21,6 +21,7 @@ from flare_core.prepare.plan import CapacityRequest, ExportPlan, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+QUANTIZATIONS = (None, "fp8")
 
 
 class ExportError(ValueError):
@@ -36,6 +37,7 @@ class ExportRequest:
     recipe: str | None = None  # force a recipe instead of choosing by alias/architecture
     progress: bool = True
     tensor_parallel: int = 1  # ranks the core is split over (flare_core.parallel)
+    quantize: str | None = None  # "fp8": the decoder layers' linear weights kept as block-scaled FP8
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,11 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
 
     if request.dtype not in DTYPES:
         raise ExportError(f"--dtype {request.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    if request.quantize not in QUANTIZATIONS:
+        raise ExportError(f"--quantize {request.quantize!r} is not supported (choose from fp8)")
+    if request.quantize is not None and request.tensor_parallel != 1:
+        raise ExportError(f"--quantize {request.quantize} with --tp {request.tensor_parallel}: FP8 cores are not "
+                          f"split over ranks yet (export one or the other)")
     source = resolve_model(request.model, registry, config.paths.hub_cache, request.offline)
     checkpoint = open_checkpoint(source.path, request.dtype)
     model_config = checkpoint.config
@@ -111,7 +118,16 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     torch_dtype = DTYPES[request.dtype]
     skeleton = _skeleton(recipe, model_config, torch_dtype)
     parameters = sum(t.numel() for t in skeleton.values())
+    quantized = _fp8_linears(recipe, model_config, torch_dtype) if request.quantize == "fp8" else []
     weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
+    quantize_notes = ()
+    if quantized:
+        whole = weight_bytes
+        weight_bytes = _fp8_weight_bytes(skeleton, quantized)
+        quantize_notes = (f"fp8: the {len(quantized)} linear layers of the decoder layers kept as float8_e4m3fn with "
+                          f"one float32 scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB); "
+                          f"embeddings, norms, routers, packed experts and the head stay {request.dtype}; served "
+                          f"on the CPU path (weights dequantized in each call)",)
     rank_notes = () if ranks == 1 else _rank_notes(recipe, model_config, torch_dtype, ranks)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
@@ -119,7 +135,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
         notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
-        + rank_notes,
+        + rank_notes + quantize_notes,
     )
     for line in plan.lines():
         echo(line)
@@ -129,8 +145,13 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     else:
         tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint.tensors, torch_dtype, skeleton,
                                 ranks, request.progress)
+    if quantized:
+        tensors = _quantize_fp8(tensors, quantized)
     manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
     manifest["tensor_parallel"] = ranks
+    if quantized:
+        manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
+                                    "linear_layers": len(quantized)}
     key = load_or_create_signing_key(config.paths.keys)
     TrustStore(config.paths.trust_store).trust(key.publisher)
     store = CoreStore(config.paths.core_cache)
@@ -147,6 +168,40 @@ def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, tor
     """The prepared layout the recipe's model expects: names, shapes and dtypes (meta tensors)."""
     model = recipe.build_model(model_config, dtype)
     return dict(model.state_dict())
+
+
+def _fp8_linears(recipe: Recipe, model_config, dtype: torch.dtype) -> list[str]:
+    """Module paths of the linear layers `--quantize fp8` keeps as FP8 (flare_core.ops.fp8)."""
+    from flare_core.ops.fp8 import quantizable_linears
+
+    paths = quantizable_linears(recipe.build_model(model_config, dtype))
+    if not paths:
+        raise ExportError(f"--quantize fp8: recipe {recipe.name}'s model has no linear layers in its decoder layers")
+    return paths
+
+
+def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], paths: list[str]) -> int:
+    from flare_core.ops.fp8 import BLOCK
+
+    total = 0
+    quantized = {f"{path}.weight" for path in paths}
+    for name, tensor in skeleton.items():
+        if name in quantized:
+            rows, cols = tensor.shape
+            total += rows * cols + 4 * (-(-rows // BLOCK[0])) * (-(-cols // BLOCK[1]))
+        else:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _quantize_fp8(tensors: dict[str, torch.Tensor], paths: list[str]) -> dict[str, torch.Tensor]:
+    """`tensors` with each of `paths`' weights replaced by its FP8 blocks and their scales."""
+    from flare_core.ops.fp8 import SCALE_SUFFIX, quantize_blocks
+
+    for path in paths:
+        name = f"{path}.weight"
+        tensors[name], tensors[name + SCALE_SUFFIX] = quantize_blocks(tensors[name])
+    return {name: tensors[name] for name in sorted(tensors)}
 
 
 def _rank_config(recipe: Recipe, model_config, ranks: int):

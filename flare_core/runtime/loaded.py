@@ -117,11 +117,20 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         raise CoreLoadError(f"core weights are {manifest['dtype']}, which the CUDA path does not serve (FlashInfer "
                             f"attention is bfloat16 / float16): serve it with --device cpu, or export the model "
                             f"again with --dtype bfloat16")
+    quantization = manifest.get("quantization")
+    if quantization is not None and device.type == "cuda":
+        raise CoreLoadError(f"core keeps {quantization['method']} weights, which only the CPU path serves so far (the "
+                            f"FP8 GEMM / GEMV kernels of the CUDA path are not built): serve it with --device cpu, "
+                            f"or export the model without --quantize")
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
     if ranks == 1:
         model = recipe.build_model(model_config, dtype)
+        if quantization is not None:
+            from flare_core.ops.fp8 import quantized_paths, use_fp8_blocks
+
+            use_fp8_blocks(model, quantized_paths(core.tensor_names()))
         load_prepared_weights(model, core.load_tensors(device="cpu"), device)
     else:
         model = _rank_model(core, recipe, model_config, dtype, rank, ranks, device)

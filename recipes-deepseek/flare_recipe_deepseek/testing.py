@@ -20,6 +20,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
+from flare_core.ops.fp8 import quantize_blocks
+
 UNKNOWN = "<unk>"
 
 
@@ -106,9 +108,6 @@ def write_frontend(directory: Path, *, vocab_size: int, special_tokens: Sequence
     return directory
 
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
 def fp8_quantization_config(block: tuple[int, int] = (128, 128), **extra) -> dict:
     """config.json quantization_config of DeepSeek-V3's / Kimi K2's published checkpoints."""
     return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block),
@@ -125,17 +124,8 @@ def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)]):
-    scale_inv = amax / 448 per block (edge blocks partial), weight / scale_inv rounded to e4m3."""
-    rows, cols = weight.shape
-    block_rows, block_cols = block
-    grid = (-(-rows // block_rows), -(-cols // block_cols))
-    padded = torch.zeros(grid[0] * block_rows, grid[1] * block_cols)
-    padded[:rows, :cols] = weight.float()
-    tiles = padded.view(grid[0], block_rows, grid[1], block_cols)
-    amax = tiles.abs().amax(dim=(1, 3))
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    quantized = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:rows, :cols]
-    return quantized.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+    scale_inv = amax / 448 per block (edge blocks partial), as `flare export --quantize fp8` does."""
+    return quantize_blocks(weight, block)
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

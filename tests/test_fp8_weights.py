@@ -1,0 +1,144 @@
+"""FP8 weights kept in the core (`flare export --quantize fp8`, flare_core.ops.fp8): the decoder
+layers' linear weights are stored as float8_e4m3fn with one float32 scale per 128x128 block,
+everything else in the export dtype; the CPU path serves such a core, dequantizing in each call.
+Its logits equal those of the same prepared weights dequantized to float32, and stay close to the
+unquantized model's; SmolLM2-135M-Instruct's real weights, quantized, still answer a question
+correctly through `flare run` and the openai SDK."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flare_core.core import open_core
+from flare_core.ops.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
+from flare_core.runtime.loaded import CoreLoadError, load_core
+from flare_core.testing import serve_paged
+from server_process import ServerProcess
+
+EXPORT = ("--max-concurrency", "4", "--context-length", "1024", "--prefill-chunk-size", "128", "--no-progress")
+
+
+def test_blocks_round_trip_within_e4m3_precision():
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 200)
+    weight[128:256, 128:] = 0.0  # an all-zero block keeps a finite scale
+    fp8, scale_inv = quantize_blocks(weight)
+    assert fp8.dtype == torch.float8_e4m3fn and fp8.shape == weight.shape
+    assert scale_inv.dtype == torch.float32 and scale_inv.shape == (3, 2)  # partial last blocks
+    assert scale_inv[1, 1] == 1.0
+    torch.testing.assert_close(scale_inv[0, 0], weight[:128, :128].abs().max() / FP8_MAX)
+    restored = dequantize_blocks(fp8, scale_inv)
+    # e4m3 keeps 3 mantissa bits: within 2**-4 of each value, or of the block's smallest normal.
+    block_scale = scale_inv.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert ((restored - weight).abs() <= weight.abs() * 2 ** -4 + block_scale * 2 ** -6).all()
+
+
+@pytest.fixture(scope="module")
+def fp8_core(session_flare, qwen3_moe_checkpoint):
+    result = session_flare("export", qwen3_moe_checkpoint, "--dtype", "float32", "--quantize", "fp8", *EXPORT)
+    plan, core = result.output, result.output.strip().splitlines()[-1]
+    return plan, open_core(core)
+
+
+def test_export_keeps_the_linear_layers_as_fp8(fp8_core, session_flare, qwen3_moe_checkpoint):
+    plan, core = fp8_core
+    assert "fp8: the 4 linear layers of the decoder layers kept as float8_e4m3fn" in plan
+    assert "embeddings, norms, routers, packed experts and the head stay float32" in plan
+    assert core.manifest["quantization"] == {"method": "fp8", "format": "float8_e4m3fn",
+                                             "weight_block_size": [128, 128], "linear_layers": 4}
+    tensors = core.load_tensors(device="cpu")
+    layer = "model.layers.1."
+    assert tensors[f"{layer}self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors[f"{layer}self_attn.qkv_proj.weight_scale_inv"].shape == (1, 1)  # 128 rows x 64 columns
+    assert tensors[f"{layer}self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    for kept in ("model.embed_tokens.weight", "lm_head.weight", f"{layer}mlp.gate.weight",
+                 f"{layer}mlp.experts.gate_up_proj", f"{layer}input_layernorm.weight"):
+        assert tensors[kept].dtype == torch.float32, kept
+    whole = open_core(session_flare.export(qwen3_moe_checkpoint, "--dtype", "float32", *EXPORT[:-1]))
+    assert "quantization" not in whole.manifest
+
+
+def test_fp8_core_computes_its_dequantized_weights(fp8_core, qwen3_moe_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_core.plugins import load_registry
+
+    _, core = fp8_core
+    registry = load_registry()
+    loaded = load_core(core, registry, torch.device("cpu"))
+    recipe = registry.recipes[loaded.recipe_name]
+    stored = core.load_tensors(device="cpu")
+    dequantized = {name: dequantize_blocks(tensor, stored[name + "_scale_inv"]) if tensor.dtype == torch.float8_e4m3fn
+                   else tensor for name, tensor in stored.items() if not name.endswith("_scale_inv")}
+    reference = load_prepared_weights(recipe.build_model(loaded.model_config, torch.float32), dequantized, "cpu")
+    unquantized = AutoModelForCausalLM.from_pretrained(qwen3_moe_checkpoint, dtype=torch.float32).eval()
+    sequences = [torch.randint(0, 151936, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 70)]
+    ours = list(serve_paged(loaded.model, loaded.cache_scheme, sequences, [9, 66], page_tokens=16))
+    theirs = list(serve_paged(reference, loaded.cache_scheme, sequences, [9, 66], page_tokens=16))
+    assert len(ours) == len(theirs) > 0
+    worst = 0.0
+    for (r, consumed, logits), (_, _, expected) in zip(ours, theirs):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            exact = unquantized(torch.tensor([sequences[r][:consumed]])).logits[0, -1]
+        worst = max(worst, float((logits - exact).abs().max() / exact.std()))
+    print(f"FP8 logits vs unquantized: {worst:.4f} standard deviations at most")
+    assert worst < 0.05, f"FP8 logits differ from the unquantized model's by {worst:.3f} standard deviations"
+
+
+def test_cuda_refuses_an_fp8_core_and_tp_does_not_combine(session_flare, qwen3_checkpoint):
+    from flare_core.plugins import load_registry
+
+    core = open_core(session_flare.export(qwen3_checkpoint, "--dtype", "bfloat16", "--quantize", "fp8", *EXPORT[:-1]))
+    with pytest.raises(CoreLoadError, match="only the CPU path serves so far"):
+        load_core(core, load_registry(), torch.device("cuda"))
+    result = session_flare("export", qwen3_checkpoint, "--quantize", "fp8", "--tp", "2", *EXPORT, expect_ok=False)
+    assert result.exit_code != 0 and "FP8 cores are not split over ranks yet" in result.output
+
+
+PARAGRAPH = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists disliked it, "
+             "but it soon became the most famous symbol of the city, and millions of people climb it every year.")
+
+
+def greedy(loaded, prompt: list[int], tokens: int) -> list[int]:
+    sequence = list(prompt)
+    for _ in range(tokens):
+        *_, (_, _, logits) = serve_paged(loaded.model, loaded.cache_scheme, [sequence], [len(sequence)], 16)
+        sequence.append(int(logits.argmax()))
+    return sequence[len(prompt):]
+
+
+def test_real_weights_quantized_predict_as_unquantized_and_serve(session_flare, smollm2_gguf, smollm2_core, tmp_path):
+    """SmolLM2-135M-Instruct's real weights: teacher-forced over an English paragraph, the FP8
+    core's next-token choice is the unquantized core's at most positions (a 135M model whose
+    weights were 4-bit already is a hard case); `flare run` of
+    the FP8 core continues a prompt greedily as its weights compute in-process."""
+    from openai import OpenAI
+
+    from flare_core.plugins import load_registry
+
+    core = session_flare.export(smollm2_gguf, "--dtype", "float32", "--quantize", "fp8", "--max-concurrency", "4",
+                                "--context-length", "2048", "--prefill-chunk-size", "256")
+    assert open_core(core).manifest["quantization"]["linear_layers"] == 30 * 4  # qkv, o, gate_up, down
+    registry = load_registry()
+    fp8, whole = (load_core(open_core(path), registry, torch.device("cpu")) for path in (core, smollm2_core))
+    text = list(whole.tokenizer.encode(PARAGRAPH))
+    choices = [[int(logits.argmax()) for *_, logits in serve_paged(loaded.model, loaded.cache_scheme, [text],
+                                                                   [len(text)], 16, step_tokens=1)]
+               for loaded in (fp8, whole)]
+    agreement = sum(a == b for a, b in zip(*choices)) / len(choices[1])
+    print(f"SmolLM2 FP8 next-token agreement with the unquantized core: {agreement:.3f} over {len(text)} tokens")
+    # Measured: 42 of 48 (Transformers' model with each of its matrices quantized alone: 43 of 48).
+    assert len(choices[1]) == len(text) and agreement >= 0.8, agreement
+
+    prompt = "The capital of France is"
+    expected = fp8.tokenizer.decode(greedy(fp8, list(fp8.tokenizer.encode(prompt)), 8))
+    server = ServerProcess(session_flare.config_path, core, tmp_path / "run.log", "--no-dashboard",
+                           "--served-name", "smollm2-fp8").wait_ready()
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        reply = client.completions.create(model="smollm2-fp8", prompt=prompt, temperature=0, max_tokens=8)
+        assert reply.choices[0].text == expected
+    finally:
+        server.stop()
