@@ -142,3 +142,51 @@ def test_real_weights_quantized_predict_as_unquantized_and_serve(session_flare, 
         assert reply.choices[0].text == expected
     finally:
         server.stop()
+
+
+def fp8_checkpoint(directory, source):
+    """`source` (a saved checkpoint) as Qwen publishes its -FP8 releases: every linear weight of
+    the decoder layers float8_e4m3fn with a float32 weight_scale_inv per 128x128 block."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensors[name])
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory, tensors
+
+
+def test_a_qwen_fp8_checkpoint_is_read_through_its_scales(session_flare, qwen3_checkpoint, tmp_path):
+    """Qwen's -FP8 layout read by the Qwen3 recipe: dequantized through the block scales (not cast),
+    or with --quantize fp8 kept as published where a layer's blocks line up."""
+    from flare_core.plugins import load_registry
+
+    directory, on_disk = fp8_checkpoint(tmp_path / "qwen3-fp8", qwen3_checkpoint)
+    dequantized = open_core(session_flare.export(directory, "--dtype", "float32", *EXPORT[:-1]))
+    tensors = dequantized.load_tensors(device="cpu")
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    torch.testing.assert_close(tensors[o_proj], dequantize_blocks(on_disk[o_proj], on_disk[o_proj + "_scale_inv"]),
+                               rtol=0, atol=0)
+    assert "quantization" not in dequantized.manifest
+
+    result = session_flare("export", directory, "--dtype", "float32", "--quantize", "fp8", *EXPORT)
+    assert "fp8           6 of 8 linear layers kept as the checkpoint's fp8 blocks; 2 dequantized" in result.output
+    kept = open_core(result.output.strip().splitlines()[-1])
+    stored = kept.load_tensors(device="cpu")
+    assert torch.equal(stored[o_proj].view(torch.uint8), on_disk[o_proj].view(torch.uint8))
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"  # q has 64 rows: no whole block row
+    assert stored[qkv].dtype == torch.float32 and torch.equal(stored[qkv], tensors[qkv])
+    registry = load_registry()
+    models = [load_core(core, registry, torch.device("cpu")) for core in (dequantized, kept)]
+    sequence = torch.randint(0, 151936, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    (ours, theirs) = ([logits for *_, logits in serve_paged(m.model, m.cache_scheme, [sequence], [30], 16)]
+                      for m in models)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from flare_core.contract import CONTRACT_VERSION, Recipe
 from flare_core.plugins import Registry
 from flare_core.prepare.assets import FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
+from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks, scale_name
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
 
@@ -108,6 +109,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         except ValueError as exc:
             where = source.path if source.kind == "gguf" else source.path / "config.json"
             raise ExportError(f"{where}: the config is not supported by recipe {recipe.name}: {exc}") from exc
+    try:
+        blocks = fp8_blocks(model_config)
+    except Fp8ConfigError as exc:
+        raise ExportError(f"{source.path / 'config.json'}: {exc}") from exc
+    # Recipes read float32 weights: an fp8 checkpoint's are dequantized through their block scales.
+    checkpoint_tensors = DequantizedCheckpoint(checkpoint.tensors, blocks)
     capacities = plan_capacities(recipe, model_config, request.capacities)
     ranks = request.tensor_parallel
     rank_model_config = _rank_config(recipe, model_config, ranks)
@@ -121,13 +128,21 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     quantized = _fp8_linears(recipe, model_config, torch_dtype) if request.quantize == "fp8" else []
     weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
     quantize_notes = ()
+    if blocks is not None:
+        rows, cols = blocks.block
+        kept = "; the core holds no fp8 weights" if not quantized else \
+            ", except the 128x128 blocks that --quantize fp8 keeps as published"
+        quantize_notes = (f"fp8 checkpoint: float8_e4m3fn weights are dequantized (one weight_scale_inv per "
+                          f"{rows}x{cols} block) to the dtype of the weights line (--dtype){kept}",)
     if quantized:
         whole = weight_bytes
         weight_bytes = _fp8_weight_bytes(skeleton, quantized)
-        quantize_notes = (f"fp8: the {len(quantized)} linear layers of the decoder layers kept as float8_e4m3fn with "
-                          f"one float32 scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB); "
-                          f"embeddings, norms, routers, packed experts and the head stay {request.dtype}; served "
-                          f"on the CPU path (weights dequantized in each call)",)
+        kept = "kept as float8_e4m3fn" if blocks is None else \
+            "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
+        quantize_notes += (f"fp8: the {len(quantized)} linear layers of the decoder layers {kept} with one float32 "
+                           f"scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB at most); "
+                           f"embeddings, norms, routers, packed experts and the head stay {request.dtype}; served "
+                           f"on the CPU path (weights dequantized in each call)",)
     rank_notes = () if ranks == 1 else _rank_notes(recipe, model_config, torch_dtype, ranks)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
@@ -141,17 +156,22 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         echo(line)
 
     if ranks == 1:
-        tensors = _map_weights(recipe, model_config, checkpoint.tensors, torch_dtype, skeleton, request.progress)
+        tensors = _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress)
     else:
-        tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint.tensors, torch_dtype, skeleton,
+        tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
                                 ranks, request.progress)
+    fp8_layers = 0
     if quantized:
-        tensors = _quantize_fp8(tensors, quantized)
+        tensors, fp8_layers = _quantize_fp8(tensors, quantized, checkpoint_tensors)
+        if blocks is not None:
+            echo(f"fp8           {fp8_layers} of {len(quantized)} linear layers kept as the checkpoint's fp8 blocks; "
+                 f"{len(quantized) - fp8_layers} dequantized to {request.dtype} (their parts do not line up in "
+                 f"128x128 blocks, or the checkpoint keeps them unquantized)")
     manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
     manifest["tensor_parallel"] = ranks
-    if quantized:
+    if fp8_layers:
         manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
-                                    "linear_layers": len(quantized)}
+                                    "linear_layers": fp8_layers}
     key = load_or_create_signing_key(config.paths.keys)
     TrustStore(config.paths.trust_store).trust(key.publisher)
     store = CoreStore(config.paths.core_cache)
@@ -194,14 +214,55 @@ def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], paths: list[str]) -> in
     return total
 
 
-def _quantize_fp8(tensors: dict[str, torch.Tensor], paths: list[str]) -> dict[str, torch.Tensor]:
-    """`tensors` with each of `paths`' weights replaced by its FP8 blocks and their scales."""
+def _quantize_fp8(tensors: dict[str, torch.Tensor], paths: list[str],
+                  checkpoint: DequantizedCheckpoint) -> tuple[dict[str, torch.Tensor], int]:
+    """(`tensors` with the weights of `paths` as FP8 blocks and their scales, how many). An
+    unquantized checkpoint's weights are quantized. An fp8 checkpoint's are its own blocks where
+    the layer's checkpoint parts line up in 128x128 blocks; the others keep the dequantized weight
+    (never requantized to make a fusion fit)."""
     from flare_core.ops.fp8 import SCALE_SUFFIX, quantize_blocks
 
+    done = 0
     for path in paths:
         name = f"{path}.weight"
-        tensors[name], tensors[name + SCALE_SUFFIX] = quantize_blocks(tensors[name])
-    return {name: tensors[name] for name in sorted(tensors)}
+        if checkpoint.blocks is None:
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_blocks(tensors[name])
+            done += 1
+            continue
+        published = _published_blocks(name, tensors[name], checkpoint)
+        if published is not None:
+            tensors[name], tensors[name + SCALE_SUFFIX] = published
+            done += 1
+    return {name: tensors[name] for name in sorted(tensors)}, done
+
+
+def _published_blocks(name: str, prepared: torch.Tensor,
+                      checkpoint: DequantizedCheckpoint) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fp8 checkpoint's own (weight, scale_inv) of prepared weight `name`: its checkpoint parts
+    (flare_core.ops.weights.source_names: one, or the parts of a fused projection) concatenated,
+    when each is fp8 in 128x128 blocks, every part but the last fills whole block rows, and the
+    result dequantizes to exactly the prepared weight (which a recipe that maps names its own way
+    would not). None otherwise."""
+    from flare_core.ops.fp8 import BLOCK, dequantize_blocks
+    from flare_core.ops.weights import source_names
+
+    if checkpoint.blocks.block != BLOCK:
+        return None
+    parts = source_names(name)[0]
+    raw = checkpoint.raw
+    names = set(raw)
+    if not all(part in names and scale_name(part) in names for part in parts):
+        return None
+    weights = [raw[part] for part in parts]
+    if any(w.dtype != torch.float8_e4m3fn or w.dim() != 2 for w in weights) or \
+            any(w.shape[0] % BLOCK[0] for w in weights[:-1]):
+        return None
+    weight = torch.cat(weights)
+    scale = torch.cat([raw[scale_name(part)].float() for part in parts])
+    if tuple(weight.shape) != tuple(prepared.shape) or \
+            not torch.equal(dequantize_blocks(weight, scale).to(prepared.dtype), prepared):
+        return None
+    return weight.contiguous(), scale.contiguous()
 
 
 def _rank_config(recipe: Recipe, model_config, ranks: int):

@@ -9,7 +9,7 @@ from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3
 
 from flare_core.contract import ContractError
 from flare_core.ops.model import check_rope_type
-from flare_recipe_deepseek.fp8 import Fp8ConfigError, fp8_blocks
+from flare_core.prepare.fp8_checkpoint import Fp8ConfigError, fp8_blocks
 
 # The static rope types (flare_core.ops.model.STATIC_ROPE_TYPES) DeepSeek's MLA rope implements.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -26,7 +26,7 @@ def check_deepseek_v3_config(config: Any) -> None:
         raise ContractError(obj, "model_type", f"is {config.model_type!r}; the DeepSeek-V3 recipes need a "
                             "DeepseekV3Config")
     try:
-        fp8_blocks(config)  # fp8 block-quantized weights are dequantized at export (flare_recipe_deepseek.fp8)
+        fp8_blocks(config)  # fp8 block-quantized weights are dequantized at export (flare_core.prepare.fp8_checkpoint)
     except Fp8ConfigError as exc:
         raise ContractError(obj, f"quantization_config.{exc.field}", exc.problem) from exc
     if config.num_key_value_heads != config.num_attention_heads:
@@ -58,18 +58,9 @@ def _check_routing_groups(config: Any, obj: str) -> None:
 
 
 def deepseek_v3_plan_notes(config: Any) -> tuple[str, ...]:
-    """What the export plan says about how the checkpoint is read: fp8 weights dequantized, parts
-    that are not loaded."""
-    return _fp8_notes(config) + _mtp_notes(config)
-
-
-def _fp8_notes(config: Any) -> tuple[str, ...]:
-    blocks = fp8_blocks(config)
-    if blocks is None:
-        return ()
-    rows, cols = blocks.block
-    return (f"fp8 checkpoint: float8_e4m3fn weights are dequantized (one weight_scale_inv per {rows}x{cols} block) "
-            "to the dtype of the weights line (--dtype); the core holds no fp8 weights",)
+    """What the export plan says about the parts of the checkpoint that are not loaded (export
+    itself says how fp8 weights are read)."""
+    return _mtp_notes(config)
 
 
 def _mtp_notes(config: Any) -> tuple[str, ...]:

@@ -14,10 +14,10 @@ has no such layer, so nothing asks for those tensors and they are never read. Th
 * everything else keeps its name.
 
 fp8 block-quantized checkpoints (the published DeepSeek-V3 / V3.1 / Kimi K2 weights) are
-dequantized tensor by tensor (flare_recipe_deepseek.fp8): each float8_e4m3fn `X.weight` is read with
-its `X.weight_scale_inv`, turned into float32 and cast to the model dtype before the next tensor is
-read; only one checkpoint tensor is ever held in float32. Routed experts are written into one
-preallocated [E, ...] tensor of the model dtype, expert by expert.
+dequantized tensor by tensor (flare_core.prepare.fp8_checkpoint): each float8_e4m3fn `X.weight` is
+read with its `X.weight_scale_inv`, turned into float32 and cast to the model dtype before the next
+tensor is read; only one checkpoint tensor is ever held in float32. Routed experts are written into
+one preallocated [E, ...] tensor of the model dtype, expert by expert.
 
 The split of kv_b_proj is done in float32 and cast once at the end; every other tensor is cast as
 it is read (concatenation and stacking do not round, so this equals casting the fused tensor). The
@@ -33,8 +33,7 @@ import torch
 from torch import Tensor
 
 from flare_core.ops.weights import Reader, prepare_weights
-from flare_recipe_deepseek.fp8 import FP8_DTYPES, SUPPORTED, Fp8Blocks, Fp8ConfigError, dequantize, fp8_blocks, \
-    scale_name
+from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_recipe_deepseek.modeling import build_model
 
 
@@ -47,10 +46,15 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
         blocks = fp8_blocks(config)
     except Fp8ConfigError as exc:
         raise ValueError(f"config.json {exc}") from exc
-    source = _Source(checkpoint, blocks)
+    source = DequantizedCheckpoint(checkpoint, blocks)
 
-    yield from prepare_weights(build_model(config, dtype), source.take, num_experts=config.n_routed_experts,
-                               special=lambda name, dtype: absorbed_mla(name, source.take, config, dtype))
+    def read(name: str, target: str, dtype: torch.dtype) -> Tensor:
+        if name not in source:
+            raise ValueError(f"checkpoint lacks tensor {name!r} (needed for prepared tensor {target!r})")
+        return source[name].to(dtype)
+
+    yield from prepare_weights(build_model(config, dtype), read, num_experts=config.n_routed_experts,
+                               special=lambda name, dtype: absorbed_mla(name, read, config, dtype))
 
 
 def absorbed_mla(name: str, read: Reader, config: Any, dtype: torch.dtype) -> Tensor | None:
@@ -73,34 +77,3 @@ def split_kv_b_proj(kv_b_proj: Tensor, config: Any) -> tuple[Tensor, Tensor]:
                          f"(num_attention_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)")
     per_head = kv_b_proj.float().view(heads, nope + v, config.kv_lora_rank)
     return per_head[:, :nope, :].contiguous(), per_head[:, nope:, :].transpose(1, 2).contiguous()
-
-
-class _Source:
-    """Checkpoint tensors read one at a time, fp8 ones dequantized with their block scales.
-    Membership is answered from the checkpoint's names (iterating a lazy checkpoint reads no
-    tensor), so looking for a scale never loads anything."""
-
-    def __init__(self, checkpoint: Mapping[str, Tensor], blocks: Fp8Blocks | None):
-        self.checkpoint, self.blocks = checkpoint, blocks
-        self.names = frozenset(checkpoint)
-
-    def take(self, name: str, target: str, dtype: torch.dtype) -> Tensor:
-        """Checkpoint tensor `name` (needed for prepared tensor `target`) in `dtype`."""
-        if name not in self.names:
-            raise ValueError(f"checkpoint lacks tensor {name!r} (needed for prepared tensor {target!r})")
-        tensor = self.checkpoint[name]
-        scale = scale_name(name)
-        if tensor.dtype not in FP8_DTYPES:
-            if scale in self.names:
-                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but has a block scale {scale!r}, "
-                                 f"which only fp8 weights carry; {SUPPORTED}")
-            return tensor.to(dtype)
-        if self.blocks is None:
-            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but config.json declares no "
-                             f"quantization_config; {SUPPORTED}")
-        if tensor.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; {SUPPORTED}")
-        if scale not in self.names:
-            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} without its block scales {scale!r}; "
-                             f"{SUPPORTED}")
-        return dequantize(name, tensor, self.checkpoint[scale], self.blocks).to(dtype)

@@ -1,4 +1,5 @@
-"""fp8 block-quantized checkpoints (DeepSeek-V3, V3.1, Kimi K2 as published), dequantized at export.
+"""fp8 block-quantized checkpoints (DeepSeek-V3, V3.1, Kimi K2 and Qwen's -FP8 releases as
+published), read by every recipe.
 
 The published checkpoints declare in config.json
 
@@ -12,16 +13,22 @@ weight is
 
     W[i, j] = float32(X.weight[i, j]) * X.weight_scale_inv[i // block_rows, j // block_cols]
 
-computed in float32 and cast once to the export dtype: what DeepSeek's inference/fp8_cast_bf16.py
-(`weight_dequant`) and Transformers' `Fp8Dequantize` (transformers/integrations/finegrained_fp8.py,
-used by `FineGrainedFP8Config(dequantize=True)`) compute. Which tensors are quantized is read from
-the tensors themselves: an fp8 tensor needs its scale; any other tensor (norms, embeddings,
-lm_head, the router weight and bias, and whatever `modules_to_not_convert` / `ignored_layers`
-keeps in high precision) is used as stored.
+computed in float32: what DeepSeek's inference/fp8_cast_bf16.py (`weight_dequant`) and
+Transformers' `Fp8Dequantize` (transformers/integrations/finegrained_fp8.py, used by
+`FineGrainedFP8Config(dequantize=True)`) compute. Which tensors are quantized is read from the
+tensors themselves: an fp8 tensor needs its scale; any other tensor (norms, embeddings, lm_head,
+the router weight and bias, and whatever `modules_to_not_convert` / `ignored_layers` keeps in high
+precision) is used as stored.
+
+Export hands recipes the checkpoint through `DequantizedCheckpoint`, so a recipe's `map_weights`
+reads float32 weights and never sees a scale; `flare export --quantize fp8` then takes the
+published FP8 blocks back from the checkpoint where a prepared layer's blocks line up
+(flare_core.prepare.export).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +39,14 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 SUPPORTED = ("fp8 checkpoints are supported as config.json quantization_config {quant_method 'fp8', fmt 'e4m3', "
              "weight_block_size [rows, cols]} with float8_e4m3fn weights and a float32 weight_scale_inv per block "
-             "(DeepSeek-V3 / V3.1 and Kimi K2 as published)")
+             "(DeepSeek-V3 / V3.1, Kimi K2 and Qwen's -FP8 releases as published)")
 # scale_fmt "ue8m0" (DeepSeek-V3.1) says the scales are powers of two; they are still applied as stored.
 SCALE_FORMATS = (None, "float", "ue8m0")
 DEFAULT_BLOCK = (128, 128)  # FineGrainedFP8Config's default weight_block_size
 
 
 class Fp8ConfigError(ValueError):
-    """The config's quantization_config is not fp8 block quantization the recipes can dequantize;
+    """The config's quantization_config is not fp8 block quantization Flare can dequantize;
     `field` names the quantization_config field."""
 
     def __init__(self, field: str, problem: str):
@@ -76,8 +83,8 @@ def fp8_blocks(config: Any) -> Fp8Blocks | None:
         return None
     method = quantization.get("quant_method")
     if method != "fp8":
-        raise Fp8ConfigError("quant_method", f"is {method!r}, a quantization the DeepSeek-V3 recipes cannot read "
-                             f"(they read unquantized bfloat16/float16/float32 checkpoints, and fp8 ones); {SUPPORTED}")
+        raise Fp8ConfigError("quant_method", f"is {method!r}, a quantization Flare cannot read (it reads "
+                             f"unquantized bfloat16/float16/float32 checkpoints, and fp8 ones); {SUPPORTED}")
     fmt = quantization.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise Fp8ConfigError("fmt", f"is {fmt!r}; {SUPPORTED}")
@@ -130,3 +137,46 @@ def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks) 
     if partial:
         out[:, full * block_cols:].mul_(scale[:, full:])
     return out
+
+
+class DequantizedCheckpoint(Mapping):
+    """A checkpoint's tensors with each fp8 weight dequantized to float32 through its block scale
+    (`blocks`: the config's quantization, None for an unquantized checkpoint) and the scales
+    themselves left out: a recipe reads float32 weights. Tensors are read one at a time, on access;
+    membership is answered from the names (iterating a lazy checkpoint reads no tensor). `raw` is
+    the checkpoint as stored. ValueError names a tensor stored in a form this cannot read."""
+
+    def __init__(self, checkpoint: Mapping[str, Tensor], blocks: Fp8Blocks | None):
+        self.raw, self.blocks = checkpoint, blocks
+        names = frozenset(checkpoint)
+        self._scales = frozenset(scale_name(n) for n in names if scale_name(n) in names)
+        self._names = names - self._scales
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        tensor = self.raw[name]
+        scale = scale_name(name)
+        if tensor.dtype not in FP8_DTYPES:
+            if scale in self._scales:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but has a block scale {scale!r}, "
+                                 f"which only fp8 weights carry; {SUPPORTED}")
+            return tensor
+        if self.blocks is None:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but config.json declares no "
+                             f"quantization_config; {SUPPORTED}")
+        if tensor.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; {SUPPORTED}")
+        if scale not in self._scales:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} without its block scales {scale!r}; "
+                             f"{SUPPORTED}")
+        return dequantize(name, tensor, self.raw[scale], self.blocks)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
