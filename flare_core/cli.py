@@ -460,13 +460,16 @@ _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}
 
 
 def _demo_core(config: Config, registry, model: str, name: str, dtype: str, recipe_name: str | None) -> Path:
-    """The newest cached core serving `name` in `dtype`, exported from `model` first if there is none."""
+    """The newest cached core serving `name` in `dtype` (whole and unquantized, as the demo exports
+    it: a split or FP8 core is not served on every device), exported from `model` first if there
+    is none."""
     from flare_core.core import CoreStore
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
 
     found = [(entry.created, entry.path) for entry in CoreStore(config.paths.core_cache).list()
-             if name in entry.served_names and entry.dtype == dtype]
+             if name in entry.served_names and entry.dtype == dtype and entry.quantization is None
+             and entry.tensor_parallel == 1]
     if found:
         return max(found)[1]
     click.echo(f"preparing the {name} core ({dtype}) from {model} (once)", err=True)

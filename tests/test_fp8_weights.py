@@ -140,6 +140,7 @@ def test_real_weights_quantized_predict_as_unquantized_and_serve(session_flare, 
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         reply = client.completions.create(model="smollm2-fp8", prompt=prompt, temperature=0, max_tokens=8)
         assert reply.choices[0].text == expected
+        assert server.post("/api/show", {"model": "smollm2-fp8"}).json()["details"]["quantization_level"] == "FP8"
     finally:
         server.stop()
 

@@ -69,6 +69,8 @@ class CoreEntry:
     size_bytes: int
     problem: str | None = None
     dtype: str | None = None  # the weights' dtype name
+    quantization: str | None = None  # "fp8" where the core keeps FP8 weights
+    tensor_parallel: int = 1  # the ranks the core is split over
 
     @property
     def recipe(self) -> str:
@@ -181,13 +183,16 @@ class CoreStore:
             manifest = open_core(path).manifest
         except CoreError as error:
             return CoreEntry(name, path, (), None, None, created, size_bytes, problem=str(error))
-        recipe = manifest.get("recipe")
+        recipe, quantization = manifest.get("recipe"), manifest.get("quantization")
+        ranks = manifest.get("tensor_parallel")
         recipe_name = recipe_version = None
         if isinstance(recipe, dict):
             recipe_name = _optional_str(recipe.get("name"))
             recipe_version = _optional_str(recipe.get("version"))
         return CoreEntry(name, path, _served_names(manifest), recipe_name, recipe_version, created, size_bytes,
-                         dtype=_optional_str(manifest.get("dtype")))
+                         dtype=_optional_str(manifest.get("dtype")),
+                         quantization=_optional_str(quantization.get("method")) if isinstance(quantization, dict)
+                         else None, tensor_parallel=ranks if isinstance(ranks, int) else 1)
 
     def _core_directories(self) -> list[str]:
         if not self.root.is_dir():

@@ -158,6 +158,7 @@ class EngineInfo:
     dtype: str
     parameters: int
     core_path: str
+    quantization: str | None = None  # "fp8": the core keeps its linear layers' weights as FP8
 
 
 class AdmissionError(RuntimeError):

@@ -110,7 +110,8 @@ def _parameter_size(parameters: int) -> str:
 def _details(state: ServerState) -> dict[str, Any]:
     info = state.engine.info
     return {"parent_model": "", "format": "flare", "family": info.architecture, "families": [info.architecture],
-            "parameter_size": _parameter_size(info.parameters), "quantization_level": info.dtype}
+            "parameter_size": _parameter_size(info.parameters),
+            "quantization_level": info.quantization.upper() if info.quantization else info.dtype}
 
 
 async def tags(request: web.Request) -> web.Response:
