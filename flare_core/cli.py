@@ -77,9 +77,12 @@ def recipes() -> None:
 @click.option("--quantize", type=click.Choice(["fp8"]), default=None,
               help="Keep the decoder layers' linear weights as FP8 with one scale per 128x128 block "
                    "(served with --device cpu so far).")
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp8_e4m3"]), default="auto",
+              help="KV cache records: auto (the weights' dtype) or fp8_e4m3 (half the bytes of a 16-bit page; "
+                   "served with --device cpu so far).")
 @click.pass_context
 def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, recipe_name,
-           offline, no_progress, tensor_parallel, quantize) -> None:
+           offline, no_progress, tensor_parallel, quantize, kv_dtype) -> None:
     """Prepare MODEL (alias, Hugging Face repo id or checkpoint dir) into a runtime core."""
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
@@ -92,7 +95,7 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
                                    prefill_chunk_size or defaults.prefill_chunk_size,
                                    context_length or defaults.context_length, page_tokens),
         offline=offline, recipe=recipe_name, progress=not no_progress, tensor_parallel=tensor_parallel,
-        quantize=quantize)
+        quantize=quantize, kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     try:
         result = export_model(request, config, _registry(), echo=click.echo)
     except (ValueError, LookupError, OSError) as exc:

@@ -168,6 +168,9 @@ class AttentionBackend(Protocol):
     def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor: ...
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
 def write_paged(layer_store: Tensor, records: Tensor, slot_mapping: Tensor) -> None:
     """Write `records` [N, *record_shape] into one layer of a paged store at cache indices
     `slot_mapping` [N] (page_id * records_per_page + offset), in place."""
@@ -176,6 +179,10 @@ def write_paged(layer_store: Tensor, records: Tensor, slot_mapping: Tensor) -> N
     # whole layer every step (measured: 10.4 ms per step on 20,000 pages), a write into the
     # layer a scatter of just the new records (0.64 ms).
     records_per_page = layer_store.shape[1]
+    if layer_store.dtype == torch.float8_e4m3fn:
+        # An FP8 store holds records at scale 1 (no calibrated scales): beyond +-448 a cast would
+        # give NaN, so records saturate there.
+        records = records.clamp(-FP8_MAX, FP8_MAX)
     layer_store.index_put_((slot_mapping // records_per_page, slot_mapping % records_per_page),
                            records.to(layer_store.dtype))
 

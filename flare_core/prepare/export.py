@@ -23,6 +23,7 @@ from flare_core.prepare.source import ModelSource, resolve_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTIZATIONS = (None, "fp8")
+KV_DTYPES = {None: None, "fp8_e4m3": "float8_e4m3fn"}  # --kv-dtype -> the paged stores' dtype
 
 
 class ExportError(ValueError):
@@ -39,6 +40,7 @@ class ExportRequest:
     progress: bool = True
     tensor_parallel: int = 1  # ranks the core is split over (flare_core.parallel)
     quantize: str | None = None  # "fp8": the decoder layers' linear weights kept as block-scaled FP8
+    kv_dtype: str | None = None  # "fp8_e4m3": KV pages as float8_e4m3fn; None: the weights' dtype
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
 
     if request.dtype not in DTYPES:
         raise ExportError(f"--dtype {request.dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    if request.kv_dtype not in KV_DTYPES:
+        raise ExportError(f"--kv-dtype {request.kv_dtype!r} is not supported (choose from auto, fp8_e4m3)")
     if request.quantize not in QUANTIZATIONS:
         raise ExportError(f"--quantize {request.quantize!r} is not supported (choose from fp8)")
     if request.quantize is not None and request.tensor_parallel != 1:
@@ -120,6 +124,14 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     rank_model_config = _rank_config(recipe, model_config, ranks)
     # The cache scheme of one rank: each holds its share of the KV heads.
     scheme = registry.cache_schemes[recipe.cache_scheme].build(rank_model_config, request.dtype)
+    kv_notes = ()
+    if request.kv_dtype is not None:
+        # Paged records only: continuation state (recurrent, convolution) keeps the scheme's dtype.
+        kv_dtype = KV_DTYPES[request.kv_dtype]
+        scheme = dataclasses.replace(scheme, paged=tuple(dataclasses.replace(store, dtype=kv_dtype)
+                                                         for store in scheme.paged))
+        kv_notes = (f"KV cache: paged records as float8_e4m3fn at scale 1 (saturating at +-448), half the bytes of "
+                    f"a 16-bit page; continuation state keeps {request.dtype}; served on the CPU path",)
     assets = collect_frontend_assets(checkpoint, recipe, registry)
 
     torch_dtype = DTYPES[request.dtype]
@@ -150,7 +162,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
         notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
-        + rank_notes + quantize_notes,
+        + rank_notes + quantize_notes + kv_notes,
     )
     for line in plan.lines():
         echo(line)

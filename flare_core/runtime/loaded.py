@@ -122,6 +122,12 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         raise CoreLoadError(f"core keeps {quantization['method']} weights, which only the CPU path serves so far (the "
                             f"FP8 GEMM / GEMV kernels of the CUDA path are not built): serve it with --device cpu, "
                             f"or export the model without --quantize")
+    fp8_stores = [store["name"] for store in manifest["cache_scheme"].get("paged", ())
+                  if store.get("dtype") == "float8_e4m3fn"]
+    if fp8_stores and device.type == "cuda":
+        raise CoreLoadError(f"core keeps its KV cache ({', '.join(fp8_stores)}) as float8_e4m3fn, which only the CPU "
+                            f"path serves so far (the CUDA attention kernels read 16-bit pages): serve it with "
+                            f"--device cpu, or export the model without --kv-dtype")
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
