@@ -22,13 +22,18 @@ from test_kimi_parity import KIMI_TEMPLATE, KIMI_VALUES, kimi_config
 KIMI_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
 
 
-def test_fp8_kimi_checkpoint_exports_and_serves_the_dequantized_model(tmp_path):
+def published_checkpoint(tmp_path):
+    """(A tiny Kimi K2 checkpoint quantized as Moonshot publishes it, its dequantized tensors)."""
     directory = tmp_path / "tiny-kimi-k2-fp8"
     save_model(directory, random_model(ds.DeepseekV3Config(**KIMI_VALUES), seed=9), model_type="kimi_k2")
     write_frontend(directory, vocab_size=KIMI_VALUES["vocab_size"], special_tokens=KIMI_TOKENS,
                    chat_template=KIMI_TEMPLATE.read_text(encoding="utf-8"), bos_token="[BOS]", eos_token="[EOS]",
                    stop_token="<|im_end|>")
-    dequantized = quantize_fp8_checkpoint(directory)
+    return directory, quantize_fp8_checkpoint(directory)
+
+
+def test_fp8_kimi_checkpoint_exports_and_serves_the_dequantized_model(tmp_path):
+    directory, dequantized = published_checkpoint(tmp_path)
     on_disk = load_file(directory / "model.safetensors")
     assert on_disk["model.layers.1.mlp.experts.15.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert on_disk["model.layers.1.mlp.experts.15.gate_proj.weight_scale_inv"].shape == (1, 1)
@@ -52,13 +57,9 @@ def test_kimi_accepts_fp8_config():
 def test_quantize_fp8_keeps_the_published_blocks(tmp_path):
     """--quantize fp8 on Kimi K2 as published: a layer read from one checkpoint tensor keeps that
     tensor's fp8 bytes and scales; a fused layer whose first part fills no whole block row (the tiny
-    shared-expert gate/up) is dequantized rather than requantized; the core serves the dequantized model."""
-    directory = tmp_path / "tiny-kimi-k2-fp8"
-    save_model(directory, random_model(ds.DeepseekV3Config(**KIMI_VALUES), seed=9), model_type="kimi_k2")
-    write_frontend(directory, vocab_size=KIMI_VALUES["vocab_size"], special_tokens=KIMI_TOKENS,
-                   chat_template=KIMI_TEMPLATE.read_text(encoding="utf-8"), bos_token="[BOS]", eos_token="[EOS]",
-                   stop_token="<|im_end|>")
-    dequantized = quantize_fp8_checkpoint(directory)
+    shared-expert gate/up) is dequantized rather than requantized; the core serves the dequantized
+    model."""
+    directory, dequantized = published_checkpoint(tmp_path)
     on_disk = load_file(directory / "model.safetensors")
     core, plan, config_path = export_checkpoint(directory, tmp_path / "flare", "--dtype", "float32",
                                                 "--quantize", "fp8", "--max-concurrency", "2",
