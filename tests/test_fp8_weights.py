@@ -33,6 +33,13 @@ def test_blocks_round_trip_within_e4m3_precision():
     assert ((restored - weight).abs() <= weight.abs() * 2 ** -4 + block_scale * 2 ** -6).all()
 
 
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """A stored FP8 weight in float32: a matrix, or packed experts expert by expert."""
+    if weight.dim() == 3:
+        return torch.stack([dequantize_blocks(w, s) for w, s in zip(weight, scale_inv)])
+    return dequantize_blocks(weight, scale_inv)
+
+
 @pytest.fixture(scope="module")
 def fp8_core(session_flare, qwen3_moe_checkpoint):
     result = session_flare("export", qwen3_moe_checkpoint, "--dtype", "float32", "--quantize", "fp8", *EXPORT)
@@ -40,19 +47,24 @@ def fp8_core(session_flare, qwen3_moe_checkpoint):
     return plan, open_core(core)
 
 
-def test_export_keeps_the_linear_layers_as_fp8(fp8_core, session_flare, qwen3_moe_checkpoint):
+def test_export_keeps_the_linear_layers_and_experts_as_fp8(fp8_core, session_flare, qwen3_moe_checkpoint):
     plan, core = fp8_core
-    assert "fp8: the 4 linear layers of the decoder layers kept as float8_e4m3fn" in plan
-    assert "embeddings, norms, routers, packed experts and the head stay float32" in plan
+    assert "fp8: the 4 linear layers and 4 packed routed-expert tensors of the decoder layers kept as " \
+           "float8_e4m3fn" in plan
+    assert "embeddings, norms, routers and the head stay float32" in plan
     assert core.manifest["quantization"] == {"method": "fp8", "format": "float8_e4m3fn",
-                                             "weight_block_size": [128, 128], "linear_layers": 4}
+                                             "weight_block_size": [128, 128], "weights": 8}
     tensors = core.load_tensors(device="cpu")
     layer = "model.layers.1."
     assert tensors[f"{layer}self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
     assert tensors[f"{layer}self_attn.qkv_proj.weight_scale_inv"].shape == (1, 1)  # 128 rows x 64 columns
     assert tensors[f"{layer}self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn
+    experts = f"{layer}mlp.experts."
+    assert tensors[f"{experts}gate_up_proj"].dtype == torch.float8_e4m3fn  # [4 experts, 64, 64]
+    assert tensors[f"{experts}gate_up_proj_scale_inv"].shape == (4, 1, 1)
+    assert tensors[f"{experts}down_proj_scale_inv"].shape == (4, 1, 1)
     for kept in ("model.embed_tokens.weight", "lm_head.weight", f"{layer}mlp.gate.weight",
-                 f"{layer}mlp.experts.gate_up_proj", f"{layer}input_layernorm.weight"):
+                 f"{layer}input_layernorm.weight"):
         assert tensors[kept].dtype == torch.float32, kept
     whole = open_core(session_flare.export(qwen3_moe_checkpoint, "--dtype", "float32", *EXPORT[:-1]))
     assert "quantization" not in whole.manifest
@@ -69,7 +81,7 @@ def test_fp8_core_computes_its_dequantized_weights(fp8_core, qwen3_moe_checkpoin
     loaded = load_core(core, registry, torch.device("cpu"))
     recipe = registry.recipes[loaded.recipe_name]
     stored = core.load_tensors(device="cpu")
-    dequantized = {name: dequantize_blocks(tensor, stored[name + "_scale_inv"]) if tensor.dtype == torch.float8_e4m3fn
+    dequantized = {name: dequantize(tensor, stored[name + "_scale_inv"]) if tensor.dtype == torch.float8_e4m3fn
                    else tensor for name, tensor in stored.items() if not name.endswith("_scale_inv")}
     reference = load_prepared_weights(recipe.build_model(loaded.model_config, torch.float32), dequantized, "cpu")
     unquantized = AutoModelForCausalLM.from_pretrained(qwen3_moe_checkpoint, dtype=torch.float32).eval()
@@ -120,7 +132,7 @@ def test_real_weights_quantized_predict_as_unquantized_and_serve(session_flare, 
 
     core = session_flare.export(smollm2_gguf, "--dtype", "float32", "--quantize", "fp8", "--max-concurrency", "4",
                                 "--context-length", "2048", "--prefill-chunk-size", "256")
-    assert open_core(core).manifest["quantization"]["linear_layers"] == 30 * 4  # qkv, o, gate_up, down
+    assert open_core(core).manifest["quantization"]["weights"] == 30 * 4  # qkv, o, gate_up, down
     registry = load_registry()
     fp8, whole = (load_core(open_core(path), registry, torch.device("cpu")) for path in (core, smollm2_core))
     text = list(whole.tokenizer.encode(PARAGRAPH))
@@ -179,7 +191,7 @@ def test_a_qwen_fp8_checkpoint_is_read_through_its_scales(session_flare, qwen3_c
     assert "quantization" not in dequantized.manifest
 
     result = session_flare("export", directory, "--dtype", "float32", "--quantize", "fp8", *EXPORT)
-    assert "fp8           6 of 8 linear layers kept as the checkpoint's fp8 blocks; 2 dequantized" in result.output
+    assert "fp8           6 of 8 weights kept as the checkpoint's fp8 blocks; 2 dequantized" in result.output
     kept = open_core(result.output.strip().splitlines()[-1])
     stored = kept.load_tensors(device="cpu")
     assert torch.equal(stored[o_proj].view(torch.uint8), on_disk[o_proj].view(torch.uint8))
@@ -187,6 +199,34 @@ def test_a_qwen_fp8_checkpoint_is_read_through_its_scales(session_flare, qwen3_c
     assert stored[qkv].dtype == torch.float32 and torch.equal(stored[qkv], tensors[qkv])
     registry = load_registry()
     models = [load_core(core, registry, torch.device("cpu")) for core in (dequantized, kept)]
+    sequence = torch.randint(0, 151936, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    (ours, theirs) = ([logits for *_, logits in serve_paged(m.model, m.cache_scheme, [sequence], [30], 16)]
+                      for m in models)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_moe_fp8_checkpoint_keeps_each_experts_blocks(session_flare, tmp_path):
+    """Packed routed experts from an fp8 checkpoint: expert e's gate/up is its own gate and up
+    blocks (128 rows each: they line up), stacked over the experts; the served logits are the
+    dequantized model's."""
+    from conftest import tiny_qwen3_moe_config, write_checkpoint
+    from flare_core.plugins import load_registry
+
+    source = write_checkpoint(tmp_path / "moe", tiny_qwen3_moe_config(moe_intermediate_size=128))
+    directory, on_disk = fp8_checkpoint(tmp_path / "moe-fp8", source)
+    result = session_flare("export", directory, "--dtype", "float32", "--quantize", "fp8", *EXPORT)
+    # qkv (64 query rows) does not line up; o_proj and both layers' experts do
+    assert "fp8           6 of 8 weights kept as the checkpoint's fp8 blocks" in result.output
+    kept = open_core(result.output.strip().splitlines()[-1])
+    stored = kept.load_tensors(device="cpu")
+    experts = "model.layers.1.mlp.experts."
+    expected = torch.stack([torch.cat([on_disk[f"{experts}{e}.{part}_proj.weight"] for part in ("gate", "up")])
+                            for e in range(4)])
+    assert torch.equal(stored[f"{experts}gate_up_proj"].view(torch.uint8), expected.view(torch.uint8))
+    assert stored[f"{experts}gate_up_proj_scale_inv"].shape == (4, 2, 1)
+    dequantized = open_core(session_flare.export(directory, "--dtype", "float32", *EXPORT[:-1]))
+    registry = load_registry()
+    models = [load_core(core, registry, torch.device("cpu")) for core in (kept, dequantized)]
     sequence = torch.randint(0, 151936, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     (ours, theirs) = ([logits for *_, logits in serve_paged(m.model, m.cache_scheme, [sequence], [30], 16)]
                       for m in models)

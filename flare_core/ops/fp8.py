@@ -8,12 +8,17 @@ published FP8 checkpoints, whose weight is
     W[i, j] = float32(P.weight[i, j]) * P.weight_scale_inv[i // 128, j // 128].
 
 `flare export --quantize fp8` quantizes the prepared linear weights of the decoder layers (fused
-QKV and gate/up included: a fused matrix is quantized as one, so its blocks always line up);
-embeddings, norms, routers, packed experts and the head keep the export dtype. A block's scale is
+QKV and gate/up included: a fused matrix is quantized as one, so its blocks always line up) and
+their packed routed experts; embeddings, norms, routers and the head keep the export dtype. A block's scale is
 its largest magnitude over 448 (the largest finite e4m3), as DeepSeek's published weights have it.
 
-`Fp8BlockLinear` is the CPU reference: it dequantizes its weight to the activation dtype in each
-call. The Hopper FP8 GEMM / GEMV path is not built; cores with FP8 weights load on the CPU only.
+Packed routed experts (those the fused experts op computes) are quantized expert by expert:
+`gate_up_proj` [E, 2I, hidden] beside `gate_up_proj_scale_inv` [E, ceil(2I / 128), ceil(hidden /
+128)], and `down_proj` likewise.
+
+`Fp8BlockLinear` and `fp8_reference_experts` are the CPU reference: they dequantize a weight (an
+expert in use) to the activation dtype in each call. The Hopper FP8 GEMM / GEMV path is not
+built; cores with FP8 weights load on the CPU only.
 """
 
 from __future__ import annotations
@@ -69,10 +74,62 @@ class Fp8BlockLinear(nn.Module):
         return F.linear(x, dequantize_blocks(self.weight, self.weight_scale_inv).to(x.dtype), self.bias)
 
 
+def quantize_experts(packed: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor]:
+    """`quantize_blocks` of each expert of a packed [E, rows, cols] tensor: (float8_e4m3fn
+    [E, rows, cols], float32 scale_inv [E, ceil(rows / 128), ceil(cols / 128)])."""
+    weights, scales = zip(*(quantize_blocks(expert, block) for expert in packed))
+    return torch.stack(weights), torch.stack(scales)
+
+
+def fp8_reference_experts(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """What `flare::routed_experts` computes, summed over each token's experts, for packed FP8
+    experts: a loop over the experts in use, each dequantized to x's dtype when used (the CPU
+    reference; no GPU kernel reads FP8 experts yet)."""
+    def weight(name: str, expert: int) -> Tensor:
+        scale = getattr(experts, name + SCALE_SUFFIX, None)  # one of the two may be kept unquantized
+        stored = getattr(experts, name)[expert]
+        return stored if scale is None else dequantize_blocks(stored, scale[expert]).to(x.dtype)
+
+    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
+    for expert in top_k_index.unique().tolist():
+        token, slot = (top_k_index == expert).nonzero(as_tuple=True)
+        gate_up, down = weight("gate_up_proj", expert), weight("down_proj", expert)
+        gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
+        out[token, slot] = F.linear(F.silu(gate) * up, down).float() * top_k_weights[token, slot, None].float()
+    return out.sum(dim=1).to(x.dtype)
+
+
+def quantizable_experts(model: nn.Module) -> list[str]:
+    """Module paths of the packed routed experts `--quantize fp8` quantizes: those the fused
+    experts op computes (flare_core.ops.moe; SiLU-gated, no biases), when the model uses it."""
+    if not getattr(model, "fused_experts", False):
+        return []
+    layers = model.model.layers
+    return [f"model.layers.{path}" for path, module in layers.named_modules()
+            if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+            and getattr(module, "gate_up_proj").dim() == 3]
+
+
+def use_fp8_experts(model: nn.Module, names: Iterable[str]) -> nn.Module:
+    """Make the packed expert tensors `names` (`<experts path>.gate_up_proj` / `.down_proj`) FP8:
+    the parameter float8_e4m3fn (on the meta device, to be filled by flare_core.ops.loading)
+    beside a `<name>_scale_inv` buffer of per-expert block scales; in place, returns `model`."""
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        experts = model.get_submodule(path)
+        count, rows, cols = getattr(experts, leaf).shape
+        with torch.device("meta"):
+            setattr(experts, leaf, nn.Parameter(torch.empty(count, rows, cols, dtype=torch.float8_e4m3fn),
+                                                requires_grad=False))
+            experts.register_buffer(leaf + SCALE_SUFFIX, torch.empty(
+                count, -(-rows // BLOCK[0]), -(-cols // BLOCK[1]), dtype=torch.float32))
+    return model
+
+
 def quantizable_linears(model: nn.Module) -> list[str]:
     """Module paths of the linear layers `--quantize fp8` quantizes: every nn.Linear inside the
     decoder layers (`model.model.layers`). Routers, packed experts, embeddings, norms and the
-    head are no nn.Linear there and keep their dtype."""
+    head are no nn.Linear there (packed experts: `quantizable_experts`)."""
     layers = model.model.layers
     return [f"model.layers.{path}" for path, module in layers.named_modules() if type(module) is nn.Linear]
 
@@ -96,3 +153,10 @@ def quantized_paths(tensor_names: Iterable[str]) -> list[str]:
     """Module paths of the FP8 linear layers among a core's tensor names (those with a scale)."""
     suffix = ".weight" + SCALE_SUFFIX
     return sorted(name[:-len(suffix)] for name in tensor_names if name.endswith(suffix))
+
+
+def quantized_experts(tensor_names: Iterable[str]) -> list[str]:
+    """The FP8 packed expert tensors (`<experts path>.gate_up_proj` / `.down_proj`) among a
+    core's tensor names."""
+    suffixes = tuple(f".{leaf}{SCALE_SUFFIX}" for leaf in ("gate_up_proj", "down_proj"))
+    return sorted(name[:-len(SCALE_SUFFIX)] for name in tensor_names if name.endswith(suffixes))

@@ -236,6 +236,10 @@ def _fusable(experts: nn.Module) -> bool:
 
 
 def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    if any(hasattr(self, f"{leaf}_scale_inv") for leaf in ("gate_up_proj", "down_proj")):  # FP8 (ops.fp8)
+        from flare_core.ops.fp8 import fp8_reference_experts
+
+        return fp8_reference_experts(self, hidden_states, top_k_index, top_k_weights)
     # Under torch.compile the token count is settled when tracing: prompt chunks and decode
     # batches compile apart, as for one_token (flare_core.ops.gemv).
     if top_k_index.numel() > MAX_PAIRS_PER_EXPERT * self.gate_up_proj.shape[0]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -137,7 +138,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     torch_dtype = DTYPES[request.dtype]
     skeleton = _skeleton(recipe, model_config, torch_dtype)
     parameters = sum(t.numel() for t in skeleton.values())
-    quantized = _fp8_linears(recipe, model_config, torch_dtype) if request.quantize == "fp8" else []
+    quantized = _fp8_weights(recipe, model_config, torch_dtype) if request.quantize == "fp8" else []
     weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
     quantize_notes = ()
     if blocks is not None:
@@ -151,10 +152,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         weight_bytes = _fp8_weight_bytes(skeleton, quantized)
         kept = "kept as float8_e4m3fn" if blocks is None else \
             "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
-        quantize_notes += (f"fp8: the {len(quantized)} linear layers of the decoder layers {kept} with one float32 "
+        quantize_notes += (f"fp8: the {_describe_fp8(quantized)} of the decoder layers {kept} with one float32 "
                            f"scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB at most); "
-                           f"embeddings, norms, routers, packed experts and the head stay {request.dtype}; served "
-                           f"on the CPU path (weights dequantized in each call)",)
+                           f"embeddings, norms, routers and the head stay {request.dtype}; served on the CPU path "
+                           f"(weights dequantized in each call)",)
     rank_notes = () if ranks == 1 else _rank_notes(recipe, model_config, torch_dtype, ranks)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
@@ -172,18 +173,18 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     else:
         tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
                                 ranks, request.progress)
-    fp8_layers = 0
+    fp8_count = 0
     if quantized:
-        tensors, fp8_layers = _quantize_fp8(tensors, quantized, checkpoint_tensors)
+        tensors, fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
         if blocks is not None:
-            echo(f"fp8           {fp8_layers} of {len(quantized)} linear layers kept as the checkpoint's fp8 blocks; "
-                 f"{len(quantized) - fp8_layers} dequantized to {request.dtype} (their parts do not line up in "
+            echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks; "
+                 f"{len(quantized) - fp8_count} dequantized to {request.dtype} (their parts do not line up in "
                  f"128x128 blocks, or the checkpoint keeps them unquantized)")
     manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
     manifest["tensor_parallel"] = ranks
-    if fp8_layers:
+    if fp8_count:
         manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
-                                    "linear_layers": fp8_layers}
+                                    "weights": fp8_count}
     key = load_or_create_signing_key(config.paths.keys)
     TrustStore(config.paths.trust_store).trust(key.publisher)
     store = CoreStore(config.paths.core_cache)
@@ -202,79 +203,94 @@ def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, tor
     return dict(model.state_dict())
 
 
-def _fp8_linears(recipe: Recipe, model_config, dtype: torch.dtype) -> list[str]:
-    """Module paths of the linear layers `--quantize fp8` keeps as FP8 (flare_core.ops.fp8)."""
-    from flare_core.ops.fp8 import quantizable_linears
+def _fp8_weights(recipe: Recipe, model_config, dtype: torch.dtype) -> list[str]:
+    """The prepared weights `--quantize fp8` keeps as FP8 (flare_core.ops.fp8): the decoder
+    layers' linear weights [out, in] and their packed routed experts [E, rows, cols]."""
+    from flare_core.ops.fp8 import quantizable_experts, quantizable_linears
 
-    paths = quantizable_linears(recipe.build_model(model_config, dtype))
-    if not paths:
+    model = recipe.build_model(model_config, dtype)
+    names = [f"{path}.weight" for path in quantizable_linears(model)]
+    names += [f"{path}.{leaf}" for path in quantizable_experts(model) for leaf in ("gate_up_proj", "down_proj")]
+    if not names:
         raise ExportError(f"--quantize fp8: recipe {recipe.name}'s model has no linear layers in its decoder layers")
-    return paths
+    return names
 
 
-def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], paths: list[str]) -> int:
+def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str]) -> int:
     from flare_core.ops.fp8 import BLOCK
 
     total = 0
-    quantized = {f"{path}.weight" for path in paths}
+    quantized = set(names)
     for name, tensor in skeleton.items():
         if name in quantized:
-            rows, cols = tensor.shape
-            total += rows * cols + 4 * (-(-rows // BLOCK[0])) * (-(-cols // BLOCK[1]))
+            *experts, rows, cols = tensor.shape
+            total += math.prod(experts) * (rows * cols + 4 * (-(-rows // BLOCK[0])) * (-(-cols // BLOCK[1])))
         else:
             total += tensor.numel() * tensor.element_size()
     return total
 
 
-def _quantize_fp8(tensors: dict[str, torch.Tensor], paths: list[str],
+def _describe_fp8(names: list[str]) -> str:
+    experts = sum(1 for name in names if name.endswith("_proj") and not name.endswith(".weight"))
+    described = f"{len(names) - experts} linear layers"
+    return described + (f" and {experts} packed routed-expert tensors" if experts else "")
+
+
+def _quantize_fp8(tensors: dict[str, torch.Tensor], names: list[str],
                   checkpoint: DequantizedCheckpoint) -> tuple[dict[str, torch.Tensor], int]:
-    """(`tensors` with the weights of `paths` as FP8 blocks and their scales, how many). An
-    unquantized checkpoint's weights are quantized. An fp8 checkpoint's are its own blocks where
-    the layer's checkpoint parts line up in 128x128 blocks; the others keep the dequantized weight
-    (never requantized to make a fusion fit)."""
-    from flare_core.ops.fp8 import SCALE_SUFFIX, quantize_blocks
+    """(`tensors` with the weights `names` as FP8 blocks and their scales, how many). An
+    unquantized checkpoint's weights are quantized (packed experts expert by expert). An fp8
+    checkpoint's are its own blocks where the weight's checkpoint parts line up in 128x128 blocks;
+    the others keep the dequantized weight (never requantized to make a fusion fit)."""
+    from flare_core.ops.fp8 import SCALE_SUFFIX, quantize_blocks, quantize_experts
 
     done = 0
-    for path in paths:
-        name = f"{path}.weight"
+    for name in names:
+        tensor = tensors[name]
         if checkpoint.blocks is None:
-            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_blocks(tensors[name])
-            done += 1
-            continue
-        published = _published_blocks(name, tensors[name], checkpoint)
-        if published is not None:
-            tensors[name], tensors[name + SCALE_SUFFIX] = published
+            fp8 = quantize_experts(tensor) if tensor.dim() == 3 else quantize_blocks(tensor)
+        else:
+            fp8 = _published_blocks(name, tensor, checkpoint)
+        if fp8 is not None:
+            tensors[name], tensors[name + SCALE_SUFFIX] = fp8
             done += 1
     return {name: tensors[name] for name in sorted(tensors)}, done
 
 
 def _published_blocks(name: str, prepared: torch.Tensor,
                       checkpoint: DequantizedCheckpoint) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The fp8 checkpoint's own (weight, scale_inv) of prepared weight `name`: its checkpoint parts
-    (flare_core.ops.weights.source_names: one, or the parts of a fused projection) concatenated,
-    when each is fp8 in 128x128 blocks, every part but the last fills whole block rows, and the
-    result dequantizes to exactly the prepared weight (which a recipe that maps names its own way
-    would not). None otherwise."""
+    """The fp8 checkpoint's own (weight, scale_inv) of prepared weight `name`: for each of its
+    checkpoint groups (flare_core.ops.weights.source_names: one matrix, or one per packed expert)
+    the parts (one, or a fused projection's) concatenated, when each is fp8 in 128x128 blocks,
+    every part but the last fills whole block rows, and the result dequantizes to exactly the
+    prepared weight (which a recipe that maps names its own way would not). None otherwise."""
     from flare_core.ops.fp8 import BLOCK, dequantize_blocks
     from flare_core.ops.weights import source_names
 
     if checkpoint.blocks.block != BLOCK:
         return None
-    parts = source_names(name)[0]
+    packed = prepared.dim() == 3
+    groups = source_names(name, prepared.shape[0] if packed else 0)
     raw = checkpoint.raw
     names = set(raw)
-    if not all(part in names and scale_name(part) in names for part in parts):
-        return None
-    weights = [raw[part] for part in parts]
-    if any(w.dtype != torch.float8_e4m3fn or w.dim() != 2 for w in weights) or \
-            any(w.shape[0] % BLOCK[0] for w in weights[:-1]):
-        return None
-    weight = torch.cat(weights)
-    scale = torch.cat([raw[scale_name(part)].float() for part in parts])
-    if tuple(weight.shape) != tuple(prepared.shape) or \
-            not torch.equal(dequantize_blocks(weight, scale).to(prepared.dtype), prepared):
-        return None
-    return weight.contiguous(), scale.contiguous()
+    weights, scales = [], []
+    for parts, target in zip(groups, prepared if packed else [prepared]):
+        if not all(part in names and scale_name(part) in names for part in parts):
+            return None
+        pieces = [raw[part] for part in parts]
+        if any(w.dtype != torch.float8_e4m3fn or w.dim() != 2 for w in pieces) or \
+                any(w.shape[0] % BLOCK[0] for w in pieces[:-1]):
+            return None
+        weight = torch.cat(pieces)
+        scale = torch.cat([raw[scale_name(part)].float() for part in parts])
+        if tuple(weight.shape) != tuple(target.shape) or \
+                not torch.equal(dequantize_blocks(weight, scale).to(target.dtype), target):
+            return None
+        weights.append(weight)
+        scales.append(scale)
+    if packed:
+        return torch.stack(weights), torch.stack(scales)
+    return weights[0].contiguous(), scales[0].contiguous()
 
 
 def _rank_config(recipe: Recipe, model_config, ranks: int):

@@ -134,9 +134,10 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     if ranks == 1:
         model = recipe.build_model(model_config, dtype)
         if quantization is not None:
-            from flare_core.ops.fp8 import quantized_paths, use_fp8_blocks
+            from flare_core.ops.fp8 import quantized_experts, quantized_paths, use_fp8_blocks, use_fp8_experts
 
             use_fp8_blocks(model, quantized_paths(core.tensor_names()))
+            use_fp8_experts(model, quantized_experts(core.tensor_names()))
         load_prepared_weights(model, core.load_tensors(device="cpu"), device)
     else:
         model = _rank_model(core, recipe, model_config, dtype, rank, ranks, device)

@@ -77,6 +77,6 @@ def test_quantize_fp8_keeps_the_published_blocks(tmp_path):
     assert torch.equal(tensors[f"{dense}gate_up_proj.weight"].view(torch.uint8), torch.cat(parts).view(torch.uint8))
     shared = "model.layers.1.mlp.shared_experts.gate_up_proj.weight"  # 24 gate rows: not whole blocks
     assert tensors[shared].dtype == torch.float32 and shared + "_scale_inv" not in tensors
-    assert open_core(core).manifest["quantization"]["linear_layers"] > 0
+    assert open_core(core).manifest["quantization"]["weights"] > 0
     reference = dequantized_reference(directory, dequantized, tmp_path / "dequantized")
     assert_core_matches(core, config_path, reference)
