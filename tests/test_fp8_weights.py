@@ -12,6 +12,7 @@ import torch
 
 from flare_core.core import open_core
 from flare_core.ops.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
+from flare_core.plugins import load_registry
 from flare_core.runtime.loaded import CoreLoadError, load_core
 from flare_core.testing import serve_paged
 from server_process import ServerProcess
@@ -74,7 +75,6 @@ def test_fp8_core_computes_its_dequantized_weights(fp8_core, qwen3_moe_checkpoin
     from transformers import AutoModelForCausalLM
 
     from flare_core.ops.loading import load_prepared_weights
-    from flare_core.plugins import load_registry
 
     _, core = fp8_core
     registry = load_registry()
@@ -100,8 +100,6 @@ def test_fp8_core_computes_its_dequantized_weights(fp8_core, qwen3_moe_checkpoin
 
 
 def test_cuda_refuses_an_fp8_core_and_tp_does_not_combine(session_flare, qwen3_checkpoint):
-    from flare_core.plugins import load_registry
-
     core = open_core(session_flare.export(qwen3_checkpoint, "--dtype", "bfloat16", "--quantize", "fp8", *EXPORT[:-1]))
     with pytest.raises(CoreLoadError, match="only the CPU path serves so far"):
         load_core(core, load_registry(), torch.device("cuda"))
@@ -127,8 +125,6 @@ def test_real_weights_quantized_predict_as_unquantized_and_serve(session_flare, 
     weights were 4-bit already is a hard case); `flare run` of
     the FP8 core continues a prompt greedily as its weights compute in-process."""
     from openai import OpenAI
-
-    from flare_core.plugins import load_registry
 
     core = session_flare.export(smollm2_gguf, "--dtype", "float32", "--quantize", "fp8", "--max-concurrency", "4",
                                 "--context-length", "2048", "--prefill-chunk-size", "256")
@@ -177,11 +173,19 @@ def fp8_checkpoint(directory, source):
     return directory, tensors
 
 
+def assert_same_logits(kept, dequantized) -> None:
+    """An FP8 core serves its dequantized twin's logits over a 30-token prompt."""
+    registry = load_registry()
+    models = [load_core(core, registry, torch.device("cpu")) for core in (kept, dequantized)]
+    sequence = torch.randint(0, 151936, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours, theirs = ([logits for *_, logits in serve_paged(m.model, m.cache_scheme, [sequence], [30], 16)]
+                    for m in models)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_a_qwen_fp8_checkpoint_is_read_through_its_scales(session_flare, qwen3_checkpoint, tmp_path):
     """Qwen's -FP8 layout read by the Qwen3 recipe: dequantized through the block scales (not cast),
     or with --quantize fp8 kept as published where a layer's blocks line up."""
-    from flare_core.plugins import load_registry
-
     directory, on_disk = fp8_checkpoint(tmp_path / "qwen3-fp8", qwen3_checkpoint)
     dequantized = open_core(session_flare.export(directory, "--dtype", "float32", *EXPORT[:-1]))
     tensors = dequantized.load_tensors(device="cpu")
@@ -197,12 +201,7 @@ def test_a_qwen_fp8_checkpoint_is_read_through_its_scales(session_flare, qwen3_c
     assert torch.equal(stored[o_proj].view(torch.uint8), on_disk[o_proj].view(torch.uint8))
     qkv = "model.layers.0.self_attn.qkv_proj.weight"  # q has 64 rows: no whole block row
     assert stored[qkv].dtype == torch.float32 and torch.equal(stored[qkv], tensors[qkv])
-    registry = load_registry()
-    models = [load_core(core, registry, torch.device("cpu")) for core in (dequantized, kept)]
-    sequence = torch.randint(0, 151936, (30,), generator=torch.Generator().manual_seed(4)).tolist()
-    (ours, theirs) = ([logits for *_, logits in serve_paged(m.model, m.cache_scheme, [sequence], [30], 16)]
-                      for m in models)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_same_logits(kept, dequantized)
 
 
 def test_a_moe_fp8_checkpoint_keeps_each_experts_blocks(session_flare, tmp_path):
@@ -210,7 +209,6 @@ def test_a_moe_fp8_checkpoint_keeps_each_experts_blocks(session_flare, tmp_path)
     blocks (128 rows each: they line up), stacked over the experts; the served logits are the
     dequantized model's."""
     from conftest import tiny_qwen3_moe_config, write_checkpoint
-    from flare_core.plugins import load_registry
 
     source = write_checkpoint(tmp_path / "moe", tiny_qwen3_moe_config(moe_intermediate_size=128))
     directory, on_disk = fp8_checkpoint(tmp_path / "moe-fp8", source)
@@ -225,9 +223,4 @@ def test_a_moe_fp8_checkpoint_keeps_each_experts_blocks(session_flare, tmp_path)
     assert torch.equal(stored[f"{experts}gate_up_proj"].view(torch.uint8), expected.view(torch.uint8))
     assert stored[f"{experts}gate_up_proj_scale_inv"].shape == (4, 2, 1)
     dequantized = open_core(session_flare.export(directory, "--dtype", "float32", *EXPORT[:-1]))
-    registry = load_registry()
-    models = [load_core(core, registry, torch.device("cpu")) for core in (kept, dequantized)]
-    sequence = torch.randint(0, 151936, (30,), generator=torch.Generator().manual_seed(4)).tolist()
-    (ours, theirs) = ([logits for *_, logits in serve_paged(m.model, m.cache_scheme, [sequence], [30], 16)]
-                      for m in models)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_same_logits(kept, dequantized)
