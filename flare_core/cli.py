@@ -216,7 +216,7 @@ def cores(ctx) -> None:
         click.echo(f"no cores in {store.root}")
         return
     for entry in entries:
-        click.echo(f"{entry.name:<40} {entry.recipe:<12} {entry.size_bytes / 2**30:8.2f} GiB  "
+        click.echo(f"{entry.name:<40} {entry.recipe:<12} {entry.form:<16} {entry.size_bytes / 2**30:8.2f} GiB  "
                    f"{', '.join(entry.served_names)}")
 
 

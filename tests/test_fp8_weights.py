@@ -103,6 +103,8 @@ def test_cuda_refuses_an_fp8_core_and_tp_does_not_combine(session_flare, qwen3_c
     core = open_core(session_flare.export(qwen3_checkpoint, "--dtype", "bfloat16", "--quantize", "fp8", *EXPORT[:-1]))
     with pytest.raises(CoreLoadError, match="only the CPU path serves so far"):
         load_core(core, load_registry(), torch.device("cuda"))
+    listed = next(line for line in session_flare("cores").output.splitlines() if line.startswith(core.path.name))
+    assert listed.split()[3:5] == ["bfloat16", "fp8"]  # flare cores: name, recipe, form, ...
     result = session_flare("export", qwen3_checkpoint, "--quantize", "fp8", "--tp", "2", *EXPORT, expect_ok=False)
     assert result.exit_code != 0 and "FP8 cores are not split over ranks yet" in result.output
 

@@ -122,6 +122,7 @@ def test_export_plans_the_split_and_refuses_what_does_not_split(flare, qwen3_che
     assert "tensor parallelism: 2 ranks" in plan and "the head split over the vocabulary (75968 rows each)" in plan
     plan = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "2", "--no-progress").output
     assert "the head whole on every rank (tied to the embeddings" in plan
+    assert [line.split()[3:5] for line in flare("cores").output.splitlines()] == [["float32", "tp2"]] * 2
     result = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "4", "--no-progress", expect_ok=False)
     assert result.exit_code != 0 and "config.num_key_value_heads = 2 does not divide over 4" in result.output
     llama = write_checkpoint(tmp_path / "llama", LlamaConfig(

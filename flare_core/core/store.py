@@ -73,6 +73,13 @@ class CoreEntry:
     tensor_parallel: int = 1  # the ranks the core is split over
 
     @property
+    def form(self) -> str:
+        """The weights' dtype, then `fp8` for FP8 weights and `tpN` for a core split over N ranks."""
+        parts = [self.dtype or "?", self.quantization or "", f"tp{self.tensor_parallel}" if self.tensor_parallel > 1
+                 else ""]
+        return " ".join(part for part in parts if part)
+
+    @property
     def recipe(self) -> str:
         """``"<name> <version>"`` for display; ``"unknown"`` when the manifest lacks it."""
         return " ".join(part for part in (self.recipe_name, self.recipe_version) if part) or "unknown"
