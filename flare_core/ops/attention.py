@@ -23,6 +23,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
+from flare_core.ops.fp8 import FP8_MAX
 from flare_core.ops.opaque import bound_context
 from flare_core.ops.transfer import to_device
 
@@ -166,9 +167,6 @@ class AttentionBackend(Protocol):
     """A step's attention, planned on the host before the step runs; called once per layer."""
 
     def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor: ...
-
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def write_paged(layer_store: Tensor, records: Tensor, slot_mapping: Tensor) -> None:

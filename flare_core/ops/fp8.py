@@ -51,10 +51,18 @@ def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Ten
 
 
 def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = BLOCK) -> Tensor:
-    """The float32 value of a block-quantized weight."""
+    """The float32 value of a block-quantized [rows, cols] weight. Memory: one float32 copy of the
+    weight (scales are expanded over rows only and broadcast over columns through a view)."""
     rows, cols = weight.shape
-    scales = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
-    return weight.float() * scales
+    block_rows, block_cols = block
+    out = weight.to(torch.float32, copy=True)
+    scale = scale_inv.to(torch.float32).repeat_interleave(block_rows, dim=0)[:rows]
+    full, partial = divmod(cols, block_cols)
+    if full:
+        out[:, :full * block_cols].unflatten(1, (full, block_cols)).mul_(scale[:, :full, None])
+    if partial:
+        out[:, full * block_cols:].mul_(scale[:, full:])
+    return out
 
 
 class Fp8BlockLinear(nn.Module):

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flare_core.ops.fp8 import SCALE_SUFFIX, dequantize_blocks
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 SUPPORTED = ("fp8 checkpoints are supported as config.json quantization_config {quant_method 'fp8', fmt 'e4m3', "
              "weight_block_size [rows, cols]} with float8_e4m3fn weights and a float32 weight_scale_inv per block "
              "(DeepSeek-V3 / V3.1, Kimi K2 and Qwen's -FP8 releases as published)")
@@ -58,9 +59,6 @@ class Fp8ConfigError(ValueError):
 class Fp8Blocks:
     """fp8 e4m3 weights with one scale per `block` = (rows, cols) block."""
     block: tuple[int, int]
-
-    def describe(self) -> str:
-        return f"float8_e4m3fn with one weight_scale_inv per {self.block[0]}x{self.block[1]} block"
 
 
 def quantization_of(config: Any) -> dict | None:
@@ -109,8 +107,8 @@ def scale_name(weight_name: str) -> str:
 
 def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks) -> Tensor:
     """The float32 weight of fp8 `weight` [rows, cols] and its per-block `scale_inv`
-    [ceil(rows / block_rows), ceil(cols / block_cols)]; `name` is the checkpoint tensor, for errors.
-    Memory: one float32 copy of the weight (scales are broadcast over columns through a view)."""
+    [ceil(rows / block_rows), ceil(cols / block_cols)], checked first (flare_core.ops.fp8.
+    dequantize_blocks computes it); `name` is the checkpoint tensor, for errors."""
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"checkpoint tensor {name!r} is {weight.dtype}; {SUPPORTED}")
     if weight.dim() != 2:
@@ -125,18 +123,9 @@ def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks) 
                          f"{expected}")
     if not scale_inv.dtype.is_floating_point or scale_inv.dtype in FP8_DTYPES:
         raise ValueError(f"checkpoint tensor {scale_name(name)!r} is {scale_inv.dtype}; {SUPPORTED}")
-    scale = scale_inv.to(torch.float32)
-    if not torch.isfinite(scale).all():
+    if not torch.isfinite(scale_inv).all():
         raise ValueError(f"checkpoint tensor {scale_name(name)!r} holds non-finite scales")
-    out = weight.to(torch.float32)
-    # Scales expanded over rows only ([rows, column blocks]); columns broadcast through a view.
-    scale = scale.repeat_interleave(block_rows, dim=0)[:rows]
-    full, partial = divmod(cols, block_cols)
-    if full:
-        out[:, :full * block_cols].unflatten(1, (full, block_cols)).mul_(scale[:, :full, None])
-    if partial:
-        out[:, full * block_cols:].mul_(scale[:, full:])
-    return out
+    return dequantize_blocks(weight, scale_inv, blocks.block)
 
 
 class DequantizedCheckpoint(Mapping):
