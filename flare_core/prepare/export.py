@@ -136,9 +136,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     assets = collect_frontend_assets(checkpoint, recipe, registry)
 
     torch_dtype = DTYPES[request.dtype]
-    skeleton = _skeleton(recipe, model_config, torch_dtype)
+    model = recipe.build_model(model_config, torch_dtype)  # on the meta device: the prepared layout
+    skeleton = dict(model.state_dict())
     parameters = sum(t.numel() for t in skeleton.values())
-    quantized = _fp8_weights(recipe, model_config, torch_dtype) if request.quantize == "fp8" else []
+    quantized = _fp8_weights(recipe, model) if request.quantize == "fp8" else []
     weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
     quantize_notes = ()
     if blocks is not None:
@@ -152,11 +153,16 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         weight_bytes = _fp8_weight_bytes(skeleton, quantized)
         kept = "kept as float8_e4m3fn" if blocks is None else \
             "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
-        quantize_notes += (f"fp8: the {_describe_fp8(quantized)} of the decoder layers {kept} with one float32 "
-                           f"scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB at most); "
-                           f"embeddings, norms, routers and the head stay {request.dtype}; served on the CPU path "
-                           f"(weights dequantized in each call)",)
-    rank_notes = () if ranks == 1 else _rank_notes(recipe, model_config, torch_dtype, ranks)
+        quantize_notes += (f"fp8: the {_describe_fp8(quantized, skeleton)} of the decoder layers {kept} with one "
+                           f"float32 scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB "
+                           f"at most); embeddings, norms, routers and the head stay {request.dtype}; served on the "
+                           f"CPU path (weights dequantized in each call)",)
+    rank_notes, rank_skeleton = (), {}
+    if ranks > 1:
+        from flare_core.parallel import build_rank_model
+
+        rank_model = build_rank_model(recipe, model_config, torch_dtype, ranks)
+        rank_notes, rank_skeleton = _rank_notes(recipe, model_config, rank_model, ranks), dict(rank_model.state_dict())
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
         architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
@@ -172,7 +178,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         tensors = _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress)
     else:
         tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
-                                ranks, request.progress)
+                                rank_skeleton, ranks, request.progress)
     fp8_count = 0
     if quantized:
         tensors, fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
@@ -197,18 +203,12 @@ def _core_prefix(source: ModelSource) -> str:
     return "".join(c if c.isalnum() or c in "-._" else "-" for c in source.served_names[0]).strip("-.") or "core"
 
 
-def _skeleton(recipe: Recipe, model_config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The prepared layout the recipe's model expects: names, shapes and dtypes (meta tensors)."""
-    model = recipe.build_model(model_config, dtype)
-    return dict(model.state_dict())
-
-
-def _fp8_weights(recipe: Recipe, model_config, dtype: torch.dtype) -> list[str]:
-    """The prepared weights `--quantize fp8` keeps as FP8 (flare_core.ops.fp8): the decoder
-    layers' linear weights [out, in] and their packed routed experts [E, rows, cols]."""
+def _fp8_weights(recipe: Recipe, model: torch.nn.Module) -> list[str]:
+    """The prepared weights of `recipe`'s `model` that `--quantize fp8` keeps as FP8
+    (flare_core.ops.fp8): the decoder layers' linear weights [out, in] and their packed routed
+    experts [E, rows, cols]."""
     from flare_core.ops.fp8 import quantizable_experts, quantizable_linears
 
-    model = recipe.build_model(model_config, dtype)
     names = [f"{path}.weight" for path in quantizable_linears(model)]
     names += [f"{path}.{leaf}" for path in quantizable_experts(model) for leaf in ("gate_up_proj", "down_proj")]
     if not names:
@@ -230,8 +230,8 @@ def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str]) -> in
     return total
 
 
-def _describe_fp8(names: list[str]) -> str:
-    experts = sum(1 for name in names if name.endswith("_proj") and not name.endswith(".weight"))
+def _describe_fp8(names: list[str], skeleton: dict[str, torch.Tensor]) -> str:
+    experts = sum(1 for name in names if skeleton[name].dim() == 3)
     described = f"{len(names) - experts} linear layers"
     return described + (f" and {experts} packed routed-expert tensors" if experts else "")
 
@@ -311,10 +311,10 @@ def _rank_config(recipe: Recipe, model_config, ranks: int):
         raise ExportError(f"--tp {ranks}: {exc}") from exc
 
 
-def _rank_notes(recipe: Recipe, model_config, dtype: torch.dtype, ranks: int) -> tuple[str, ...]:
-    from flare_core.parallel import HeadSlice, build_rank_model
+def _rank_notes(recipe: Recipe, model_config, rank_model: torch.nn.Module, ranks: int) -> tuple[str, ...]:
+    from flare_core.parallel import HeadSlice
 
-    split = isinstance(getattr(build_rank_model(recipe, model_config, dtype, ranks), "lm_head", None), HeadSlice)
+    split = isinstance(getattr(rank_model, "lm_head", None), HeadSlice)
     head = f"the head split over the vocabulary ({model_config.vocab_size // ranks} rows each)" if split else \
         "the head whole on every rank (tied to the embeddings, or a vocabulary that does not divide)"
     return (f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(recipe.tensor_parallel.divided)} "
@@ -323,13 +323,13 @@ def _rank_notes(recipe: Recipe, model_config, dtype: torch.dtype, ranks: int) ->
 
 
 def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: Mapping[str, torch.Tensor],
-                  dtype: torch.dtype, skeleton: dict[str, torch.Tensor], ranks: int,
-                  progress: bool) -> dict[str, torch.Tensor]:
+                  dtype: torch.dtype, skeleton: dict[str, torch.Tensor], rank_skeleton: dict[str, torch.Tensor],
+                  ranks: int, progress: bool) -> dict[str, torch.Tensor]:
     """Every rank's tensors: those a rank holds a slice of under `rank{r}.NAME` (flare_core.parallel.
-    rank_tensor_name), the replicated ones once under their name."""
-    from flare_core.parallel import Ranks, build_rank_model, rank_checkpoint, rank_tensor_name
+    rank_tensor_name), the replicated ones once under their name. `rank_skeleton`: a rank's
+    prepared layout (flare_core.parallel.build_rank_model)."""
+    from flare_core.parallel import Ranks, rank_checkpoint, rank_tensor_name
 
-    rank_skeleton = dict(build_rank_model(recipe, model_config, dtype, ranks).state_dict())
     tensors: dict[str, torch.Tensor] = {}
     for rank in range(ranks):
         share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks))
