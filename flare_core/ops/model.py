@@ -78,8 +78,8 @@ class DecoderForServing(nn.Module):
         # Set by flare_core.ops.gemv.use_gemv: the head's matmul through flare::linear (a single
         # row's logits then read the [vocab, hidden] matrix with the GEMV kernel).
         self.gemv_head = False
-        # Set by flare_core.parallel.split_head: this rank's head holds a slice of the vocabulary
-        # and its logits are gathered from every rank's slice.
+        # Set by flare_core.parallel.join_group when this rank's head holds a slice of the
+        # vocabulary (HeadSlice): its logits are gathered from every rank's slice.
         self.gather_logits: Callable[[Tensor], Tensor] | None = None
         self.compiled_groups: list[nn.Module] = []  # set by compile_layers
 
