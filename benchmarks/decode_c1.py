@@ -28,9 +28,11 @@ from random_qwen3 import qwen3_config, random_hf_model
 
 
 # (name, compile the decoder layers, one-token matmuls through the GEMV kernel, one-token attention
-# through the Triton decode kernels instead of FlashInfer's), run in this order.
-VARIANTS = (("not compiled", False, False, False), ("compiled, cuBLAS", True, False, False),
-            ("compiled, GEMV", True, True, False), ("compiled, GEMV, Triton attention", True, True, True))
+# through the Triton decode kernels instead of FlashInfer's, FP8 weights), run in this order. The
+# FP8 variant quantizes the decoder layers' linear weights as `flare export --quantize fp8` does.
+VARIANTS = (("not compiled", False, False, False, False), ("compiled, cuBLAS", True, False, False, False),
+            ("compiled, GEMV", True, True, False, False), ("compiled, GEMV, Triton attention", True, True, True, False),
+            ("compiled, GEMV, FP8 weights", True, True, False, True))
 
 
 def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> float:
@@ -144,12 +146,20 @@ def eager_greedy(model, device, context: int, steps: int) -> list[int]:
     return tokens
 
 
-def serving_model(config, hf_model, device):
+def serving_model(config, hf_model, device, fp8: bool = False):
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_qwen.recipes import QWEN3
 
     prepared = dict(QWEN3.map_weights(config, hf_model.state_dict(), torch.bfloat16))
     model = QWEN3.build_model(config, torch.bfloat16)
+    if fp8:
+        from flare_core.ops.fp8 import quantizable_linears, quantize_blocks, use_fp8_blocks
+
+        paths = quantizable_linears(model)
+        for path in paths:
+            weight, scale_inv = quantize_blocks(prepared[path + ".weight"].to(device))
+            prepared[path + ".weight"], prepared[path + ".weight_scale_inv"] = weight, scale_inv
+        use_fp8_blocks(model, paths)
     load_prepared_weights(model, prepared, device)
     return model
 
@@ -178,36 +188,45 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 compiled decode steps here")
+    parser.add_argument("--variants", help="comma-separated names of VARIANTS to run (default: all)")
     args = parser.parse_args()
+    chosen = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     config = qwen3_config(args.layers, args.hidden, args.intermediate)
     hf_model = random_hf_model(config, device)
     hf_tok_s = hf_generate(hf_model, device, args.context, args.hf_new_tokens)
-    weight_bytes = 0
     reference_tokens: list[int] = []
     variants: dict[str, dict] = {}
     # Each variant on its own copy of the weights: compiling and the GEMV switch change a model in place.
-    for name, compile_model, gemv, triton_attention in VARIANTS:
-        model = serving_model(config, hf_model, device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for name, compile_model, gemv, triton_attention, fp8 in chosen:
+        model = serving_model(config, hf_model, device, fp8)
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         if not reference_tokens:
             reference_tokens = eager_greedy(model, device, args.context, 9)
         variants[name] = flare_decode(config, model, weight_bytes, device, args.context, args.steps,
                                       compile_model=compile_model, gemv=gemv, triton_attention=triton_attention,
-                                      profile=args.profile if name == VARIANTS[-1][0] else None)
+                                      profile=args.profile if name == chosen[-1][0] else None)
+        variants[name]["fp8"] = fp8
         print(name, round(variants[name]["decode_c1_tok_s"], 1), "tok/s", flush=True)
         del model
         torch.cuda.empty_cache()
-    best = max(variants, key=lambda name: variants[name]["decode_c1_tok_s"])
+    bf16 = [name for name in variants if not variants[name]["fp8"]] or list(variants)
+    best = max(bf16, key=lambda name: variants[name]["decode_c1_tok_s"])
     flare = variants[best]
+    weight_bytes = flare["weight_bytes"]
     roofline_tok_s = bandwidth / weight_bytes
+    fp8 = [name for name in variants if variants[name]["fp8"]]
     result = {
         **flare,
         "variant": best,
-        "variants": {name: {"tok_s": v["decode_c1_tok_s"], "roofline_fraction": v["decode_c1_tok_s"] / roofline_tok_s,
+        "variants": {name: {"tok_s": v["decode_c1_tok_s"], "weight_bytes": v["weight_bytes"],
+                            "roofline_fraction": v["decode_c1_tok_s"] * v["weight_bytes"] / bandwidth,
                             "first_tokens": v["first_tokens"], "compile_and_capture_s": v["compile_and_capture_s"]}
                      for name, v in variants.items()},
+        **({"decode_c1_tok_s_fp8": variants[fp8[0]]["decode_c1_tok_s"],
+            "roofline_fraction_fp8": variants[fp8[0]]["decode_c1_tok_s"] * variants[fp8[0]]["weight_bytes"] / bandwidth}
+           if fp8 else {}),
         "eager_reference_first_tokens": reference_tokens,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "roofline_tok_s": roofline_tok_s,

@@ -16,18 +16,38 @@ Packed routed experts (those the fused experts op computes) are quantized expert
 `gate_up_proj` [E, 2I, hidden] beside `gate_up_proj_scale_inv` [E, ceil(2I / 128), ceil(hidden /
 128)], and `down_proj` likewise.
 
-`Fp8BlockLinear` and `fp8_reference_experts` are the CPU reference: they dequantize a weight (an
-expert in use) to the activation dtype in each call. The Hopper FP8 GEMM / GEMV path is not
-built; cores with FP8 weights load on the CPU only.
+`Fp8BlockLinear` calls the custom op `flare::fp8_linear`:
+
+* one token on a CUDA device: the GEMV kernel (flare_core.ops.gemv) reads the FP8 rows and
+  multiplies x by each 128-column block's scale in registers, float32 accumulation;
+* several tokens on a CUDA device: the activations are quantized to FP8 per token and 128
+  columns (`quantize_groups`, one Triton kernel) and multiplied by cuBLAS's block-scaled FP8 GEMM
+  (`torch._scaled_mm`, 1 x 128 scales for the activations, 128 x 128 for the weight; Hopper);
+* otherwise (the CPU, shapes that GEMM does not take): the weight dequantized to x's dtype, then
+  F.linear. This is the reference the others are tested against.
+
+Packed FP8 experts go to `flare::routed_experts` with their scales (flare_core.ops.moe): its
+Triton kernels read FP8 rows and scale each 128-column tile once; its CPU loop dequantizes each
+expert in use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from flare_core.ops.gemv import _gemv_path, gemv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: every call dequantizes
+    triton = None
 
 BLOCK = (128, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -50,12 +70,14 @@ def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Ten
     return scaled.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
 
 
-def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = BLOCK) -> Tensor:
-    """The float32 value of a block-quantized [rows, cols] weight. Memory: one float32 copy of the
-    weight (scales are expanded over rows only and broadcast over columns through a view)."""
+def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = BLOCK,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+    """The value of a block-quantized [rows, cols] weight as `dtype` (each product computed in
+    float32 and rounded once). Memory: one `dtype` copy of the weight (scales are expanded over
+    rows only and broadcast over columns through a view)."""
     rows, cols = weight.shape
     block_rows, block_cols = block
-    out = weight.to(torch.float32, copy=True)
+    out = weight.to(dtype, copy=True)
     scale = scale_inv.to(torch.float32).repeat_interleave(block_rows, dim=0)[:rows]
     full, partial = divmod(cols, block_cols)
     if full:
@@ -65,9 +87,100 @@ def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] 
     return out
 
 
+if triton is not None:
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, K, ROWS_OUT, BLOCK_M: tl.constexpr):
+        # Program (i, g) quantizes columns [128 g, 128 (g + 1)) of rows [i BLOCK_M, (i + 1) BLOCK_M);
+        # rows at or past M (padding) come out as zeros with scale 1. Scales are stored group-major:
+        # scale[g, row], the "outer-dimension-major" layout cuBLAS reads.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        columns = tl.program_id(1) * 128 + tl.arange(0, 128)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + columns[None, :], mask=rows[:, None] < M,
+                    other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = x / scale[:, None]
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + columns[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=rows[:, None] < ROWS_OUT)
+        tl.store(scale_ptr + tl.program_id(1) * ROWS_OUT + rows, scale, mask=rows < ROWS_OUT)
+
+
+def quantize_groups(x: Tensor, rows_out: int) -> tuple[Tensor, Tensor]:
+    """(float8_e4m3fn [rows_out, K], float32 scales [rows_out, K / 128] with strides (1, rows_out))
+    of activations x [M, K] (M <= rows_out; the rows past M are zeros): one scale per token and
+    128 columns, that group's largest magnitude over 448."""
+    rows, features = x.shape
+    q = torch.empty(rows_out, features, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(features // 128, rows_out, dtype=torch.float32, device=x.device)
+    block_m = 16
+    _quantize_groups_kernel[(triton.cdiv(rows_out, block_m), features // 128)](
+        x, q, scales, rows, features, rows_out, BLOCK_M=block_m, num_warps=4)
+    return q, scales.t()
+
+
+@functools.cache
+def _block_scaled_gemm(device_index: int) -> bool:
+    """cuBLAS's block-scaled FP8 GEMM (1 x 128 by 128 x 128 scales) is a Hopper (SM 9.0) kernel."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _gemm_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether `x` [M, K] @ `weight`^T runs as a block-scaled FP8 GEMM. cuBLAS wants the scales'
+    leading dimensions 16-byte aligned: K / 128 a multiple of 4 (the token count is padded)."""
+    out_features, features = weight.shape
+    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.is_contiguous() and x.is_contiguous() and features % 512 == 0 and out_features % 128 == 0
+            and _block_scaled_gemm(x.device.index))
+
+
+def block_scaled_mm(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """x [M, K] @ dequantized(weight [N, K], scale_inv)^T -> [M, N] in x's dtype, through FP8
+    activations (quantize_groups) and cuBLAS's block-scaled FP8 GEMM."""
+    rows = x.shape[0]
+    q, scales = quantize_groups(x, -(-rows // 4) * 4)
+    out = torch._scaled_mm(q, weight.t(), scales, scale_inv.t(), out_dtype=x.dtype)
+    return out[:rows]
+
+
+@torch.library.custom_op("flare::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """F.linear(x, W) of a block-quantized FP8 weight W (weight [N, K] float8_e4m3fn, scale_inv
+    [ceil(N / 128), ceil(K / 128)]), in x's dtype: see the module docstring for the paths."""
+    out_features, features = weight.shape
+    config = _gemv_path(x, weight, out_features, scaled=True)
+    if config is not None:
+        return gemv(x.reshape(-1).contiguous(), weight, config, scale=scale_inv).view(*x.shape[:-1], out_features)
+    flat = x.reshape(-1, features)
+    if flat.shape[0] and _gemm_path(flat, weight):
+        return block_scaled_mm(flat.contiguous(), weight, scale_inv).view(*x.shape[:-1], out_features)
+    return F.linear(x, dequantize_blocks(weight, scale_inv, dtype=x.dtype))
+
+
+@fp8_linear.register_fake
+def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flare::fp8_gated_linear", mutates_args=())
+def fp8_gated_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """silu(gate) * up of `fp8_linear(x, weight, scale_inv).chunk(2, -1)`; one token through the
+    gated GEMV kernel."""
+    half = weight.shape[0] // 2
+    config = _gemv_path(x, weight, half, gated=True, scaled=True)
+    if config is None:
+        gate, up = fp8_linear(x, weight, scale_inv).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return gemv(x.reshape(-1).contiguous(), weight, config, gated=True, scale=scale_inv).view(*x.shape[:-1], half)
+
+
+@fp8_gated_linear.register_fake
+def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
 class Fp8BlockLinear(nn.Module):
     """A linear layer over a block-quantized FP8 weight (the scales a persistent buffer: they are
-    no parameters), dequantized to the input's dtype in every call."""
+    no parameters), computed by `flare::fp8_linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -79,7 +192,8 @@ class Fp8BlockLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, dequantize_blocks(self.weight, self.weight_scale_inv).to(x.dtype), self.bias)
+        out = torch.ops.flare.fp8_linear(x, self.weight, self.weight_scale_inv)
+        return out if self.bias is None else out + self.bias
 
 
 def quantize_experts(packed: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor]:
@@ -87,24 +201,6 @@ def quantize_experts(packed: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Te
     [E, rows, cols], float32 scale_inv [E, ceil(rows / 128), ceil(cols / 128)])."""
     weights, scales = zip(*(quantize_blocks(expert, block) for expert in packed))
     return torch.stack(weights), torch.stack(scales)
-
-
-def fp8_reference_experts(experts: nn.Module, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """What `flare::routed_experts` computes, summed over each token's experts, for packed FP8
-    experts: a loop over the experts in use, each dequantized to x's dtype when used (the CPU
-    reference; no GPU kernel reads FP8 experts yet)."""
-    def weight(name: str, expert: int) -> Tensor:
-        scale = getattr(experts, name + SCALE_SUFFIX, None)  # one of the two may be kept unquantized
-        stored = getattr(experts, name)[expert]
-        return stored if scale is None else dequantize_blocks(stored, scale[expert]).to(x.dtype)
-
-    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
-    for expert in top_k_index.unique().tolist():
-        token, slot = (top_k_index == expert).nonzero(as_tuple=True)
-        gate_up, down = weight("gate_up_proj", expert), weight("down_proj", expert)
-        gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
-        out[token, slot] = F.linear(F.silu(gate) * up, down).float() * top_k_weights[token, slot, None].float()
-    return out.sum(dim=1).to(x.dtype)
 
 
 def quantizable_experts(model: nn.Module) -> list[str]:

@@ -28,6 +28,9 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gated_kernel and one_token(x):
+            scale_inv = getattr(self.gate_up_proj, "weight_scale_inv", None)  # FP8 weights (flare_core.ops.fp8)
+            if scale_inv is not None:
+                return self.down_proj(torch.ops.flare.fp8_gated_linear(x, self.gate_up_proj.weight, scale_inv))
             return self.down_proj(torch.ops.flare.gated_linear(x, self.gate_up_proj.weight))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)

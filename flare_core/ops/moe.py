@@ -70,27 +70,31 @@ def per_pair(pairs: int, experts: int) -> bool:
     return pairs * 4 <= experts
 
 
-def experts_config(pairs: int, experts: int, gated: bool) -> ExpertsConfig:
-    """The tiles of one launch for `pairs` pairs over `experts` experts."""
+def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) -> ExpertsConfig:
+    """The tiles of one launch for `pairs` pairs over `experts` experts (`scaled`: FP8 weights,
+    whose 128 x 128 blocks a tile must not straddle: 128 input features per iteration)."""
     if per_pair(pairs, experts):
         # One token of the Qwen3-30B-A3B shape on the H200 (benchmarks/moe_decode.py --sweep): 16
         # rows x 256 columns per iteration took 34.4 us a layer for gate/up against 36.6 with 512
         # columns, 37.6 with 1024 and 8 warps, 44.0 with 32 rows; for down, writing each pair and
         # summing after took 34.1 against 36.6 for a kernel that sums a token's pairs itself.
-        return ExpertsConfig(block_m=1, block_n=16, block_k=256, warps=4, stages=1)
+        return ExpertsConfig(block_m=1, block_n=16, block_k=128 if scaled else 256, warps=4, stages=1)
     return ExpertsConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
 
 
 if triton is not None:
     @triton.jit
-    def _experts_kernel(in_ptr, w_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr, counts_ptr, N, K,
-                        TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
+                        counts_ptr, N, K, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
+                        SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
         # segment s: one pair (PER_PAIR) or all pairs routed to expert s. GATED: the input rows
         # are tokens (pair // TOP_K), the weights [E, 2N, K] (gate rows, then up rows), and the
         # output silu(gate) * up; else the input rows are pairs, the weights [E, N, K], and the
-        # output is scaled by the pair's route weight.
+        # output is scaled by the pair's route weight. SCALED: the weights are float8_e4m3fn with
+        # per-expert 128 x 128 block scales [E, ceil(rows / 128), K / 128] (flare_core.ops.fp8);
+        # BLOCK_K is 128 and BLOCK_N divides 128 and N, so each iteration's tile lies in one
+        # block and its products take one scale.
         segment = tl.program_id(0)
         if PER_PAIR:
             expert = tl.load(ids_ptr + segment).to(tl.int64)
@@ -100,11 +104,15 @@ if triton is not None:
             expert = segment.to(tl.int64)
             start = tl.load(starts_ptr + segment)
             count = tl.load(counts_ptr + segment)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first_n = tl.program_id(1) * BLOCK_N
+        n = first_n + tl.arange(0, BLOCK_N)
         n_mask = n < N
         rows_per_expert = 2 * N if GATED else N
         w_rows = w_ptr + expert * rows_per_expert * K + n.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
         up_shift = N.to(tl.int64) * K
+        scale_columns = K // 128
+        scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + first_n // 128) * scale_columns
+        up_scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + (first_n + N) // 128) * scale_columns
         for m0 in range(0, count, BLOCK_M):
             slots = m0 + tl.arange(0, BLOCK_M)
             m_mask = slots < count
@@ -127,15 +135,26 @@ if triton is not None:
                 k_mask = k < K
                 w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 a = tl.load(in_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if BLOCK_M == 1:
-                    acc += w.to(tl.float32) * a.to(tl.float32)
-                else:
-                    acc = tl.dot(a, tl.trans(w), acc)
                 if GATED:
                     up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                if SCALED:
+                    scale = tl.load(scales + k0 // 128)
+                    up_scale = tl.load(up_scales + k0 // 128) if GATED else scale
                     if BLOCK_M == 1:
-                        up_acc += up.to(tl.float32) * a.to(tl.float32)
+                        acc += w.to(tl.float32) * (a.to(tl.float32) * scale)
+                        if GATED:
+                            up_acc += up.to(tl.float32) * (a.to(tl.float32) * up_scale)
                     else:
+                        acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale
+                        if GATED:
+                            up_acc += tl.dot(a, tl.trans(up.to(a.dtype))) * up_scale
+                elif BLOCK_M == 1:
+                    acc += w.to(tl.float32) * a.to(tl.float32)
+                    if GATED:
+                        up_acc += up.to(tl.float32) * a.to(tl.float32)
+                else:
+                    acc = tl.dot(a, tl.trans(w), acc)
+                    if GATED:
                         up_acc = tl.dot(a, tl.trans(up), up_acc)
             if BLOCK_M == 1:
                 y = tl.sum(acc, axis=1)[None, :]
@@ -151,7 +170,7 @@ if triton is not None:
                      mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _launch(inputs: Tensor, weights: Tensor, out: Tensor, route_weights: Tensor, ids: Tensor,
+def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor, route_weights: Tensor, ids: Tensor,
             sorted_pairs: tuple[Tensor, Tensor, Tensor] | None, top_k: int, gated: bool,
             config: ExpertsConfig) -> None:
     experts, rows, features = weights.shape
@@ -159,15 +178,18 @@ def _launch(inputs: Tensor, weights: Tensor, out: Tensor, route_weights: Tensor,
     order, starts, counts = sorted_pairs if sorted_pairs is not None else (ids, ids, ids)  # unread per pair
     segments = ids.numel() if sorted_pairs is None else experts
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
-        inputs, weights, out, route_weights, ids, order, starts, counts, n, features,
-        TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
+        inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
+        n, features, TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None, SCALED=scales is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
+        num_stages=config.stages)
 
 
 def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                  configs: tuple[ExpertsConfig, ExpertsConfig] | None = None) -> Tensor:
+                  configs: tuple[ExpertsConfig, ExpertsConfig] | None = None,
+                  scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
     """The Triton path of `flare::routed_experts` (CUDA). `configs`: the gate/up and the down
-    launch's tiles (default: `experts_config`; benchmarks sweep them)."""
+    launch's tiles (default: `experts_config`; benchmarks sweep them). `scales`: the block scales
+    of gate_up and down where they are float8_e4m3fn (flare_core.ops.fp8)."""
     tokens, hidden = x.shape
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     top_k = top_k_index.shape[1]
@@ -179,44 +201,65 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor,
         counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
             0, ids, torch.ones(pairs, dtype=torch.int32, device=x.device))
         sorted_pairs = (order, counts.cumsum(0, dtype=torch.int32) - counts, counts)
-    up_config, down_config = configs or (experts_config(pairs, experts, True), experts_config(pairs, experts, False))
+    up_scales, down_scales = scales
+    up_config, down_config = configs or (experts_config(pairs, experts, True, up_scales is not None),
+                                         experts_config(pairs, experts, False, down_scales is not None))
     route_weights = top_k_weights.reshape(-1).contiguous()
     activated = x.new_empty(pairs, intermediate)
-    _launch(x.contiguous(), gate_up, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
+    _launch(x.contiguous(), gate_up, up_scales, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
     weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    _launch(activated, down, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
+    _launch(activated, down, down_scales, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
     return weighted.view(tokens, top_k, hidden)
 
 
-def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """`flare::routed_experts` as a loop over the experts in use (host synchronising): the CPU
-    path, and the GPU tests' reference."""
+    path, and the GPU tests' reference. FP8 experts are dequantized to x's dtype when used."""
+    from flare_core.ops.fp8 import dequantize_blocks
+
+    def weight(packed: Tensor, scale: Tensor | None, expert: int) -> Tensor:
+        return packed[expert] if scale is None else dequantize_blocks(packed[expert], scale[expert], dtype=x.dtype)
+
     out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in top_k_index.unique().tolist():
         token, slot = (top_k_index == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        out[token, slot] = F.linear(F.silu(gate) * up, down[expert]).float() * top_k_weights[token, slot, None].float()
+        gate, up = F.linear(x[token], weight(gate_up, gate_up_scale, expert)).chunk(2, dim=-1)
+        out[token, slot] = (F.linear(F.silu(gate) * up, weight(down, down_scale, expert)).float()
+                            * top_k_weights[token, slot, None].float())
     return out
 
 
-def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
+def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_scale: Tensor | None,
+                 down_scale: Tensor | None) -> bool:
+    """Whether the Triton kernels take this call. FP8 weights need 128 x 128 blocks that the
+    tiles do not straddle: hidden and intermediate sizes multiples of 128."""
+    def weight_ok(weight: Tensor, scale: Tensor | None) -> bool:
+        if scale is None:
+            return weight.dtype == x.dtype and weight.is_contiguous()
+        return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and scale.is_contiguous()
+                and weight.shape[1] % 128 == 0 and weight.shape[2] % 128 == 0)
+
     return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and gate_up.dtype == x.dtype and down.dtype == x.dtype and gate_up.is_contiguous() and down.is_contiguous())
+            and weight_ok(gate_up, gate_up_scale) and weight_ok(down, down_scale))
 
 
 @torch.library.custom_op("flare::routed_experts", mutates_args=())
-def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                   gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """[T, k, hidden] float32: top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
-    e = top_k_index[t, k]; x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down [E, hidden, I]."""
+    e = top_k_index[t, k]; x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down
+    [E, hidden, I]; `*_scale`: the block scales of a float8_e4m3fn weight (flare_core.ops.fp8)."""
     if x.shape[0] == 0:
         return x.new_zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
-    if _triton_path(x, gate_up, down):
-        return fused_experts(x, gate_up, down, top_k_index, top_k_weights)
-    return reference_experts(x, gate_up, down, top_k_index, top_k_weights)
+    if _triton_path(x, gate_up, down, gate_up_scale, down_scale):
+        return fused_experts(x, gate_up, down, top_k_index, top_k_weights, scales=(gate_up_scale, down_scale))
+    return reference_experts(x, gate_up, down, top_k_index, top_k_weights, gate_up_scale, down_scale)
 
 
 @routed_experts.register_fake
-def _(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+def _(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     return x.new_empty((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
 
 
@@ -236,18 +279,18 @@ def _fusable(experts: nn.Module) -> bool:
 
 
 def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    if any(hasattr(self, f"{leaf}_scale_inv") for leaf in ("gate_up_proj", "down_proj")):  # FP8 (ops.fp8)
-        from flare_core.ops.fp8 import fp8_reference_experts
-
-        return fp8_reference_experts(self, hidden_states, top_k_index, top_k_weights)
+    gate_up_scale = getattr(self, "gate_up_proj_scale_inv", None)  # FP8 experts (flare_core.ops.fp8)
+    down_scale = getattr(self, "down_proj_scale_inv", None)
     # Under torch.compile the token count is settled when tracing: prompt chunks and decode
-    # batches compile apart, as for one_token (flare_core.ops.gemv).
-    if top_k_index.numel() > MAX_PAIRS_PER_EXPERT * self.gate_up_proj.shape[0]:
+    # batches compile apart, as for one_token (flare_core.ops.gemv). FP8 experts take the op at
+    # every size: grouped_mm reads 16-bit weights.
+    if (top_k_index.numel() > MAX_PAIRS_PER_EXPERT * self.gate_up_proj.shape[0] and gate_up_scale is None
+            and down_scale is None):
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     pairs = torch.ops.flare.routed_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-                                           top_k_weights)
+                                           top_k_weights, gate_up_scale, down_scale)
     return pairs.sum(dim=1).to(hidden_states.dtype)
 
 

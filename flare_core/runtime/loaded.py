@@ -118,10 +118,12 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
                             f"attention is bfloat16 / float16): serve it with --device cpu, or export the model "
                             f"again with --dtype bfloat16")
     quantization = manifest.get("quantization")
-    if quantization is not None and device.type == "cuda":
-        raise CoreLoadError(f"core keeps {quantization['method']} weights, which only the CPU path serves so far (the "
-                            f"FP8 GEMM / GEMV kernels of the CUDA path are not built): serve it with --device cpu, "
-                            f"or export the model without --quantize")
+    if quantization is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        # cuBLAS's block-scaled FP8 GEMM (1x128 by 128x128 scales) is a Hopper (SM 9.0) kernel.
+        major, minor = torch.cuda.get_device_capability(device)
+        raise CoreLoadError(f"core keeps {quantization['method']} weights, which the CUDA path serves on Hopper (SM "
+                            f"9.0); this device is SM {major}.{minor}: serve it with --device cpu, or export the "
+                            f"model without --quantize")
     fp8_stores = [store["name"] for store in manifest["cache_scheme"].get("paged", ())
                   if store.get("dtype") == "float8_e4m3fn"]
     if fp8_stores and device.type == "cuda":
