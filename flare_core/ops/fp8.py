@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flare_core.ops.gemv import _gemv_path, gemv
+from flare_core.ops.gemv import GemvConfig, _pdl
 
 try:
     import triton
@@ -89,6 +89,67 @@ def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] 
 
 if triton is not None:
     @triton.jit
+    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, ROWS: tl.constexpr,
+                         COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        # flare_core.ops.gemv's kernel over FP8 rows. Program p reads weight rows [p * ROWS, (p + 1)
+        # * ROWS) (gated: and the up rows N below them), COLUMNS at a time as [ROWS, COLUMNS / 128,
+        # 128] tiles, so that each 128-column block's scale is one value broadcast over its tile.
+        # A program's rows lie in one block row (ROWS divides 128 and, gated, N): x is multiplied
+        # by the block's scale rather than each weight.
+        if PDL:  # the kernel after this one may start now: it waits for our output itself
+            tl.extra.cuda.gdc_launch_dependents()
+        first_row = tl.program_id(0) * ROWS
+        rows = first_row + tl.arange(0, ROWS)
+        row_mask = rows[:, None, None] < N
+        blocks = tl.arange(0, COLUMNS // 128)
+        columns = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]  # [COLUMNS / 128, 128]
+        offsets = rows[:, None, None].to(tl.int64) * K + columns[None, :, :]
+        up_shift = N.to(tl.int64) * K
+        scales = scale_ptr + (first_row // 128) * SCALE_COLUMNS + blocks
+        up_scales = scale_ptr + ((first_row + N) // 128) * SCALE_COLUMNS + blocks
+        # The weights do not depend on the kernel before: the first columns load while it ends.
+        w = tl.load(w_ptr + offsets, mask=row_mask, other=0.0)
+        up = tl.load(w_ptr + offsets + up_shift, mask=row_mask, other=0.0) if GATED else w
+        if PDL:  # x is the previous kernel's output
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptr + columns).to(tl.float32)
+        acc = w.to(tl.float32) * (x * tl.load(scales)[:, None])[None, :, :]
+        up_acc = up.to(tl.float32) * (x * tl.load(up_scales)[:, None])[None, :, :] if GATED else acc
+        for start in range(COLUMNS, K, COLUMNS):
+            x = tl.load(x_ptr + start + columns).to(tl.float32)
+            w = tl.load(w_ptr + offsets + start, mask=row_mask, other=0.0)
+            acc += w.to(tl.float32) * (x * tl.load(scales + start // 128)[:, None])[None, :, :]
+            if GATED:
+                up = tl.load(w_ptr + offsets + up_shift + start, mask=row_mask, other=0.0)
+                up_acc += up.to(tl.float32) * (x * tl.load(up_scales + start // 128)[:, None])[None, :, :]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if GATED:  # silu(gate) * up
+            y = y * tl.sigmoid(y) * tl.sum(tl.sum(up_acc, axis=2), axis=1)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _fp8_mm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, SCALE_COLUMNS, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        # out[M, N] = x[M, K] @ W^T for a few tokens: the FP8 weight tile of each 128-column block
+        # is widened to x's dtype in registers for a tensor-core dot with the 16-bit activations,
+        # and the block's product is scaled once (BLOCK_N divides 128: one scale per tile).
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        first_n = tl.program_id(0) * BLOCK_N
+        n = first_n + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, 128)
+        x_rows = x_ptr + m[:, None].to(tl.int64) * K + k[None, :]
+        w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
+        scales = scale_ptr + (first_n // 128) * SCALE_COLUMNS
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for block in range(0, tl.cdiv(K, 128)):
+            k_mask = k[None, :] < K - block * 128
+            a = tl.load(x_rows + block * 128, mask=(m[:, None] < M) & k_mask, other=0.0)
+            w = tl.load(w_rows + block * 128, mask=(n[:, None] < N) & k_mask, other=0.0)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype))) * tl.load(scales + block)
+        tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(m[:, None] < M) & (n[None, :] < N))
+
+    @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, K, ROWS_OUT, BLOCK_M: tl.constexpr):
         # Program (i, g) quantizes columns [128 g, 128 (g + 1)) of rows [i BLOCK_M, (i + 1) BLOCK_M);
         # rows at or past M (padding) come out as zeros with scale 1. Scales are stored group-major:
@@ -103,6 +164,57 @@ if triton is not None:
         tl.store(q_ptr + rows[:, None].to(tl.int64) * K + columns[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=rows[:, None] < ROWS_OUT)
         tl.store(scale_ptr + tl.program_id(1) * ROWS_OUT + rows, scale, mask=rows < ROWS_OUT)
+
+
+def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: bool = False) -> GemvConfig | None:
+    """The FP8 GEMV's launch configuration for a [out_features, in_features] weight (gated: twice
+    as many rows), or None when the kernel does not take the shape. Rows per program divide 128
+    (and, gated, out_features) so that a program's rows share their block scales."""
+    rows = 1 if out_features < 1024 else 16 if out_features <= 4096 else 2
+    if gated and out_features % rows:
+        return None
+    for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
+        if in_features % columns == 0:
+            return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
+    return None
+
+
+def _fp8_gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
+    """The FP8 GEMV's configuration when this call is one token it serves, else None."""
+    if (triton is None or not x.is_cuda or x.numel() != weight.shape[1] or x.dtype not in (torch.bfloat16,
+            torch.float16) or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous()):
+        return None
+    return fp8_gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
+
+
+def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, gated: bool = False) -> Tensor:
+    """x [K] @ W^T -> [N] in x's dtype for a block-quantized FP8 weight (weight [N, K], scale_inv
+    [ceil(N / 128), K / 128]; gated: [2N, K], and the result is silu(gate) * up, [N])."""
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = x.new_empty(out_features)
+    _fp8_gemv_kernel[(triton.cdiv(out_features, config.rows),)](
+        x, weight, scale_inv, out, out_features, weight.shape[1], scale_inv.shape[1], ROWS=config.rows,
+        COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps, num_stages=config.stages,
+        launch_pdl=config.pdl)
+    return out
+
+
+# Token counts up to which `fp8_mm` (FP8 weights widened in registers, 16-bit tensor-core dots)
+# serves a call; larger ones quantize the activations for cuBLAS's FP8 x FP8 GEMM.
+MAX_MM_TOKENS = 64
+
+
+def fp8_mm(x: Tensor, weight: Tensor, scale_inv: Tensor, block_n: int = 32, warps: int = 4, stages: int = 4) -> Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype for a block-quantized FP8 weight, for a few tokens
+    (up to 64: one tile of tokens, so each weight tile is read once)."""
+    rows, features = x.shape
+    out_features = weight.shape[0]
+    out = x.new_empty(rows, out_features)
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    _fp8_mm_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(rows, block_m))](
+        x, weight, scale_inv, out, rows, out_features, features, scale_inv.shape[1], BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out
 
 
 def quantize_groups(x: Tensor, rows_out: int) -> tuple[Tensor, Tensor]:
@@ -124,12 +236,18 @@ def _block_scaled_gemm(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def _gemm_path(x: Tensor, weight: Tensor) -> bool:
-    """Whether `x` [M, K] @ `weight`^T runs as a block-scaled FP8 GEMM. cuBLAS wants the scales'
-    leading dimensions 16-byte aligned: K / 128 a multiple of 4 (the token count is padded)."""
-    out_features, features = weight.shape
+def _triton_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether `x` [M, K] @ W^T of an FP8 weight [N, K] runs on this device's Triton kernels."""
     return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.is_contiguous() and x.is_contiguous() and features % 512 == 0 and out_features % 128 == 0
+            and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and x.is_contiguous())
+
+
+def _gemm_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether `x` [M, K] @ W^T runs as cuBLAS's block-scaled FP8 GEMM, which wants the scales'
+    leading dimensions 16-byte aligned: K / 128 a multiple of 4 (the token count is padded), and
+    whole 128-row blocks."""
+    out_features, features = weight.shape
+    return (_triton_path(x, weight) and features % 512 == 0 and out_features % 128 == 0
             and _block_scaled_gemm(x.device.index))
 
 
@@ -147,12 +265,14 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     """F.linear(x, W) of a block-quantized FP8 weight W (weight [N, K] float8_e4m3fn, scale_inv
     [ceil(N / 128), ceil(K / 128)]), in x's dtype: see the module docstring for the paths."""
     out_features, features = weight.shape
-    config = _gemv_path(x, weight, out_features, scaled=True)
+    config = _fp8_gemv_path(x, weight, out_features)
     if config is not None:
-        return gemv(x.reshape(-1).contiguous(), weight, config, scale=scale_inv).view(*x.shape[:-1], out_features)
+        return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config).view(*x.shape[:-1], out_features)
     flat = x.reshape(-1, features)
-    if flat.shape[0] and _gemm_path(flat, weight):
-        return block_scaled_mm(flat.contiguous(), weight, scale_inv).view(*x.shape[:-1], out_features)
+    if flat.shape[0] and _gemm_path(flat, weight) and flat.shape[0] > MAX_MM_TOKENS:
+        return block_scaled_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
+    if flat.shape[0] and _triton_path(flat, weight):
+        return fp8_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
     return F.linear(x, dequantize_blocks(weight, scale_inv, dtype=x.dtype))
 
 
@@ -166,11 +286,11 @@ def fp8_gated_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     """silu(gate) * up of `fp8_linear(x, weight, scale_inv).chunk(2, -1)`; one token through the
     gated GEMV kernel."""
     half = weight.shape[0] // 2
-    config = _gemv_path(x, weight, half, gated=True, scaled=True)
+    config = _fp8_gemv_path(x, weight, half, gated=True)
     if config is None:
         gate, up = fp8_linear(x, weight, scale_inv).chunk(2, dim=-1)
         return F.silu(gate) * up
-    return gemv(x.reshape(-1).contiguous(), weight, config, gated=True, scale=scale_inv).view(*x.shape[:-1], half)
+    return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config, gated=True).view(*x.shape[:-1], half)
 
 
 @fp8_gated_linear.register_fake

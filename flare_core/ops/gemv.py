@@ -73,77 +73,55 @@ def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: b
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, N, K, SCALE_COLUMNS, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-                     GATED: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, ROWS: tl.constexpr, COLUMNS: tl.constexpr, GATED: tl.constexpr,
+                     PDL: tl.constexpr):
         # Program p reads weight rows [p * ROWS, (p + 1) * ROWS) (and, gated, the up rows N below
-        # them) across all K columns, COLUMNS at a time; x is small and stays in L2. SCALED: the
-        # weights are float8_e4m3fn with one float32 scale per 128 x 128 block ([ceil(N / 128),
-        # SCALE_COLUMNS], flare_core.ops.fp8); a program's rows lie in one block row (ROWS divides
-        # 128 and, gated, N), so x is multiplied by its columns' scales instead of each weight.
+        # them) across all K columns, COLUMNS at a time; x is small and stays in L2.
         if PDL:  # the kernel after this one may start now: it waits for our output itself
             tl.extra.cuda.gdc_launch_dependents()
-        first_row = tl.program_id(0) * ROWS
-        rows = first_row + tl.arange(0, ROWS)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_mask = rows[:, None] < N
         columns = tl.arange(0, COLUMNS)
         offsets = rows[:, None].to(tl.int64) * K + columns[None, :]
         up_shift = N.to(tl.int64) * K
-        scales = scale_ptr + (first_row // 128) * SCALE_COLUMNS
-        up_scales = scale_ptr + ((first_row + N) // 128) * SCALE_COLUMNS
         # The weights do not depend on the kernel before: the first columns load while it ends.
         w = tl.load(w_ptr + offsets, mask=row_mask, other=0.0)
         up = tl.load(w_ptr + offsets + up_shift, mask=row_mask, other=0.0) if GATED else w
         if PDL:  # x is the previous kernel's output
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + columns).to(tl.float32)
-        x_up = x * tl.load(up_scales + columns // 128) if SCALED and GATED else x
-        if SCALED:
-            x = x * tl.load(scales + columns // 128)
         acc = w.to(tl.float32) * x[None, :]
-        up_acc = up.to(tl.float32) * x_up[None, :]
+        up_acc = up.to(tl.float32) * x[None, :]
         for start in range(COLUMNS, K, COLUMNS):
             x = tl.load(x_ptr + start + columns).to(tl.float32)
-            x_up = x * tl.load(up_scales + (start + columns) // 128) if SCALED and GATED else x
-            if SCALED:
-                x = x * tl.load(scales + (start + columns) // 128)
             w = tl.load(w_ptr + offsets + start, mask=row_mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
                 up = tl.load(w_ptr + offsets + up_shift + start, mask=row_mask, other=0.0)
-                up_acc += up.to(tl.float32) * x_up[None, :]
+                up_acc += up.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         if GATED:  # silu(gate) * up
             y = y * tl.sigmoid(y) * tl.sum(up_acc, axis=1)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False, scale: Tensor | None = None) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False) -> Tensor:
     """x [K] @ weight[N, K]^T -> [N] (gated: weight is [2N, K], gate rows first, and the result
-    is silu(gate) * up, [N]). `scale`: the block scales of a float8_e4m3fn weight (the result then
-    has x's dtype)."""
+    is silu(gate) * up, [N])."""
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     out = x.new_empty(out_features)
     _gemv_kernel[(triton.cdiv(out_features, config.rows),)](
-        x, weight, out, weight if scale is None else scale, out_features, weight.shape[1],
-        1 if scale is None else scale.shape[1], ROWS=config.rows, COLUMNS=config.columns, GATED=gated,
-        SCALED=scale is not None, PDL=config.pdl, num_warps=config.warps, num_stages=config.stages,
-        launch_pdl=config.pdl)
+        x, weight, out, out_features, weight.shape[1], ROWS=config.rows, COLUMNS=config.columns, GATED=gated,
+        PDL=config.pdl, num_warps=config.warps, num_stages=config.stages, launch_pdl=config.pdl)
     return out
 
 
-def _gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False,
-               scaled: bool = False) -> GemvConfig | None:
-    """The kernel's configuration when this call is one token it serves, else None. `scaled`: the
-    weight is float8_e4m3fn with 128 x 128 block scales (a program's rows must then lie in one
-    block row, gate and up alike)."""
-    weight_dtypes = (torch.float8_e4m3fn,) if scaled else (x.dtype,)
-    if (triton is None or not x.is_cuda or x.numel() != weight.shape[1] or x.dtype not in (torch.bfloat16,
-            torch.float16) or weight.dtype not in weight_dtypes or not weight.is_contiguous()):
+def _gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
+    """The kernel's configuration when this call is one token it serves, else None."""
+    if (triton is None or not x.is_cuda or x.numel() != weight.shape[1] or weight.dtype not in (torch.bfloat16,
+            torch.float16) or x.dtype != weight.dtype or not weight.is_contiguous()):
         return None
-    config = gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
-    if config is not None and scaled and (128 % config.rows or (gated and out_features % config.rows)):
-        return None
-    return config
+    return gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
 
 
 @torch.library.custom_op("flare::linear", mutates_args=())
