@@ -37,7 +37,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--no-sweep", action="store_true", help="only the shipped configurations")
+    parser.add_argument("--tokens", help="comma-separated token counts (default: %s)" % ",".join(map(str, TOKENS)))
+    parser.add_argument("--mm-sweep", action="store_true", help="also sweep fp8_mm's tiles at 8 and 64 tokens")
     args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")] if args.tokens else TOKENS
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     results = {}
@@ -49,7 +52,7 @@ def main() -> None:
                 for _ in range(copies)]
         fp8 = [quantize_blocks(w) for w in bf16]
         row = {"shape": [n, k], "gated": gated, "copies": copies}
-        for tokens in TOKENS:
+        for tokens in token_counts:
             if gated and tokens > 1:
                 continue
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=generator)
@@ -79,7 +82,9 @@ def main() -> None:
             x = torch.randn(k, device=device, dtype=torch.bfloat16, generator=generator)
             shipped = _fp8_gemv_path(x, fp8[0][0], n // 2 if gated else n, gated=gated)
             sweep = []
-            for config in sweep_configs() + [GemvConfig(rows, 4096, 4, 1) for rows in (1, 2)]:
+            one_block = [GemvConfig(rows, 128, warps, stages) for rows in (16, 32, 64, 128) for warps in (4, 8)
+                         for stages in (1, 3, 4)]
+            for config in sweep_configs() + one_block:
                 if k % config.columns or 128 % config.rows:
                     continue
                 config = replace(config, pdl=shipped.pdl)
@@ -89,7 +94,7 @@ def main() -> None:
             row["gemv_shipped_config"] = shipped.__dict__
             row["gemv_sweep_best"] = sweep[:6]
             print(name, "GEMV sweep best:", sweep[:3], flush=True)
-            if not gated:
+            if args.mm_sweep and not gated:
                 for tokens in MM_SWEEP_TOKENS:
                     xs = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=generator)
                     mm_sweep = []

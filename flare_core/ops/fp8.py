@@ -91,40 +91,51 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, ROWS: tl.constexpr,
                          COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
-        # flare_core.ops.gemv's kernel over FP8 rows. Program p reads weight rows [p * ROWS, (p + 1)
-        # * ROWS) (gated: and the up rows N below them), COLUMNS at a time as [ROWS, COLUMNS / 128,
-        # 128] tiles, so that each 128-column block's scale is one value broadcast over its tile.
-        # A program's rows lie in one block row (ROWS divides 128 and, gated, N): x is multiplied
-        # by the block's scale rather than each weight.
+        # flare_core.ops.gemv's kernel over FP8 rows: program p reads weight rows [p * ROWS, (p + 1)
+        # * ROWS) (gated: and the up rows N below them), COLUMNS at a time. Its rows lie in one
+        # 128-row block (ROWS divides 128 and, gated, N), so x is multiplied by the block's scales
+        # rather than each weight: one scale per iteration when COLUMNS is 128, else each column's
+        # (a load that the L1 cache serves).
         if PDL:  # the kernel after this one may start now: it waits for our output itself
             tl.extra.cuda.gdc_launch_dependents()
         first_row = tl.program_id(0) * ROWS
         rows = first_row + tl.arange(0, ROWS)
-        row_mask = rows[:, None, None] < N
-        blocks = tl.arange(0, COLUMNS // 128)
-        columns = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]  # [COLUMNS / 128, 128]
-        offsets = rows[:, None, None].to(tl.int64) * K + columns[None, :, :]
+        row_mask = rows[:, None] < N
+        columns = tl.arange(0, COLUMNS)
+        offsets = rows[:, None].to(tl.int64) * K + columns[None, :]
         up_shift = N.to(tl.int64) * K
-        scales = scale_ptr + (first_row // 128) * SCALE_COLUMNS + blocks
-        up_scales = scale_ptr + ((first_row + N) // 128) * SCALE_COLUMNS + blocks
+        scales = scale_ptr + (first_row // 128) * SCALE_COLUMNS
+        up_scales = scale_ptr + ((first_row + N) // 128) * SCALE_COLUMNS
         # The weights do not depend on the kernel before: the first columns load while it ends.
         w = tl.load(w_ptr + offsets, mask=row_mask, other=0.0)
         up = tl.load(w_ptr + offsets + up_shift, mask=row_mask, other=0.0) if GATED else w
         if PDL:  # x is the previous kernel's output
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + columns).to(tl.float32)
-        acc = w.to(tl.float32) * (x * tl.load(scales)[:, None])[None, :, :]
-        up_acc = up.to(tl.float32) * (x * tl.load(up_scales)[:, None])[None, :, :] if GATED else acc
+        if COLUMNS == 128:
+            x_up = x * tl.load(up_scales) if GATED else x
+            x = x * tl.load(scales)
+        else:
+            x_up = x * tl.load(up_scales + columns // 128) if GATED else x
+            x = x * tl.load(scales + columns // 128)
+        acc = w.to(tl.float32) * x[None, :]
+        up_acc = up.to(tl.float32) * x_up[None, :]
         for start in range(COLUMNS, K, COLUMNS):
             x = tl.load(x_ptr + start + columns).to(tl.float32)
+            if COLUMNS == 128:
+                x_up = x * tl.load(up_scales + start // 128) if GATED else x
+                x = x * tl.load(scales + start // 128)
+            else:
+                x_up = x * tl.load(up_scales + (start + columns) // 128) if GATED else x
+                x = x * tl.load(scales + (start + columns) // 128)
             w = tl.load(w_ptr + offsets + start, mask=row_mask, other=0.0)
-            acc += w.to(tl.float32) * (x * tl.load(scales + start // 128)[:, None])[None, :, :]
+            acc += w.to(tl.float32) * x[None, :]
             if GATED:
                 up = tl.load(w_ptr + offsets + up_shift + start, mask=row_mask, other=0.0)
-                up_acc += up.to(tl.float32) * (x * tl.load(up_scales + start // 128)[:, None])[None, :, :]
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+                up_acc += up.to(tl.float32) * x_up[None, :]
+        y = tl.sum(acc, axis=1)
         if GATED:  # silu(gate) * up
-            y = y * tl.sigmoid(y) * tl.sum(tl.sum(up_acc, axis=2), axis=1)
+            y = y * tl.sigmoid(y) * tl.sum(up_acc, axis=1)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
     @triton.jit
@@ -160,7 +171,7 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        q = x / scale[:, None]
+        q = tl.math.div_rn(x, scale[:, None])  # correctly rounded, as torch divides
         tl.store(q_ptr + rows[:, None].to(tl.int64) * K + columns[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=rows[:, None] < ROWS_OUT)
         tl.store(scale_ptr + tl.program_id(1) * ROWS_OUT + rows, scale, mask=rows < ROWS_OUT)
@@ -170,10 +181,10 @@ def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pd
     """The FP8 GEMV's launch configuration for a [out_features, in_features] weight (gated: twice
     as many rows), or None when the kernel does not take the shape. Rows per program divide 128
     (and, gated, out_features) so that a program's rows share their block scales."""
-    rows = 1 if out_features < 1024 else 16 if out_features <= 4096 else 2
+    rows = 1 if out_features < 1024 else 16
     if gated and out_features % rows:
         return None
-    for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
+    for columns in (1024, 512, 256, 128):
         if in_features % columns == 0:
             return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
     return None
@@ -199,14 +210,10 @@ def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, g
     return out
 
 
-# Token counts up to which `fp8_mm` (FP8 weights widened in registers, 16-bit tensor-core dots)
-# serves a call; larger ones quantize the activations for cuBLAS's FP8 x FP8 GEMM.
-MAX_MM_TOKENS = 64
-
-
 def fp8_mm(x: Tensor, weight: Tensor, scale_inv: Tensor, block_n: int = 32, warps: int = 4, stages: int = 4) -> Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype for a block-quantized FP8 weight, for a few tokens
-    (up to 64: one tile of tokens, so each weight tile is read once)."""
+    """x [M, K] @ W^T -> [M, N] in x's dtype for a block-quantized FP8 weight whose shape cuBLAS's
+    block-scaled GEMM does not take (up to 64 tokens form one tile, so each weight tile is read
+    once). On the H200 it is no faster than cuBLAS where both serve (benchmarks/fp8_linear.py)."""
     rows, features = x.shape
     out_features = weight.shape[0]
     out = x.new_empty(rows, out_features)
@@ -269,7 +276,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     if config is not None:
         return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config).view(*x.shape[:-1], out_features)
     flat = x.reshape(-1, features)
-    if flat.shape[0] and _gemm_path(flat, weight) and flat.shape[0] > MAX_MM_TOKENS:
+    if flat.shape[0] and _gemm_path(flat, weight):
         return block_scaled_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
     if flat.shape[0] and _triton_path(flat, weight):
         return fp8_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
