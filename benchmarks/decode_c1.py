@@ -188,9 +188,9 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 compiled decode steps here")
-    parser.add_argument("--variants", help="comma-separated names of VARIANTS to run (default: all)")
+    parser.add_argument("--variants", help="names of VARIANTS to run, separated by '|' (default: all)")
     args = parser.parse_args()
-    chosen = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split(",")]
+    chosen = [v for v in VARIANTS if args.variants is None or v[0] in args.variants.split("|")]
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     config = qwen3_config(args.layers, args.hidden, args.intermediate)
