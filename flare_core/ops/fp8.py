@@ -180,11 +180,16 @@ if triton is not None:
 def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: bool = False) -> GemvConfig | None:
     """The FP8 GEMV's launch configuration for a [out_features, in_features] weight (gated: twice
     as many rows), or None when the kernel does not take the shape. Rows per program divide 128
-    (and, gated, out_features) so that a program's rows share their block scales."""
-    rows = 1 if out_features < 1024 else 16
+    (and, gated, out_features) so that a program's rows share their block scales.
+
+    Eight rows per program, 512 columns per iteration for matrices of more than 4,096 rows (1,024
+    else): on the H200 the best or within 3 % of 64 configurations on each Qwen3-8B shape
+    (benchmarks/fp8_linear.py --tokens 1, benchmarks/results/h200-fp8-linear.json)."""
+    rows = 1 if out_features < 1024 else 8
     if gated and out_features % rows:
         return None
-    for columns in (1024, 512, 256, 128):
+    preferred = 512 if (2 * out_features if gated else out_features) > 4096 else 1024
+    for columns in sorted({preferred, 1024, 512, 256, 128}, key=lambda c: (c != preferred, -c)):
         if in_features % columns == 0:
             return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
     return None
