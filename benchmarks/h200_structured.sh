@@ -14,7 +14,7 @@ work=/tmp/flare-bench
 flare="python3 -m flare_core.cli --config $work/config.toml"
 mkdir -p "$out"
 source benchmarks/flare_server.sh
-start_server qwen3-8b-random "$out/run.log" "$@"
+start_server "$(cat $work/qwen3-8b-random.core)" "$out/run.log" "$@"  # the bf16 core, by path
 common="--dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos"
 for kind in plain schema; do
   grammar=(); [ $kind = schema ] && grammar=(--json-schema benchmarks/note_schema.json)

@@ -76,7 +76,7 @@ def recipes() -> None:
               help="Split the model over this many tensor-parallel ranks (served with --device cpu so far).")
 @click.option("--quantize", type=click.Choice(["fp8"]), default=None,
               help="Keep the decoder layers' linear weights and routed experts as FP8 with one scale per "
-                   "128x128 block (served with --device cpu so far).")
+                   "128x128 block (served on Hopper GPUs or with --device cpu).")
 @click.option("--kv-dtype", type=click.Choice(["auto", "fp8_e4m3"]), default="auto",
               help="KV cache records: auto (the weights' dtype) or fp8_e4m3 (half the bytes of a 16-bit page; "
                    "served with --device cpu so far).")

@@ -155,8 +155,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
         quantize_notes += (f"fp8: the {_describe_fp8(quantized, skeleton)} of the decoder layers {kept} with one "
                            f"float32 scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB "
-                           f"at most); embeddings, norms, routers and the head stay {request.dtype}; served on the "
-                           f"CPU path (weights dequantized in each call)",)
+                           f"at most); embeddings, norms, routers and the head stay {request.dtype}; served on "
+                           f"Hopper (FP8 GEMV / GEMM) or the CPU (dequantized in each call)",)
     rank_notes, rank_skeleton = (), {}
     if ranks > 1:
         from flare_core.parallel import build_rank_model
