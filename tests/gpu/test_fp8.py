@@ -19,6 +19,7 @@ Tolerances:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.gpu,
                                  reason="GPU tests run only with FLARE_TEST_GPU=1 on a CUDA machine")]
 
 ULPS = 2 * 2**-8
+TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, bound: float = ULPS) -> None:
@@ -224,3 +226,65 @@ def test_fp8_model_on_the_graph_path_tracks_the_dequantized_reference():
                               lockstep_prompts(), tolerance=0.08)
         assert result.compared > 100 and sum(g.replays for g in graphs.decode_graphs.values()) > 0
         print(f"{name}: compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}")
+
+
+def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
+    """A DeepSeek-V3-shaped checkpoint published as FP8 (128x128 blocks, as DeepSeek's are; the
+    recipes' `quantize_fp8_checkpoint`), exported with `--quantize fp8` (its blocks kept byte for
+    byte), loaded as `flare run` loads it on CUDA: the decoder's linear layers and routed experts
+    stay FP8 on the device, the eager path's logits track the float32 model of the dequantized
+    checkpoint (bound: 8 % of the logits' range, as the lockstep test above), and the engine
+    serves requests through decode graphs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from flare_core.cli import open_verified_core
+    from flare_core.config import load_config
+    from flare_core.ops.fp8 import Fp8BlockLinear
+    from flare_core.plugins import load_registry
+    from flare_core.runtime.loaded import load_core
+    from flare_core.testing import serve_paged
+    from flare_recipe_deepseek.testing import (dequantized_reference, export_checkpoint, quantize_fp8_checkpoint,
+                                               random_model, save_model, write_frontend)
+    from test_engine_frames import REQUESTS, make_engine, run_requests
+    from test_mla_graph import deepseek_v3_config
+
+    directory = tmp_path / "deepseek-v3-fp8"
+    config = deepseek_v3_config()
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    save_model(directory, random_model(config, seed=3))
+    tokens = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+    template = (TEMPLATES / "deepseek-ai-DeepSeek-V3.1.jinja").read_text(encoding="utf-8")
+    write_frontend(directory, vocab_size=config.vocab_size, special_tokens=tokens, chat_template=template,
+                   bos_token=tokens[0], eos_token=tokens[1], stop_token=tokens[1])
+    dequantized = quantize_fp8_checkpoint(directory)
+    core, plan, config_path = export_checkpoint(directory, tmp_path / "flare", "--recipe", "deepseek-v3.1", "--dtype",
+                                                "bfloat16", "--quantize", "fp8", "--max-concurrency", "4",
+                                                "--context-length", "1024", "--prefill-chunk-size", "128")
+    assert "30 of 30 weights kept as the checkpoint's fp8 blocks" in plan
+
+    loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
+                       load_registry(), torch.device("cuda"))
+    fp8_linears = [m for m in loaded.model.modules() if isinstance(m, Fp8BlockLinear)]
+    assert fp8_linears and all(m.weight.dtype == torch.float8_e4m3fn and m.weight.is_cuda for m in fp8_linears)
+    experts = [m for m in loaded.model.modules() if hasattr(m, "gate_up_proj_scale_inv")]
+    assert experts and all(m.gate_up_proj.dtype == torch.float8_e4m3fn for m in experts)
+
+    reference = dequantized_reference(directory, dequantized, tmp_path / "reference")
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(0, config.vocab_size, (n + 2,), generator=generator).tolist() for n in (7, 150)]
+    with torch.no_grad():
+        expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
+    worst = 0.0
+    for r, consumed, logits in serve_paged(loaded.model, loaded.cache_scheme, sequences, [7, 150], page_tokens=64,
+                                           device="cuda"):
+        target = expected[r][consumed - 1]
+        worst = max(worst, float((logits.float().cpu() - target).abs().max() / (target.max() - target.min())))
+    print(f"FP8 core on CUDA vs the dequantized float32 model: worst max|diff|/range {worst:.4f}")
+    assert worst < 0.08
+    del loaded
+
+    engine = make_engine(SimpleNamespace(config_path=config_path), core, 2, "cuda")
+    results = asyncio.run(run_requests(engine, REQUESTS))
+    assert [len(r[0]) for r in results] == [r.max_tokens for r in REQUESTS]
+    assert sum(g.replays for g in engine.executor.decode_graphs.values()) > 0
