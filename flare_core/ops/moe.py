@@ -135,9 +135,9 @@ if triton is not None:
                 k_mask = k < K
                 w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 a = tl.load(in_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if GATED:
-                    up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                if SCALED:
+                if SCALED:  # one scale per tile of 128 input features (and, gated, one for the up rows)
+                    if GATED:
+                        up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                     scale = tl.load(scales + k0 // 128)
                     up_scale = tl.load(up_scales + k0 // 128) if GATED else scale
                     if BLOCK_M == 1:
@@ -148,14 +148,17 @@ if triton is not None:
                         acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale
                         if GATED:
                             up_acc += tl.dot(a, tl.trans(up.to(a.dtype))) * up_scale
-                elif BLOCK_M == 1:
-                    acc += w.to(tl.float32) * a.to(tl.float32)
-                    if GATED:
-                        up_acc += up.to(tl.float32) * a.to(tl.float32)
                 else:
-                    acc = tl.dot(a, tl.trans(w), acc)
+                    if BLOCK_M == 1:
+                        acc += w.to(tl.float32) * a.to(tl.float32)
+                    else:
+                        acc = tl.dot(a, tl.trans(w), acc)
                     if GATED:
-                        up_acc = tl.dot(a, tl.trans(up), up_acc)
+                        up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                        if BLOCK_M == 1:
+                            up_acc += up.to(tl.float32) * a.to(tl.float32)
+                        else:
+                            up_acc = tl.dot(a, tl.trans(up), up_acc)
             if BLOCK_M == 1:
                 y = tl.sum(acc, axis=1)[None, :]
                 up_y = tl.sum(up_acc, axis=1)[None, :]
