@@ -35,6 +35,7 @@ from typing import ClassVar
 from flare_core.contract import Parser, ToolCallFormat
 from flare_core.frontend.parsers import ParsedDelta, ToolCallDelta
 from flare_core.frontend.stops import partial_match_length
+from flare_recipe_deepseek.dsml import DsmlToolParser
 
 _WHITESPACE = " \t\r\n"
 _FENCE = "```"
@@ -350,6 +351,9 @@ DEEPSEEK_V31_CALLS = ToolCallFormat(call_begin="<｜tool▁call▁begin｜>{name
 DEEPSEEK_PARSERS: tuple[Parser, ...] = (
     Parser("deepseek-v3-tools", "tool", DeepSeekV3ToolParser, call_format=DEEPSEEK_V3_CALLS),
     Parser("deepseek-v3.1-tools", "tool", DeepSeekV31ToolParser, call_format=DEEPSEEK_V31_CALLS),
+    # DSML arguments are no JSON object a grammar could force: forced calls are refused.
+    Parser("deepseek-v4-tools", "tool", DsmlToolParser),
 )
 """What flare-recipe-deepseek's `flare_parsers` hook returns. V3.1's reasoning parser is the
-built-in "think"; V3's template has no reasoning."""
+built-in "think"; V3's template has no reasoning. V4's DSML calls (flare_recipe_deepseek.dsml)
+are for the V4 recipe, not built yet (#19)."""

@@ -13,6 +13,7 @@ import tokenizers
 
 from flare_core.frontend import ChatTemplate, IncrementalDetokenizer, Tokenizer, build_tokenizer_json
 from flare_core.frontend.parsers import OutputParser, ParsedOutput, ThinkParser, prompt_opens_reasoning
+from flare_recipe_deepseek.dsml import DsmlToolParser
 from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS, DeepSeekV3ToolParser, DeepSeekV31ToolParser
 
 ASSETS = resources.files("flare_recipe_deepseek") / "assets"
@@ -152,7 +153,8 @@ def test_v3_fence_is_withheld_until_decided() -> None:
 
 def test_parsers_are_exposed_for_the_plugin_hook() -> None:
     assert [(parser.id, parser.kind) for parser in DEEPSEEK_PARSERS] == [
-        ("deepseek-v3-tools", "tool"), ("deepseek-v3.1-tools", "tool")]
+        ("deepseek-v3-tools", "tool"), ("deepseek-v3.1-tools", "tool"), ("deepseek-v4-tools", "tool")]
+    assert DEEPSEEK_PARSERS[2].call_format is None and isinstance(DEEPSEEK_PARSERS[2].factory(), DsmlToolParser)
     assert isinstance(DEEPSEEK_PARSERS[0].factory(), DeepSeekV3ToolParser)
     assert isinstance(DEEPSEEK_PARSERS[1].factory(), DeepSeekV31ToolParser)
     assert DeepSeekV31ToolParser.markers.tokens == (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)

@@ -1,0 +1,284 @@
+"""DeepSeek V4's prompt format: the conversation rendered as DeepSeek's own Python encoder renders
+it (`encoding/encoding_dsv4.py` of the DeepSeek-V4 releases; V4 has no Jinja chat template), with
+the byte offset after each rendered message, the marks Flare's prefix cache resumes at.
+
+The format, as that encoder produces it:
+
+* `<｜begin▁of▁sentence｜>`, then each message in turn. A system message is its text; a user
+  message `<｜User｜>` and its text; tool results are no messages of their own but
+  `<tool_result>...</tool_result>` blocks inside a user message (consecutive results joined by a
+  blank line, ordered as the assistant called the tools); `latest_reminder` (date, locale)
+  follows `<｜latest_reminder｜>`; a `developer` message is a user message carrying tools.
+* A user message followed by the assistant (or ending the conversation) is closed by
+  `<｜Assistant｜>` and `<think>` in thinking mode, `</think>` in chat mode. An assistant message
+  is its reasoning and `</think>` (thinking mode, turns after the last user message only: earlier
+  reasoning is dropped), its text, its tool calls as a DSML block, and `<｜end▁of▁sentence｜>`.
+* Tools are described at the end of the system (or developer) message that carries them: a fixed
+  instruction text followed by one JSON schema per line. Tool-call arguments are written one DSML
+  parameter each: strings as they are (`string="true"`), other values as JSON.
+* With reasoning effort `max` in thinking mode, a fixed paragraph opens the prompt.
+* Quick-instruction tasks (`task` on a user message: action, query, authority, domain, title,
+  read_url) end it with their own special token instead of the assistant's.
+
+Checked against the test vectors DeepSeek ships beside the encoder (tests/test_v4_encoder.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flare_core.frontend import RenderedPrompt
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+LATEST_REMINDER = "<｜latest_reminder｜>"
+THINK = "<think>"
+END_THINK = "</think>"
+DSML = "｜DSML｜"
+TASK_TOKENS = {task: f"<｜{task}｜>" for task in ("action", "query", "authority", "domain", "title", "read_url")}
+REASONING_EFFORTS = (None, "high", "max")  # what the encoder accepts; only "max" changes the prompt
+
+# The texts below are part of the format: the model was trained on them byte for byte.
+TOOLS_INSTRUCTIONS = (
+    "## Tools\n\n"
+    "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
+    f"\"<{DSML}tool_calls>\" block like the following:\n\n"
+    f"<{DSML}tool_calls>\n"
+    f"<{DSML}invoke name=\"$TOOL_NAME\">\n"
+    f"<{DSML}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{DSML}parameter>\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"<{DSML}invoke name=\"$TOOL_NAME2\">\n"
+    "...\n"
+    f"</{DSML}invoke>\n"
+    f"</{DSML}tool_calls>\n\n"
+    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
+    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    f"If thinking_mode is enabled (triggered by {THINK}), you MUST output your complete reasoning inside "
+    f"{THINK}...{END_THINK} BEFORE any tool calls or final response.\n\n"
+    f"Otherwise, output directly after {END_THINK} with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n"
+    "{schemas}\n\n"
+    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
+RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
+MAX_EFFORT = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
+    "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
+    "scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+)
+
+
+class V4EncoderError(ValueError):
+    """A conversation the format cannot express (a message the reference encoder rejects)."""
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):  # as the reference: retry with ASCII escapes
+        return json.dumps(value, ensure_ascii=True)
+
+
+def _tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools section: the instructions and each tool's function schema as one JSON line."""
+    schemas = "\n".join(_json(tool["function"]) for tool in tools)
+    return TOOLS_INSTRUCTIONS.replace("{schemas}", schemas)
+
+
+def _arguments(arguments: Any) -> dict[str, Any]:
+    """A tool call's arguments as a mapping. Flare's template messages carry them parsed; OpenAI's
+    wire format as a JSON string, which the reference parses and, when that fails or is no
+    object, keeps whole under the name `arguments`."""
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    try:
+        parsed = json.loads(arguments)
+    except (TypeError, ValueError):
+        return {"arguments": arguments}
+    return parsed if isinstance(parsed, dict) else {"arguments": arguments}
+
+
+def _tool_calls_text(tool_calls: Sequence[Mapping[str, Any]]) -> str:
+    invokes = []
+    for call in tool_calls:
+        function = call["function"]
+        parameters = "\n".join(
+            f'<{DSML}parameter name="{name}" string="{"true" if isinstance(value, str) else "false"}">'
+            f'{value if isinstance(value, str) else _json(value)}</{DSML}parameter>'
+            for name, value in _arguments(function["arguments"]).items())
+        invokes.append(f'<{DSML}invoke name="{function["name"]}">\n{parameters}\n</{DSML}invoke>')
+    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+
+
+def _tool_result_text(content: Any) -> str:
+    if isinstance(content, list):  # content parts: their texts, a blank line apart
+        content = "\n\n".join(part.get("text", "") if part.get("type") == "text"
+                                else f"[Unsupported {part.get('type')}]" for part in content)
+    return f"<tool_result>{content}</tool_result>"
+
+
+def _merge_tool_results(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Tool messages become `tool_result` blocks of a user message: appended to the user message
+    before them when it is one made of blocks, else a new one. A user message is a text block,
+    appended likewise unless that message carries a task."""
+    merged: list[dict[str, Any]] = []
+    for message in messages:
+        message = copy.deepcopy(dict(message))
+        role = message.get("role")
+        last = merged[-1] if merged and merged[-1].get("role") == "user" and "blocks" in merged[-1] else None
+        if role == "tool":
+            block = {"type": "tool_result", "id": message.get("tool_call_id", ""),
+                     "content": message.get("content", "")}
+            if last is not None:
+                last["blocks"].append(block)
+            else:
+                merged.append({"role": "user", "blocks": [block]})
+        elif role == "user":
+            block = {"type": "text", "text": message.get("content", "")}
+            if last is not None and last.get("task") is None:
+                last["blocks"].append(block)
+            else:
+                merged.append({"role": "user", "content": message.get("content", ""), "blocks": [block],
+                               **{key: message[key] for key in ("task", "wo_eos") if key in message}})
+        else:
+            merged.append(message)
+    return merged
+
+
+def _order_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Within a user message, tool results in the order the assistant before it called the tools
+    (by call id; an unknown id sorts first), other blocks staying where they are."""
+    order: dict[str, int] = {}
+    for message in messages:
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            order = {}
+            for position, call in enumerate(message["tool_calls"]):
+                call_id = call.get("id") or call.get("function", {}).get("id", "")
+                if call_id:
+                    order[call_id] = position
+        elif message.get("role") == "user" and message.get("blocks"):
+            results = [b for b in message["blocks"] if b["type"] == "tool_result"]
+            if len(results) > 1 and order:
+                ordered = iter(sorted(results, key=lambda b: order.get(b.get("id", ""), 0)))
+                message["blocks"] = [next(ordered) if b["type"] == "tool_result" else b for b in message["blocks"]]
+    return messages
+
+
+def _last_user(messages: Sequence[Mapping[str, Any]]) -> int:
+    return max((i for i, m in enumerate(messages) if m.get("role") in ("user", "developer")), default=-1)
+
+
+def _drop_earlier_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Before the last user message: assistant turns lose their reasoning, developer messages are
+    dropped; everything from the last user message on stays."""
+    last_user = _last_user(messages)
+    kept = []
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if index >= last_user or role in ("user", "system", "tool", "latest_reminder", "direct_search_results"):
+            kept.append(message)
+        elif role == "assistant":
+            kept.append({key: value for key, value in message.items() if key != "reasoning_content"})
+    return kept
+
+
+def _message_text(index: int, messages: Sequence[Mapping[str, Any]], thinking: bool, drop_reasoning: bool,
+                  reasoning_effort: str | None, add_generation_prompt: bool) -> str:
+    message = messages[index]
+    role = message.get("role")
+    content = message.get("content")
+    last_user = _last_user(messages)
+    text = MAX_EFFORT if index == 0 and thinking and reasoning_effort == "max" else ""
+
+    def appendices() -> str:
+        extra = ""
+        if message.get("tools"):
+            extra += "\n\n" + _tools_text(message["tools"])
+        if message.get("response_format"):
+            extra += "\n\n" + RESPONSE_FORMAT.format(schema=_json(message["response_format"]))
+        return extra
+
+    if role == "system":
+        text += (content or "") + appendices()
+    elif role == "developer":
+        if not content:
+            raise V4EncoderError(f"messages[{index}]: a developer message needs content")
+        text += USER + content + appendices()
+    elif role == "user":
+        blocks = message.get("blocks")
+        if blocks:
+            text += USER + "\n\n".join(
+                block.get("text", "") if block["type"] == "text" else _tool_result_text(block.get("content", ""))
+                for block in blocks)
+        else:
+            text += USER + (content or "")
+    elif role == "latest_reminder":
+        text += LATEST_REMINDER + (content or "")
+    elif role == "assistant":
+        reasoning = ""
+        after_task = index > 0 and messages[index - 1].get("task") is not None
+        if thinking and not after_task and (not drop_reasoning or index > last_user):
+            reasoning = (message.get("reasoning_content") or "") + END_THINK
+        calls = _tool_calls_text(message["tool_calls"]) if message.get("tool_calls") else ""
+        text += reasoning + (content or "") + calls + ("" if message.get("wo_eos") else EOS)
+    else:
+        raise V4EncoderError(f"messages[{index}]: DeepSeek V4 has no role {role!r}")
+
+    following = messages[index + 1].get("role") if index + 1 < len(messages) else None
+    if following is not None and following not in ("assistant", "latest_reminder"):
+        return text
+    task = message.get("task")
+    if task is not None:
+        if task not in TASK_TOKENS:
+            raise V4EncoderError(f"messages[{index}].task must be one of {', '.join(TASK_TOKENS)}, got {task!r}")
+        if task == "action":
+            text += ASSISTANT + (THINK if thinking else END_THINK)
+        text += TASK_TOKENS[task]
+    elif role in ("user", "developer") and (following is not None or add_generation_prompt):
+        opens_reasoning = thinking and (not drop_reasoning or index >= last_user)
+        text += ASSISTANT + (THINK if opens_reasoning else END_THINK)
+    return text
+
+
+def render(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+           thinking: bool = True, reasoning_effort: str | None = None, drop_reasoning: bool = True,
+           add_generation_prompt: bool = True) -> RenderedPrompt:
+    """The prompt of `messages` (OpenAI chat shape: system / user / assistant with
+    `reasoning_content` and `tool_calls` / tool; also DeepSeek's developer and latest_reminder
+    roles and `task`), and the byte offset after each rendered message.
+
+    `tools` (OpenAI function tools) are described in the first system message, or in an empty one
+    placed first, as DeepSeek's API does with request-level tools. `thinking`: thinking mode
+    (`<think>` opens the reply) or chat mode. Earlier turns' reasoning is dropped unless
+    `drop_reasoning` is off or any message carries tools. Without `add_generation_prompt` a final
+    user message is not followed by the assistant's opening."""
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise V4EncoderError(f"reasoning_effort must be one of high, max (or none), got {reasoning_effort!r}")
+    conversation = [dict(message) for message in messages]
+    if tools:
+        if conversation and conversation[0].get("role") in ("system", "developer"):
+            conversation[0]["tools"] = list(tools)
+        else:
+            conversation.insert(0, {"role": "system", "content": "", "tools": list(tools)})
+    conversation = _order_tool_results(_merge_tool_results(conversation))
+    drop_reasoning = drop_reasoning and not any(message.get("tools") for message in conversation)
+    if thinking and drop_reasoning:
+        conversation = _drop_earlier_reasoning(conversation)
+    text, marks, offset = BOS, [], len(BOS.encode("utf-8"))
+    for index in range(len(conversation)):
+        piece = _message_text(index, conversation, thinking, drop_reasoning, reasoning_effort, add_generation_prompt)
+        text += piece
+        # surrogatepass: escaped special-token spellings carry lone-surrogate brackets (flare_core.frontend)
+        offset += len(piece.encode("utf-8", "surrogatepass"))
+        if piece and (not marks or marks[-1] != offset):
+            marks.append(offset)
+    return RenderedPrompt(text=text, marks=tuple(marks))
