@@ -178,7 +178,10 @@ def inspect(ctx, core, trust_publisher, as_json) -> None:
         click.echo("capacities    " + " ".join(f"{k}={v}" for k, v in caps.items()))
         click.echo(f"cache scheme  {m['cache_scheme']['name']}")
         click.echo("sampling      " + " ".join(f"{k}={v}" for k, v in m["sampling"]["defaults"].items()))
-        click.echo(f"template      {m['frontend']['chat_template']} (patch {m['frontend']['template_patch']})")
+        if m["frontend"].get("prompt_encoder"):
+            click.echo(f"template      none: prompt encoder {m['frontend']['prompt_encoder']}")
+        else:
+            click.echo(f"template      {m['frontend']['chat_template']} (patch {m['frontend']['template_patch']})")
         click.echo(f"payloads      {len(m['payloads'])} tensors, {len(m['assets'])} assets")
         click.echo(f"publisher     {runtime_core.publisher.fingerprint}")
         click.echo(f"created       {m['created']} by flare {m['flare_version']}, contract {m['contract_version']}")

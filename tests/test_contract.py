@@ -66,8 +66,17 @@ def test_stores_may_cover_some_layers_and_the_forward_context_hands_each_layer_i
 
 
 def test_frontend_and_alias_validation():
+    from flare_core.contract import PromptEncoder
+
     with pytest.raises(ContractError, match=r"FrontendSpec\.stop_tokens"):
         FrontendSpec(stop_tokens=())
+    with pytest.raises(ContractError, match=r"FrontendSpec\.template_patches: patch chat templates, which a "
+                                            r"frontend with a prompt_encoder does not use"):
+        FrontendSpec(stop_tokens=("</s>",), prompt_encoder="native", template_patches=("some-patch",))
+    with pytest.raises(ContractError, match=r"PromptEncoder\(native\)\.factory: must be callable as factory\(\)"):
+        PromptEncoder("native", lambda options: None, "a format")
+    with pytest.raises(ContractError, match=r"PromptEncoder\(native\)\.description: must say what format"):
+        PromptEncoder("native", object, " ")
     with pytest.raises(ContractError, match=r"Alias\(qwen3-8b\)\.repo"):
         Alias("qwen3-8b", "not a repo")
 

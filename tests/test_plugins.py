@@ -27,6 +27,8 @@ def test_installed_qwen_plugin_registers_its_recipes_and_patches():
 
 def test_broken_plugins_are_reported_and_the_others_still_load():
     unknown_scheme = dataclasses.replace(QWEN3, name="needs-unknown-scheme", aliases=(), cache_scheme="no-such-scheme")
+    unknown_encoder = dataclasses.replace(QWEN3, name="needs-unknown-encoder", aliases=(), frontend=dataclasses.replace(
+        QWEN3.frontend, template_patches=(), prompt_encoder="no-such-encoder"))
 
     def raising() -> list:
         raise RuntimeError("cannot read my weights table")
@@ -36,14 +38,17 @@ def test_broken_plugins_are_reported_and_the_others_still_load():
 
     registry = load_registry(extra_plugins=[
         ("unknown-scheme", _plugin(flare_recipes=lambda: [unknown_scheme])),
+        ("unknown-encoder", _plugin(flare_recipes=lambda: [unknown_encoder])),
         ("raises", _plugin(flare_recipes=raising)),
         ("wrong-type", _plugin(flare_recipes=lambda: ["not a recipe"])),
         ("good", _plugin(flare_recipes=fine)),
     ])
     messages = {error.plugin: error.message for error in registry.errors}
-    assert set(messages) == {"unknown-scheme", "raises", "wrong-type"}
+    assert set(messages) == {"unknown-scheme", "unknown-encoder", "raises", "wrong-type"}
     assert "'no-such-scheme' is not a registered cache scheme" in messages["unknown-scheme"]
+    assert ("frontend.prompt_encoder: 'no-such-encoder' is not a registered prompt encoder"
+            in messages["unknown-encoder"])
     assert "cannot read my weights table" in messages["raises"]
     assert "returned str, expected Recipe" in messages["wrong-type"]
     assert {"qwen3", "qwen3-moe", "good-extra"} <= set(registry.recipes)
-    assert "needs-unknown-scheme" not in registry.recipes
+    assert "needs-unknown-scheme" not in registry.recipes and "needs-unknown-encoder" not in registry.recipes

@@ -296,7 +296,10 @@ def _doubling(start: int, limit: int) -> list[int]:
 class FrontendSpec:
     """How the text side of a model works: the template patches that annotate its chat template
     with `{% mark %}`, the parsers for its output, the tokens its template needs, and the extra
-    template options a request may set (with their defaults)."""
+    template options a request may set (with their defaults). `prompt_encoder`: the id of a
+    registered `PromptEncoder` that renders conversations instead of a chat template, for models
+    formatted by their own code (DeepSeek V4); the core then carries no template, and
+    `template_options` are that encoder's options."""
 
     reasoning_parser: str | None = None
     tool_parser: str | None = None
@@ -304,12 +307,15 @@ class FrontendSpec:
     required_tokens: tuple[str, ...] = ()
     stop_tokens: tuple[str, ...] = ()
     template_options: Mapping[str, Any] = field(default_factory=dict)
+    prompt_encoder: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("reasoning_parser", "tool_parser"):
+        for name in ("reasoning_parser", "tool_parser", "prompt_encoder"):
             value = getattr(self, name)
             if value is not None:
                 _check_name(value, "FrontendSpec", name)
+        _require(self.prompt_encoder is None or not self.template_patches, "FrontendSpec", "template_patches",
+                 "patch chat templates, which a frontend with a prompt_encoder does not use")
         for pid in self.template_patches:
             _check_name(pid, "FrontendSpec", "template_patches")
         _require(len(self.stop_tokens) > 0, "FrontendSpec", "stop_tokens",
@@ -397,6 +403,29 @@ class Parser:
             _check_call(self.factory, f"Parser({self.id})", "factory", "factory()")
         _require(self.call_format is None or (self.kind == "tool" and isinstance(self.call_format, ToolCallFormat)),
                  f"Parser({self.id})", "call_format", "is a ToolCallFormat, for tool parsers only")
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """A conversation renderer registered under an id that recipes name as
+    `FrontendSpec.prompt_encoder`, for models whose prompt format is code rather than a chat
+    template. `factory()` returns an object whose `render(messages, *, tools, add_generation_prompt,
+    **options)` returns `flare_core.frontend.RenderedPrompt` (the text and the byte offsets of
+    complete-message ends, the prefix-cache marks), as `ChatTemplate.render` does; `options` are
+    the core's special tokens, the recipe's template options and a request's
+    `chat_template_kwargs`, and an encoder ignores the names it does not read. It raises
+    ValueError for a conversation its format cannot express. `description` says what format it
+    renders and where that comes from (shown where a template would be)."""
+
+    id: str
+    factory: Callable[[], Any]
+    description: str
+
+    def __post_init__(self) -> None:
+        _check_name(self.id, "PromptEncoder", "id")
+        _check_call(self.factory, f"PromptEncoder({self.id})", "factory", "factory()")
+        _require(isinstance(self.description, str) and self.description.strip() != "", f"PromptEncoder({self.id})",
+                 "description", "must say what format it renders")
 
 
 @dataclass(frozen=True)
@@ -517,7 +546,7 @@ ASSET_NAMES = ("tokenizer.json", "chat_template.jinja", "vocab.json", "merges.tx
 
 __all__ = [
     "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "CacheScheme", "CacheSchemeFactory", "Capacities",
-    "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "Range",
+    "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
     "DerivedShard", "TensorParallelSpec", "ToolCallFormat",
 ]

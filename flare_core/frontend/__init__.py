@@ -11,11 +11,12 @@ from flare_core.frontend.patches import (
     strip_marks,
 )
 from flare_core.frontend.served import Frontend
-from flare_core.frontend.template import ChatTemplate, RenderedPrompt, TemplateError
+from flare_core.frontend.template import ChatTemplate, ConversationRenderer, RenderedPrompt, TemplateError
 from flare_core.frontend.tokenizer import Tokenizer, build_tokenizer_json
 
 __all__ = [
     "ChatTemplate",
+    "ConversationRenderer",
     "Frontend",
     "IncrementalDetokenizer",
     "RenderedPrompt",

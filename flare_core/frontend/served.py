@@ -9,19 +9,19 @@ from typing import Any
 
 from flare_core.contract import Parser, SamplingPolicy
 from flare_core.frontend.grammar import Grammars
-from flare_core.frontend.template import ChatTemplate
+from flare_core.frontend.template import ConversationRenderer
 from flare_core.frontend.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Frontend:
-    """Tokenizer; chat template (None: completions only); sampling policy (defaults and ranges);
+    """Tokenizer; chat template or prompt encoder (None: completions only); sampling policy (defaults and ranges);
     the output parsers the core names; the special tokens and option defaults its template
     receives; the context length a prompt plus its output must fit in; and the compiler of the
     grammars that constrain outputs (structured output)."""
 
     tokenizer: Tokenizer
-    chat_template: ChatTemplate | None
+    chat_template: ConversationRenderer | None
     sampling_policy: SamplingPolicy
     context_length: int
     reasoning_parser: Parser | None = None
@@ -31,7 +31,7 @@ class Frontend:
     grammars: Grammars | None = None  # None: structured output is refused
 
     @classmethod
-    def of_core(cls, tokenizer: Tokenizer, chat_template: ChatTemplate | None, sampling_policy: SamplingPolicy,
+    def of_core(cls, tokenizer: Tokenizer, chat_template: ConversationRenderer | None, sampling_policy: SamplingPolicy,
                 context_length: int, settings: Mapping[str, Any], parsers: Mapping[str, Parser], *,
                 vocab_size: int | None = None) -> Frontend:
         """From a core manifest's `frontend` settings; the parsers it names must be installed.

@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -46,6 +46,16 @@ class RenderedPrompt:
 
     text: str
     marks: tuple[int, ...]
+
+
+class ConversationRenderer(Protocol):
+    """What renders a core's conversations: a `ChatTemplate`, or the object a recipe's
+    `PromptEncoder` makes (models whose prompt format is code, e.g. DeepSeek V4)."""
+
+    source: str  # the template's text; "" for an encoder, whose format is its code
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False, **options: Any) -> RenderedPrompt: ...
 
 
 class _MarkExtension(jinja2.ext.Extension):

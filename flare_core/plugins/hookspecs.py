@@ -26,3 +26,8 @@ def flare_cache_schemes() -> list:
 @hookspec
 def flare_parsers() -> list:
     """Return `flare_core.contract.Parser` objects (reasoning and tool-call parsers)."""
+
+
+@hookspec
+def flare_prompt_encoders() -> list:
+    """Return `flare_core.contract.PromptEncoder` objects recipes can name as `prompt_encoder`."""

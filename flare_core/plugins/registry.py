@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import pluggy
 
-from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatch
+from flare_core.contract import CacheSchemeFactory, Parser, PromptEncoder, Recipe, TemplatePatch
 from flare_core.plugins import hookspecs
 
 ENTRY_POINT_GROUP = "flare"
@@ -25,6 +25,7 @@ _HOOK_TYPES = {
     "flare_template_patches": TemplatePatch,
     "flare_cache_schemes": CacheSchemeFactory,
     "flare_parsers": Parser,
+    "flare_prompt_encoders": PromptEncoder,
 }
 
 
@@ -53,6 +54,7 @@ class Registry:
     template_patches: dict[str, TemplatePatch] = field(default_factory=dict)
     cache_schemes: dict[str, CacheSchemeFactory] = field(default_factory=dict)
     parsers: dict[str, Parser] = field(default_factory=dict)
+    prompt_encoders: dict[str, PromptEncoder] = field(default_factory=dict)
     errors: list[PluginError] = field(default_factory=list)
     owners: dict[str, PluginInfo] = field(default_factory=dict)  # recipe name -> plugin
 
@@ -145,6 +147,7 @@ def _register_plugin(registry: Registry, info: PluginInfo, obj: Any) -> None:
         "flare_template_patches": (registry.template_patches, "id"),
         "flare_cache_schemes": (registry.cache_schemes, "id"),
         "flare_parsers": (registry.parsers, "id"),
+        "flare_prompt_encoders": (registry.prompt_encoders, "id"),
     }
     for hook_name, (table, key) in targets.items():
         for item in collected[hook_name]:
@@ -161,8 +164,9 @@ def _register_plugin(registry: Registry, info: PluginInfo, obj: Any) -> None:
 
 
 def _cross_check(registry: Registry) -> None:
-    """A recipe may only name registered cache schemes, template patches and parsers, and alias
-    names must be unique across recipes. Offending recipes are dropped with an error."""
+    """A recipe may only name registered cache schemes, template patches, parsers and prompt
+    encoders, and alias names must be unique across recipes. Offending recipes are dropped with
+    an error."""
     seen_aliases: dict[str, str] = {}
     for name in list(registry.recipes):
         recipe = registry.recipes[name]
@@ -180,6 +184,10 @@ def _cross_check(registry: Registry) -> None:
                                     registry.parsers[pid].kind != kind.removesuffix("_parser")):
                 problems.append(f"Recipe({name!r}).frontend.{kind}: {pid!r} is not a registered "
                                 f"{kind.removesuffix('_parser')} parser")
+        encoder = recipe.frontend.prompt_encoder
+        if encoder is not None and encoder not in registry.prompt_encoders:
+            problems.append(f"Recipe({name!r}).frontend.prompt_encoder: {encoder!r} is not a registered prompt "
+                            f"encoder")
         for alias in recipe.aliases:
             if alias.name in seen_aliases:
                 problems.append(f"Recipe({name!r}).aliases: {alias.name!r} is already an alias of "

@@ -1,4 +1,5 @@
-"""Frontend assets a core carries: tokenizer.json and the `{% mark %}`-annotated chat template.
+"""Frontend assets a core carries: tokenizer.json and the `{% mark %}`-annotated chat template
+(none when the recipe names a prompt encoder: its code renders conversations).
 
 The checkpoint's own files win; a recipe's shipped assets fill what a checkpoint lacks.
 """
@@ -39,6 +40,7 @@ class FrontendAssets:
             "tokenizer": TOKENIZER_ASSET,
             "chat_template": TEMPLATE_ASSET if TEMPLATE_ASSET in self.files else None,
             "template_patch": self.template_patch,
+            "prompt_encoder": spec.prompt_encoder,
             "reasoning_parser": spec.reasoning_parser,
             "tool_parser": spec.tool_parser,
             "template_options": dict(spec.template_options),
@@ -125,11 +127,16 @@ def collect_frontend_assets(checkpoint: Checkpoint, recipe: Recipe, registry: Re
             stop_ids.append(int(token_id))
 
     files = {TOKENIZER_ASSET: tokenizer_text.encode("utf-8")}
-    template, template_description = _chat_template(checkpoint, recipe, tokenizer_config)
     patch_id = None
-    if template is None:
-        notes.append("no chat template: chat endpoints will be unavailable, completions only")
+    if spec.prompt_encoder is not None:  # the recipe's code renders conversations: no template
+        template = None
+        template_description = (f"none: prompt encoder {spec.prompt_encoder} "
+                                f"({registry.prompt_encoders[spec.prompt_encoder].description})")
     else:
+        template, template_description = _chat_template(checkpoint, recipe, tokenizer_config)
+    if template is None and spec.prompt_encoder is None:
+        notes.append("no chat template: chat endpoints will be unavailable, completions only")
+    elif template is not None:
         digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
         patch = next((registry.template_patches[p] for p in spec.template_patches
                       if registry.template_patches[p].source_sha256 == digest), None)

@@ -13,7 +13,7 @@ import torch
 from flare_core.contract import CONTRACT_VERSION, CacheScheme, Capacities, PagedStore, Range, SamplingPolicy, \
     StateTensor
 from flare_core.core import RuntimeCore
-from flare_core.frontend import ChatTemplate, Tokenizer
+from flare_core.frontend import ChatTemplate, ConversationRenderer, Tokenizer
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import Registry
 
@@ -36,7 +36,7 @@ class LoadedCore:
     device: torch.device
     dtype: torch.dtype
     tokenizer: Tokenizer
-    chat_template: ChatTemplate | None
+    chat_template: ConversationRenderer | None  # a ChatTemplate, or the recipe's prompt encoder
     capacities: Capacities
     cache_scheme: CacheScheme
     sampling_policy: SamplingPolicy
@@ -147,7 +147,13 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     frontend = manifest["frontend"]
     tokenizer = Tokenizer.from_str(core.asset(frontend["tokenizer"]).decode("utf-8"))
     template = None
-    if frontend.get("chat_template"):
+    if frontend.get("prompt_encoder"):
+        encoder = registry.prompt_encoders.get(frontend["prompt_encoder"])
+        if encoder is None:
+            raise CoreLoadError(f"core renders prompts with encoder {frontend['prompt_encoder']!r}, which no "
+                                f"installed plugin registers (pip install {recipe_info['plugin']})")
+        template = encoder.factory()
+    elif frontend.get("chat_template"):
         template = ChatTemplate(core.asset(frontend["chat_template"]).decode("utf-8"))
     return LoadedCore(
         core=core, recipe_name=recipe.name, model_config=model_config, model=model, device=device, dtype=dtype,

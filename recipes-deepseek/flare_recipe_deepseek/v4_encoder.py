@@ -282,3 +282,23 @@ def render(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str
         if piece and (not marks or marks[-1] != offset):
             marks.append(offset)
     return RenderedPrompt(text=text, marks=tuple(marks))
+
+
+class DeepSeekV4Encoder:
+    """`render` as a core's conversation renderer (flare_core.frontend.ConversationRenderer; the
+    `deepseek-v4` prompt encoder): options `thinking` (true: thinking mode, the default) and
+    `reasoning_effort` (high, the default, or max); the other options a core passes (special
+    tokens) are the format's own and not read."""
+
+    source = ""  # no template text: the format is this module's code
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False, thinking: Any = True, reasoning_effort: Any = "high",
+               **options: Any) -> RenderedPrompt:
+        if not isinstance(thinking, bool):
+            raise V4EncoderError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
+        if reasoning_effort not in ("high", "max"):
+            raise V4EncoderError(f"chat_template_kwargs.reasoning_effort must be high or max, got "
+                                 f"{reasoning_effort!r}")
+        return render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
+                      add_generation_prompt=add_generation_prompt)
