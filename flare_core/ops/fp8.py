@@ -31,8 +31,8 @@ Packed routed experts (those the fused experts op computes) are quantized expert
 * the CPU: the weight dequantized to x's dtype, then F.linear (the reference).
 
 On the H200 (benchmarks/fp8_linear.py, Qwen3-8B shapes) the one-token kernel takes 0.62-0.65x the
-bf16 GEMV's time; cuBLAS's GEMM at 8-64 tokens takes 1.0-1.4x bf16's time on the 4,096-row
-projections and 0.7x on gate/up, at 256 tokens 0.65-1.0x, at 2,048 tokens 0.65-0.73x.
+bf16 GEMV's time; cuBLAS's GEMM at 8-64 tokens takes 0.8-1.4x bf16's time on the 4,096-row
+projections and 0.65-0.7x on gate/up, at 256 tokens 0.65-1.0x, at 2,048 tokens 0.65-0.73x.
 
 Packed FP8 experts go to `flare::routed_experts` with their scales (flare_core.ops.moe): its
 Triton kernels read FP8 rows and scale each 128-column tile once; its CPU loop dequantizes each
@@ -190,8 +190,9 @@ def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pd
     (and, gated, out_features) so that a program's rows share their block scales.
 
     Eight rows per program, 512 columns per iteration for matrices of more than 4,096 rows (1,024
-    else): on the H200 the best or within 3 % of 64 configurations on each Qwen3-8B shape
-    (benchmarks/fp8_linear.py --tokens 1, benchmarks/results/h200-fp8-linear.json)."""
+    else): on the H200 the fastest of 88 configurations for each matrix a Qwen3-8B decode step
+    reads (qkv, o, gate/up with SiLU, down; benchmarks/fp8_linear.py --tokens 1,
+    benchmarks/results/h200-fp8-linear.json)."""
     rows = 1 if out_features < 1024 else 8
     if gated and out_features % rows:
         return None
