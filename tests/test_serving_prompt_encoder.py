@@ -7,13 +7,15 @@ parser and the DSML tool-call parser. Its checkpoint carries a byte-level tokeni
 special tokens and a model that answers the one prompt the encoder renders for QUESTION + TOOLS
 with SCRIPT: reasoning, a sentence and one DSML tool call. Asked through the openai SDK, the
 server must render that same prompt (the prompt token counts agree), return the reasoning, the
-text and the call, and resume the next turn from the encoder's marks (cached tokens).
+text and the call, and resume the next turn from the encoder's marks (cached tokens); asked
+through the anthropic SDK, the same prompt gives thinking, text and tool_use blocks.
 """
 
 from __future__ import annotations
 
 import json
 
+import anthropic
 import openai
 import pytest
 import torch
@@ -101,6 +103,19 @@ def test_reasoning_text_and_a_dsml_call_come_back(server):
             names += [delta.function.name] if delta.function.name else []
             arguments += delta.function.arguments or ""
     assert names == ["get_weather"] and json.loads(arguments) == {"city": "Zurich"}
+
+
+def test_anthropic_messages_render_the_same_prompt_and_return_thinking_text_and_tool_use(server):
+    process, _, prompt_tokens = server
+    client = anthropic.Anthropic(base_url=process.url, api_key="unused", max_retries=0, timeout=60)
+    tools = [{"name": "get_weather", "description": "Current weather in a city.", "input_schema": PARAMETERS}]
+    message = client.messages.create(model=SERVED, messages=QUESTION, tools=tools, max_tokens=200)
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == prompt_tokens
+    assert message.stop_reason == "tool_use"
+    assert [block.type for block in message.content] == ["thinking", "text", "tool_use"]
+    thinking, text, tool_use = message.content
+    assert thinking.thinking == REASONING and text.text == "Let me check."
+    assert tool_use.name == "get_weather" and tool_use.input == {"city": "Zurich"}
 
 
 def test_the_next_turn_resumes_from_the_encoders_marks(server):

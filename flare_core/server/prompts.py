@@ -3,8 +3,9 @@
 Every protocol converts its conversation into *template messages*: the OpenAI chat shape that
 Hugging Face chat templates read (role, string content, `tool_calls` with `function.arguments`
 as an object, `tool` role messages with `tool_call_id`, reasoning under `reasoning_content`).
-The core's chat template renders them with the recipe's template options (overridable per
-request); the template's `{% mark %}` offsets become the request's prefix-cache resume points.
+The core's chat template (or the prompt encoder its recipe names) renders them with the recipe's
+template options (overridable per request); the `{% mark %}` offsets (an encoder's message ends)
+become the request's prefix-cache resume points.
 """
 
 from __future__ import annotations
