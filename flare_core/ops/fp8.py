@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flare_core.ops.gemv import GemvConfig, _pdl
+from flare_core.ops.gemv import GemvConfig, _pdl, one_token_on_gpu
 
 try:
     import triton
@@ -205,8 +205,7 @@ def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pd
 
 def _fp8_gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
     """The FP8 GEMV's configuration when this call is one token it serves, else None."""
-    if (triton is None or not x.is_cuda or x.numel() != weight.shape[1] or x.dtype not in (torch.bfloat16,
-            torch.float16) or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous()):
+    if not one_token_on_gpu(x, weight, torch.float8_e4m3fn):
         return None
     return fp8_gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
 

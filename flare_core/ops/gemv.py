@@ -116,10 +116,16 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False) -> 
     return out
 
 
+def one_token_on_gpu(x: Tensor, weight: Tensor, weight_dtype: torch.dtype) -> bool:
+    """Whether x is one 16-bit token on a CUDA device, for a contiguous weight of `weight_dtype`:
+    the calls a one-token Triton kernel (this module's, flare_core.ops.fp8's) may take."""
+    return (triton is not None and x.is_cuda and x.numel() == weight.shape[1]
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == weight_dtype and weight.is_contiguous())
+
+
 def _gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
     """The kernel's configuration when this call is one token it serves, else None."""
-    if (triton is None or not x.is_cuda or x.numel() != weight.shape[1] or weight.dtype not in (torch.bfloat16,
-            torch.float16) or x.dtype != weight.dtype or not weight.is_contiguous()):
+    if not one_token_on_gpu(x, weight, x.dtype):
         return None
     return gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
 

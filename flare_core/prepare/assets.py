@@ -134,9 +134,9 @@ def collect_frontend_assets(checkpoint: Checkpoint, recipe: Recipe, registry: Re
                                 f"({registry.prompt_encoders[spec.prompt_encoder].description})")
     else:
         template, template_description = _chat_template(checkpoint, recipe, tokenizer_config)
-    if template is None and spec.prompt_encoder is None:
-        notes.append("no chat template: chat endpoints will be unavailable, completions only")
-    elif template is not None:
+        if template is None:
+            notes.append("no chat template: chat endpoints will be unavailable, completions only")
+    if template is not None:
         digest = hashlib.sha256(template.encode("utf-8")).hexdigest()
         patch = next((registry.template_patches[p] for p in spec.template_patches
                       if registry.template_patches[p].source_sha256 == digest), None)

@@ -284,7 +284,7 @@ def _published_blocks(name: str, prepared: torch.Tensor,
         weight = torch.cat(pieces)
         scale = torch.cat([raw[scale_name(part)].float() for part in parts])
         if tuple(weight.shape) != tuple(target.shape) or \
-                not torch.equal(dequantize_blocks(weight, scale).to(target.dtype), target):
+                not torch.equal(dequantize_blocks(weight, scale, dtype=target.dtype), target):
             return None
         weights.append(weight)
         scales.append(scale)

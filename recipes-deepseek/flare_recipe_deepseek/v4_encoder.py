@@ -279,7 +279,7 @@ def render(messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str
         text += piece
         # surrogatepass: escaped special-token spellings carry lone-surrogate brackets (flare_core.frontend)
         offset += len(piece.encode("utf-8", "surrogatepass"))
-        if piece and (not marks or marks[-1] != offset):
+        if piece:  # an empty piece (an empty system message) ends where the message before did
             marks.append(offset)
     return RenderedPrompt(text=text, marks=tuple(marks))
 
