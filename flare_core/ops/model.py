@@ -108,9 +108,13 @@ class DecoderForServing(nn.Module):
                 hidden = layer(hidden, position_embeddings=position_embeddings, context=context.for_layer(index))
         return self.logits(hidden, context.batch.logits_indices)
 
+    def last_rows(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
+        """The last layer's output [1, T, hidden] at the rows `logits_indices`, [R, hidden]."""
+        return hidden[0].index_select(0, logits_indices)
+
     def logits(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
         """Float32 logits of the rows `logits_indices` of the last layer's output."""
-        hidden = self.model.norm(hidden[0].index_select(0, logits_indices))
+        hidden = self.model.norm(self.last_rows(hidden, logits_indices))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.gemv_head and one_token(hidden):
             logits = torch.ops.flare.linear(hidden, weight).float()

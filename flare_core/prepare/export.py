@@ -19,7 +19,7 @@ from flare_core.plugins import Registry
 from flare_core.prepare.assets import FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks, scale_name
-from flare_core.prepare.plan import CapacityRequest, ExportPlan, plan_capacities
+from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -125,6 +125,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     rank_model_config = _rank_config(recipe, model_config, ranks)
     # The cache scheme of one rank: each holds its share of the KV heads.
     scheme = registry.cache_schemes[recipe.cache_scheme].build(rank_model_config, request.dtype)
+    try:
+        check_page_tokens(scheme, capacities.page_tokens)
+    except PlanError as exc:
+        raise ExportError(str(exc)) from exc
     kv_notes = ()
     if request.kv_dtype is not None:
         # Paged records only: continuation state (recurrent, convolution) keeps the scheme's dtype.

@@ -41,6 +41,15 @@ def plan_capacities(recipe: Recipe, config: Any, request: CapacityRequest) -> Ca
     return capacities
 
 
+def check_page_tokens(scheme: CacheScheme, page_tokens: int) -> None:
+    """PlanError naming --page-tokens when a page would end inside a record of a paged store whose
+    records cover several tokens (a page must hold whole records to be shared as it is)."""
+    for store in scheme.paged:
+        if page_tokens % store.tokens_per_record:
+            raise PlanError(f"--page-tokens {page_tokens}: must be a multiple of {store.tokens_per_record}, the "
+                            f"tokens one record of cache store {store.name!r} ({scheme.name}) covers")
+
+
 @dataclass(frozen=True)
 class ExportPlan:
     model: str

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from flare_core.contract import Parser, PromptEncoder, Recipe, TemplatePatch
+from flare_core.contract import CacheSchemeFactory, Parser, PromptEncoder, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
 from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
 from flare_recipe_deepseek.templates import DEEPSEEK_TEMPLATE_PATCHES
+from flare_recipe_deepseek.v4 import compressed_attention_scheme
 from flare_recipe_deepseek.v4_encoder import DeepSeekV4Encoder
+from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
 
 
 @hookimpl
 def flare_recipes() -> list[Recipe]:
-    return [DEEPSEEK_V3, DEEPSEEK_V3_1]
+    return [DEEPSEEK_V3, DEEPSEEK_V3_1, DEEPSEEK_V4]
 
 
 @hookimpl
@@ -30,3 +32,11 @@ def flare_prompt_encoders() -> list[PromptEncoder]:
     return [PromptEncoder("deepseek-v4", DeepSeekV4Encoder,
                           "DeepSeek V4's format, as its own encoder (encoding/encoding_dsv4.py of the DeepSeek-V4 "
                           "releases) renders it: flare_recipe_deepseek.v4_encoder")]
+
+
+@hookimpl
+def flare_cache_schemes() -> list[CacheSchemeFactory]:
+    return [CacheSchemeFactory("compressed-attention", compressed_attention_scheme,
+                               "a sliding-window ring per layer; compressed records of several tokens each "
+                               "(CSA entries with their indexer keys, HCA entries) in pages; the compressors' "
+                               "pending windows as continuation state")]

@@ -1,5 +1,5 @@
-"""Tiny random-weight checkpoints of the DeepSeek-V3 architecture for tests: the parity and
-export tests of this package and of recipes that reuse its model code (flare-recipe-kimi).
+"""Tiny random-weight checkpoints of the DeepSeek-V3 and V4 architectures for tests: the parity
+and export tests of this package and of recipes that reuse its model code (flare-recipe-kimi).
 
 The real DeepSeek and Kimi tokenizers are too large to keep as test fixtures, so a checkpoint
 gets a small real `tokenizer.json`: byte-level BPE over printable ASCII (every token decodes to
@@ -205,7 +205,8 @@ def export_checkpoint(directory: Path, root: Path, *args: str) -> tuple[Path, st
 
 
 def assert_core_matches(core: Path, config_path: Path, reference: torch.nn.Module,
-                        prompt_lens: Sequence[int] = (7, 45), decode_steps: int = 2, atol: float = 1e-4) -> None:
+                        prompt_lens: Sequence[int] = (7, 45), decode_steps: int = 2, atol: float = 1e-4,
+                        page_tokens: int = 16) -> None:
     """The exported `core`, verified and loaded as `flare run` loads it, must serve `reference`'s
     logits for random prompts (prefilled in shared chunks over shuffled pages) and decode steps."""
     from flare_core.cli import open_verified_core
@@ -223,9 +224,102 @@ def assert_core_matches(core: Path, config_path: Path, reference: torch.nn.Modul
         expected = [reference(torch.tensor([s])).logits[0] for s in sequences]
     rows = 0
     for r, consumed, logits in serve_paged(loaded.model, loaded.cache_scheme, sequences, prompt_lens,
-                                           page_tokens=16, step_tokens=32):
+                                           page_tokens=page_tokens, step_tokens=32):
         torch.testing.assert_close(logits, expected[r][consumed - 1], atol=atol, rtol=atol,
                                    msg=lambda m: f"request {r} after {consumed} tokens: {m}")
         rows += 1
     if rows < len(prompt_lens) * (decode_steps + 1):
         raise AssertionError(f"only {rows} logits rows for {len(prompt_lens)} requests")
+
+
+def random_v4_model(config, seed: int = 0) -> torch.nn.Module:
+    """A float32 Transformers DeepseekV4ForCausalLM with random weights as `random_model` draws
+    them, and the tensors Transformers initialises to constants drawn too: the pooling position
+    biases, the attention sinks, the mHC biases, the router bias; `tid2eid` routes each token id
+    to distinct experts."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    torch.manual_seed(seed)
+    model = v4.DeepseekV4ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            leaf = name.rpartition(".")[2]
+            if tensor.dim() == 2 and leaf == "weight":
+                tensor.normal_(0.0, tensor.shape[1] ** -0.5)
+            elif leaf in ("position_bias", "sinks", "base", "hc_base"):
+                tensor.normal_(0.0, 0.5)
+        for module in model.modules():
+            if isinstance(module, v4.DeepseekV4Experts):
+                module.gate_up_proj.normal_(0.0, module.hidden_dim ** -0.5)
+                module.down_proj.normal_(0.0, module.intermediate_dim ** -0.5)
+            elif isinstance(module, v4.DeepseekV4TopKRouter):
+                module.weight.normal_(0.0, 1.0)
+                module.e_score_correction_bias.normal_(0.0, 0.1)
+            elif isinstance(module, v4.DeepseekV4HashRouter):
+                module.weight.normal_(0.0, 1.0)
+                module.tid2eid.copy_(torch.stack([torch.randperm(module.num_experts)[:module.top_k]
+                                                  for _ in range(module.tid2eid.shape[0])]))
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+    return model
+
+
+def save_v4_as_published(directory: Path, model: torch.nn.Module) -> Path:
+    """The checkpoint of `model` named as DeepSeek publishes V4 (`embed.weight`, `head.weight`,
+    `norm.weight`, `hc_head_fn`, `layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight`,
+    ...): `save_pretrained` writes DeepSeek's names below the layers but keeps Transformers' at the
+    top and a `model.` prefix, which this strips."""
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    top = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+           "hc_head.hc_scale": "hc_head_scale"}
+    path = directory / "model.safetensors"
+    tensors = {}
+    for name, tensor in load_file(path).items():
+        name = name.removeprefix("model.")
+        tensors[top.get(name, name)] = tensor
+    save_file(tensors, path, metadata={"format": "pt"})
+    return directory
+
+
+CSA_RATE, HCA_RATE = 4, 32
+V4_SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                     "</think>")
+
+
+def tiny_v4_config(**overrides):
+    """A DeepSeek V4 config with every layer kind: sliding-window only, compressed sparse attention
+    (CSA, rate CSA_RATE, the indexer keeping 3 entries), heavily compressed attention (HCA, rate
+    HCA_RATE), CSA again; hash routing in layer 0; two mHC streams; a YaRN compress rope. Eight
+    indexer heads: the indexer's per-head ReLU scores tie at exactly 0 when every head's dot product
+    is negative, and a tie decides top-k by position in the tensor (which differs between a one-shot
+    forward and any incremental run, Transformers' own cache path included)."""
+    from transformers import DeepseekV4Config
+
+    from flare_recipe_deepseek.v4 import CSA, HCA, SLIDING
+
+    values = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=8,
+                  layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                  compress_rates={CSA: CSA_RATE, HCA: HCA_RATE}, sliding_window=8, o_groups=2, o_lora_rank=16,
+                  index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=2, partial_rotary_factor=0.25,
+                  max_position_embeddings=1024,
+                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                  bos_token_id=98, eos_token_id=99)  # the ids of V4_SPECIAL_TOKENS' first two in the tokenizer
+    return DeepseekV4Config(**{**values, **overrides})
+
+
+def write_v4_checkpoint(directory: Path, config=None) -> torch.nn.Module:
+    """A tiny DeepSeek V4 checkpoint in `directory`, named as published (`save_v4_as_published`),
+    with a byte-level tokenizer holding V4's special tokens; returns the Transformers model."""
+    directory = Path(directory)
+    model = random_v4_model(config or tiny_v4_config())
+    save_v4_as_published(directory, model)
+    tokenizer_json = ascii_tokenizer_json(V4_SPECIAL_TOKENS)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    bos, eos = V4_SPECIAL_TOKENS[:2]
+    if (tokenizer.token_to_id(bos), tokenizer.token_to_id(eos)) != (model.config.bos_token_id,
+                                                                   model.config.eos_token_id):
+        raise ValueError("the config's bos / eos ids are not the tokenizer's")
+    (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
+    return model

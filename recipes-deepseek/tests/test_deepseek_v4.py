@@ -1,0 +1,204 @@
+"""DeepSeek V4 on the reference path: the serving model (flare_recipe_deepseek.v4) over the
+"compressed-attention" cache scheme against Transformers' DeepseekV4ForCausalLM forward.
+
+The tiny config has every layer kind: a sliding-window-only layer, two compressed sparse
+attention (CSA) layers with the lightning indexer choosing 3 entries, a heavily compressed (HCA)
+layer, hash routing in layer 0 and mHC everywhere; the compress rope is YaRN. Compression rates
+4 and 32 with a window of 8: prompts of 1 to 131 tokens cross window, CSA and HCA boundaries,
+chunked prefill cuts them mid-window, decode runs past the window.
+
+The indexer scores are sums of per-head ReLUs, so an entry scores exactly 0 when every head's dot
+product is negative; with few indexer heads such ties decide top-k by position in the tensor,
+which differs between Transformers' one-shot forward over a whole sequence and any incremental
+run (Transformers' own cache path included). Eight indexer heads make ties vanishingly rare.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.contract import Capacities
+from flare_core.executor.eager import EagerExecutor
+from flare_core.ops.loading import load_prepared_weights
+from flare_core.plugins import load_registry
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
+from flare_core.testing import assert_logits_parity
+from flare_recipe_deepseek.testing import CSA_RATE, HCA_RATE, assert_core_matches, export_checkpoint, \
+    random_v4_model, save_v4_as_published, tiny_v4_config as tiny_config, write_v4_checkpoint
+from flare_recipe_deepseek.v4 import build_model, compressed_attention_scheme, map_weights
+
+RECIPE = types.SimpleNamespace(check_config=None, build_model=build_model, map_weights=map_weights,
+                               cache_scheme="compressed-attention")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    model = random_v4_model(tiny_config())
+    directory = save_v4_as_published(tmp_path_factory.mktemp("v4"), model)
+    return model, load_file(directory / "model.safetensors")
+
+
+def test_the_scheme_pages_compressed_records_and_keeps_windows_as_state():
+    scheme = load_registry().cache_schemes["compressed-attention"].build(tiny_config(), "bfloat16")
+    assert [(s.name, s.record_shape, s.tokens_per_record, s.layer_ids) for s in scheme.paged] == [
+        ("csa_kv", (32,), CSA_RATE, (1, 3)), ("csa_index", (16,), CSA_RATE, (1, 3)), ("hca_kv", (32,), HCA_RATE, (2,))]
+    assert [(s.name, s.shape, s.layer_ids) for s in scheme.state] == [
+        ("window", (8, 32), ()), ("csa_pending", (2 * CSA_RATE, 4 * 32), (1, 3)),
+        ("csa_index_pending", (2 * CSA_RATE, 4 * 16), (1, 3)), ("hca_pending", (HCA_RATE, 2 * 32), (2,))]
+    # A 64-token page holds 16 CSA records and 2 HCA records per layer.
+    assert scheme.page_bytes(64) == 2 * (16 * 32 + 16 * 16) * 2 + 2 * 32 * 2
+
+
+def test_the_published_checkpoint_names_are_read(reference):
+    _, checkpoint = reference
+    assert {"embed.weight", "head.weight", "norm.weight", "hc_head_fn", "layers.1.attn.indexer.compressor.wkv.weight",
+            "layers.0.ffn.gate.tid2eid", "layers.2.ffn.experts.7.w2.weight"} <= set(checkpoint)
+    prepared = dict(map_weights(tiny_config(), checkpoint, torch.float32))
+    torch.testing.assert_close(prepared["model.layers.2.mlp.experts.gate_up_proj"][7],
+                               torch.cat([checkpoint["layers.2.ffn.experts.7.w1.weight"],
+                                          checkpoint["layers.2.ffn.experts.7.w3.weight"]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("page_tokens, step_tokens", [(32, 64), (64, 16)])
+def test_logits_match_transformers(reference, page_tokens, step_tokens):
+    model, checkpoint = reference
+    assert_logits_parity(RECIPE, model, checkpoint, tiny_config(), page_tokens=page_tokens, step_tokens=step_tokens,
+                         prompt_lens=(1, 5, 37, 70, 131), decode_steps=12)
+
+
+def test_a_missing_tensor_is_named(reference):
+    _, checkpoint = reference
+    partial = {n: t for n, t in checkpoint.items() if n != "layers.1.attn.indexer.wq_b.weight"}
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"):
+        dict(map_weights(tiny_config(), partial, torch.float32))
+
+
+def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, EagerExecutor, PrefixCache]:
+    """A scheduler with a prefix cache that snapshots continuation state, over an eager executor of
+    the serving model (32-token pages, 64-token prompt chunks)."""
+    serving = load_prepared_weights(build_model(config, torch.float32),
+                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
+    page_tokens = 32
+    executor = EagerExecutor(serving, compressed_attention_scheme(config, "float32"), num_pages=num_pages,
+                             page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=2 * rows, num_logits_rows=8,
+                             vocab_size=config.vocab_size, device=torch.device("cpu"))
+    pages = PageAllocator(num_pages)
+    prefix = PrefixCache(b"\x04" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
+                         logits_rows=8)
+    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512, page_tokens=32)
+    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
+                                          page_tokens), pages, prefix)
+    return scheduler, executor, prefix
+
+
+def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tuple[dict[str, list], int]:
+    """Greedy to `max_tokens`; per request the logits rows it sampled from, and the restores made."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    restores = 0
+    while not scheduler.is_idle():
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        restores += len(plan.restores)
+        logits = executor.run(plan)
+        tokens = logits.argmax(-1)
+        executor.record_sampled([h.state_row for h in plan.samples], tokens)
+        for handle, row in zip(plan.samples, logits):
+            rows.setdefault(handle.request_id, []).append(row)
+        for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
+            if len(rows[sampled.handle.request_id]) == max_tokens:
+                scheduler.finish(sampled.handle.request_id, "length")
+    return rows, restores
+
+
+def assert_greedy_matches(model, prompt: list[int], logits: list[torch.Tensor]) -> None:
+    sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
+    with torch.no_grad():
+        expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
+    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_restored_snapshot_continues_exactly(reference):
+    """The second request shares 45 tokens with the first (a message boundary mid-page, mid CSA and
+    HCA window, past the sliding window): it resumes from the snapshot taken there, and every row
+    it samples from matches the Transformers forward of its whole sequence."""
+    model, checkpoint = reference
+    config = tiny_config()
+    rows = 3
+    scheduler, executor, prefix = serving_runtime(config, checkpoint, rows, num_pages=48)
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randint(2, config.vocab_size, (45,), generator=generator).tolist()
+    first = shared + torch.randint(2, config.vocab_size, (20,), generator=generator).tolist()
+    second = shared + torch.randint(2, config.vocab_size, (50,), generator=generator).tolist()
+    max_tokens = 10
+    scheduler.submit("first", first, max_tokens, message_ends=(len(shared),))
+    done, _ = drive(scheduler, executor, max_tokens)
+    scheduler.submit("second", second, max_tokens, message_ends=(len(shared),))
+    again, restores = drive(scheduler, executor, max_tokens)
+    assert restores == 1
+    assert_greedy_matches(model, first, done["first"])
+    assert_greedy_matches(model, second, again["second"])
+    assert scheduler.state_rows.free_count == rows and prefix.free_snapshot_rows < 2 * rows
+
+
+def test_preempted_requests_resume_exactly(reference):
+    model, checkpoint = reference
+    config = tiny_config()
+    rows = 3
+    scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=7)
+    generator = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(2, config.vocab_size, (30 + 9 * i,), generator=generator).tolist()
+               for i in range(rows)}
+    max_tokens = 40
+    for request_id, prompt in prompts.items():
+        scheduler.submit(request_id, prompt, max_tokens)
+    sampled, _ = drive(scheduler, executor, max_tokens)
+    assert scheduler.preemptions > 0
+    for request_id, prompt in prompts.items():
+        assert_greedy_matches(model, prompt, sampled[request_id])
+
+
+def test_export_plans_whole_records_per_page_and_serves_the_core(tmp_path):
+    checkpoint = tmp_path / "v4"
+    checkpoint.mkdir()
+    model = write_v4_checkpoint(checkpoint)
+    core, printed, config_path = export_checkpoint(checkpoint, tmp_path / "flare", "--dtype", "float32")
+    assert "recipe        deepseek-v4" in printed and "page_tokens=128" in printed
+    assert "cache scheme  compressed-attention" in printed and "weights by format: bfloat16" in printed
+    assert_core_matches(core, config_path, model, prompt_lens=(7, 45, 70), decode_steps=10, page_tokens=32)
+
+
+def test_a_page_that_would_split_a_record_is_refused(tmp_path):
+    checkpoint = tmp_path / "v4"
+    checkpoint.mkdir()
+    write_v4_checkpoint(checkpoint)
+    with pytest.raises(AssertionError, match=r"--page-tokens 16: must be a multiple of 32, the tokens one record "
+                                             r"of cache store 'hca_kv'"):
+        export_checkpoint(checkpoint, tmp_path / "flare", "--dtype", "float32", "--page-tokens", "16")
+
+
+def test_fp4_experts_are_refused_with_the_field_named():
+    from flare_recipe_deepseek.v4 import check_config
+
+    config = tiny_config()
+    config.quantization_config = {"quant_method": "fp8", "expert_dtype": "fp4"}
+    with pytest.raises(ValueError, match=r"quantization_config.expert_dtype.*'fp4' experts are not read yet"):
+        check_config(config)
+
+
+def test_a_bfloat16_model_keeps_the_tensors_transformers_keeps_in_float32(reference, tmp_path):
+    """mHC weights, sinks, pooling biases, norms and the router bias stay float32 in a bfloat16
+    model, tensor for tensor as Transformers loads it."""
+    from transformers import DeepseekV4ForCausalLM
+
+    model, _ = reference
+    model.save_pretrained(tmp_path)
+    expected = {n: t.dtype for n, t in DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+                .state_dict().items()}
+    served = {n: t.dtype for n, t in build_model(tiny_config(), torch.bfloat16).state_dict().items()}
+    assert served == expected and torch.float32 in served.values()

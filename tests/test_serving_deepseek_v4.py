@@ -1,0 +1,69 @@
+"""A DeepSeek V4 core served by `flare run` on the CPU reference path, asked through the openai SDK.
+
+The checkpoint is a tiny random-weight V4 (every layer kind: sliding window, CSA with its indexer,
+HCA, hash routing, mHC; flare_recipe_deepseek.testing) named as DeepSeek publishes it, with a
+byte-level tokenizer holding V4's special tokens (every other token is one printable character,
+so generated text compares exactly). Greedy answers must be Transformers' `generate` on the
+prompt V4's encoder renders; the second turn of a chat must resume from the first turn's
+snapshot (cached tokens) and still answer what an uncached `generate` does.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from server_process import ServerProcess
+
+SERVED = "deepseek-v4-tiny"
+NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, session_flare):
+    from flare_core.frontend import Tokenizer
+    from flare_recipe_deepseek.testing import write_v4_checkpoint
+
+    root = tmp_path_factory.mktemp("deepseek-v4")
+    checkpoint = root / "checkpoint"
+    checkpoint.mkdir()
+    model = write_v4_checkpoint(checkpoint)
+    tokenizer = Tokenizer.from_str((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))
+    core = session_flare.export(checkpoint, "--dtype", "float32", "--context-length", "1024")
+    process = ServerProcess(session_flare.config_path, core, root / "server.log", "--served-name", SERVED)
+    try:
+        yield process.wait_ready(), model, tokenizer
+    finally:
+        process.stop()
+
+
+def greedy(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> str:
+    """Transformers' greedy continuation of `prompt_ids`, as text (special tokens dropped)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
+    return tokenizer.decode(out[0, len(prompt_ids):].tolist(), skip_special_tokens=True)
+
+
+def test_chat_turns_match_generate_and_the_second_resumes_from_the_first(served):
+    from flare_recipe_deepseek.v4_encoder import render
+
+    process, model, tokenizer = served
+    client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name three prime numbers larger than one hundred, please."}]
+    first = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=12, temperature=0,
+                                           extra_body=NO_THINKING)
+    prompt = tokenizer.encode_prompt(render(messages, thinking=False)).ids
+    assert first.usage.prompt_tokens == len(prompt)
+    assert first.choices[0].message.content == greedy(model, tokenizer, prompt, 12)
+
+    turn = [*messages, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And three more, larger than two hundred?"}]
+    second = client.chat.completions.create(model=SERVED, messages=turn, max_tokens=12, temperature=0,
+                                            extra_body=NO_THINKING)
+    prompt = tokenizer.encode_prompt(render(turn, thinking=False)).ids
+    assert second.usage.prompt_tokens == len(prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # restored at the first turn's marks
+    assert second.choices[0].message.content == greedy(model, tokenizer, prompt, 12)
