@@ -18,7 +18,7 @@ from flare_core.contract import CONTRACT_VERSION, Recipe
 from flare_core.plugins import Registry
 from flare_core.prepare.assets import FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
-from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks, scale_name
+from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
 
@@ -150,8 +150,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         rows, cols = blocks.block
         kept = "; the core holds no fp8 weights" if not quantized else \
             ", except the 128x128 blocks that --quantize fp8 keeps as published"
-        quantize_notes = (f"fp8 checkpoint: float8_e4m3fn weights are dequantized (one weight_scale_inv per "
-                          f"{rows}x{cols} block) to the dtype of the weights line (--dtype){kept}",)
+        experts = "" if blocks.experts == "fp8" else \
+            " and FP4 routed experts (e2m1, one power-of-two scale per row and 32 columns)"
+        quantize_notes = (f"fp8 checkpoint: float8_e4m3fn weights (one scale per {rows}x{cols} block){experts} are "
+                          f"dequantized to the dtype of the weights line (--dtype){kept}",)
     if quantized:
         whole = weight_bytes
         weight_bytes = _fp8_weight_bytes(skeleton, quantized)
@@ -279,14 +281,14 @@ def _published_blocks(name: str, prepared: torch.Tensor,
     names = set(raw)
     weights, scales = [], []
     for parts, target in zip(groups, prepared if packed else [prepared]):
-        if not all(part in names and scale_name(part) in names for part in parts):
+        if not all(part in names and checkpoint.scale_of(part) is not None for part in parts):
             return None
         pieces = [raw[part] for part in parts]
         if any(w.dtype != torch.float8_e4m3fn or w.dim() != 2 for w in pieces) or \
                 any(w.shape[0] % BLOCK[0] for w in pieces[:-1]):
             return None
         weight = torch.cat(pieces)
-        scale = torch.cat([raw[scale_name(part)].float() for part in parts])
+        scale = torch.cat([raw[checkpoint.scale_of(part)].float() for part in parts])
         if tuple(weight.shape) != tuple(target.shape) or \
                 not torch.equal(dequantize_blocks(weight, scale, dtype=target.dtype), target):
             return None

@@ -12,6 +12,7 @@ float8_e4m3fn Linear weights with float32 `weight_scale_inv` block scales and a 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
+from flare_core.ops.fp4 import dequantize_fp4
 from flare_core.ops.fp8 import quantize_blocks
 
 UNKNOWN = "<unk>"
@@ -323,3 +325,66 @@ def write_v4_checkpoint(directory: Path, config=None) -> torch.nn.Module:
     (directory / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
     return model
+
+
+def quantize_fp4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [rows, cols / 2] e2m1 pairs, float8_e8m0fnu scale [rows, cols / 32]) of a [rows, cols]
+    weight as DeepSeek V4 publishes its routed experts (flare_core.ops.fp4): per group of 32
+    columns, the smallest power of two that brings the largest magnitude to at most 6, each value
+    rounded to the nearest e2m1 magnitude."""
+    from flare_core.ops.fp4 import E2M1, GROUP
+
+    groups = weight.float().unflatten(-1, (-1, GROUP))
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6.0))), torch.ones_like(amax))
+    scaled = (groups / scale[..., None]).flatten(-2)
+    magnitudes = torch.tensor(E2M1[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    codes = torch.where(scaled < 0, codes + 8, codes).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.view(torch.int8).contiguous(), scale.to(torch.float8_e8m0fnu).contiguous()
+
+
+def quantize_fp8_powers(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float8_e8m0fnu scale per block) with scale_fmt ue8m0: each block's
+    scale the smallest power of two that brings its largest magnitude to at most 448."""
+    _, scale_inv = quantize_blocks(weight, block)
+    powers = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    expanded = powers.repeat_interleave(block[0], 0)[:weight.shape[0]].repeat_interleave(block[1], 1)[:, :weight.shape[1]]
+    return (weight.float() / expanded).clamp(-448, 448).to(torch.float8_e4m3fn), powers.to(torch.float8_e8m0fnu)
+
+
+# The linear weights DeepSeek V4 keeps out of FP8: the router, and the compressors' and the
+# indexer's pooling projections, which Transformers keeps in float32 (`_keep_in_fp32_modules`).
+V4_UNQUANTIZED = re.compile(r"\.ffn\.gate\.weight$|\.compressor\.(wkv|wgate)\.weight$|\.indexer\.weights_proj\.weight$")
+V4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def publish_v4_quantized(directory: Path) -> dict[str, torch.Tensor]:
+    """Rewrite the V4 checkpoint in `directory` (`save_v4_as_published`) the way DeepSeek publishes
+    V4 Flash: routed experts in FP4 (`quantize_fp4_groups`), the other linear weights of the layers
+    in FP8 with power-of-two block scales (`quantize_fp8_powers`), each scale as `X.scale` beside
+    `X.weight`; config.json gains "expert_dtype": "fp4" and the fp8 quantization_config with
+    scale_fmt ue8m0. Returns the tensors as a model sees them after dequantization (float32,
+    on-disk names)."""
+    directory = Path(directory)
+    path = directory / "model.safetensors"
+    stored, dequantized = {}, {}
+    for name, tensor in load_file(path).items():
+        scale = name.removesuffix(".weight") + ".scale"
+        if V4_EXPERT.search(name):
+            stored[name], stored[scale] = quantize_fp4_groups(tensor)
+            dequantized[name] = dequantize_fp4(stored[name], stored[scale])
+        elif name.startswith("layers.") and tensor.dim() == 2 and name.endswith(".weight") \
+                and not V4_UNQUANTIZED.search(name):
+            stored[name], stored[scale] = quantize_fp8_powers(tensor)
+            dequantized[name] = dequantize_fp8_blocks(stored[name], stored[scale].float(), (128, 128))
+        else:
+            stored[name] = dequantized[name] = tensor
+    save_file(stored, path, metadata={"format": "pt"})
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("quantization_config", None)
+    config_file.write_text(json.dumps({**config, "expert_dtype": "fp4",
+                                       "quantization_config": fp8_quantization_config(scale_fmt="ue8m0")}))
+    return dequantized

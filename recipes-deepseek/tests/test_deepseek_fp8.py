@@ -65,8 +65,8 @@ def test_fp8_export_serves_the_dequantized_model(fp8_checkpoint, tmp_path):
     core, plan, config_path = export_checkpoint(directory, tmp_path / "flare", "--recipe", "deepseek-v3.1",
                                                 "--dtype", "float32", "--max-concurrency", "2",
                                                 "--context-length", "256", "--prefill-chunk-size", "64")
-    assert ("note          fp8 checkpoint: float8_e4m3fn weights are dequantized (one weight_scale_inv per 32x32 "
-            "block) to the dtype of the weights line (--dtype)") in plan
+    assert ("note          fp8 checkpoint: float8_e4m3fn weights (one scale per 32x32 block) are dequantized to the "
+            "dtype of the weights line (--dtype)") in plan
     assert "as float32" in plan
     reference = dequantized_reference(directory, dequantized, tmp_path / "dequantized")
     assert_core_matches(core, config_path, reference)
@@ -201,7 +201,7 @@ def test_fp8_configs_are_accepted(quantization):
     (fp8_quantization_config(fmt="e5m2"), "quantization_config.fmt", "'e5m2'"),
     (fp8_quantization_config(weight_block_size=None), "quantization_config.weight_block_size", "per-tensor"),
     (fp8_quantization_config(weight_block_size=[128]), "quantization_config.weight_block_size", "[128]"),
-    (fp8_quantization_config(expert_dtype="fp4"), "quantization_config.expert_dtype", "fp4"),
+    (fp8_quantization_config(expert_dtype="int4"), "quantization_config.expert_dtype", "int4"),
     (fp8_quantization_config(scale_fmt="mx"), "quantization_config.scale_fmt", "'mx'"),
 ])
 def test_unsupported_quantization_is_rejected(quantization, field, message):

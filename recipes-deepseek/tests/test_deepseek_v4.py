@@ -182,15 +182,6 @@ def test_a_page_that_would_split_a_record_is_refused(tmp_path):
         export_checkpoint(checkpoint, tmp_path / "flare", "--dtype", "float32", "--page-tokens", "16")
 
 
-def test_fp4_experts_are_refused_with_the_field_named():
-    from flare_recipe_deepseek.v4 import check_config
-
-    config = tiny_config()
-    config.quantization_config = {"quant_method": "fp8", "expert_dtype": "fp4"}
-    with pytest.raises(ValueError, match=r"quantization_config.expert_dtype.*'fp4' experts are not read yet"):
-        check_config(config)
-
-
 def test_a_bfloat16_model_keeps_the_tensors_transformers_keeps_in_float32(reference, tmp_path):
     """mHC weights, sinks, pooling biases, norms and the router bias stay float32 in a bfloat16
     model, tensor for tensor as Transformers loads it."""

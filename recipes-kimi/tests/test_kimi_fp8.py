@@ -43,7 +43,7 @@ def test_fp8_kimi_checkpoint_exports_and_serves_the_dequantized_model(tmp_path):
                                                 "--max-concurrency", "2", "--context-length", "256",
                                                 "--prefill-chunk-size", "64")
     assert "recipe        kimi-k2 0.1.0 (DeepseekV3ForCausalLM)" in plan  # chosen by model_type
-    assert "fp8 checkpoint: float8_e4m3fn weights are dequantized (one weight_scale_inv per 128x128 block)" in plan
+    assert "fp8 checkpoint: float8_e4m3fn weights (one scale per 128x128 block) are dequantized" in plan
     reference = dequantized_reference(directory, dequantized, tmp_path / "dequantized")
     assert_core_matches(core, config_path, reference)
 
