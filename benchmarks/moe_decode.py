@@ -24,6 +24,7 @@ op alone at one token for several tile choices first (op_sweep).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -222,7 +223,11 @@ def main() -> None:
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         runs[implementation] = decode(config, model, recipe, device, args.batch, args.context, args.steps,
                                       args.profile if implementation == "flare" else None)
+        # Compiled code keeps the model's tensors alive until dynamo forgets it: two 74 GB models
+        # (deepseek-v3-4l) do not fit the GPU together.
         del model
+        torch._dynamo.reset()
+        gc.collect()
         torch.cuda.empty_cache()
         print(implementation, json.dumps(runs[implementation]), flush=True)
     roofline = {}
