@@ -400,7 +400,7 @@ def run_builder(builder, pieces, outcome, start: bool = False) -> dict:
 
 def parsed_pieces(state, text: str, chunk: int = 3) -> list[Piece]:
     """The real parsers fed a model output in small pieces, as the engine's text deltas arrive."""
-    parser = output_parser(state.frontend, "<|im_start|>assistant\n", tools=True)
+    parser = output_parser(state.frontend, "<|im_start|>assistant\n", parse_tools=True)
     assert isinstance(parser, OutputParser)
     deltas = [parser.feed(text[start:start + chunk]) for start in range(0, len(text), chunk)] + [parser.finish()]
     return [Piece(delta) for delta in deltas if delta]

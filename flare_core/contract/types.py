@@ -381,13 +381,16 @@ class Parser:
     text that closes reasoning, one token of the vocabulary; a grammar constraining the output
     (structured output) applies after it, unless the prompt already ends with it. `call_format`
     (tool parsers): how calls are written, so that a request can force them; None: forced calls
-    are refused on cores using this parser."""
+    are refused on cores using this parser. `reads_tools` (tool parsers): the factory is called as
+    `factory(tools=...)` with the request's tools in the OpenAI function shape, for formats whose
+    argument values take their types from the tools' schemas (Qwen's XML calls)."""
 
     id: str
     kind: str
     factory: Callable[..., Any]
     closing: str | None = None
     call_format: ToolCallFormat | None = None
+    reads_tools: bool = False
 
     def __post_init__(self) -> None:
         _check_name(self.id, "Parser", "id")
@@ -400,7 +403,12 @@ class Parser:
                         starts_in_reasoning=False)
         else:
             _require(self.closing is None, f"Parser({self.id})", "closing", "is for reasoning parsers only")
-            _check_call(self.factory, f"Parser({self.id})", "factory", "factory()")
+            if self.reads_tools:
+                _check_call(self.factory, f"Parser({self.id})", "factory", "factory(tools=[...])", tools=())
+            else:
+                _check_call(self.factory, f"Parser({self.id})", "factory", "factory()")
+        _require(isinstance(self.reads_tools, bool) and (self.kind == "tool" or not self.reads_tools),
+                 f"Parser({self.id})", "reads_tools", "is a bool, true for tool parsers only")
         _require(self.call_format is None or (self.kind == "tool" and isinstance(self.call_format, ToolCallFormat)),
                  f"Parser({self.id})", "call_format", "is a ToolCallFormat, for tool parsers only")
 

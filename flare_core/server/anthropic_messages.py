@@ -233,7 +233,7 @@ def parse_messages_request(state: ServerState, body: dict[str, Any], request_id:
     grammar = one_spec(anthropic_format((values["output_config"] or {}).get("format")), calls)
     request = constrained(frontend, request, grammar, prompt.text)
     return MessagesCall(model, values["stream"], prompt, request, sampling, parse_tools,
-                        stop_sequences=stop_sequences)
+                        tools=tuple(anthropic_tools(values["tools"]) or ()), stop_sequences=stop_sequences)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -193,8 +193,9 @@ def _ollama_messages(raw: list | None) -> list[dict[str, Any]]:
 
 
 def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], model: str, prompt: Prompt,
-          parse_tools: bool, request_id: str) -> Call:
-    """`values`: the body's fields as its spec read them."""
+          tools: list | None, request_id: str) -> Call:
+    """`values`: the body's fields as its spec read them; `tools`: the request's tools, whose calls
+    are parsed out of the output (None: none are)."""
     frontend = state.frontend
     options = values["options"] or {}
     option_values = OPTIONS_SPEC.read(options)
@@ -210,7 +211,7 @@ def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], mode
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 message_ends=prompt.message_ends, request_id=request_id)
     request = constrained(frontend, request, ollama_format(body.get("format")), prompt.text)
-    return Call(model, values["stream"], prompt, request, sampling, parse_tools)
+    return Call(model, values["stream"], prompt, request, sampling, tools is not None, tools=tuple(tools or ()))
 
 
 def _within_num_ctx(num_ctx: int | None, prompt_tokens: int, requested: int | None, context: int) -> int | None:
@@ -315,7 +316,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     tools = openai_tools(values["tools"])
     prompt = chat_prompt(state.frontend, messages, tools=tools,
                          options=template_options(state.frontend, thinking=_think(values["think"])))
-    return _call(state, body, values, model, prompt, tools is not None, request_id)
+    return _call(state, body, values, model, prompt, tools, request_id)
 
 
 def _load_reply(state: ServerState, body: dict[str, Any], text_key: str | None) -> dict[str, Any] | None:
@@ -374,7 +375,7 @@ def parse_generate_request(state: ServerState, body: dict[str, Any], request_id:
         messages.append({"role": "user", "content": text})
         prompt = chat_prompt(state.frontend, messages, tools=None,
                              options=template_options(state.frontend, thinking=_think(values["think"])))
-    return _call(state, body, values, model, prompt, False, request_id)
+    return _call(state, body, values, model, prompt, None, request_id)
 
 
 def add_routes(app: web.Application) -> None:

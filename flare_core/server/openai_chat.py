@@ -83,7 +83,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
                                            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=True)
     request = constrained(frontend, request, grammar, prompt.text)
     return ChatCall(model, stream, prompt, request, sampling, parse_tools, read_choices(state, values["n"]),
-                    include_usage=include_usage)
+                    tuple(tools or ()), include_usage=include_usage)
 
 
 def tool_calls_json(output: ParsedOutput) -> list[dict[str, Any]] | None:

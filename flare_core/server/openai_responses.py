@@ -179,7 +179,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
         "store": False,
         "user": values["user"],
     }
-    return ResponsesCall(model, stream, prompt, request, sampling, parse_tools,
+    return ResponsesCall(model, stream, prompt, request, sampling, parse_tools, tools=tuple(tools or ()),
                          echo=echo)
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from flare_core.contract import CacheSchemeFactory, Recipe, TemplatePatch
+from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
+from flare_recipe_qwen.parsers import QwenXmlToolParser
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE, QWEN3_NEXT
 from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
 
@@ -24,3 +25,11 @@ def flare_cache_schemes() -> list[CacheSchemeFactory]:
     return [CacheSchemeFactory("gated-deltanet-hybrid", gated_deltanet_hybrid_scheme,
                                "K/V pages for the full-attention layers; convolution window and recurrent "
                                "state rows for the Gated DeltaNet layers")]
+
+
+@hookimpl
+def flare_parsers() -> list[Parser]:
+    # Qwen3-Coder's and Qwen3.5's XML calls: argument values typed by the request's tool schemas;
+    # no call_format (the arguments are no JSON object a grammar could force), so forced calls
+    # are refused on cores using it.
+    return [Parser("qwen3-xml", "tool", QwenXmlToolParser, reads_tools=True)]

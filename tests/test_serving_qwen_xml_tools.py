@@ -1,0 +1,101 @@
+"""Qwen's XML tool calls (Qwen3-Coder, Qwen3.5) through a real `flare run` and the openai SDK: the
+`qwen3-xml` parser (flare-recipe-qwen) is given the request's tools and types each argument value
+by its schema, so "10115" declared a string stays a string and "3" declared an integer is 3.
+
+The test-only scripted recipe `scripted-qwen-xml` (tests/plugins/flare-recipe-scripted) emits a
+fixed script after one known prompt: here a reasoning block, a sentence and one XML call.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import add_qwen_frontend_files, tiny_qwen3_config
+from server_process import ServerProcess
+
+SERVED = "scripted-qwen-xml"
+QUESTION = [{"role": "user", "content": "Weather at Berlin 10115 for three days?"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Forecast for a postal code.",
+    "parameters": {"type": "object", "properties": {"zip": {"type": "string"}, "days": {"type": "integer"},
+                                                     "metric": {"type": "boolean"}},
+                   "required": ["zip", "days"]}}}]
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=zip>\n10115\n</parameter>\n<parameter=days>\n3\n"
+        "</parameter>\n<parameter=metric>\nTrue\n</parameter>\n</function>\n</tool_call>")
+SCRIPT = f"<think>\nA forecast tool fits.\n</think>\n\nChecking.\n\n{CALL}"
+ARGUMENTS = {"zip": "10115", "days": 3, "metric": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, session_flare, qwen3_checkpoint):
+    from transformers import AutoTokenizer
+
+    from flare_core.plugins import load_registry
+
+    if SERVED not in load_registry().recipes:
+        pytest.fail("the test-only recipe plugin is not installed: pip install --no-deps --no-build-isolation -e "
+                    "tests/plugins/flare-recipe-scripted")
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_checkpoint)
+    prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
+                                           tokenize=True)["input_ids"]
+    directory = tmp_path_factory.mktemp("scripted-qwen-xml") / "checkpoint"
+    directory.mkdir()
+    tiny_qwen3_config(architectures=["ScriptedQwenXmlForCausalLM"]).save_pretrained(directory)
+    save_file({"script": torch.tensor(tokenizer.encode(SCRIPT, add_special_tokens=False), dtype=torch.int64),
+               "prompt_length": torch.tensor(len(prompt), dtype=torch.int64)}, str(directory / "model.safetensors"))
+    add_qwen_frontend_files(directory)
+    core = session_flare.export(directory, "--dtype", "float32")
+    process = ServerProcess(session_flare.config_path, core, directory.parent / "server.log", "--served-name", SERVED)
+    try:
+        yield process.wait_ready(), len(prompt)
+    finally:
+        process.stop()
+
+
+def _client(process):
+    import openai
+
+    return openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_the_call_comes_back_with_arguments_typed_by_the_schema(served):
+    process, prompt_tokens = served
+    response = _client(process).chat.completions.create(model=SERVED, messages=QUESTION, tools=TOOLS, max_tokens=200,
+                                                        temperature=0)
+    assert response.usage.prompt_tokens == prompt_tokens
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "A forecast tool fits."
+    assert choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGUMENTS
+
+
+def test_streamed_arguments_join_to_the_same_call(served):
+    process, _ = served
+    stream = _client(process).chat.completions.create(model=SERVED, messages=QUESTION, tools=TOOLS, max_tokens=200,
+                                                      temperature=0, stream=True)
+    names, pieces, finish = [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            names += [delta.function.name] if delta.function.name else []
+            pieces.append(delta.function.arguments or "")
+    assert names == ["get_weather"] and finish == "tool_calls"
+    assert json.loads("".join(pieces)) == ARGUMENTS and len([p for p in pieces if p]) >= 3  # member by member
+
+
+def test_a_forced_call_is_refused_naming_the_format(served):
+    import openai
+
+    process, _ = served
+    with pytest.raises(openai.BadRequestError) as error:
+        _client(process).chat.completions.create(model=SERVED, messages=QUESTION, tools=TOOLS, max_tokens=20,
+                                                 tool_choice="required")
+    assert "tool_choice" in str(error.value)
