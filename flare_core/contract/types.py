@@ -495,6 +495,10 @@ class Recipe:
     not loaded, approximations), or None when there is nothing to say.
     `tensor_parallel`: how the model splits over tensor-parallel ranks (flare_core.parallel);
     None: it runs on one device only.
+    `served_config(config)` returns the config the served model is built from, given the
+    checkpoint's config.json (the text model's of a vision-language checkpoint: its
+    `text_config`); every other callable, the cache scheme, the plan and the core's manifest then
+    see that config. None: the checkpoint's own.
     """
 
     name: str
@@ -519,6 +523,7 @@ class Recipe:
     # file); export calls it before the generic vocab.json + merges.txt route.
     tokenizer_builder: Callable[[Any], str] | None = None
     tensor_parallel: TensorParallelSpec | None = None
+    served_config: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -539,7 +544,8 @@ class Recipe:
         _require(all(isinstance(t, str) and t for t in self.model_types), obj, "model_types",
                  f"must be non-empty strings, got {self.model_types!r}")
         for name, argument in (("check_config", "config"), ("demo_checkpoint", "directory"),
-                               ("plan_notes", "config"), ("tokenizer_builder", "directory")):
+                               ("plan_notes", "config"), ("tokenizer_builder", "directory"),
+                               ("served_config", "config")):
             if getattr(self, name) is not None:
                 _check_call(getattr(self, name), obj, name, f"{name}({argument}) or None", None)
         _require(self.tensor_parallel is None or isinstance(self.tensor_parallel, TensorParallelSpec), obj,

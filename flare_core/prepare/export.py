@@ -106,8 +106,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                           f"split over ranks yet (export one or the other)")
     source = resolve_model(request.model, registry, config.paths.hub_cache, request.offline)
     checkpoint = open_checkpoint(source.path, request.dtype)
-    model_config = checkpoint.config
     recipe = choose_recipe(registry, source, checkpoint, request.recipe)
+    published = checkpoint.config  # config.json as published: its architecture and quantization
+    if recipe.served_config is not None:
+        checkpoint.config = recipe.served_config(published)
+    model_config = checkpoint.config
+    architecture = (published.architectures or ["?"])[0]
     if recipe.check_config is not None:
         try:
             recipe.check_config(model_config)
@@ -115,7 +119,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             where = source.path if source.kind == "gguf" else source.path / "config.json"
             raise ExportError(f"{where}: the config is not supported by recipe {recipe.name}: {exc}") from exc
     try:
-        blocks = fp8_blocks(model_config)
+        blocks = fp8_blocks(published)
     except Fp8ConfigError as exc:
         raise ExportError(f"{source.path / 'config.json'}: {exc}") from exc
     # Recipes read float32 weights: an fp8 checkpoint's are dequantized through their block scales.
@@ -171,7 +175,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         rank_notes, rank_skeleton = _rank_notes(recipe, model_config, rank_model, ranks), dict(rank_model.state_dict())
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
-        architecture=(model_config.architectures or ["?"])[0], dtype=request.dtype, parameters=parameters,
+        architecture=architecture, dtype=request.dtype, parameters=parameters,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
         notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
@@ -192,7 +196,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks; "
                  f"{len(quantized) - fp8_count} dequantized to {request.dtype} (their parts do not line up in "
                  f"128x128 blocks, or the checkpoint keeps them unquantized)")
-    manifest = _manifest(recipe, registry, source, model_config, request.dtype, capacities, scheme, assets)
+    manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
+                         assets)
     manifest["tensor_parallel"] = ranks
     if fp8_count:
         manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
@@ -388,7 +393,7 @@ def _config_dict(model_config) -> dict:
     return config
 
 
-def _manifest(recipe: Recipe, registry: Registry, source: ModelSource, model_config, dtype: str,
+def _manifest(recipe: Recipe, registry: Registry, source: ModelSource, architecture: str, model_config, dtype: str,
               capacities, scheme, assets: FrontendAssets) -> dict:
     owner = registry.owners[recipe.name]
     sampling = recipe.sampling
@@ -398,7 +403,7 @@ def _manifest(recipe: Recipe, registry: Registry, source: ModelSource, model_con
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": {"name": recipe.name, "version": recipe.version, "plugin": owner.distribution,
                    "plugin_version": owner.version},
-        "architecture": {"name": (model_config.architectures or ["?"])[0], "model_type": model_config.model_type,
+        "architecture": {"name": architecture, "model_type": model_config.model_type,
                          "config": _config_dict(model_config)},
         "dtype": dtype,
         "capacities": dataclasses.asdict(capacities),

@@ -32,13 +32,30 @@ def check_qwen3_moe_config(config: Any) -> None:
 
 
 def check_qwen3_next_config(config: Any) -> None:
-    _check_common(config, "qwen3_next")
+    _check_hybrid(config, "qwen3_next", "qwen3-next")
+
+
+def check_qwen3_5_config(config: Any) -> None:
+    _check_hybrid(config, "qwen3_5_text", "qwen3.5")
+
+
+def check_qwen3_5_moe_config(config: Any) -> None:
+    _check_hybrid(config, "qwen3_5_moe_text", "qwen3.5-moe")
+    if config.num_experts_per_tok > config.num_experts:
+        raise ContractError(type(config).__name__, "num_experts_per_tok",
+                            f"{config.num_experts_per_tok} exceeds num_experts {config.num_experts}")
+
+
+def _check_hybrid(config: Any, model_type: str, recipe: str) -> None:
+    """A Gated DeltaNet hybrid's config (flare_recipe_qwen.hybrid)."""
+    _check_common(config, model_type)
+    obj = type(config).__name__
     kinds = set(config.layer_types)
     if not kinds <= {"linear_attention", "full_attention"}:
-        raise ContractError("Qwen3NextConfig", "layer_types", f"holds {sorted(kinds)}; recipe qwen3-next implements "
+        raise ContractError(obj, "layer_types", f"holds {sorted(kinds)}; recipe {recipe} implements "
                             "linear_attention (Gated DeltaNet) and full_attention layers")
     if config.linear_num_value_heads % config.linear_num_key_heads != 0:
-        raise ContractError("Qwen3NextConfig", "linear_num_key_heads", f"{config.linear_num_key_heads} does not divide "
+        raise ContractError(obj, "linear_num_key_heads", f"{config.linear_num_key_heads} does not divide "
                             f"linear_num_value_heads {config.linear_num_value_heads}")
 
 

@@ -6,13 +6,13 @@ from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatc
 from flare_core.plugins import hookimpl
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
 from flare_recipe_qwen.parsers import QwenXmlToolParser
-from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE, QWEN3_NEXT
+from flare_recipe_qwen.recipes import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT
 from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
 
 
 @hookimpl
 def flare_recipes() -> list[Recipe]:
-    return [QWEN3, QWEN3_MOE, QWEN3_NEXT]
+    return [QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE]
 
 
 @hookimpl

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 from importlib import resources
 from typing import Callable
 
 from flare_core.contract import (
     SAMPLING_LIMITS, Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy, TensorParallelSpec,
 )
-from flare_recipe_qwen.checks import check_qwen3_config, check_qwen3_moe_config, check_qwen3_next_config
+from flare_recipe_qwen.checks import (
+    check_qwen3_5_config, check_qwen3_5_moe_config, check_qwen3_config, check_qwen3_moe_config, check_qwen3_next_config,
+)
 from flare_recipe_qwen.modeling import build_model
-from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
-from flare_recipe_qwen.weights import map_weights
+from flare_recipe_qwen.templates import QWEN3_5_TEMPLATE_PATCH, QWEN_TEMPLATE_PATCHES
+from flare_recipe_qwen.weights import map_text_model_weights, map_weights
 
 RECIPE_VERSION = "0.1.0"
 
@@ -140,4 +143,88 @@ QWEN3_NEXT = Recipe(
     assets=QWEN3_ASSETS,
     check_config=check_qwen3_next_config,
     plan_notes=qwen3_next_plan_notes,
+)
+
+
+# Qwen3.5 (Gated DeltaNet + gated attention; dense and MoE), published as vision-language checkpoints
+# (Qwen3_5ForConditionalGeneration): the text model is served, the vision tower is not read.
+QWEN3_5_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3.5-35B-A3B#best-practices"
+
+# The model card's "Best Practices", thinking mode (the default) for general tasks: temperature=1.0,
+# top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5, repetition_penalty=1.0. Read in a serving
+# guide that quotes the card's table verbatim (the card itself was not reachable from here).
+QWEN3_5_SAMPLING = SamplingPolicy(
+    defaults={"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
+    ranges={**SAMPLING_LIMITS, "presence_penalty": Range(0.0, 2.0)},
+    source=QWEN3_5_MODEL_CARD,
+)
+
+# Qwen3.5's template opens the reasoning block in the generation prompt (thinking on unless
+# enable_thinking is false) and writes tool calls in Qwen's XML format.
+QWEN3_5_FRONTEND = FrontendSpec(
+    reasoning_parser="think",
+    tool_parser="qwen3-xml",
+    template_patches=(QWEN3_5_TEMPLATE_PATCH.id,),
+    required_tokens=("<|im_start|>", "<|im_end|>"),
+    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    template_options={"enable_thinking": True},
+)
+
+VISION_LANGUAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def text_model_config(config):
+    """The config of the text model the Qwen3.5 recipes serve: a vision-language checkpoint's
+    text_config, with the checkpoint's tie_word_embeddings (Transformers ties the head by the
+    outer config); a text-only checkpoint's own config."""
+    if config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
+        return config
+    text = copy.deepcopy(config.text_config)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text
+
+
+def qwen3_5_plan_notes(config) -> tuple[str, ...]:
+    return ("Gated DeltaNet layers keep per-request state: served on the CPU reference path only "
+            "(the CUDA graph executor does not run them yet); prefix reuse at message boundaries and prompt ends",
+            "text only: the vision tower (model.visual.*) and the multi-token-prediction layers (mtp.*) stay in "
+            "the checkpoint; image and video content is refused")
+
+
+QWEN3_5 = Recipe(
+    name="qwen3.5",
+    version=RECIPE_VERSION,
+    architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+    model_types=("qwen3_5", "qwen3_5_text"),
+    aliases=(Alias("qwen3.5-27b", "Qwen/Qwen3.5-27B"),),
+    sampling=QWEN3_5_SAMPLING,
+    frontend=QWEN3_5_FRONTEND,
+    cache_scheme="gated-deltanet-hybrid",
+    capacities=Capacities(),
+    build_model=build_model,
+    map_weights=map_text_model_weights,
+    description="Qwen3.5 dense models, text (Gated DeltaNet + gated attention; Transformers Qwen3_5ForCausalLM), "
+                "CPU reference path",
+    check_config=check_qwen3_5_config,
+    plan_notes=qwen3_5_plan_notes,
+    served_config=text_model_config,
+)
+
+QWEN3_5_MOE = Recipe(
+    name="qwen3.5-moe",
+    version=RECIPE_VERSION,
+    architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+    model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+    aliases=(Alias("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B"), Alias("qwen3.5-397b-a17b", "Qwen/Qwen3.5-397B-A17B")),
+    sampling=QWEN3_5_SAMPLING,
+    frontend=QWEN3_5_FRONTEND,
+    cache_scheme="gated-deltanet-hybrid",
+    capacities=Capacities(),
+    build_model=build_model,
+    map_weights=map_text_model_weights,
+    description="Qwen3.5 mixture-of-experts models, text (Gated DeltaNet + gated attention; Transformers "
+                "Qwen3_5MoeForCausalLM), CPU reference path",
+    check_config=check_qwen3_5_moe_config,
+    plan_notes=qwen3_5_plan_notes,
+    served_config=text_model_config,
 )

@@ -26,6 +26,11 @@ when they are reused; once a new user query arrives, the earlier reasoning is
 dropped and those checkpoints simply stop matching (prefix reuse compares tokens,
 so a stale checkpoint is never used wrongly).
 
+Qwen3.5's template (Qwen3.5-27B, -35B-A3B, ...: images and videos in content, Qwen's XML tool
+calls, a reasoning block opened by the generation prompt) follows the same rules and gets the
+same marks: after the tools preamble or system message, each user message and the end of a run
+of tool messages.
+
 Offsets are byte offsets into the exact published template bytes (see the
 fixtures' SOURCES.md for their provenance), computed with
 `flare_core.frontend.make_template_patch`.
@@ -66,8 +71,17 @@ QWEN2_5_TEMPLATE_PATCH = TemplatePatch(
     ),
 )
 
+QWEN3_5_TEMPLATE_PATCH = TemplatePatch(
+    # Qwen/Qwen3.5-35B-A3B's chat_template.jinja (recipes-qwen/tests/fixtures/qwen3.5/SOURCES.md).
+    id="qwen3.5-v1",
+    source_sha256="a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715",
+    result_sha256="609e5afe05f79e961c214e07637c0de883d8e48909e5a7fb403a8a06007a48f2",
+    insertions=((3364, MARK_TAG), (3567, MARK_TAG), (4666, MARK_TAG), (7312, MARK_TAG), (7376, MARK_TAG)),
+)
+
 QWEN_TEMPLATE_PATCHES: tuple[TemplatePatch, ...] = (
     QWEN3_V1_TEMPLATE_PATCH,
     QWEN3_V2_TEMPLATE_PATCH,
     QWEN2_5_TEMPLATE_PATCH,
+    QWEN3_5_TEMPLATE_PATCH,
 )

@@ -9,13 +9,49 @@ checkpoint has no `lm_head.weight` and needs none. Checkpoint tensors nobody nee
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from flare_core.ops.weights import checkpoint_reader, prepare_weights
 from flare_recipe_qwen.modeling import build_model
+
+
+# Qwen3.5's vision-language checkpoints keep the text model under `model.language_model.` (the vision
+# tower under `model.visual.`, unused here); Transformers' conversion for qwen3_5_text strips it.
+LANGUAGE_MODEL = "model.language_model."
+
+
+def text_model_names(checkpoint: Mapping[str, Tensor]) -> dict[str, str]:
+    """Transformers' text-model name (`model.layers.0...`, `lm_head.weight`) -> checkpoint name,
+    for checkpoints that hold the text model under `model.language_model.` and for text-only ones."""
+    names = {name: name for name in checkpoint}
+    names.update({"model." + name[len(LANGUAGE_MODEL):]: name for name in checkpoint if name.startswith(LANGUAGE_MODEL)})
+    return names
+
+
+def map_text_model_weights(config: Any, checkpoint: Mapping[str, Tensor],
+                           dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """`map_weights` of a text model read from a vision-language checkpoint (or a text-only one)."""
+    yield from map_weights(config, _Renamed(checkpoint, text_model_names(checkpoint)), dtype)
+
+
+class _Renamed(Mapping):
+    """`checkpoint` under the names `names` gives it (tensors read on access)."""
+
+    def __init__(self, checkpoint: Mapping[str, Tensor], names: dict[str, str]):
+        self._checkpoint, self._names = checkpoint, names
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._checkpoint[self._names[name]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:

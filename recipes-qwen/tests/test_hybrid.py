@@ -169,3 +169,20 @@ def test_preempted_requests_resume_from_their_snapshots_exactly(reference):
             sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
             expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
             torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_5_recipes_serve_the_text_model_of_the_published_config():
+    from transformers import Qwen3_5Config
+
+    from flare_core.contract import ContractError
+    from flare_recipe_qwen.recipes import QWEN3_5, text_model_config
+
+    published = Qwen3_5Config(text_config=SMALL, tie_word_embeddings=True)
+    served = text_model_config(published)
+    assert served.model_type == "qwen3_5_text" and served.tie_word_embeddings is True
+    assert published.text_config.tie_word_embeddings is False  # the published config is left as it is
+    assert text_model_config(served) is served  # a text-only checkpoint's config is its own
+    QWEN3_5.check_config(served)
+    served.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ContractError, match=r"layer_types.*recipe qwen3.5 implements linear_attention"):
+        QWEN3_5.check_config(served)

@@ -19,6 +19,7 @@ from flare_core.frontend import (
 )
 from flare_recipe_qwen.templates import (
     QWEN2_5_TEMPLATE_PATCH,
+    QWEN3_5_TEMPLATE_PATCH,
     QWEN3_V1_TEMPLATE_PATCH,
     QWEN3_V2_TEMPLATE_PATCH,
     QWEN_TEMPLATE_PATCHES,
@@ -30,9 +31,14 @@ SOURCES = {
     QWEN3_V1_TEMPLATE_PATCH.id: (CORE_TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_bytes().decode("utf-8"),
     QWEN3_V2_TEMPLATE_PATCH.id: (ASSETS / "qwen3.jinja").read_bytes().decode("utf-8"),
     QWEN2_5_TEMPLATE_PATCH.id: (CORE_TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_bytes().decode("utf-8"),
+    # Qwen3.5's own tokenizer is not a fixture: its prompts are tokenized with Qwen3's here, whose
+    # <|im_start|> / <|im_end|> are the same special tokens.
+    QWEN3_5_TEMPLATE_PATCH.id: (Path(__file__).parent / "fixtures" / "qwen3.5" / "chat_template.jinja").read_bytes()
+    .decode("utf-8"),
 }
 PATCHES = {patch.id: patch for patch in QWEN_TEMPLATE_PATCHES}
-QWEN3_IDS = (QWEN3_V1_TEMPLATE_PATCH.id, QWEN3_V2_TEMPLATE_PATCH.id)
+# Templates with Qwen3's marks (no mark after assistant messages).
+QWEN3_IDS = (QWEN3_V1_TEMPLATE_PATCH.id, QWEN3_V2_TEMPLATE_PATCH.id, QWEN3_5_TEMPLATE_PATCH.id)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +130,7 @@ CONVERSATIONS = {
 
 
 def test_patches_fit_the_published_templates_exactly():
-    assert len(PATCHES) == len(QWEN_TEMPLATE_PATCHES) == 3
+    assert len(PATCHES) == len(QWEN_TEMPLATE_PATCHES) == 4
     for patch_id, source in SOURCES.items():
         annotated = apply_template_patch(source, PATCHES[patch_id])
         assert annotated.count(MARK_TAG) == len(PATCHES[patch_id].insertions)
@@ -152,7 +158,10 @@ def token_count_of_prefix(tokenizer: Tokenizer, template: ChatTemplate, messages
     return len(tokenizer.encode(prefix))
 
 
-@pytest.mark.parametrize("patch_id", sorted(SOURCES))
+# Qwen3.5's template renders a prefix of a conversation differently from the conversation (it
+# refuses one without a user message, and writes an empty reasoning block into assistant turns
+# after the last user query): its marks are checked against the blocks of the whole rendering.
+@pytest.mark.parametrize("patch_id", sorted(set(SOURCES) - {QWEN3_5_TEMPLATE_PATCH.id}))
 @pytest.mark.parametrize("conversation_name", sorted(CONVERSATIONS))
 def test_marks_end_complete_messages(tokenizer, templates, patch_id, conversation_name):
     messages, tools, qwen3_counts, qwen2_5_counts = CONVERSATIONS[conversation_name]
@@ -166,6 +175,32 @@ def test_marks_end_complete_messages(tokenizer, templates, patch_id, conversatio
             token_count_of_prefix(tokenizer, published, messages, tools, count, rendered.text) for count in counts
         )
         assert endpoints == expected
+
+
+def blocks(messages, tools) -> int:
+    """The `<|im_start|>` blocks Qwen's templates write for `messages`: the tools preamble or the
+    system message, each user and assistant message, one user block per run of tool messages."""
+    count = 1 if tools or (messages and messages[0]["role"] == "system") else 0
+    previous = None
+    for message in messages:
+        if message["role"] != "system" and not (message["role"] == "tool" and previous == "tool"):
+            count += 1
+        previous = message["role"]
+    return count
+
+
+@pytest.mark.parametrize("conversation_name", sorted(CONVERSATIONS))
+def test_qwen3_5_marks_end_complete_messages(tokenizer, templates, conversation_name):
+    messages, tools, counts, _ = CONVERSATIONS[conversation_name]
+    _, patched = templates[QWEN3_5_TEMPLATE_PATCH.id]
+    for add_generation_prompt in (True, False):
+        rendered = patched.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        endpoints = mark_token_endpoints(rendered, tokenizer.encoding(rendered.text))
+        assert len(endpoints) == len(rendered.marks)  # every mark is a clean token boundary
+        text = rendered.text.encode("utf-8")
+        ends = [text[:mark].decode("utf-8") for mark in rendered.marks]
+        assert all(end.endswith("<|im_end|>\n") for end in ends)
+        assert [end.count("<|im_start|>") for end in ends] == [blocks(messages[:count], tools) for count in counts]
 
 
 def test_qwen3_marks_before_the_last_query_survive_new_turns(tokenizer, templates):
