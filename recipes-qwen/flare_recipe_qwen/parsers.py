@@ -56,17 +56,27 @@ def parameter_types(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, A
     "parameters"}})."""
     types: dict[str, dict[str, Any]] = {}
     for tool in tools:
-        function = tool.get("function") or {}
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        types[function.get("name", "")] = {name: (schema or {}).get("type") for name, schema in properties.items()
-                                            if isinstance(schema, Mapping)}
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        parameters = function.get("parameters") if isinstance(function, Mapping) else None
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        if not isinstance(properties, Mapping):
+            continue  # a schema this reader cannot use types nothing
+        types[str(function.get("name", ""))] = {name: _schema_types(schema) for name, schema in properties.items()}
     return types
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The type names a property's JSON schema allows ("type": a name or a list of names);
+    empty when it says none this reader can use."""
+    declared = schema.get("type") if isinstance(schema, Mapping) else None
+    names = declared if isinstance(declared, list) else [declared]
+    return [name for name in names if isinstance(name, str)]
 
 
 def argument_json(text: str, declared: Any) -> str:
     """The JSON text of one argument value written as `text`, for a parameter whose schema type
-    is `declared` (None: undeclared)."""
-    kinds = declared if isinstance(declared, list) else [declared] if declared else []
+    is `declared` (a name, a list of names; None or empty: undeclared)."""
+    kinds = [kind for kind in (declared if isinstance(declared, list) else [declared]) if isinstance(kind, str)]
     if kinds == ["string"]:
         return json.dumps(text, ensure_ascii=False)
     # The templates write scalars with Jinja's `string` filter: Python's True / False / None.

@@ -123,3 +123,15 @@ def test_the_plugin_registers_it_as_a_tool_parser_reading_the_tools():
     parser = load_registry().parsers["qwen3-xml"]
     assert parser.kind == "tool" and parser.reads_tools and parser.call_format is None
     assert isinstance(parser.factory(tools=TOOLS), QwenXmlToolParser)
+
+
+@pytest.mark.parametrize("tools", [
+    [{"type": "function", "function": {"name": "search", "parameters": {"properties": ["query"]}}}],
+    [{"type": "function", "function": {"name": "search", "parameters": {"properties": {"query": {"type": {"x": 1}}}}}}],
+    [{"type": "function", "function": {"name": "search", "parameters": {"properties": {"query": {"type": [7, "string"]}}}}}],
+    [{"type": "function", "function": {"name": "search", "parameters": {"properties": {"query": "string"}}}}],
+])
+def test_schemas_this_reader_cannot_use_type_nothing(tools):
+    output = parse("<tool_call>\n<function=search>\n<parameter=query>\n42\n</parameter>\n</function>\n</tool_call>",
+                   tools=tools)
+    assert json.loads(output.tool_calls[0].arguments)["query"] in (42, "42")
