@@ -603,7 +603,7 @@ def test_forced_calls_need_a_declared_call_format_but_counting_does_not(state):
     assert parse_messages_request(state, body, "rid").request.grammar.kind.value == "structural_tag"
 
 
-@pytest.mark.parametrize("parser_id", ["hermes", "deepseek-v3-tools", "deepseek-v3.1-tools", "kimi-k2-tools"])
+@pytest.mark.parametrize("parser_id", ["hermes", "deepseek-v3-tools", "deepseek-v3.1-tools", "kimi-k2-tools", "qwen3-xml"])
 def test_forced_calls_in_each_declared_format_are_read_back_by_its_parser(state, parser_id):
     """Two calls written as the parser's call_format says: the grammar a forced "required" builds
     takes them, token by token, and ends; the parser reads back both names and arguments."""
@@ -623,12 +623,17 @@ def test_forced_calls_in_each_declared_format_are_read_back_by_its_parser(state,
     written = []
     for index, (name, arguments) in enumerate(calls):
         begin, end = form.around(name)
-        written.append(begin.replace("{index}", str(index)) + json.dumps(arguments) + end)
+        if form.arguments == "qwen_xml":  # as Qwen3.5's template writes them
+            text = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+        else:
+            text = json.dumps(arguments)
+        written.append(begin.replace("{index}", str(index)) + text + end)
     text = form.section_begin + form.separator.join(written) + form.section_end
     matcher = GrammarMatcher(frontend.grammars.compile(spec))
     assert all(matcher.accept(token) for token in frontend.tokenizer.encode(text)), text
     assert matcher.accept(151645) and matcher.terminated  # <|im_end|>: the grammar is complete
-    reader, output = parser.factory(), ParsedOutput()
+    reader = parser.factory(tools=[*TOOLS, clock]) if parser.reads_tools else parser.factory()
+    output = ParsedOutput()
     output.add(reader.feed(text) + reader.finish())
     assert [(call.name, json.loads(call.arguments)) for call in output.tool_calls] == calls
     assert output.content.strip() == ""

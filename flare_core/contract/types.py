@@ -339,6 +339,10 @@ class Alias:
                  f"Alias({self.name})", "repo", f"must be 'owner/name', got {self.repo!r}")
 
 
+# How a tool-call format writes a call's arguments (ToolCallFormat.arguments).
+ARGUMENT_STYLES = ("json", "qwen_xml")
+
+
 @dataclass(frozen=True)
 class ToolCallFormat:
     """How a tool parser's format writes calls, so that a grammar can force them (tool_choice
@@ -346,13 +350,17 @@ class ToolCallFormat:
     then `call_end`; `{name}` in either stands for the tool's name, and `{index}` in `call_begin`
     for the call's number, digits the model writes (Kimi K2's `functions.NAME:INDEX`). Calls follow
     one another separated by `separator`, framed by `section_begin` ... `section_end` where the
-    format puts them in a section (DeepSeek, Kimi K2). The parser must read back what this writes."""
+    format puts them in a section (DeepSeek, Kimi K2). `arguments`: how a call writes its
+    arguments: "json", one JSON object; "qwen_xml", one `<parameter=NAME>` element per argument,
+    its value between newlines, strings as they are and other values as JSON (Qwen3-Coder,
+    Qwen3.5; xgrammar's qwen_xml style). The parser must read back what this writes."""
 
     call_begin: str
     call_end: str
     separator: str = ""
     section_begin: str = ""
     section_end: str = ""
+    arguments: str = "json"
 
     def __post_init__(self) -> None:
         for name in ("call_begin", "call_end", "separator", "section_begin", "section_end"):
@@ -366,6 +374,8 @@ class ToolCallFormat:
                      "{index} (the call's number) belongs in call_begin only")
         _require(bool(self.section_begin) == bool(self.section_end), "ToolCallFormat", "section_begin",
                  "section_begin and section_end are both set or both empty")
+        _require(self.arguments in ARGUMENT_STYLES, "ToolCallFormat", "arguments",
+                 f"must be one of {', '.join(ARGUMENT_STYLES)}, got {self.arguments!r}")
 
     def around(self, name: str) -> tuple[str, str]:
         """The text before and after one call's arguments."""

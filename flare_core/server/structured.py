@@ -167,6 +167,8 @@ def _call_tag(call_format: ToolCallFormat, name: str, schema: Mapping[str, Any])
     begin, end = call_format.around(name)
     # At most one whitespace character between JSON tokens: a model cannot pad forever.
     arguments = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    if call_format.arguments != "json":
+        arguments["style"] = call_format.arguments  # xgrammar writes the schema in that style
     head, index, tail = begin.partition("{index}")
     if not index:
         return {"type": "tag", "begin": begin, "content": arguments, "end": end}

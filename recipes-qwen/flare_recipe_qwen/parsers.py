@@ -31,6 +31,9 @@ is neither a parameter nor its end ends the call with the arguments so far, and 
 block is content. Output that ends inside a call (e.g. at max_tokens) ends the call with its
 arguments closed (an unfinished value is kept as written so far). Whatever the split into deltas,
 the concatenated results are the same (a tail that could still become a tag is withheld).
+
+Forced calls (`QWEN_XML_CALLS`, the parser's call format) are written as the template writes them,
+their arguments constrained by xgrammar's qwen_xml style of the tool's JSON schema.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flare_core.contract import ToolCallFormat
 from flare_core.frontend.parsers import ParsedDelta, ToolCallDelta
 from flare_core.frontend.stops import partial_match_length
 
@@ -48,6 +52,9 @@ FUNCTION_BEGIN, FUNCTION_END = "<function=", "</function>"
 PARAMETER_BEGIN, PARAMETER_END = "<parameter=", "</parameter>"
 _WHITESPACE = " \t\r\n"
 _JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+# Calls as the Qwen3.5 template writes them, for forced calls (tool_choice "required" / a named tool).
+QWEN_XML_CALLS = ToolCallFormat(call_begin=BLOCK_BEGIN + "\n" + FUNCTION_BEGIN + "{name}>\n",
+                                call_end=FUNCTION_END + "\n" + BLOCK_END, separator="\n", arguments="qwen_xml")
 
 
 def parameter_types(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -133,7 +140,7 @@ class QwenXmlToolParser:
     def finish(self) -> ParsedDelta:
         self._advance(final=True)
         if self._state == "value":
-            self._add_member(self._value_text(self._pending, final=True))
+            self._add_member(self._value_text(self._pending))
             self._end_call()
         elif self._state in ("function", "parameter_name"):
             self._end_call()
@@ -243,7 +250,7 @@ class QwenXmlToolParser:
         end = self._pending.find(PARAMETER_END)
         if end < 0:
             return False  # a value becomes a member only whole (its type decides its JSON)
-        self._add_member(self._value_text(self._pending[:end], final=True))
+        self._add_member(self._value_text(self._pending[:end]))
         self._pending = self._pending[end + len(PARAMETER_END):]
         self._state = "function"
         return True
@@ -274,11 +281,11 @@ class QwenXmlToolParser:
         return True
 
     @staticmethod
-    def _value_text(raw: str, final: bool) -> str:
+    def _value_text(raw: str) -> str:
         """A value as written: the template puts a newline after the opening tag and one before
         the closing tag."""
         text = raw[1:] if raw.startswith("\n") else raw
-        return text[:-1] if final and text.endswith("\n") else text
+        return text[:-1] if text.endswith("\n") else text
 
     def _add_member(self, text: str) -> None:
         declared = self._types.get(self._function, {}).get(self._parameter)

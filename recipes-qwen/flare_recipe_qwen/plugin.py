@@ -5,7 +5,7 @@ from __future__ import annotations
 from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatch
 from flare_core.plugins import hookimpl
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
-from flare_recipe_qwen.parsers import QwenXmlToolParser
+from flare_recipe_qwen.parsers import QWEN_XML_CALLS, QwenXmlToolParser
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT
 from flare_recipe_qwen.templates import QWEN_TEMPLATE_PATCHES
 
@@ -30,6 +30,5 @@ def flare_cache_schemes() -> list[CacheSchemeFactory]:
 @hookimpl
 def flare_parsers() -> list[Parser]:
     # Qwen3-Coder's and Qwen3.5's XML calls: argument values typed by the request's tool schemas;
-    # no call_format (the arguments are no JSON object a grammar could force), so forced calls
-    # are refused on cores using it.
-    return [Parser("qwen3-xml", "tool", QwenXmlToolParser, reads_tools=True)]
+    # forced calls as the Qwen3.5 template writes calls (xgrammar's qwen_xml style for arguments).
+    return [Parser("qwen3-xml", "tool", QwenXmlToolParser, reads_tools=True, call_format=QWEN_XML_CALLS)]

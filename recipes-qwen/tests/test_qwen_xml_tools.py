@@ -121,7 +121,7 @@ def test_malformed_output_stays_readable(text, content, calls):
 
 def test_the_plugin_registers_it_as_a_tool_parser_reading_the_tools():
     parser = load_registry().parsers["qwen3-xml"]
-    assert parser.kind == "tool" and parser.reads_tools and parser.call_format is None
+    assert parser.kind == "tool" and parser.reads_tools and parser.call_format.arguments == "qwen_xml"
     assert isinstance(parser.factory(tools=TOOLS), QwenXmlToolParser)
 
 
