@@ -255,7 +255,7 @@ def test_chat_request_translation(state):
                                                stream=True, stream_options={"include_usage": True},
                                                logprobs=True, top_logprobs=3, tools=TOOLS), "rid")
     request = call.request
-    assert call.model == "tiny-qwen3" and call.stream and call.include_usage and call.parse_tools
+    assert call.model == "tiny-qwen3" and call.stream and call.include_usage and call.tools
     assert request.max_tokens == 16 and request.sampling.greedy and request.request_id == "rid"
     assert request.stop_strings == ("\n\n",) and request.stop_token_ids == (7,)
     assert request.logprobs and request.top_logprobs == 3
@@ -400,7 +400,7 @@ def run_builder(builder, pieces, outcome, start: bool = False) -> dict:
 
 def parsed_pieces(state, text: str, chunk: int = 3) -> list[Piece]:
     """The real parsers fed a model output in small pieces, as the engine's text deltas arrive."""
-    parser = output_parser(state.frontend, "<|im_start|>assistant\n", parse_tools=True)
+    parser = output_parser(state.frontend, "<|im_start|>assistant\n", tools=TOOLS)
     assert isinstance(parser, OutputParser)
     deltas = [parser.feed(text[start:start + chunk]) for start in range(0, len(text), chunk)] + [parser.finish()]
     return [Piece(delta) for delta in deltas if delta]

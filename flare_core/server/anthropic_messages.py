@@ -167,23 +167,25 @@ def anthropic_tools(raw: list | None) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _tool_choice(body: dict[str, Any], tools: list | None) -> tuple[bool, ForcedCalls | None]:
-    """Whether tool calls are parsed out of the output, and the calls `tool_choice` forces: "any"
+def _tool_choice(body: dict[str, Any], tools: list | None) -> tuple[tuple[dict[str, Any], ...], ForcedCalls | None]:
+    """The tools whose calls are parsed out of the output (those offered; none with "none"), and
+    the calls `tool_choice` forces: "any"
     (one or more of the tools) or "tool" (the one named); `disable_parallel_tool_use` makes
     "any" exactly one call."""
     choice = get_object(body, "tool_choice")
     choice_type = None if choice is None else choice.get("type")
     names = [tool["function"]["name"] for tool in tools or ()]
+    offered = tuple(tools or ())
     if choice_type in (None, "auto"):
-        return tools is not None, None
+        return offered, None
     if choice_type == "none":
-        return False, None
+        return (), None
     if choice_type == "any":
-        return True, forced_calls(names, None, "tool_choice", one=choice.get("disable_parallel_tool_use") is True)
+        return offered, forced_calls(names, None, "tool_choice", one=choice.get("disable_parallel_tool_use") is True)
     if choice_type == "tool":
         if choice.get("name") is None:
             raise invalid("tool_choice.name", "is required: the tool to call")
-        return True, forced_calls(names, choice.get("name"), "tool_choice.name")
+        return offered, forced_calls(names, choice.get("name"), "tool_choice.name")
     raise invalid("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {choice_type!r}")
 
 
@@ -201,8 +203,8 @@ def _thinking(body: dict[str, Any]) -> bool | None:
 
 
 def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any], *,
-                 generates: bool = True) -> tuple[str, Prompt, bool, GrammarSpec | None]:
-    """(served model, prompt, whether to parse tool calls, the grammar of forced tool calls) for a
+                 generates: bool = True) -> tuple[str, Prompt, tuple[dict[str, Any], ...], GrammarSpec | None]:
+    """(served model, prompt, the tools whose calls are parsed, the grammar of forced tool calls) for a
     messages or count_tokens body, whose fields `values` holds (read by its spec). Counting
     (`generates` false) builds no grammar: what tool_choice forces does not change the prompt."""
     frontend = state.frontend
@@ -212,8 +214,8 @@ def build_prompt(state: ServerState, body: dict[str, Any], values: dict[str, Any
     options = template_options(frontend, thinking=_thinking(body))
     prefill = messages[-1]["role"] == "assistant" if messages else False
     prompt = chat_prompt(frontend, messages, tools=tools, options=options, continue_final_message=prefill)
-    parse_tools, forced = _tool_choice(body, tools)
-    return model, prompt, parse_tools, tool_calls_spec(frontend, tools, forced) if generates else None
+    parsed_tools, forced = _tool_choice(body, tools)
+    return model, prompt, parsed_tools, tool_calls_spec(frontend, tools, forced) if generates else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +226,7 @@ class MessagesCall(Call):
 def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
     frontend = state.frontend
     values = SPEC.read(body)
-    model, prompt, parse_tools, calls = build_prompt(state, body, values)
+    model, prompt, parsed_tools, calls = build_prompt(state, body, values)
     max_tokens = fit_max_tokens(len(prompt.ids), values["max_tokens"], "max_tokens", frontend.context_length)
     sampling = read_sampling(frontend.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
     stop_sequences = read_stop(body, "stop_sequences")  # an array here (the spec), never a bare string
@@ -232,8 +234,8 @@ def parse_messages_request(state: ServerState, body: dict[str, Any], request_id:
                                 stop_strings=stop_sequences, message_ends=prompt.message_ends, request_id=request_id)
     grammar = one_spec(anthropic_format((values["output_config"] or {}).get("format")), calls)
     request = constrained(frontend, request, grammar, prompt.text)
-    return MessagesCall(model, values["stream"], prompt, request, sampling, parse_tools,
-                        tools=tuple(anthropic_tools(values["tools"]) or ()), stop_sequences=stop_sequences)
+    return MessagesCall(model, values["stream"], prompt, request, sampling, parsed_tools,
+                        stop_sequences=stop_sequences)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -52,9 +52,10 @@ class Call:
     prompt: Prompt
     request: GenerationRequest
     sampling: Sampling
-    parse_tools: bool = False
+    # The request's tools (OpenAI's function shape) whose calls are parsed out of the output;
+    # empty: no tool-call parsing.
+    tools: tuple[Mapping[str, Any], ...] = ()
     choices: int = 1  # independent outputs of the prompt (OpenAI's `n`)
-    tools: tuple[Mapping[str, Any], ...] = ()  # the request's function tools (OpenAI's shape), for the tool parser
 
 
 @dataclass(frozen=True)
@@ -107,18 +108,18 @@ def unfinished_error(outcome: Outcome) -> ApiError | None:
     return None
 
 
-def output_parser(frontend: Frontend, prompt_text: str | None, parse_tools: bool,
+def output_parser(frontend: Frontend, prompt_text: str | None,
                   tools: Sequence[Mapping[str, Any]] = ()) -> OutputParser:
     """The recipe's parsers for one chat-style request: reasoning always (when the recipe names
-    one), tool calls only when the request offered tools (`tools`, for a parser that types
-    argument values by their schemas). `prompt_text` tells the reasoning parser whether the
+    one), tool calls only when the request's `tools` are parsed for (handed to a parser that
+    types argument values by their schemas). `prompt_text` tells the reasoning parser whether the
     template already opened a reasoning block."""
     reasoning = None
     if frontend.reasoning_parser is not None:
         opened = prompt_text is not None and prompt_opens_reasoning(prompt_text)
         reasoning = frontend.reasoning_parser.factory(starts_in_reasoning=opened)
     tool = None
-    if parse_tools and frontend.tool_parser is not None:
+    if tools and frontend.tool_parser is not None:
         parser = frontend.tool_parser
         tool = parser.factory(tools=tuple(tools)) if parser.reads_tools else parser.factory()
     return OutputParser(reasoning=reasoning, tool=tool)
@@ -244,7 +245,7 @@ async def answer(request: web.Request, call: Call, new_builders: NewBuilders, *,
     async with AsyncExitStack() as entered:
         generations: list[Generation] = []
         for choice in choice_requests(call.request, call.choices):
-            parser = output_parser(state.frontend, call.prompt.text, call.parse_tools, call.tools) if parsed else None
+            parser = output_parser(state.frontend, call.prompt.text, call.tools) if parsed else None
             generation = Generation(state, record, choice, parser, leader=generations[0] if generations else None)
             generations.append(await entered.enter_async_context(generation))
         response = await builder_response(request, generations, new_builders, stream=call.stream,

@@ -211,7 +211,7 @@ def _call(state: ServerState, body: dict[str, Any], values: dict[str, Any], mode
                                 stop_strings=read_stop(options, "stop", where="options.stop"),
                                 message_ends=prompt.message_ends, request_id=request_id)
     request = constrained(frontend, request, ollama_format(body.get("format")), prompt.text)
-    return Call(model, values["stream"], prompt, request, sampling, tools is not None, tools=tuple(tools or ()))
+    return Call(model, values["stream"], prompt, request, sampling, tuple(tools or ()))
 
 
 def _within_num_ctx(num_ctx: int | None, prompt_tokens: int, requested: int | None, context: int) -> int | None:

@@ -68,7 +68,7 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     include_usage = read_stream_options(body, stream)
     messages = openai_messages(values["messages"])
     tools = openai_tools(values["tools"])
-    parse_tools, forced = read_tool_choice(body, tools)
+    parsed_tools, forced = read_tool_choice(body, tools)
     grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body),
                        tool_calls_spec(frontend, tools, forced))
     options = template_options(frontend, values["chat_template_kwargs"] or {},
@@ -82,8 +82,8 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=True)
     request = constrained(frontend, request, grammar, prompt.text)
-    return ChatCall(model, stream, prompt, request, sampling, parse_tools, read_choices(state, values["n"]),
-                    tuple(tools or ()), include_usage=include_usage)
+    return ChatCall(model, stream, prompt, request, sampling, parsed_tools, read_choices(state, values["n"]),
+                    include_usage=include_usage)
 
 
 def tool_calls_json(output: ParsedOutput) -> list[dict[str, Any]] | None:

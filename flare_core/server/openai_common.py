@@ -162,26 +162,27 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int,
 
 
 def read_tool_choice(body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None, *,
-                     responses: bool = False) -> tuple[bool, ForcedCalls | None]:
-    """OpenAI's `tool_choice`: whether tool calls are parsed out of the output (tools offered and
-    not "none"), and the calls it forces: "required" (one or more of the tools; exactly one with
+                     responses: bool = False) -> tuple[tuple[Mapping[str, Any], ...], ForcedCalls | None]:
+    """OpenAI's `tool_choice`: the tools whose calls are parsed out of the output (those offered;
+    none with "none"), and the calls it forces: "required" (one or more of the tools; exactly one with
     `parallel_tool_calls: false`) or a named function (Chat Completions:
     {"type": "function", "function": {"name"}}; Responses: {"type": "function", "name"})."""
     choice = body.get("tool_choice")
     names = [tool["function"]["name"] for tool in tools or ()]
+    offered = tuple(tools or ())
     if choice is None or choice == "auto":
-        return bool(names), None
+        return offered, None
     if choice == "none":
-        return False, None
+        return (), None
     if choice == "required":
-        return True, forced_calls(names, None, "tool_choice", one=body.get("parallel_tool_calls") is False)
+        return offered, forced_calls(names, None, "tool_choice", one=body.get("parallel_tool_calls") is False)
     if isinstance(choice, Mapping) and choice.get("type") == "function":
         function = choice if responses else choice.get("function")
         field = "tool_choice.name" if responses else "tool_choice.function.name"
         name = function.get("name") if isinstance(function, Mapping) else None
         if name is None:
             raise invalid(field, "is required: the function to call")
-        return True, forced_calls(names, name, field)
+        return offered, forced_calls(names, name, field)
     raise invalid("tool_choice", f'must be "auto", "none", "required" or a named function, got '
                                  f"{json.dumps(choice)[:80]}")
 

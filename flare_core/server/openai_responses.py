@@ -151,7 +151,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     stream = values["stream"]
     messages = responses_messages(values["instructions"], values["input"])
     tools = _tools(values["tools"])
-    parse_tools, forced = read_tool_choice(body, tools, responses=True)
+    parsed_tools, forced = read_tool_choice(body, tools, responses=True)
     grammar = one_spec(responses_format(text_format), tool_calls_spec(frontend, tools, forced))
     reasoning = values["reasoning"] or {}
     options = template_options(frontend, values["chat_template_kwargs"] or {},
@@ -179,8 +179,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
         "store": False,
         "user": values["user"],
     }
-    return ResponsesCall(model, stream, prompt, request, sampling, parse_tools, tools=tuple(tools or ()),
-                         echo=echo)
+    return ResponsesCall(model, stream, prompt, request, sampling, parsed_tools, echo=echo)
 
 
 class ResponseBuilder:
