@@ -58,8 +58,8 @@ QWEN_XML_CALLS = ToolCallFormat(call_begin=BLOCK_BEGIN + "\n" + FUNCTION_BEGIN +
 
 
 def parameter_types(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Function name -> parameter name -> its schema type ("string", ..., or a list of them),
-    from tools in the OpenAI function shape ({"type": "function", "function": {"name",
+    """Function name -> parameter name -> the type names its schema allows (`type_names`), from
+    tools in the OpenAI function shape ({"type": "function", "function": {"name",
     "parameters"}})."""
     types: dict[str, dict[str, Any]] = {}
     for tool in tools:
@@ -68,14 +68,15 @@ def parameter_types(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, A
         properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
         if not isinstance(properties, Mapping):
             continue  # a schema this reader cannot use types nothing
-        types[str(function.get("name", ""))] = {name: _schema_types(schema) for name, schema in properties.items()}
+        types[str(function.get("name", ""))] = {
+            name: type_names(schema.get("type") if isinstance(schema, Mapping) else None)
+            for name, schema in properties.items()}
     return types
 
 
-def _schema_types(schema: Any) -> list[str]:
-    """The type names a property's JSON schema allows ("type": a name or a list of names);
-    empty when it says none this reader can use."""
-    declared = schema.get("type") if isinstance(schema, Mapping) else None
+def type_names(declared: Any) -> list[str]:
+    """The type names a JSON schema's "type" allows (a name or a list of names); empty when it
+    says none this reader can use."""
     names = declared if isinstance(declared, list) else [declared]
     return [name for name in names if isinstance(name, str)]
 
@@ -83,7 +84,7 @@ def _schema_types(schema: Any) -> list[str]:
 def argument_json(text: str, declared: Any) -> str:
     """The JSON text of one argument value written as `text`, for a parameter whose schema type
     is `declared` (a name, a list of names; None or empty: undeclared)."""
-    kinds = [kind for kind in (declared if isinstance(declared, list) else [declared]) if isinstance(kind, str)]
+    kinds = type_names(declared)
     if kinds == ["string"]:
         return json.dumps(text, ensure_ascii=False)
     # The templates write scalars with Jinja's `string` filter: Python's True / False / None.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from importlib import resources
 from typing import Callable
 
@@ -120,9 +121,13 @@ QWEN3_NEXT_FRONTEND = FrontendSpec(
 )
 
 
+# What every Gated DeltaNet hybrid's export plan says about where it runs.
+HYBRID_PLAN_NOTE = ("Gated DeltaNet layers keep per-request state: served on the CPU reference path only (the CUDA "
+                    "graph executor does not run them yet); prefix reuse at message boundaries and prompt ends")
+
+
 def qwen3_next_plan_notes(config) -> tuple[str, ...]:
-    return ("Gated DeltaNet layers keep per-request state: served on the CPU reference path only "
-            "(the CUDA graph executor does not run them yet); prefix reuse at message boundaries and prompt ends",
+    return (HYBRID_PLAN_NOTE,
             "sampling defaults and parsers are the Instruct model's: a Thinking checkpoint is served without a "
             "reasoning parser")
 
@@ -185,8 +190,7 @@ def text_model_config(config):
 
 
 def qwen3_5_plan_notes(config) -> tuple[str, ...]:
-    return ("Gated DeltaNet layers keep per-request state: served on the CPU reference path only "
-            "(the CUDA graph executor does not run them yet); prefix reuse at message boundaries and prompt ends",
+    return (HYBRID_PLAN_NOTE,
             "text only: the vision tower (model.visual.*) and the multi-token-prediction layers (mtp.*) stay in "
             "the checkpoint; image and video content is refused")
 
@@ -210,21 +214,14 @@ QWEN3_5 = Recipe(
     served_config=text_model_config,
 )
 
-QWEN3_5_MOE = Recipe(
+# The same text side, model code and defaults; its own architectures, aliases and checks.
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5,
     name="qwen3.5-moe",
-    version=RECIPE_VERSION,
     architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
     model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
     aliases=(Alias("qwen3.5-35b-a3b", "Qwen/Qwen3.5-35B-A3B"), Alias("qwen3.5-397b-a17b", "Qwen/Qwen3.5-397B-A17B")),
-    sampling=QWEN3_5_SAMPLING,
-    frontend=QWEN3_5_FRONTEND,
-    cache_scheme="gated-deltanet-hybrid",
-    capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_text_model_weights,
     description="Qwen3.5 mixture-of-experts models, text (Gated DeltaNet + gated attention; Transformers "
                 "Qwen3_5MoeForCausalLM), CPU reference path",
     check_config=check_qwen3_5_moe_config,
-    plan_notes=qwen3_5_plan_notes,
-    served_config=text_model_config,
 )

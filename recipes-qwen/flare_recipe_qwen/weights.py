@@ -25,37 +25,24 @@ LANGUAGE_MODEL = "model.language_model."
 
 
 def text_model_names(checkpoint: Mapping[str, Tensor]) -> dict[str, str]:
-    """Transformers' text-model name (`model.layers.0...`, `lm_head.weight`) -> checkpoint name,
-    for checkpoints that hold the text model under `model.language_model.` and for text-only ones."""
-    names = {name: name for name in checkpoint}
-    names.update({"model." + name[len(LANGUAGE_MODEL):]: name for name in checkpoint if name.startswith(LANGUAGE_MODEL)})
-    return names
+    """Transformers' text-model name (`model.layers.0...`) -> checkpoint name, for the tensors a
+    checkpoint holds under `model.language_model.`; other names are the checkpoint's own."""
+    return {"model." + name[len(LANGUAGE_MODEL):]: name for name in checkpoint if name.startswith(LANGUAGE_MODEL)}
 
 
 def map_text_model_weights(config: Any, checkpoint: Mapping[str, Tensor],
                            dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """`map_weights` of a text model read from a vision-language checkpoint (or a text-only one)."""
-    yield from map_weights(config, _Renamed(checkpoint, text_model_names(checkpoint)), dtype)
-
-
-class _Renamed(Mapping):
-    """`checkpoint` under the names `names` gives it (tensors read on access)."""
-
-    def __init__(self, checkpoint: Mapping[str, Tensor], names: dict[str, str]):
-        self._checkpoint, self._names = checkpoint, names
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self._checkpoint[self._names[name]]
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+    names, read = text_model_names(checkpoint), checkpoint_reader(checkpoint)
+    yield from _prepared(config, lambda name, target, to: read(names.get(name, name), target, to), dtype)
 
 
 def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """Yield (prepared name, tensor in `dtype`) for every tensor the serving model loads.
     Raises ValueError naming the checkpoint tensor when one is missing."""
-    yield from prepare_weights(build_model(config, dtype), checkpoint_reader(checkpoint),
-                               num_experts=getattr(config, "num_experts", 0) or 0)
+    yield from _prepared(config, checkpoint_reader(checkpoint), dtype)
+
+
+def _prepared(config: Any, read, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """The serving model's prepared tensors, each part read through `read` (flare_core.ops.weights)."""
+    yield from prepare_weights(build_model(config, dtype), read, num_experts=getattr(config, "num_experts", 0) or 0)
