@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+from contextlib import contextmanager
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -192,3 +193,18 @@ class ServerProcess:
         self.terminate()
         code = self.wait_exit()
         assert code == 0, f"flare run exited with {code}:\n{self.log()}"
+
+
+@contextmanager
+def with_and_without_prefix_cache(config: Path, core: Path, root: Path, served_name: str):
+    """Two `flare run` servers of `core` named `served_name`, ready: (with the prefix cache,
+    with --no-prefix-cache); both stopped on exit."""
+    servers = (ServerProcess(config, core, root / "cached.log", "--served-name", served_name),
+               ServerProcess(config, core, root / "uncached.log", "--served-name", served_name, "--no-prefix-cache"))
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

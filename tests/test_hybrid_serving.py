@@ -16,7 +16,7 @@ import pytest
 import openai
 
 from conftest import write_checkpoint
-from server_process import ServerProcess
+from server_process import with_and_without_prefix_cache
 from flare_core.runtime.types import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
 
@@ -72,17 +72,8 @@ def test_a_request_sharing_messages_restores_the_state_snapshot_exactly(session_
 @pytest.fixture(scope="module")
 def chat_servers(tmp_path_factory, session_flare, qwen3_next_core):
     root = tmp_path_factory.mktemp("hybrid-servers")
-    cached = ServerProcess(session_flare.config_path, qwen3_next_core, root / "cached.log", "--served-name", "next")
-    uncached = ServerProcess(session_flare.config_path, qwen3_next_core, root / "uncached.log", "--served-name",
-                             "next", "--no-prefix-cache")
-    try:
-        for server in (cached, uncached):
-            server.wait_ready()
-        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-               for s in (cached, uncached)]
-    finally:
-        for server in (cached, uncached):
-            server.stop()
+    with with_and_without_prefix_cache(session_flare.config_path, qwen3_next_core, root, "next") as servers:
+        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120) for s in servers]
 
 
 def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_servers):

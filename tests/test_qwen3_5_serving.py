@@ -23,7 +23,7 @@ import torch
 
 from conftest import FIXTURES
 from flare_core.frontend import build_tokenizer_json
-from server_process import ServerProcess
+from server_process import with_and_without_prefix_cache
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "recipes-qwen" / "tests" / "fixtures" / "qwen3.5" / "chat_template.jinja"
 TEXT = dict(vocab_size=151669, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -113,17 +113,8 @@ def chat_servers(tmp_path_factory, session_flare):
     core = session_flare.export(directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
                                 "--prefill-chunk-size", "128")
     root = tmp_path_factory.mktemp("qwen3.5-servers")
-    cached = ServerProcess(session_flare.config_path, core, root / "cached.log", "--served-name", "q35")
-    uncached = ServerProcess(session_flare.config_path, core, root / "uncached.log", "--served-name", "q35",
-                             "--no-prefix-cache")
-    try:
-        for server in (cached, uncached):
-            server.wait_ready()
-        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-               for s in (cached, uncached)]
-    finally:
-        for server in (cached, uncached):
-            server.stop()
+    with with_and_without_prefix_cache(session_flare.config_path, core, root, "q35") as servers:
+        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120) for s in servers]
 
 
 def test_turn_two_restores_turn_one_and_answers_as_without_cache(chat_servers):
