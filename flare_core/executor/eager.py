@@ -61,8 +61,10 @@ class EagerExecutor:
         return "eager reference (plain-torch paged attention)"
 
     def _allocate_storage(self, num_pages: int) -> dict[str, list[torch.Tensor]]:
+        # State tensors keep one row beyond the live ones, as `last_sampled` does: the padding
+        # rows of a captured decode step read and write it.
         return allocate_cache_storage(self.scheme, num_pages, self.page_tokens, self.device,
-                                      num_rows=self.num_rows if self.scheme.state else 0)
+                                      num_rows=self.num_rows + 1 if self.scheme.state else 0)
 
     def replace_storage(self, num_pages: int) -> None:
         """Free the cache storage, then allocate one of `num_pages` pages (start-up sizing)."""

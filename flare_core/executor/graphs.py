@@ -10,8 +10,11 @@ A step pads to the smallest covering capacity. Padding rows and tokens read and 
 page that no request owns, so a replay never touches live cache pages beyond its own rows.
 Between replays only buffer contents change: token ids, positions, cache indices, sampling
 columns, and the FlashInfer plan (made on the host from the scheduler's page tables before the
-replay). Sampling runs in graphs too, over the forward graph's logits (`_Samplers`): every
-request parameter, per-request seeds, and penalties read from the executor's history book.
+replay). Recurrent layers (schemes with continuation state) read and write their requests'
+state rows in decode graphs through the `state_rows` input (padding rows: the scratch row);
+their prompt chunks run eagerly. Sampling runs in graphs too, over the forward graph's logits
+(`_Samplers`): every request parameter, per-request seeds, and penalties read from the
+executor's history book.
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
@@ -179,12 +182,6 @@ class GraphExecutor:
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
                  prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
                  triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
-        if scheme.state:
-            # Recurrent layers read their state rows through the host's batch layout, which a
-            # captured graph would freeze; their GPU kernels are not built yet.
-            raise ValueError(f"cache scheme {scheme.name!r} keeps continuation state "
-                             f"({', '.join(s.name for s in scheme.state)}): the CUDA graph path does not run "
-                             "such models yet; serve them with --device cpu")
         self.model, self.device, self.page_tokens, self.vocab_size = model, device, page_tokens, vocab_size
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         self.eager = EagerExecutor(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens,
@@ -199,7 +196,7 @@ class GraphExecutor:
         self.scale = self.kernels.scale
         self.prefill_attention = _FencedPlan(self.kernels.prefill())
         self.scratch_page = num_pages
-        self.scratch_row = num_rows  # the extra row of `last_sampled` padding rows write to
+        self.scratch_row = num_rows  # the extra row of `last_sampled` and state tensors padding rows write to
         self._pages_per_context = -(-context_length // page_tokens)
         # The capacity-1 decode graph (one request decoding) attends through the Triton kernels of
         # flare_core.ops.decode_attention where the model's shape allows, unless `triton_attention`
@@ -221,7 +218,9 @@ class GraphExecutor:
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.capture_s = 0.0
         self._decode_capacities = decode_capacities
-        self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
+        # A scheme with continuation state runs its prompt chunks eagerly: its recurrent layers'
+        # chunked kernels split the step's variable-length sequences on the host.
+        self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill and not scheme.state else ()
         # Completions go to the host on their own stream (`to_host`), so the compute stream never
         # holds a step behind a device-to-host copy; `_copied` marks the last such copy.
         self._copy_stream = torch.cuda.Stream(device)
@@ -297,10 +296,12 @@ class GraphExecutor:
     @torch.inference_mode()
     def _warm_prefill(self, tokens: int, requests: int) -> None:
         """Run the prefill path once over `tokens` scratch-page tokens of `requests` requests, the
-        first holding all but one token for each other (nothing live is touched)."""
+        first holding all but one token for each other (nothing live is touched: continuation
+        state goes to the scratch row)."""
         sequences = [(n, 0, [self.scratch_page] * -(-n // self.page_tokens))
                      for n in [tokens - requests + 1] + [1] * (requests - 1)]
-        batch = AttentionBatch.build(sequences, self.page_tokens, self.device)
+        state_rows = [self.scratch_row] * requests if self.eager.scheme.state else ()
+        batch = AttentionBatch.build(sequences, self.page_tokens, self.device, state_rows=state_rows)
         context = ForwardContext(batch, self.storage, self._plan_prefill(sequences), layer_map=self.eager.layer_map)
         self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
 
@@ -342,7 +343,7 @@ class GraphExecutor:
             page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
             slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
-            kv_lens_host=(1,) * capacity)
+            kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.eager.scheme.state else None)
         context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
         attention.plan(self._scratch_layout(capacity), self.scale)
         last_sampled = self.eager.last_sampled

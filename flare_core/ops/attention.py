@@ -51,9 +51,11 @@ class AttentionBatch:
     page_tokens: int
     query_start_host: tuple[int, ...]
     kv_lens_host: tuple[int, ...]
-    # Each request's continuation-state row (schemes with state tensors; empty otherwise): where
-    # its recurrent layers read and write their state.
+    # Each request's continuation-state row (schemes with state tensors; empty / None otherwise):
+    # where its recurrent layers read and write their state. The device copy (int64 [B]) is what
+    # kernels and captured graphs read; a decode graph's rows come from its inputs each replay.
     state_rows_host: tuple[int, ...] = ()
+    state_rows: Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -120,6 +122,7 @@ class AttentionBatch:
             query_start_host=tuple(query_start),
             kv_lens_host=tuple(kv_lens),
             state_rows_host=tuple(state_rows),
+            state_rows=to_device(list(state_rows), torch.int64, device) if state_rows else None,
         )
 
 

@@ -4,12 +4,23 @@ Attention) over the runtime's state rows: the per-request recurrence that hybrid
 Such a layer mixes its projected q/k/v channels with a short causal convolution, then runs a
 gated delta rule whose state is a [heads, key dim, value dim] matrix. Between steps a request
 keeps the convolution's last `kernel - 1` inputs (state tensor "conv") and that matrix
-("recurrent") in its state row (`context.batch.state_rows_host`); a fresh request's row is
-zero, which is the same as no history, and a prefix-cache hit restores it from a snapshot.
+("recurrent") in its state row (`context.batch.state_rows`); a fresh request's row is zero,
+which is the same as no history, and a prefix-cache hit restores it from a snapshot.
 
-This is the CPU reference path: each request of the flattened batch runs alone through the
-family's own Transformers rules (chunked for several tokens, recurrent for one), which take the
-row as initial state and hand back the final one. The CUDA graph executor does not run it.
+The convolution runs over the whole flattened batch at once (`causal_conv_rows`): each
+request's row is gathered in front of its tokens, and the windows are read by index. Its indices
+come from the batch's device tensors only, so the same code runs eagerly, compiled and inside a
+captured decode graph. The delta rule itself:
+
+* on the CPU (the reference): request by request through the family's own Transformers rules
+  (chunked for several tokens, recurrent for one), which take the row as initial state and hand
+  back the final one;
+* on CUDA: flash-linear-attention's Triton kernels behind one custom op per rule
+  (`flare::gated_delta_rule`, `flare::kimi_delta_rule`), which torch.compile keeps as a single
+  node: the fused recurrent
+  kernel when every request brings one token (decode; captured in graphs), the chunked kernel
+  over the batch's variable-length sequences otherwise (eager prompt chunks). The rows are
+  gathered into the kernel's initial states and its final states written back around the op.
 """
 
 from __future__ import annotations
@@ -18,18 +29,105 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from flare_core.ops.attention import ForwardContext
 
 
+def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Tensor, weight: Tensor,
+                     bias: Tensor | None) -> Tensor:
+    """The depthwise causal convolution of a flattened batch, continuing each request's row.
+
+    x [T, C]: the requests' new inputs back to back (request b owns `query_start[b]:query_start[b+1]`);
+    conv_rows [rows, C, W]: each row's last W = kernel - 1 inputs; rows int64 [B]; weight [C, 1, W + 1].
+    Returns the convolution [T, C] (accumulated in float32, in x's dtype, before any activation)
+    and writes each request's last W inputs back to its row."""
+    tokens, channels = x.shape
+    window = weight.shape[-1] - 1
+    requests = rows.shape[0]
+    starts = query_start.to(torch.int64)
+    # An extended sequence holds each request's row, then its tokens: request b's row starts at
+    # starts[b] + b W, its token t (flattened index) sits at t + (b + 1) W.
+    offsets = torch.arange(requests, device=x.device) * window
+    taps = torch.arange(window, device=x.device)
+    token_index = torch.arange(tokens, device=x.device)
+    # The request of each token: how many requests end at or before it (a [T, B] comparison;
+    # Inductor does not lower searchsorted over a slice of a computed tensor).
+    owner = (token_index[:, None] >= starts[1:][None, :]).sum(-1)
+    placed = token_index + (owner + 1) * window
+    extended = x.new_empty(tokens + requests * window, channels)
+    extended[(starts[:-1] + offsets)[:, None] + taps] = conv_rows.index_select(0, rows).transpose(1, 2).to(x.dtype)
+    extended[placed] = x
+    kernel = weight[:, 0, :].float()
+    out = extended[placed - window].float() * kernel[:, 0]
+    for tap in range(1, window + 1):
+        out += extended[placed - window + tap].float() * kernel[:, tap]
+    if bias is not None:
+        out += bias.float()
+    # Each request's last W inputs end its extended span, at starts[b + 1] + (b + 1) W.
+    tails = (starts[1:] + offsets)[:, None] + taps
+    conv_rows.index_copy_(0, rows, extended[tails].transpose(1, 2).to(conv_rows.dtype))
+    return out.to(x.dtype)
+
+
+def _kernels(recurrent: Callable, chunk: Callable, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+             initial: Tensor, query_start: Tensor) -> tuple[Tensor, Tensor]:
+    """One of flash-linear-attention's rule pairs over a flattened batch: the fused recurrent
+    kernel when every request brings one token (a decode step), else the chunked kernel over the
+    requests' variable-length sequences."""
+    if q.shape[1] == initial.shape[0]:
+        out, final = recurrent(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1),
+                               beta=beta.transpose(0, 1), initial_state=initial, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+        out = out.transpose(0, 1)
+    else:
+        out, final = chunk(q, k, v, g, beta, initial_state=initial, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True, cu_seqlens=query_start.to(torch.int64))
+    return out.to(v.dtype).contiguous(), final.float().contiguous()
+
+
+@torch.library.custom_op("flare::gated_delta_rule", mutates_args=())
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor,
+                     query_start: Tensor) -> tuple[Tensor, Tensor]:
+    """The gated delta rule (Gated DeltaNet) of a flattened batch on CUDA, from each request's
+    initial state.
+
+    q, k [1, T, H, K] (l2-normed in the kernel); v [1, T, HV, V] (HV a multiple of H: grouped
+    values); g (log decay, float32) and beta [1, T, HV]; initial [B, HV, K, V] float32, request b
+    owning tokens `query_start[b]:query_start[b+1]`. Returns the output [1, T, HV, V] and the
+    final states [B, HV, K, V] (float32)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return _kernels(fused_recurrent_gated_delta_rule, chunk_gated_delta_rule, q, k, v, g, beta, initial, query_start)
+
+
+@torch.library.custom_op("flare::kimi_delta_rule", mutates_args=())
+def kimi_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor,
+                    query_start: Tensor) -> tuple[Tensor, Tensor]:
+    """Kimi Delta Attention's rule on CUDA: `gated_delta_rule` with a decay per key channel
+    (g [1, T, HV, K], log space, float32)."""
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    return _kernels(fused_recurrent_kda, chunk_kda, q, k, v, g, beta, initial, query_start)
+
+
+@gated_delta_rule.register_fake
+def _(q, k, v, g, beta, initial, query_start):
+    return torch.empty_like(v), torch.empty_like(initial, dtype=torch.float32)
+
+
+@kimi_delta_rule.register_fake
+def _(q, k, v, g, beta, initial, query_start):
+    return torch.empty_like(v), torch.empty_like(initial, dtype=torch.float32)
+
+
 class DeltaRuleForServing(nn.Module):
     """A family's delta-rule layer over state rows. Subclasses keep the Transformers layer's
     parameters under their names and set `layer_idx`, `activation`, `conv1d`, `key_dim`,
     `value_dim`, `head_k_dim`, `head_v_dim`, the rules (`recurrent_rule`, `chunk_rule`:
-    Transformers' torch functions of the family, as staticmethods) and
+    Transformers' torch functions of the family, as staticmethods; `kernel_rule`: the CUDA
+    custom op, with `gated_delta_rule`'s signature) and
 
     * `project(hidden_states [1, T, hidden])` -> (q/k/v channels [T, 2 key_dim + value_dim],
       decay g [1, T, heads(, key dim)], beta [1, T, heads], the output gate's input);
@@ -37,31 +135,38 @@ class DeltaRuleForServing(nn.Module):
 
     recurrent_rule: Callable[..., tuple[Tensor, Tensor]]
     chunk_rule: Callable[..., tuple[Tensor, Tensor]]
+    kernel_rule: Callable[..., Tensor]
 
     def forward(self, hidden_states: Tensor, context: ForwardContext, **_: Any) -> Tensor:
         mixed, g, beta, gate = self.project(hidden_states)
         return self.output(self.mix(mixed, g, beta, context), gate)
 
     def mix(self, mixed: Tensor, g: Tensor, beta: Tensor, context: ForwardContext) -> Tensor:
-        """The convolution and the delta rule, request by request, continuing each request's state row."""
+        """The convolution and the delta rule of the step's tokens, continuing their requests' state rows."""
         batch = context.batch
         conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
-        weight = self.conv1d.weight  # [channels, 1, kernel]
-        window = weight.shape[-1] - 1
+        weight = self.conv1d.weight
+        convolved = ACT2FN[self.activation](causal_conv_rows(mixed.to(weight.dtype), conv_rows, batch.state_rows,
+                                                             batch.query_start, weight, self.conv1d.bias))
+        q, k, v = convolved.to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        tokens = q.shape[0]
+        q, k = q.reshape(1, tokens, -1, self.head_k_dim), k.reshape(1, tokens, -1, self.head_k_dim)
+        v = v.reshape(1, tokens, -1, self.head_v_dim)
+        if q.is_cuda:
+            # The rows are read and written here, in traced code: compiled, a scatter of the step's
+            # rows into the layer's state (an op that wrote them itself would make Inductor guard
+            # the whole layer's state as a mutated input).
+            rows = batch.state_rows
+            out, final = self.kernel_rule(q, k, v, g, beta, recurrent_rows.index_select(0, rows), batch.query_start)
+            recurrent_rows.index_copy_(0, rows, final.to(recurrent_rows.dtype))
+            return out
         outputs = []
-        for r in range(batch.num_requests):
+        for r, row in enumerate(batch.state_rows_host):
             start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
-            row, tokens = batch.state_rows_host[r], end - start
-            inputs = torch.cat([conv_rows[row].to(weight.dtype), mixed[start:end].T.to(weight.dtype)], dim=-1)
-            conv_rows[row].copy_(inputs[:, -window:])
-            convolved = ACT2FN[self.activation](F.conv1d(inputs[None], weight, self.conv1d.bias,
-                                                         groups=inputs.shape[0]))
-            q, k, v = convolved[0].T.to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            rule = self.recurrent_rule if tokens == 1 else self.chunk_rule
-            out, state = rule(q.reshape(1, tokens, -1, self.head_k_dim), k.reshape(1, tokens, -1, self.head_k_dim),
-                              v.reshape(1, tokens, -1, self.head_v_dim), g=g[:, start:end], beta=beta[:, start:end],
-                              initial_state=recurrent_rows[row][None], output_final_state=True,
-                              use_qk_l2norm_in_kernel=True)
+            rule = self.recurrent_rule if end - start == 1 else self.chunk_rule
+            out, state = rule(q[:, start:end], k[:, start:end], v[:, start:end], g=g[:, start:end],
+                              beta=beta[:, start:end], initial_state=recurrent_rows[row][None],
+                              output_final_state=True, use_qk_l2norm_in_kernel=True)
             recurrent_rows[row].copy_(state[0])
             outputs.append(out)
         return torch.cat(outputs, dim=1)

@@ -5,7 +5,8 @@ built from the Transformers classes.
 Transformers' decoder layers, norms, router and experts are reused as they are. Replaced:
 
 * each KDA layer keeps Transformers' parameters and continues its requests' state rows
-  (flare_core.ops.delta_rule) with Transformers' own chunked and recurrent KDA rules;
+  (flare_core.ops.delta_rule): on the CPU with Transformers' own chunked and recurrent KDA
+  rules, on CUDA with flash-linear-attention's KDA kernels (`flare::kimi_delta_rule`);
 * each MLA layer is flare_recipe_deepseek's absorbed MLA over the paged latent cache, with the
   rotation off (Kimi Linear's MLA encodes no positions; its shared key part is stored as it is);
 * dense MLPs and each MoE block's shared experts fuse gate and up (`FusedGatedMLP`).
@@ -18,6 +19,7 @@ Transformers names (read from the checkpoint's own names, `checkpoint_name`), wi
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Iterator, Mapping
 
@@ -26,7 +28,7 @@ from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
 from flare_core.contract import CacheScheme, PagedStore, StateTensor
-from flare_core.ops.delta_rule import DeltaRuleForServing
+from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
 from flare_core.ops.weights import checkpoint_reader, prepare_weights
@@ -56,8 +58,11 @@ def kda_mla_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
 class KimiDeltaAttentionForServing(DeltaRuleForServing):
     """Transformers' KDA layer (its parameters, under their names) over the runtime's state rows."""
 
-    recurrent_rule = staticmethod(kl.recurrent_kimi_delta_attention)
-    chunk_rule = staticmethod(kl.chunk_kimi_delta_attention)
+    # Where flash-linear-attention is installed, Transformers' decorator swaps these names for its
+    # kernels (CUDA only); the CPU reference keeps the torch functions underneath.
+    recurrent_rule = staticmethod(inspect.unwrap(kl.recurrent_kimi_delta_attention))
+    chunk_rule = staticmethod(inspect.unwrap(kl.chunk_kimi_delta_attention))
+    kernel_rule = staticmethod(kimi_delta_rule)
 
     def __init__(self, original: kl.KimiLinearDeltaAttention):
         super().__init__()

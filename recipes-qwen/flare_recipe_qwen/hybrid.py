@@ -5,9 +5,10 @@ Transformers' decoder layers, norms, rotary embeddings and MoE blocks are reused
 Replaced for serving:
 
 * each Gated DeltaNet layer keeps Transformers' parameters and projections but continues its
-  requests' state rows (flare_core.ops.delta_rule) with Transformers' own chunked (prompt) and
-  recurrent (one token) gated delta rules; Qwen3-Next and Qwen3.5 differ only in how they
-  project the input;
+  requests' state rows (flare_core.ops.delta_rule): on the CPU with Transformers' own chunked
+  (prompt) and recurrent (one token) gated delta rules, on CUDA with flash-linear-attention's
+  kernels (`flare::gated_delta_rule`); Qwen3-Next and Qwen3.5 differ only in how they project
+  the input;
 * each full-attention layer attends over the paged K/V cache (`PagedAttention`), with the
   original projections, q/k norms, partial rotary embedding and sigmoid output gate;
 * dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`), and MoE
@@ -19,6 +20,7 @@ only and two state tensors for the linear ones. Prepared tensor names are the Tr
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
 from flare_core.contract import CacheScheme, PagedStore, StateTensor
 from flare_core.ops.attention import ForwardContext, PagedAttention
-from flare_core.ops.delta_rule import DeltaRuleForServing
+from flare_core.ops.delta_rule import DeltaRuleForServing, gated_delta_rule
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.routing import SoftmaxTopKRouter
 from flare_core.ops.model import DecoderForServing
@@ -62,8 +64,11 @@ class GatedDeltaNetForServing(DeltaRuleForServing):
     (flare_core.ops.delta_rule). Subclasses give `project_inputs(hidden_states)` -> (q/k/v
     channels [tokens, conv channels], z, b, a)."""
 
-    recurrent_rule = staticmethod(qn.torch_recurrent_gated_delta_rule)
-    chunk_rule = staticmethod(qn.torch_chunk_gated_delta_rule)
+    # Where flash-linear-attention is installed, Transformers' decorator swaps these names for its
+    # kernels (CUDA only); the CPU reference keeps the torch functions underneath.
+    recurrent_rule = staticmethod(inspect.unwrap(qn.torch_recurrent_gated_delta_rule))
+    chunk_rule = staticmethod(inspect.unwrap(qn.torch_chunk_gated_delta_rule))
+    kernel_rule = staticmethod(gated_delta_rule)
 
     def __init__(self, original: nn.Module):
         super().__init__()

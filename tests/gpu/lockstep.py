@@ -20,6 +20,7 @@ import torch
 class LockstepResult:
     compared: int   # logits rows compared
     worst: float    # largest max|diff| / range of a step
+    restored_snapshots: int = 0  # prefix hits that restored a continuation-state snapshot
 
 
 def lockstep_prompts(shared_tokens: int = 150, low: int = 10, high: int = 4000) -> dict[str, list[int]]:
@@ -32,25 +33,28 @@ def lockstep_prompts(shared_tokens: int = 150, low: int = 10, high: int = 4000) 
 
 
 def run_lockstep(reference, graphs, schedulers, prompts: dict[str, list[int]], *, max_tokens: int = 24,
-                 cancel: str = "r3", cancel_at_seq: int = 6, tolerance: float = 0.02) -> LockstepResult:
+                 cancel: str = "r3", cancel_at_seq: int = 6, tolerance: float = 0.02,
+                 message_ends: dict[str, tuple[int, ...]] | None = None) -> LockstepResult:
     """Submit `prompts` to both `schedulers`, drive `reference` and `graphs` until idle and assert
     per step that plans agree and logits match; `cancel` is cancelled (pages in use) once the
-    step sequence number reaches `cancel_at_seq`."""
+    step sequence number reaches `cancel_at_seq`. `message_ends`: per request, its message
+    boundaries (resume points). The reference may run on another device (the CPU)."""
     from flare_core.scheduler import StepResult
 
     device = graphs.device
     for sched in schedulers:
         for rid, prompt in prompts.items():
-            sched.submit(rid, prompt, max_tokens=max_tokens)
+            sched.submit(rid, prompt, max_tokens=max_tokens, message_ends=(message_ends or {}).get(rid, ()))
     compared, cancelled, generated = 0, False, {}
-    worst = 0.0
+    worst, restored = 0.0, 0
     while not schedulers[0].is_idle():
         plans = [s.schedule() for s in schedulers]
         assert (plans[0] is None) == (plans[1] is None)
         if plans[0] is None:
             break
         assert plans[0].decodes == plans[1].decodes and plans[0].prefills == plans[1].prefills
-        want = reference.run(plans[0]).float()
+        restored += sum(r.snapshot_row is not None for r in plans[0].restores)
+        want = reference.run(plans[0]).float().to(device)
         got = graphs.run(plans[1]).float()
         if want.numel():
             spread = (want.max() - want.min()).item()
@@ -83,4 +87,4 @@ def run_lockstep(reference, graphs, schedulers, prompts: dict[str, list[int]], *
             for sched in schedulers:
                 sched.cancel(cancel)
             cancelled = True
-    return LockstepResult(compared, worst)
+    return LockstepResult(compared, worst, restored)

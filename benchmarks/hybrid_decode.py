@@ -1,0 +1,150 @@
+"""Gated DeltaNet hybrids on the GPU: decode against the bandwidth roofline, and the first token
+of a prompt whose 4k-token prefix a state snapshot restores against the same prompt cold.
+
+Shape (random bf16 weights drawn on the GPU under the recipe's prepared names): Qwen3.5's default
+dense text shape (Transformers' `Qwen3_5TextConfig()`: hidden 4096, 32 layers of which 24 Gated
+DeltaNet and 8 gated full attention, 16 / 4 heads of 256, linear heads 16 key / 32 value of 128,
+vocab 248320).
+
+Decode is served the way `flare run` serves it (benchmarks/moe_decode.py's `decode`: compiled
+decoder layers, the one-token GEMV kernel, captured decode graphs with greedy sampling inside,
+two steps in flight). The roofline of a step is its bytes at the copy bandwidth: every weight but
+the (untied) embedding table, plus per request its state rows read and written (convolution
+windows and recurrent matrices of the 24 linear layers) and its K/V pages read at the context.
+
+First token (`--prefix-tokens` shared, `--suffix-tokens` new): a scheduler with a prefix cache
+that snapshots continuation state, over the CUDA executor, `--chunk` token prompt chunks; the
+time from submitting a request to its first sampled token (no HTTP, no tokenizer). Cold: a fresh
+prompt; warm: a prompt that shares the cold one's first `--prefix-tokens` (a message boundary),
+so its state and pages are restored and only the suffix is computed.
+
+    python benchmarks/hybrid_decode.py --out benchmarks/results/h200-qwen3.5-decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from decode_c1 import copy_bandwidth
+from decode_mla import random_serving_model
+from moe_decode import decode
+from provenance import commit_and_date, report
+
+PAGE_TOKENS = 64
+
+
+def state_bytes(scheme) -> int:
+    """Bytes of one request's continuation state (every state tensor, every layer)."""
+    from flare_core.executor.storage import TORCH_DTYPES
+
+    return sum(s.layers * torch.Size(s.shape).numel() * TORCH_DTYPES[s.dtype].itemsize for s in scheme.state)
+
+
+def kv_bytes_per_token(scheme) -> int:
+    from flare_core.executor.storage import TORCH_DTYPES
+
+    return sum(p.layers * torch.Size(p.record_shape).numel() * TORCH_DTYPES[p.dtype].itemsize // p.tokens_per_record
+               for p in scheme.paged)
+
+
+def first_token(config, model, device, prefix: int, suffix: int, chunk: int) -> dict:
+    """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot."""
+    from flare_core.cache import PageAllocator, PrefixCache
+    from flare_core.contract import Capacities
+    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.plugins import load_registry
+    from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
+    from flare_recipe_qwen.recipes import QWEN3_5
+
+    scheme = load_registry().cache_schemes[QWEN3_5.cache_scheme].build(config, "bfloat16")
+    rows, snapshots, total = 2, 8, prefix + suffix + 8
+    num_pages = 4 * -(-total // PAGE_TOKENS)
+    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2 * total)
+    executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
+                             num_snapshot_rows=snapshots, num_logits_rows=8, vocab_size=config.vocab_size,
+                             device=device, decode_capacities=(1,), context_length=capacities.context_length,
+                             compile_model=True)
+    pages = PageAllocator(num_pages)
+    prefix_cache = PrefixCache(b"\x05" * 32, pages, PAGE_TOKENS, continuation_state=True, snapshot_rows=snapshots,
+                               logits_rows=8)
+    scheduler = Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(capacities.graph_catalog()),
+                                          PAGE_TOKENS), pages, prefix_cache)
+    generator = torch.Generator().manual_seed(7)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(1000, 100000, (n,), generator=generator).tolist()
+
+    def seconds_to_first_token(request_id: str, tokens: list[int]) -> tuple[float, int]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        scheduler.submit(request_id, tokens, max_tokens=1, message_ends=(prefix,))
+        restored = 0
+        while not scheduler.is_idle():
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            restored += sum(r.snapshot_row is not None for r in plan.restores)
+            sampled = executor.run(plan).argmax(-1)
+            executor.record_sampled([h.state_row for h in plan.samples], sampled)
+            for done in scheduler.complete(plan, StepResult(sampled.tolist(), plan.estimated_s)):
+                scheduler.finish(done.handle.request_id, "length")
+        return time.perf_counter() - start, restored
+
+    seconds_to_first_token("warm-up", prompt(prefix + suffix))  # kernels tuned for these lengths
+    shared = prompt(prefix)
+    cold, cold_restores = seconds_to_first_token("cold", shared + prompt(suffix))
+    warm, warm_restores = seconds_to_first_token("warm", shared + prompt(suffix))
+    if cold_restores or not warm_restores:
+        raise RuntimeError(f"expected no restore cold and one warm, got {cold_restores} and {warm_restores}")
+    return {"prefix_tokens": prefix, "suffix_tokens": suffix, "chunk_tokens": chunk,
+            "cold_ms": round(1000 * cold, 1), "warm_ms": round(1000 * warm, 1),
+            "warm_over_cold": round(warm / cold, 3)}
+
+
+def main() -> None:
+    from transformers import Qwen3_5TextConfig
+
+    from flare_core.plugins import load_registry
+    from flare_recipe_qwen.recipes import QWEN3_5
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request before decoding")
+    parser.add_argument("--steps", type=int, default=128, help="timed decode steps per batch")
+    parser.add_argument("--prefix-tokens", type=int, default=4096)
+    parser.add_argument("--suffix-tokens", type=int, default=96)
+    parser.add_argument("--chunk", type=int, default=2048, help="prompt chunk tokens (the export's default)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    config = Qwen3_5TextConfig()
+    model = random_serving_model(config, device, QWEN3_5)
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    scheme = load_registry().cache_schemes[QWEN3_5.cache_scheme].build(config, "bfloat16")
+    runs = decode(config, model, QWEN3_5, device, args.batch, args.context, args.steps)
+    print("decode", runs, flush=True)
+    per_request = 2 * state_bytes(scheme) + (args.context + args.steps) * kv_bytes_per_token(scheme)
+    embedding = config.vocab_size * config.hidden_size * 2
+    roofline = {}
+    for batch in args.batch:
+        step_bytes = weight_bytes - embedding + batch * per_request
+        tok_s = batch * bandwidth / step_bytes
+        roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
+                                "fraction": round(runs[str(batch)]["decode_tok_s"] / tok_s, 3)}
+    ttft = first_token(config, model, device, args.prefix_tokens, args.suffix_tokens, args.chunk)
+    print("first token", ttft, flush=True)
+    result = {"benchmark": "hybrid_decode", "shape": "qwen3.5 default text (Qwen3_5TextConfig())",
+              "weight_bytes": weight_bytes, "state_bytes_per_request": state_bytes(scheme),
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "decode": runs, "roofline": roofline,
+              "first_token": ttft, "context": args.context, "steps": args.steps,
+              "device": torch.cuda.get_device_name(device), "torch": torch.__version__, **commit_and_date()}
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""flare_core.ops.delta_rule.causal_conv_rows: the causal convolution of a flattened batch over
+state rows (the code the CUDA path runs too, in and out of captured graphs) against PyTorch's own
+conv1d run request by request on each request's window and new inputs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flare_core.ops.delta_rule import causal_conv_rows
+
+
+def test_matches_conv1d_request_by_request_and_updates_only_their_rows():
+    generator = torch.Generator().manual_seed(0)
+    channels, kernel = 12, 4
+    window = kernel - 1
+    # Requests shorter than the window keep part of their old window; one-token requests (decode).
+    lengths = [1, 7, 2, 1, 30]
+    rows = torch.tensor([5, 0, 3, 6, 1])
+    weight = torch.randn(channels, 1, kernel, generator=generator)
+    bias = torch.randn(channels, generator=generator)
+    conv_rows = torch.randn(8, channels, window, generator=generator)
+    before = conv_rows.clone()
+    x = torch.randn(sum(lengths), channels, generator=generator)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    out = causal_conv_rows(x, conv_rows, rows, starts, weight, bias)
+
+    for r, row in enumerate(rows.tolist()):
+        inputs = torch.cat([before[row], x[starts[r]:starts[r + 1]].T], dim=-1)  # [C, W + n]
+        want = F.conv1d(inputs[None], weight, bias, groups=channels)[0].T
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(conv_rows[row], inputs[:, -window:])
+    untouched = [i for i in range(8) if i not in rows.tolist()]
+    assert torch.equal(conv_rows[untouched], before[untouched])
+
+
+def test_without_bias_and_in_bfloat16():
+    generator = torch.Generator().manual_seed(1)
+    channels, kernel = 8, 4
+    weight = torch.randn(channels, 1, kernel, generator=generator).bfloat16()
+    conv_rows = torch.zeros(3, channels, kernel - 1, dtype=torch.bfloat16)
+    x = torch.randn(5, channels, generator=generator).bfloat16()
+    out = causal_conv_rows(x, conv_rows, torch.tensor([2]), torch.tensor([0, 5]), weight, None)
+    inputs = torch.cat([torch.zeros(channels, kernel - 1), x.float().T], dim=-1)
+    want = F.conv1d(inputs[None], weight.float(), None, groups=channels)[0].T
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(conv_rows[2].float(), x.float().T[:, -(kernel - 1):])
