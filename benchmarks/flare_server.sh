@@ -1,6 +1,8 @@
 # Sourced by the H200 serving scripts (set $flare first): start `flare run` on port 8000 and wait
 # for /health.  start_server CORE LOG [flare run flags...]
 # sets $server (the server's pid) and $startup_s (seconds from start to healthy).
+# check_slots_free ROWS OUT: after a load, the server's request state rows are all free again
+# (/metrics: flare_slots_live 0, flare_slots_free ROWS, nothing waiting); the gauges go to OUT.
 start_server() {
   local core=$1 log=$2 start
   shift 2
@@ -12,4 +14,18 @@ start_server() {
     sleep 0.5
   done
   startup_s=$(python3 -c "import time; print(round(time.time() - $start, 1))")
+}
+
+check_slots_free() {
+  python3 - "$1" "$2" <<'EOF'
+import sys, urllib.request
+rows, out = int(sys.argv[1]), sys.argv[2]
+text = urllib.request.urlopen("http://127.0.0.1:8000/metrics").read().decode()
+gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+          if line.split(" ")[0] in ("flare_slots_live", "flare_slots_free", "flare_requests_waiting")}
+open(out, "w").write(f"{gauges}\n")
+print("after the load:", gauges)
+if gauges != {"flare_slots_live": 0, "flare_slots_free": rows, "flare_requests_waiting": 0}:
+    sys.exit(f"request state rows not all free after the load: {gauges}")
+EOF
 }

@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
 # Serving benchmarks on the H200 with a random-weight core: export, `flare run` start-up time with
-# empty compile caches (cold), `flare bench` at concurrency 1 and 64, then the start-up of a second
-# `flare run` of the same core, which finds the first one's compile caches (warm).
-#   bash benchmarks/h200_serving.sh [--moe] [--fp8] OUTDIR [extra `flare run` flags, e.g. --no-compile]
-#   bash benchmarks/h200_serving.sh [--moe] [--fp8] --prepare-only   (checkpoint + export, no serving)
-# The core: the Qwen3-8B shape, or with --moe the MoE issue's 12-layer Qwen3-30B-A3B shape; with
-# --fp8 exported from the same checkpoint with `--quantize fp8` (both serve as the checkpoint's name).
+# empty compile caches (cold), `flare bench` at concurrency 1 and 64, after which every request
+# state row must be free again (/metrics), then the start-up of a second `flare run` of the same
+# core, which finds the first one's compile caches (warm).
+#   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] OUTDIR [extra `flare run` flags, e.g. --no-compile]
+#   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] --prepare-only   (checkpoint + export, no serving)
+# The core: the Qwen3-8B shape; with --moe the MoE issue's 12-layer Qwen3-30B-A3B shape; with
+# --qwen3.5 Qwen3.5's default dense text shape (a Gated DeltaNet hybrid) as Qwen publishes its
+# checkpoints (benchmarks/random_qwen3_5.py), with an 8k context; with --fp8 exported from the same
+# checkpoint with `--quantize fp8` (both serve as the checkpoint's name).
 set -euo pipefail
-moe=""; name=qwen3-8b-random; quantize=""
-if [ "${1:-}" = --moe ]; then moe=--moe; name=qwen3-moe-12l-random; shift; fi
+name=qwen3-8b-random; quantize=""; write_checkpoint="benchmarks/random_checkpoint.py"; context=4096
+if [ "${1:-}" = --moe ]; then write_checkpoint="benchmarks/random_checkpoint.py --moe"; name=qwen3-moe-12l-random; shift; fi
+if [ "${1:-}" = --qwen3.5 ]; then write_checkpoint=benchmarks/random_qwen3_5.py; name=qwen3.5-random; context=8192; shift; fi
 checkpoint=$name
 if [ "${1:-}" = --fp8 ]; then quantize="--quantize fp8"; name=$name-fp8; shift; fi
-out=${1:?usage: h200_serving.sh [--moe] [--fp8] OUTDIR|--prepare-only [flare run flags]}
+out=${1:?usage: h200_serving.sh [--moe|--qwen3.5] [--fp8] OUTDIR|--prepare-only [flare run flags]}
 shift
 work=/tmp/flare-bench; mkdir -p "$work"
 printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n%s\n' \
   "$work" "$work" "$work" "$work" "compile_cache = \"$work/compiled\"" > "$work/config.toml"
 flare="python3 -m flare_core.cli --config $work/config.toml"
-[ -d "$work/$checkpoint" ] || python3 benchmarks/random_checkpoint.py $moe "$work/$checkpoint"
+[ -d "$work/$checkpoint" ] || python3 $write_checkpoint "$work/$checkpoint"
 # Both cores of a checkpoint serve under its name: the server is given the core's path (export's
 # last line), kept in $name.core.
 if [ ! -f "$work/$name.core" ]; then
   $flare export "$work/$checkpoint" $quantize --no-progress --max-concurrency 64 --prefill-chunk-size 2048 \
-    --context-length 4096 > "$work/$name.export.log" 2>&1 || { tail -20 "$work/$name.export.log"; exit 1; }
+    --context-length $context > "$work/$name.export.log" 2>&1 || { tail -20 "$work/$name.export.log"; exit 1; }
   tail -12 "$work/$name.export.log"
   tail -1 "$work/$name.export.log" > "$work/$name.core"
 fi
@@ -37,6 +41,7 @@ $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --
   --num-prompts 8 --num-warmups 1 --result-file "$out/bench-c1.json" 2>&1 | tail -25
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 64 \
   --num-prompts 256 --result-file "$out/bench-c64.json" 2>&1 | tail -25
+check_slots_free 64 "$out/slots.txt"
 kill -TERM $server; wait $server || true
 tail -5 "$out/run-cold.log"
 start_server "$core" "$out/run-warm.log" "$@"

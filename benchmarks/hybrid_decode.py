@@ -37,20 +37,6 @@ from provenance import commit_and_date, report
 PAGE_TOKENS = 64
 
 
-def state_bytes(scheme) -> int:
-    """Bytes of one request's continuation state (every state tensor, every layer)."""
-    from flare_core.executor.storage import TORCH_DTYPES
-
-    return sum(s.layers * torch.Size(s.shape).numel() * TORCH_DTYPES[s.dtype].itemsize for s in scheme.state)
-
-
-def kv_bytes_per_token(scheme) -> int:
-    from flare_core.executor.storage import TORCH_DTYPES
-
-    return sum(p.layers * torch.Size(p.record_shape).numel() * TORCH_DTYPES[p.dtype].itemsize // p.tokens_per_record
-               for p in scheme.paged)
-
-
 def first_token(config, model, device, prefix: int, suffix: int, chunk: int) -> dict:
     """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot."""
     from flare_core.cache import PageAllocator, PrefixCache
@@ -128,7 +114,8 @@ def main() -> None:
     scheme = load_registry().cache_schemes[QWEN3_5.cache_scheme].build(config, "bfloat16")
     runs = decode(config, model, QWEN3_5, device, args.batch, args.context, args.steps)
     print("decode", runs, flush=True)
-    per_request = 2 * state_bytes(scheme) + (args.context + args.steps) * kv_bytes_per_token(scheme)
+    # Per request and step: its state rows read and written, its K/V pages read.
+    per_request = 2 * scheme.state_row_bytes() + (args.context + args.steps) * scheme.page_bytes(PAGE_TOKENS) // PAGE_TOKENS
     embedding = config.vocab_size * config.hidden_size * 2
     roofline = {}
     for batch in args.batch:
@@ -139,7 +126,7 @@ def main() -> None:
     ttft = first_token(config, model, device, args.prefix_tokens, args.suffix_tokens, args.chunk)
     print("first token", ttft, flush=True)
     result = {"benchmark": "hybrid_decode", "shape": "qwen3.5 default text (Qwen3_5TextConfig())",
-              "weight_bytes": weight_bytes, "state_bytes_per_request": state_bytes(scheme),
+              "weight_bytes": weight_bytes, "state_bytes_per_request": scheme.state_row_bytes(),
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "decode": runs, "roofline": roofline,
               "first_token": ttft, "context": args.context, "steps": args.steps,
               "device": torch.cuda.get_device_name(device), "torch": torch.__version__, **commit_and_date()}

@@ -28,6 +28,20 @@ def qwen3_moe_config(layers: int = 12):
                           eos_token_id=151645, torch_dtype="bfloat16")
 
 
+def fill_random(model, device: torch.device):
+    """`model` with its parameters drawn in place: norms 1, biases 0, the rest ~ N(0, 0.02)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model
+
+
 def random_hf_model(config, device: torch.device):
     """The Transformers model (Qwen3 or Qwen3-MoE, by the config) in bf16 on `device`, weights
     ~ N(0, 0.02), norms 1."""
@@ -38,14 +52,7 @@ def random_hf_model(config, device: torch.device):
     moe = config.model_type == "qwen3_moe"
     with torch.device("meta"):
         model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config)
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+    model = fill_random(model.to_empty(device=device).to(torch.bfloat16), device)
     # Its inv_freq was left on meta.
     model.model.rotary_emb = (Qwen3MoeRotaryEmbedding if moe else Qwen3RotaryEmbedding)(config).to(device)
     return model.eval()

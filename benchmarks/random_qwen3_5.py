@@ -29,6 +29,7 @@ def main() -> None:
 
     from flare_core.frontend import build_tokenizer_json
     from flare_recipe_qwen.recipes import QWEN3_ASSETS
+    from random_qwen3 import fill_random
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
@@ -47,16 +48,7 @@ def main() -> None:
     with torch.device("meta"):
         model = Qwen3_5ForConditionalGeneration(config)
     torch.set_default_dtype(torch.float32)
-    model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name.endswith("norm.weight"):
-                tensor.fill_(1.0)
-            elif name.endswith(("bias", "dt_bias")):
-                tensor.zero_()
-            else:
-                tensor.normal_(0.0, 0.02, generator=generator)
+    model = fill_random(model.to_empty(device=device), device)
     model.save_pretrained(args.directory, max_shard_size="5GB")
     with tempfile.TemporaryDirectory() as assets:
         for name, load in QWEN3_ASSETS.items():

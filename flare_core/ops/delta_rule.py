@@ -17,10 +17,10 @@ captured decode graph. The delta rule itself:
   back the final one;
 * on CUDA: flash-linear-attention's Triton kernels behind one custom op per rule
   (`flare::gated_delta_rule`, `flare::kimi_delta_rule`), which torch.compile keeps as a single
-  node: the fused recurrent
-  kernel when every request brings one token (decode; captured in graphs), the chunked kernel
-  over the batch's variable-length sequences otherwise (eager prompt chunks). The rows are
-  gathered into the kernel's initial states and its final states written back around the op.
+  node: the fused recurrent kernel when every request brings one token (decode; captured in
+  graphs), the chunked kernel over the batch's variable-length sequences otherwise (eager prompt
+  chunks). The rows are gathered into the kernel's initial states and its final states written
+  back around the op.
 """
 
 from __future__ import annotations
