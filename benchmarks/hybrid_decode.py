@@ -37,8 +37,9 @@ from provenance import commit_and_date, report
 PAGE_TOKENS = 64
 
 
-def first_token(config, model, device, prefix: int, suffix: int, chunk: int) -> dict:
-    """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot."""
+def first_token(config, model, device, prefix: int, suffix: int, chunk: int, profile: Path | None = None) -> dict:
+    """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot
+    (with `profile`, a second restoring prompt under the profiler: its kernels and host time)."""
     from flare_core.cache import PageAllocator, PrefixCache
     from flare_core.contract import Capacities
     from flare_core.executor.graphs import GraphExecutor
@@ -86,9 +87,23 @@ def first_token(config, model, device, prefix: int, suffix: int, chunk: int) -> 
     warm, warm_restores = seconds_to_first_token("warm", shared + prompt(suffix))
     if cold_restores or not warm_restores:
         raise RuntimeError(f"expected no restore cold and one warm, got {cold_restores} and {warm_restores}")
+    if profile is not None:
+        write_profile(profile, lambda: seconds_to_first_token("warm-profiled", shared + prompt(suffix)))
     return {"prefix_tokens": prefix, "suffix_tokens": suffix, "chunk_tokens": chunk,
             "cold_ms": round(1000 * cold, 1), "warm_ms": round(1000 * warm, 1),
             "warm_over_cold": round(warm / cold, 3)}
+
+
+def write_profile(path: Path, run) -> None:
+    """Where `run`'s time goes: kernels by device time, then operators by host time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    path.write_text(averages.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90) + "\n"
+                    + averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
 
 
 def main() -> None:
@@ -105,6 +120,8 @@ def main() -> None:
     parser.add_argument("--suffix-tokens", type=int, default=96)
     parser.add_argument("--chunk", type=int, default=2048, help="prompt chunk tokens (the export's default)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="a folder for profiles of the first batch's decode steps "
+                        "and of a restored prompt's first token")
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -112,7 +129,10 @@ def main() -> None:
     model = random_serving_model(config, device, QWEN3_5)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     scheme = load_registry().cache_schemes[QWEN3_5.cache_scheme].build(config, "bfloat16")
-    runs = decode(config, model, QWEN3_5, device, args.batch, args.context, args.steps)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    runs = decode(config, model, QWEN3_5, device, args.batch, args.context, args.steps,
+                  args.profile / "decode.txt" if args.profile else None)
     print("decode", runs, flush=True)
     # Per request and step: its state rows read and written, its K/V pages read.
     per_request = 2 * scheme.state_row_bytes() + (args.context + args.steps) * scheme.page_bytes(PAGE_TOKENS) // PAGE_TOKENS
@@ -123,7 +143,8 @@ def main() -> None:
         tok_s = batch * bandwidth / step_bytes
         roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
                                 "fraction": round(runs[str(batch)]["decode_tok_s"] / tok_s, 3)}
-    ttft = first_token(config, model, device, args.prefix_tokens, args.suffix_tokens, args.chunk)
+    ttft = first_token(config, model, device, args.prefix_tokens, args.suffix_tokens, args.chunk,
+                       args.profile / "first_token.txt" if args.profile else None)
     print("first token", ttft, flush=True)
     result = {"benchmark": "hybrid_decode", "shape": "qwen3.5 default text (Qwen3_5TextConfig())",
               "weight_bytes": weight_bytes, "state_bytes_per_request": scheme.state_row_bytes(),

@@ -6,6 +6,8 @@ the fused module; its checkpoint parts are declared here once, as data:
 
 * `<module>.qkv_proj.weight`     = cat(q_proj, k_proj, v_proj) along the output dimension
 * `<module>.gate_up_proj.weight` = cat(gate_proj, up_proj)
+* `<module>.in_proj_qkvzba.weight` = cat(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) (Qwen3.5's
+  Gated DeltaNet input projections)
 * `<prefix>.experts.gate_up_proj` = stack over experts e of cat(experts.e.gate_proj, experts.e.up_proj)
 * `<prefix>.experts.down_proj`    = stack over experts e of experts.e.down_proj
 
@@ -24,6 +26,7 @@ from torch import Tensor, nn
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvzba": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
 }
 
 # Reads one checkpoint tensor: (checkpoint name, the prepared tensor it is for, dtype) -> tensor.

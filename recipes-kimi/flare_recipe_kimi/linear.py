@@ -9,6 +9,7 @@ Transformers' decoder layers, norms, router and experts are reused as they are. 
   rules, on CUDA with flash-linear-attention's KDA kernels (`flare::kimi_delta_rule`);
 * each MLA layer is flare_recipe_deepseek's absorbed MLA over the paged latent cache, with the
   rotation off (Kimi Linear's MLA encodes no positions; its shared key part is stored as it is);
+* each KDA layer's q, k and v projections are one fused matrix;
 * dense MLPs and each MoE block's shared experts fuse gate and up (`FusedGatedMLP`).
 
 The cache scheme (`kda_mla_hybrid_scheme`) keeps latent pages for the MLA layers only and the
@@ -24,7 +25,7 @@ import re
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
 from flare_core.contract import CacheScheme, PagedStore, StateTensor
@@ -69,14 +70,15 @@ class KimiDeltaAttentionForServing(DeltaRuleForServing):
         self.layer_idx, self.activation = original.layer_idx, original.activation
         self.head_k_dim = self.head_v_dim = original.head_dim
         self.key_dim = self.value_dim = original.qkv_dim
-        self.q_proj, self.k_proj, self.v_proj = original.q_proj, original.k_proj, original.v_proj
+        # q, k and v read as one matrix (`qkv_proj`, flare_core.ops.weights), in the order the
+        # convolution's channels take them.
+        self.qkv_proj = nn.Linear(original.q_proj.in_features, 3 * self.key_dim, bias=False)
         self.conv1d, self.forget_gate, self.b_proj = original.conv1d, original.forget_gate, original.b_proj
         self.g_a_proj, self.g_b_proj = original.g_a_proj, original.g_b_proj
         self.o_norm, self.o_proj = original.o_norm, original.o_proj
 
     def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)],
-                          dim=-1)[0]
+        mixed = self.qkv_proj(hidden_states)[0]
         gate = self.g_b_proj(self.g_a_proj(hidden_states))
         return mixed, self.forget_gate(hidden_states), torch.sigmoid(self.b_proj(hidden_states)), gate
 

@@ -9,8 +9,10 @@ Replaced for serving:
   (prompt) and recurrent (one token) gated delta rules, on CUDA with flash-linear-attention's
   kernels (`flare::gated_delta_rule`); Qwen3-Next and Qwen3.5 differ only in how they project
   the input;
-* each full-attention layer attends over the paged K/V cache (`PagedAttention`), with the
-  original projections, q/k norms, partial rotary embedding and sigmoid output gate;
+* each full-attention layer attends over the paged K/V cache (`PagedAttention`), with q (and its
+  gate), k and v projected by one fused matrix, the q/k norms, partial rotary embedding and
+  sigmoid output gate;
+* Qwen3.5's Gated DeltaNet reads its four input projections as one fused matrix;
 * dense MLPs (and each MoE block's shared expert) fuse gate and up (`FusedGatedMLP`), and MoE
   routers compute their softmax top-k with flare's ops (`SoftmaxTopKRouter`).
 
@@ -104,16 +106,19 @@ class NextGatedDeltaNet(GatedDeltaNetForServing):
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNetForServing):
-    """Qwen3.5 (dense and MoE): separate projections for q/k/v, z, b and a."""
+    """Qwen3.5 (dense and MoE): Transformers' four input projections (q/k/v, z, b and a) read as
+    one matrix (`in_proj_qkvzba`, flare_core.ops.weights), so a decode step reads them with a
+    single matmul."""
 
     def __init__(self, original: nn.Module):
         super().__init__(original)
-        self.in_proj_qkv, self.in_proj_z = original.in_proj_qkv, original.in_proj_z
-        self.in_proj_b, self.in_proj_a = original.in_proj_b, original.in_proj_a
+        parts = (original.in_proj_qkv, original.in_proj_z, original.in_proj_b, original.in_proj_a)
+        self.split_sizes = [p.out_features for p in parts]
+        self.in_proj_qkvzba = nn.Linear(original.in_proj_qkv.in_features, sum(self.split_sizes), bias=False)
 
     def project_inputs(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return (self.in_proj_qkv(hidden_states)[0], self.in_proj_z(hidden_states), self.in_proj_b(hidden_states),
-                self.in_proj_a(hidden_states))
+        mixed, z, b, a = self.in_proj_qkvzba(hidden_states).split(self.split_sizes, dim=-1)
+        return mixed[0], z, b, a
 
 
 class GatedAttentionForServing(nn.Module):
@@ -125,8 +130,12 @@ class GatedAttentionForServing(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = original.head_dim
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = original.q_proj, original.k_proj, original.v_proj, \
-            original.o_proj
+        # q (with the gate), k and v read as one matrix (`qkv_proj`, flare_core.ops.weights).
+        parts = (original.q_proj, original.k_proj, original.v_proj)
+        self.split_sizes = [p.out_features for p in parts]
+        self.qkv_proj = nn.Linear(original.q_proj.in_features, sum(self.split_sizes),
+                                  bias=original.q_proj.bias is not None)
+        self.o_proj = original.o_proj
         self.q_norm, self.k_norm = original.q_norm, original.k_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)
 
@@ -135,10 +144,11 @@ class GatedAttentionForServing(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         tokens = x.shape[0]
-        query, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query_gate, key, value = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        query, gate = query_gate.reshape(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = self.q_norm(query)
-        key = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-        value = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        key = self.k_norm(key.reshape(tokens, self.num_kv_heads, self.head_dim))
+        value = value.reshape(tokens, self.num_kv_heads, self.head_dim)
         cos, sin = position_embeddings
         query, key = qn.apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=1)
         out = self.attn(query, key, value, context).reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
