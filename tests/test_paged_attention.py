@@ -65,6 +65,19 @@ def test_batch_layout():
     assert batch.query_start.dtype == torch.int32 and batch.slot_mapping.dtype == torch.int64
 
 
+def test_batch_of_state_rows_indexes_each_requests_linear_attention_chunks():
+    """(request, chunk) per 64-token chunk, what flash-linear-attention's chunked kernels take
+    (its prepare_chunk_indices of the same lengths); none where no request brings several tokens
+    or the scheme has no state."""
+    pages = [[0], [1, 2, 3], [4]]
+    batch = AttentionBatch.build([(1, 5, pages[0]), (130, 0, pages[1]), (64, 0, pages[2])], 64, "cpu",
+                                 state_rows=[4, 0, 2])
+    assert batch.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]]
+    assert batch.chunk_indices.dtype == torch.int64
+    assert AttentionBatch.build([(1, 5, [0]), (1, 0, [1])], 64, "cpu", state_rows=[0, 1]).chunk_indices is None
+    assert AttentionBatch.build([(100, 0, [1, 2])], 64, "cpu").chunk_indices is None
+
+
 def test_batch_rejects_too_few_pages():
     with pytest.raises(ValueError, match="request 1 holds 17 tokens, which needs 2 pages"):
         AttentionBatch.build([(1, 0, [0]), (2, 15, [3])], 16, "cpu")

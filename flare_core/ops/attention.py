@@ -33,6 +33,17 @@ def cache_index(pages: Sequence[int], position: int, page_tokens: int) -> int:
     return pages[position // page_tokens] * page_tokens + position % page_tokens
 
 
+# Tokens per chunk of the chunked linear-attention kernels (flash-linear-attention's chunk size
+# for the gated delta rules).
+LINEAR_CHUNK_TOKENS = 64
+
+
+def linear_chunks(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(request, chunk) of each LINEAR_CHUNK_TOKENS-token chunk of requests with `lengths` new
+    tokens, in order: `AttentionBatch.chunk_indices` on the host."""
+    return [(b, c) for b, n in enumerate(lengths) for c in range(-(-n // LINEAR_CHUNK_TOKENS))]
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionBatch:
     """Where each request's new tokens sit in the flattened batch and in the paged cache.
@@ -56,6 +67,12 @@ class AttentionBatch:
     # kernels and captured graphs read; a decode graph's rows come from its inputs each replay.
     state_rows_host: tuple[int, ...] = ()
     state_rows: Tensor | None = None
+    # For a step of state rows in which some request brings several tokens: (request, chunk) of
+    # each LINEAR_CHUNK_TOKENS-token chunk of every request's new tokens, int64 [chunks, 2], the
+    # index chunked linear-attention kernels read. Built here on the host once per step: derived
+    # from `query_start` on the device, each recurrent layer would wait for the device to learn
+    # the number of chunks.
+    chunk_indices: Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -112,6 +129,8 @@ class AttentionBatch:
             else:
                 logits_rows.append(query_start[-1] - 1)
         device = torch.device(device)
+        lengths = [end - start for start, end in zip(query_start, query_start[1:])]
+        chunks = linear_chunks(lengths) if state_rows and max(lengths) > 1 else None
         return cls(
             query_start=to_device(query_start, torch.int32, device),
             kv_lens=to_device(kv_lens, torch.int32, device),
@@ -123,6 +142,7 @@ class AttentionBatch:
             kv_lens_host=tuple(kv_lens),
             state_rows_host=tuple(state_rows),
             state_rows=to_device(list(state_rows), torch.int64, device) if state_rows else None,
+            chunk_indices=to_device(chunks, torch.int64, device) if chunks else None,
         )
 
 

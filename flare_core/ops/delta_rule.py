@@ -19,8 +19,9 @@ captured decode graph. The delta rule itself:
   (`flare::gated_delta_rule`, `flare::kimi_delta_rule`), which torch.compile keeps as a single
   node: the fused recurrent kernel when every request brings one token (decode; captured in
   graphs), the chunked kernel over the batch's variable-length sequences otherwise (eager prompt
-  chunks). The rows are gathered into the kernel's initial states and its final states written
-  back around the op.
+  chunks, with the chunk index the batch built on the host: no layer waits for the device). The
+  rows are gathered into the kernel's initial states and its final states written back around
+  the op.
 """
 
 from __future__ import annotations
@@ -71,54 +72,69 @@ def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Te
     return out.to(x.dtype)
 
 
-def _kernels(recurrent: Callable, chunk: Callable, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-             initial: Tensor, query_start: Tensor) -> tuple[Tensor, Tensor]:
-    """One of flash-linear-attention's rule pairs over a flattened batch: the fused recurrent
-    kernel when every request brings one token (a decode step), else the chunked kernel over the
-    requests' variable-length sequences."""
-    if q.shape[1] == initial.shape[0]:
-        out, final = recurrent(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1),
-                               beta=beta.transpose(0, 1), initial_state=initial, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True)
-        out = out.transpose(0, 1)
-    else:
-        out, final = chunk(q, k, v, g, beta, initial_state=initial, output_final_state=True,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=query_start.to(torch.int64))
+def _one_token_each(q: Tensor, initial: Tensor) -> bool:
+    """Whether every request of the batch brings one token (a decode step)."""
+    return q.shape[1] == initial.shape[0]
+
+
+def _recurrent(rule: Callable, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+               initial: Tensor) -> tuple[Tensor, Tensor]:
+    """A fused recurrent kernel over one token per request: the batch as fla's batch dimension."""
+    out, final = rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.transpose(0, 1),
+                      beta=beta.transpose(0, 1), initial_state=initial, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    return _outputs(out.transpose(0, 1), final, v)
+
+
+def _outputs(out: Tensor, final: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return out.to(v.dtype).contiguous(), final.float().contiguous()
 
 
 @torch.library.custom_op("flare::gated_delta_rule", mutates_args=())
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor,
-                     query_start: Tensor) -> tuple[Tensor, Tensor]:
+                     query_start: Tensor, chunk_indices: Tensor | None) -> tuple[Tensor, Tensor]:
     """The gated delta rule (Gated DeltaNet) of a flattened batch on CUDA, from each request's
-    initial state.
+    initial state: flash-linear-attention's fused recurrent kernel when every request brings one
+    token (a decode step), else its chunked kernel over the requests' variable-length sequences.
 
     q, k [1, T, H, K] (l2-normed in the kernel); v [1, T, HV, V] (HV a multiple of H: grouped
     values); g (log decay, float32) and beta [1, T, HV]; initial [B, HV, K, V] float32, request b
-    owning tokens `query_start[b]:query_start[b+1]`. Returns the output [1, T, HV, V] and the
-    final states [B, HV, K, V] (float32)."""
+    owning tokens `query_start[b]:query_start[b+1]`; chunk_indices: the step's
+    `AttentionBatch.chunk_indices` (None for a decode step). Returns the output [1, T, HV, V] and
+    the final states [B, HV, K, V] (float32)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    return _kernels(fused_recurrent_gated_delta_rule, chunk_gated_delta_rule, q, k, v, g, beta, initial, query_start)
+    if _one_token_each(q, initial):
+        return _recurrent(fused_recurrent_gated_delta_rule, q, k, v, g, beta, initial)
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=query_start.to(torch.int64),
+                                        chunk_indices=chunk_indices)
+    return _outputs(out, final, v)
 
 
 @torch.library.custom_op("flare::kimi_delta_rule", mutates_args=())
 def kimi_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor,
-                    query_start: Tensor) -> tuple[Tensor, Tensor]:
+                    query_start: Tensor, chunk_indices: Tensor | None) -> tuple[Tensor, Tensor]:
     """Kimi Delta Attention's rule on CUDA: `gated_delta_rule` with a decay per key channel
-    (g [1, T, HV, K], log space, float32)."""
+    (g [1, T, HV, K], log space, float32). fla's chunked KDA builds its chunk index on the device
+    (its graph mode, `use_graph`: sized from the shapes, no wait for the device), so
+    `chunk_indices` goes unused."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    return _kernels(fused_recurrent_kda, chunk_kda, q, k, v, g, beta, initial, query_start)
+    if _one_token_each(q, initial):
+        return _recurrent(fused_recurrent_kda, q, k, v, g, beta, initial)
+    out, final = chunk_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True, cu_seqlens=query_start.to(torch.int64), use_graph=True)
+    return _outputs(out, final, v)
 
 
 @gated_delta_rule.register_fake
-def _(q, k, v, g, beta, initial, query_start):
+def _(q, k, v, g, beta, initial, query_start, chunk_indices):
     return torch.empty_like(v), torch.empty_like(initial, dtype=torch.float32)
 
 
 @kimi_delta_rule.register_fake
-def _(q, k, v, g, beta, initial, query_start):
+def _(q, k, v, g, beta, initial, query_start, chunk_indices):
     return torch.empty_like(v), torch.empty_like(initial, dtype=torch.float32)
 
 
@@ -157,7 +173,8 @@ class DeltaRuleForServing(nn.Module):
             # rows into the layer's state (an op that wrote them itself would make Inductor guard
             # the whole layer's state as a mutated input).
             rows = batch.state_rows
-            out, final = self.kernel_rule(q, k, v, g, beta, recurrent_rows.index_select(0, rows), batch.query_start)
+            out, final = self.kernel_rule(q, k, v, g, beta, recurrent_rows.index_select(0, rows), batch.query_start,
+                                          batch.chunk_indices)
             recurrent_rows.index_copy_(0, rows, final.to(recurrent_rows.dtype))
             return out
         outputs = []

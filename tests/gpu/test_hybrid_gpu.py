@@ -39,7 +39,9 @@ SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attentio
 def test_delta_rule_kernels_match_transformers(family, lengths):
     """Gated DeltaNet (Qwen: a decay per value head, twice as many value heads as key heads) and
     Kimi Delta Attention (a decay per key channel, as many value heads as key heads)."""
+    from flare_core.ops.attention import linear_chunks
     from flare_core.ops.delta_rule import gated_delta_rule, kimi_delta_rule
+    from flare_core.ops.transfer import to_device
     from flare_recipe_kimi.linear import KimiDeltaAttentionForServing
     from flare_recipe_qwen.hybrid import GatedDeltaNetForServing
 
@@ -63,8 +65,9 @@ def test_delta_rule_kernels_match_transformers(family, lengths):
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
-    out, finals = op(q, k, v, g, beta, state.index_select(0, rows), torch.tensor(starts, dtype=torch.int32,
-                                                                                  device=device))
+    chunks = to_device(linear_chunks(lengths), torch.int64, device) if max(lengths) > 1 else None
+    out, finals = op(q, k, v, g, beta, state.index_select(0, rows),
+                     torch.tensor(starts, dtype=torch.int32, device=device), chunks)
 
     for r, row in enumerate(rows.tolist()):
         span = slice(starts[r], starts[r + 1])
