@@ -47,3 +47,22 @@ def test_without_bias_and_in_bfloat16():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(conv_rows[2].float(), x.float().T[:, -(kernel - 1):])
+
+
+def test_one_token_each_reads_and_writes_the_rows_as_the_general_path_does():
+    """A decode step's shortcut (every request brings one token) against the extended-sequence path."""
+    generator = torch.Generator().manual_seed(2)
+    channels, kernel = 10, 4
+    rows = torch.tensor([4, 1, 6])
+    weight = torch.randn(channels, 1, kernel, generator=generator)
+    bias = torch.randn(channels, generator=generator)
+    conv_rows = torch.randn(8, channels, kernel - 1, generator=generator)
+    shortcut_rows = conv_rows.clone()
+    x = torch.randn(3, channels, generator=generator)
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+
+    want = causal_conv_rows(x, conv_rows, rows, starts, weight, bias)
+    got = causal_conv_rows(x, shortcut_rows, rows, starts, weight, bias, one_token_each=True)
+
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(shortcut_rows, conv_rows)

@@ -37,16 +37,27 @@ from flare_core.ops.attention import ForwardContext
 
 
 def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Tensor, weight: Tensor,
-                     bias: Tensor | None) -> Tensor:
+                     bias: Tensor | None, one_token_each: bool = False) -> Tensor:
     """The depthwise causal convolution of a flattened batch, continuing each request's row.
 
     x [T, C]: the requests' new inputs back to back (request b owns `query_start[b]:query_start[b+1]`);
-    conv_rows [rows, C, W]: each row's last W = kernel - 1 inputs; rows int64 [B]; weight [C, 1, W + 1].
+    conv_rows [rows, C, W]: each row's last W = kernel - 1 inputs; rows int64 [B]; weight [C, 1, W + 1];
+    one_token_each: every request brings exactly one token (a decode step: T == B).
     Returns the convolution [T, C] (accumulated in float32, in x's dtype, before any activation)
     and writes each request's last W inputs back to its row."""
     tokens, channels = x.shape
     window = weight.shape[-1] - 1
     requests = rows.shape[0]
+    kernel = weight[:, 0, :].float()
+    if one_token_each:
+        # The row's window then the token, read and written directly: two kernels in a captured
+        # decode step, where the extended sequence below costs several scatters and gathers.
+        inputs = torch.cat([conv_rows.index_select(0, rows).to(x.dtype), x[:, :, None]], dim=-1)  # [B, C, W + 1]
+        out = (inputs.float() * kernel).sum(-1)
+        if bias is not None:
+            out += bias.float()
+        conv_rows.index_copy_(0, rows, inputs[:, :, 1:].to(conv_rows.dtype))
+        return out.to(x.dtype)
     starts = query_start.to(torch.int64)
     # An extended sequence holds each request's row, then its tokens: request b's row starts at
     # starts[b] + b W, its token t (flattened index) sits at t + (b + 1) W.
@@ -60,7 +71,6 @@ def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Te
     extended = x.new_empty(tokens + requests * window, channels)
     extended[(starts[:-1] + offsets)[:, None] + taps] = conv_rows.index_select(0, rows).transpose(1, 2).to(x.dtype)
     extended[placed] = x
-    kernel = weight[:, 0, :].float()
     out = extended[placed - window].float() * kernel[:, 0]
     for tap in range(1, window + 1):
         out += extended[placed - window + tap].float() * kernel[:, tap]
@@ -70,11 +80,6 @@ def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Te
     tails = (starts[1:] + offsets)[:, None] + taps
     conv_rows.index_copy_(0, rows, extended[tails].transpose(1, 2).to(conv_rows.dtype))
     return out.to(x.dtype)
-
-
-def _one_token_each(q: Tensor, initial: Tensor) -> bool:
-    """Whether every request of the batch brings one token (a decode step)."""
-    return q.shape[1] == initial.shape[0]
 
 
 def _recurrent(rule: Callable, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -100,11 +105,11 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     q, k [1, T, H, K] (l2-normed in the kernel); v [1, T, HV, V] (HV a multiple of H: grouped
     values); g (log decay, float32) and beta [1, T, HV]; initial [B, HV, K, V] float32, request b
     owning tokens `query_start[b]:query_start[b+1]`; chunk_indices: the step's
-    `AttentionBatch.chunk_indices` (None for a decode step). Returns the output [1, T, HV, V] and
+    `AttentionBatch.chunk_indices`, None when every request brings one token. Returns the output [1, T, HV, V] and
     the final states [B, HV, K, V] (float32)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    if _one_token_each(q, initial):
+    if chunk_indices is None:  # one token per request
         return _recurrent(fused_recurrent_gated_delta_rule, q, k, v, g, beta, initial)
     out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial, output_final_state=True,
                                         use_qk_l2norm_in_kernel=True, cu_seqlens=query_start.to(torch.int64),
@@ -118,10 +123,10 @@ def kimi_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, in
     """Kimi Delta Attention's rule on CUDA: `gated_delta_rule` with a decay per key channel
     (g [1, T, HV, K], log space, float32). fla's chunked KDA builds its chunk index on the device
     (its graph mode, `use_graph`: sized from the shapes, no wait for the device), so
-    `chunk_indices` goes unused."""
+    `chunk_indices` only tells a decode step (None) from prompt chunks."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    if _one_token_each(q, initial):
+    if chunk_indices is None:  # one token per request
         return _recurrent(fused_recurrent_kda, q, k, v, g, beta, initial)
     out, final = chunk_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True,
                            use_qk_l2norm_in_kernel=True, cu_seqlens=query_start.to(torch.int64), use_graph=True)
@@ -163,7 +168,8 @@ class DeltaRuleForServing(nn.Module):
         conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
         weight = self.conv1d.weight
         convolved = ACT2FN[self.activation](causal_conv_rows(mixed.to(weight.dtype), conv_rows, batch.state_rows,
-                                                             batch.query_start, weight, self.conv1d.bias))
+                                                             batch.query_start, weight, self.conv1d.bias,
+                                                             one_token_each=batch.chunk_indices is None))
         q, k, v = convolved.to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         tokens = q.shape[0]
         q, k = q.reshape(1, tokens, -1, self.head_k_dim), k.reshape(1, tokens, -1, self.head_k_dim)
