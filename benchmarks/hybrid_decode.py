@@ -51,15 +51,17 @@ def first_token(config, model, device, prefix: int, suffix: int, chunk: int, pro
     rows, snapshots, total = 2, 8, prefix + suffix + 8
     num_pages = 4 * -(-total // PAGE_TOKENS)
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2 * total)
+    catalog = GraphCapacities.from_specs(capacities.graph_catalog())
+    # As `flare run` builds it (flare_core.runtime.build): prefill graphs of the catalog's capacities.
     executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
                              num_snapshot_rows=snapshots, num_logits_rows=8, vocab_size=config.vocab_size,
-                             device=device, decode_capacities=(1,), context_length=capacities.context_length,
-                             compile_model=True)
+                             device=device, decode_capacities=(1,), prefill_capacities=catalog.prefill,
+                             context_length=capacities.context_length, compile_model=True,
+                             prefill_chunk_size=chunk)
     pages = PageAllocator(num_pages)
     prefix_cache = PrefixCache(b"\x05" * 32, pages, PAGE_TOKENS, continuation_state=True, snapshot_rows=snapshots,
                                logits_rows=8)
-    scheduler = Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          PAGE_TOKENS), pages, prefix_cache)
+    scheduler = Scheduler(SchedulerConfig(rows, chunk, catalog, PAGE_TOKENS), pages, prefix_cache)
     generator = torch.Generator().manual_seed(7)
 
     def prompt(n: int) -> list[int]:
@@ -90,6 +92,7 @@ def first_token(config, model, device, prefix: int, suffix: int, chunk: int, pro
     if profile is not None:
         write_profile(profile, lambda: seconds_to_first_token("warm-profiled", shared + prompt(suffix)))
     return {"prefix_tokens": prefix, "suffix_tokens": suffix, "chunk_tokens": chunk,
+            "prefill_graph_replays": sum(g.replays for g in executor.prefill_graphs.values()),
             "cold_ms": round(1000 * cold, 1), "warm_ms": round(1000 * warm, 1),
             "warm_over_cold": round(warm / cold, 3)}
 

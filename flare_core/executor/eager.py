@@ -111,15 +111,7 @@ class EagerExecutor:
     @torch.inference_mode()
     def run_scored(self, plan: StepPlan) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
         """`run`, and the prompt scores of the chunks that carry prompt targets."""
-        restored_logits = []
-        for restore in plan.restores:
-            if restore.tail_copy is not None:
-                self._copy_page(*restore.tail_copy)
-            if restore.snapshot_row is not None:
-                self._snapshot_row(restore.handle.state_row, restore.snapshot_row, restore=True)
-            if restore.logits_row is not None:
-                restored_logits.append(self.logits_store[restore.logits_row])
-
+        restored_logits = self.restore(plan)
         if not plan.decodes and not plan.prefills:
             return (torch.stack(restored_logits) if restored_logits else self.logits_store[:0]), ()
         self.start_chunks(plan)
@@ -132,6 +124,19 @@ class EagerExecutor:
         if restored_logits:
             sampled = torch.cat([torch.stack(restored_logits), sampled])
         return sampled, scores
+
+    def restore(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Restore the plan's resume points into their requests' pages and state rows; return the
+        stored logits rows of those that restore a whole prompt's (in `plan.restores` order)."""
+        restored_logits = []
+        for restore in plan.restores:
+            if restore.tail_copy is not None:
+                self._copy_page(*restore.tail_copy)
+            if restore.snapshot_row is not None:
+                self._snapshot_row(restore.handle.state_row, restore.snapshot_row, restore=True)
+            if restore.logits_row is not None:
+                restored_logits.append(self.logits_store[restore.logits_row])
+        return restored_logits
 
     @staticmethod
     def scores_prompt(plan: StepPlan) -> bool:

@@ -3,16 +3,18 @@ graph catalog, all sharing one memory pool: decode batch capacities (rows) and p
 capacities (prompt chunks of several requests). Matmuls of one token (the capacity-1 decode
 graph: a single request decoding) run a Triton GEMV kernel (flare_core.ops.gemv) unless
 `gemv=False`. Steps no graph covers (decode rows mixed with prompt chunks, steps that restore
-prefix resume points, prompt chunks of kernels without prefill graphs) run the same model eagerly
-over FlashInfer paged prefill.
+a prompt's stored logits, prompt chunks of kernels without prefill graphs) run the same model
+eagerly over FlashInfer paged prefill.
 
 A step pads to the smallest covering capacity. Padding rows and tokens read and write a scratch
 page that no request owns, so a replay never touches live cache pages beyond its own rows.
 Between replays only buffer contents change: token ids, positions, cache indices, sampling
 columns, and the FlashInfer plan (made on the host from the scheduler's page tables before the
 replay). Recurrent layers (schemes with continuation state) read and write their requests'
-state rows in decode graphs through the `state_rows` input (padding rows: the scratch row);
-their prompt chunks run eagerly. Sampling runs in graphs too, over the forward graph's logits
+state rows through the `state_rows` input of decode graphs and `chunk_state_rows` of prefill
+graphs (padding rows: the scratch row); a prefill graph's `_ChunkLayout` tells them where each
+request's tokens start. Steps that restore prefix resume points without stored logits replay
+graphs too: the restores are copies made before the replay. Sampling runs in graphs too, over the forward graph's logits
 (`_Samplers`): every request parameter, per-request seeds, and penalties read from the
 executor's history book.
 
@@ -36,7 +38,7 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.eager import EagerExecutor
-from flare_core.ops.attention import AttentionBatch, ForwardContext, cache_index
+from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, AttentionBatch, ForwardContext, cache_index, linear_chunks
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
@@ -103,10 +105,12 @@ class _Inputs:
 # rows; a prefill graph's rows are its requests). `ids`: the tokens the host knows; `from_device`:
 # the row reads its token from the step before, on the device, instead; `last_token_index`
 # (prefill): the flattened index of each request's last token, whose logits the row gets;
-# `state_rows`: each row's request's state row (the scratch row for padding); `positions` and
-# `cache_indices` (decode); then the sampling columns and the unseeded key (column 0).
-INT_INPUTS = ("ids", "from_device", "last_token_index", "state_rows", "positions", "cache_indices",
-              "top_k", "seeds", "steps", "seeded", "key")
+# `state_rows`: the state row of each row that samples (the scratch row for padding and, in prefill
+# graphs, for chunks that do not end their prompts); `chunk_state_rows` (prefill, schemes with
+# continuation state): each request's state row, which its recurrent layers continue; `positions`
+# and `cache_indices` (decode); then the sampling columns and the unseeded key (column 0).
+INT_INPUTS = ("ids", "from_device", "last_token_index", "state_rows", "chunk_state_rows", "positions",
+              "cache_indices", "top_k", "seeds", "steps", "seeded", "key")
 SAMPLING_INTS = ("top_k", "seeds", "steps", "seeded")  # the order of row_columns' ints
 # The float inputs (sampling and penalties, in row_columns' order) and their values on rows that
 # sample without them (padding, greedy steps).
@@ -142,6 +146,30 @@ class _Samplers:
         return self.windowed if window(sampling.params, vocab_size) <= GRAPH_SAMPLING_WINDOW else self.full
 
 
+class _ChunkLayout:
+    """Where a prefill graph's requests' tokens lie, for recurrent layers: `query_start` (int32
+    [requests + 1]) and the (request, chunk) index of their chunks (`chunk_indices`, int64, one
+    row per chunk the graph's tokens can make). Rows beyond the step's chunks name chunk 0 of
+    the last request, which is always empty: the chunked kernels load and store nothing for a
+    request without tokens, so those rows only pad the index to its captured size."""
+
+    def __init__(self, capacity: int, requests: int, device: torch.device):
+        self.requests = requests
+        self.query_start = torch.zeros(requests + 1, dtype=torch.int32, device=device)
+        self.chunk_indices = torch.zeros(capacity // LINEAR_CHUNK_TOKENS + requests, 2, dtype=torch.int64,
+                                         device=device)
+        self.upload([capacity])
+
+    def upload(self, lengths: list[int]) -> None:
+        """Lay out requests of `lengths` tokens (the step's chunks, then padding), the rest empty."""
+        lengths = lengths + [0] * (self.requests - len(lengths))
+        assert lengths[-1] == 0, "the last request of a prefill graph stays empty"
+        chunks = linear_chunks(lengths)
+        chunks += [(self.requests - 1, 0)] * (self.chunk_indices.shape[0] - len(chunks))
+        upload(self.query_start, list(itertools.accumulate(lengths, initial=0)))
+        upload(self.chunk_indices, chunks)
+
+
 @dataclass
 class _Graph:
     """The graphs of one capacity of the catalog: the forward (inputs -> logits) and its
@@ -162,6 +190,7 @@ class _Graph:
     # the capture read (e.g. the logits row indices) for as long as the graph may replay.
     context: ForwardContext
     tokens_in: _Inputs | None = None
+    chunks: _ChunkLayout | None = None  # prefill graphs of schemes with continuation state
     replays: int = 0
 
     @property
@@ -171,7 +200,7 @@ class _Graph:
 
 class GraphExecutor:
     """Replays a captured graph where one covers the step (decode-only or prefill-only, no
-    restores, no prompt scores), and otherwise runs the step on its eager executor with
+    stored logits restored, no prompt scores), and otherwise runs the step on its eager executor with
     FlashInfer attention (`eager`): one explicit choice per step, in `_graph_for`. Both share
     the eager executor's cache storage, token and penalty histories and sampler."""
 
@@ -218,9 +247,7 @@ class GraphExecutor:
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.capture_s = 0.0
         self._decode_capacities = decode_capacities
-        # A scheme with continuation state runs its prompt chunks eagerly: its recurrent layers'
-        # chunked kernels split the step's variable-length sequences on the host.
-        self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill and not scheme.state else ()
+        self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
         # Completions go to the host on their own stream (`to_host`), so the compute stream never
         # holds a step behind a device-to-host copy; `_copied` marks the last such copy.
         self._copy_stream = torch.cuda.Stream(device)
@@ -328,7 +355,8 @@ class GraphExecutor:
 
     def _int_inputs(self, width: int) -> _Inputs:
         defaults = dict.fromkeys(INT_INPUTS, 0)
-        defaults.update(state_rows=self.scratch_row, cache_indices=self.scratch_page * self.page_tokens)
+        defaults.update(state_rows=self.scratch_row, chunk_state_rows=self.scratch_row,
+                        cache_indices=self.scratch_page * self.page_tokens)
         return _Inputs(defaults, width, torch.int64, self.device)
 
     def _capture_decode(self, capacity: int, pool) -> _Graph:
@@ -358,8 +386,10 @@ class GraphExecutor:
 
     def _capture_prefill(self, capacity: int, pool) -> _Graph:
         device = self.device
-        # Each request of a step has at least one token and holds a state row: at most this many.
-        requests = min(capacity, self.scratch_row) + 1
+        state = bool(self.eager.scheme.state)
+        # Each request of a step has at least one token and holds a state row: at most this many,
+        # then the padding request, and for recurrent layers one that stays empty (_ChunkLayout).
+        requests = min(capacity, self.scratch_row) + (2 if state else 1)
         pad_pages = -(-capacity // self.page_tokens)
         attention = _FencedPlan(self.kernels.prefill(
             graph=(requests, (requests - 1) * self._pages_per_context + pad_pages + requests)))
@@ -368,22 +398,27 @@ class GraphExecutor:
         ints = self._int_inputs(requests)
         ints["last_token_index"].fill_(capacity - 1)
         floats = _Inputs(FLOAT_INPUTS, requests, torch.float32, device)
-        # Only slot_mapping and logits_indices are read on the FlashInfer path; the rest describes
-        # the capture's layout (all tokens in the padding request).
+        # Only slot_mapping and logits_indices are read on the FlashInfer path, and the chunk
+        # layout and state rows by recurrent layers; the rest describes the capture's layout (all
+        # tokens in the padding request).
+        chunks = _ChunkLayout(capacity, requests, device) if state else None
         batch = AttentionBatch(
-            query_start=torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
+            query_start=chunks.query_start if state else
+            torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
             kv_lens=torch.tensor([capacity] + [1] * (requests - 1), dtype=torch.int32, device=device),
             page_table=torch.full((requests, 1), self.scratch_page, dtype=torch.int32, device=device),
             slot_mapping=tokens_in["cache_indices"], logits_indices=ints["last_token_index"],
             page_tokens=self.page_tokens,
-            query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1))
+            query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1),
+            state_rows=ints["chunk_state_rows"] if state else None,
+            chunk_indices=chunks.chunk_indices if state else None)
         context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
         attention.plan(self._prefill_layout((), capacity, requests), self.scale)
         forward_graph, logits = self._captured(
             lambda: self.model(tokens_in["ids"], tokens_in["positions"], context), pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
         return _Graph("prefill", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
-                      tokens_in)
+                      tokens_in, chunks)
 
     def _capture_samplers(self, logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool) -> _Samplers:
         rows = ints["state_rows"]
@@ -435,9 +470,11 @@ class GraphExecutor:
 
     def _graph_for(self, plan: StepPlan) -> _Graph | None:
         """The smallest captured graph that covers the step, or None: the step runs eagerly.
-        Graphs cover decode-only and prefill-only steps; steps that mix the two, restore prefix
-        resume points first, or score prompts (logits at every token of some chunks) run eagerly."""
-        if (plan.prefills and plan.decodes) or plan.restores or EagerExecutor.scores_prompt(plan):
+        Graphs cover decode-only and prefill-only steps, after restoring resume points; steps that
+        mix decodes with chunks, sample a prompt's stored logits, or score prompts (logits at
+        every token of some chunks) run eagerly."""
+        if (plan.prefills and plan.decodes) or any(r.logits_row is not None for r in plan.restores) \
+                or EagerExecutor.scores_prompt(plan):
             return None
         if plan.prefills:
             tokens = sum(c.end - c.start for c in plan.prefills)
@@ -506,6 +543,7 @@ class GraphExecutor:
     def _replay(self, graph: _Graph, plan: StepPlan, sampling: StepSampling | None) -> list[int]:
         """Upload the step's inputs, plan its attention and replay the forward graph; take the
         resume points its chunks save. Returns the rows that sample (EagerExecutor.finish_chunks)."""
+        self.eager.restore(plan)  # no stored logits here (`_graph_for`): pages and state rows only
         self.eager.start_chunks(plan)
         ints = self._decode_inputs(graph, plan) if graph.kind == "decode" else self._prefill_inputs(graph, plan)
         floats = {}
@@ -565,11 +603,15 @@ class GraphExecutor:
         unused = graph.requests - len(chunks)
         ends = list(itertools.accumulate(c.end - c.start for c in chunks))
         graph.attention.plan(self._prefill_layout(chunks, capacity, graph.requests), self.scale)
-        return {
+        inputs = {
             "last_token_index": [end - 1 for end in ends] + [capacity - 1] * unused,
             "state_rows": [c.handle.state_row if c.samples else self.scratch_row for c in chunks]
             + [self.scratch_row] * unused,
         }
+        if graph.chunks is not None:
+            graph.chunks.upload([c.end - c.start for c in chunks] + [pad])
+            inputs["chunk_state_rows"] = [c.handle.state_row for c in chunks] + [self.scratch_row] * unused
+        return inputs
 
     def _prefill_layout(self, chunks, capacity: int, requests: int) -> PagedLayout:
         """The chunks, then the padding request (the remaining tokens, on the scratch page), then

@@ -120,7 +120,7 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     reference = EagerExecutor(models[0], scheme, **common, device=torch.device("cpu"))
     graphs = GraphExecutor(models[1], scheme, **common, device=device, decode_capacities=(1, 2, 4, 8),
                            prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
-    assert not graphs.prefill_graphs, "prompt chunks of a scheme with continuation state run eagerly"
+    assert sorted(graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
     schedulers = [make_scheduler(num_pages, rows, snapshots), make_scheduler(num_pages, rows, snapshots)]
     # Every other prompt starts with the same 150 tokens, a message boundary where the first wave
     # snapshots its state; the second wave's prompts start there too and restore that snapshot.
@@ -129,14 +129,18 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     generator = torch.Generator().manual_seed(2)
     second = {f"s{i}": shared + torch.randint(10, 4000, (n,), generator=generator).tolist()
               for i, n in enumerate((1, 40, 97, 200))}
-    waves = [run_lockstep(reference, graphs, schedulers, prompts, message_ends={rid: (150,) for rid in prompts
-                                                                                if prompts[rid][:150] == shared},
-                          tolerance=0.03, **cancel)
-             for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0)))]
+    waves, prefill_replays = [], []
+    for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0))):
+        waves.append(run_lockstep(reference, graphs, schedulers, prompts,
+                                  message_ends={rid: (150,) for rid in prompts if prompts[rid][:150] == shared},
+                                  tolerance=0.03, **cancel))
+        prefill_replays.append(sum(g.replays for g in graphs.prefill_graphs.values()))
     replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
     assert waves[1].restored_snapshots >= 2, "the second wave must restore the snapshot at the shared boundary"
+    # The second wave's prompts start by restoring the snapshot, in steps that replay prefill graphs.
+    assert prefill_replays[0] > 0 and prefill_replays[1] > prefill_replays[0], prefill_replays
     assert sum(w.compared for w in waves) > 100
     print(f"compared {[w.compared for w in waves]} logits rows, worst max|diff|/range "
           f"{max(w.worst for w in waves):.4f}, snapshots restored {waves[1].restored_snapshots}, "
-          f"decode graphs replayed {sorted(replayed)}")
+          f"decode graphs replayed {sorted(replayed)}, prefill graph replays per wave {prefill_replays}")
