@@ -122,8 +122,8 @@ QWEN3_NEXT_FRONTEND = FrontendSpec(
 
 
 # What every Gated DeltaNet hybrid's export plan says about where it runs.
-HYBRID_PLAN_NOTE = ("Gated DeltaNet layers keep per-request state rows (flash-linear-attention kernels on CUDA: decode "
-                    "in CUDA graphs, prompt chunks eager); prefix reuse at message boundaries and prompt ends")
+HYBRID_PLAN_NOTE = ("Gated DeltaNet layers keep per-request state rows (flash-linear-attention kernels on CUDA, decode "
+                    "and prompt chunks in CUDA graphs); prefix reuse at message boundaries and prompt ends")
 
 
 def qwen3_next_plan_notes(config) -> tuple[str, ...]:
