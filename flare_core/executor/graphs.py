@@ -14,9 +14,9 @@ replay). Recurrent layers (schemes with continuation state) read and write their
 state rows through the `state_rows` input of decode graphs and `chunk_state_rows` of prefill
 graphs (padding rows: the scratch row); a prefill graph's `_ChunkLayout` tells them where each
 request's tokens start. Steps that restore prefix resume points without stored logits replay
-graphs too: the restores are copies made before the replay. Sampling runs in graphs too, over the forward graph's logits
-(`_Samplers`): every request parameter, per-request seeds, and penalties read from the
-executor's history book.
+graphs too: the restores are copies made before the replay. Sampling runs in graphs as well,
+over the forward graph's logits (`_Samplers`): every request parameter, per-request seeds, and
+penalties read from the executor's history book.
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
@@ -200,9 +200,9 @@ class _Graph:
 
 class GraphExecutor:
     """Replays a captured graph where one covers the step (decode-only or prefill-only, no
-    stored logits restored, no prompt scores), and otherwise runs the step on its eager executor with
-    FlashInfer attention (`eager`): one explicit choice per step, in `_graph_for`. Both share
-    the eager executor's cache storage, token and penalty histories and sampler."""
+    stored logits restored, no prompt scores), and otherwise runs the step on its eager executor
+    with FlashInfer attention (`eager`): one explicit choice per step, in `_graph_for`. Both
+    share the eager executor's cache storage, token and penalty histories and sampler."""
 
     frames_in_flight = 2
 

@@ -1,0 +1,33 @@
+"""The request layout a prefill graph hands its recurrent layers (flare_core.executor.graphs
+._ChunkLayout): built on the host, uploaded into buffers of the captured size. Its tensors are
+plain tensors, so the CPU checks what the CUDA graphs read."""
+
+from __future__ import annotations
+
+import torch
+
+from flare_core.executor.graphs import _ChunkLayout
+from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, linear_chunks
+
+
+def test_chunks_then_padding_then_empty_requests_with_the_index_padded_by_the_last_one():
+    capacity, requests = 256, 6
+    layout = _ChunkLayout(capacity, requests, torch.device("cpu"))
+    rows = capacity // LINEAR_CHUNK_TOKENS + requests  # every chunk the graph's tokens can make
+    assert layout.chunk_indices.shape == (rows, 2)
+
+    # Two chunks of 130 and 5 tokens, then the padding request with the remaining 121.
+    layout.upload([130, 5, 121])
+    assert layout.query_start.tolist() == [0, 130, 135, 256, 256, 256, 256]
+    index = [tuple(r) for r in layout.chunk_indices.tolist()]
+    real = linear_chunks([130, 5, 121])
+    assert index[:len(real)] == real == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]
+    # The rest names chunk 0 of the last request, which holds no tokens.
+    assert set(index[len(real):]) == {(requests - 1, 0)}
+    assert layout.query_start[-1] == layout.query_start[-2]
+
+
+def test_the_captured_layout_puts_every_token_in_the_first_request():
+    layout = _ChunkLayout(128, 4, torch.device("cpu"))
+    assert layout.query_start.tolist() == [0, 128, 128, 128, 128]
+    assert [tuple(r) for r in layout.chunk_indices.tolist()] == [(0, 0), (0, 1)] + [(3, 0)] * 4
