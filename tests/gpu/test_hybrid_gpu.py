@@ -5,9 +5,11 @@
   prompt chunks (the chunked kernel over variable-length sequences), grouped value heads, each
   request from its own initial state (gathered from scattered rows), each final state returned.
 * The CUDA executor against the CPU reference in lockstep (tests/gpu/lockstep.py) on a small
-  Qwen3.5 of real head geometry: decode graphs over the state rows (padding rows on the scratch
-  row), eager prompt chunks, prefix hits that restore state snapshots at message boundaries,
-  cancellation; compiled and not.
+  Qwen3.5 of real head geometry: decode and prefill graphs over the state rows (padding rows on
+  the scratch row), prefix hits that restore state snapshots at message boundaries before a
+  graph replays, cancellation; compiled and not. The same on a small Kimi Linear (KDA with MLA
+  layers, whose prompt chunks run eagerly; MoE routing every token to all of its experts, so
+  that no near-tie route flips between the two sides).
 
 Tolerance of the lockstep: both sides run bf16 weights and activations; the recurrent kernels
 (fla: bf16 inputs, fp32 state, tf32 dot products in the chunked form) and the attention kernels
@@ -144,3 +146,53 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     print(f"compared {[w.compared for w in waves]} logits rows, worst max|diff|/range "
           f"{max(w.worst for w in waves):.4f}, snapshots restored {waves[1].restored_snapshots}, "
           f"decode graphs replayed {sorted(replayed)}, prefill graph replays per wave {prefill_replays}")
+
+
+# Kimi Linear's head geometry (KDA heads of 128, MLA with a 512-wide latent and 64 shared key
+# channels) at a small width: KDA, KDA, KDA, MLA, KDA, KDA; the first MLP dense, the others MoE
+# of 4 experts, all 4 chosen, and a shared expert.
+KIMI_SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=8, intermediate_size=1024, moe_intermediate_size=256, num_local_experts=4,
+                  num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1, linear_num_heads=4,
+                  linear_head_dim=128, linear_conv_kernel_dim=4, q_lora_rank=None, kv_lora_rank=512,
+                  qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2,
+                  mlp_layer_types=["dense"] + ["sparse"] * 5, max_position_embeddings=4096, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+
+
+def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_recipe_kimi.linear import build_model, kda_mla_hybrid_scheme, map_weights
+    from lockstep import lockstep_prompts, run_lockstep
+
+    device = torch.device("cuda")
+    config = KimiLinearConfig(**KIMI_SHAPE)
+    torch.manual_seed(0)
+    KimiLinearForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)  # Kimi Linear's own names
+    prepared = dict(map_weights(config, load_file(tmp_path / "model.safetensors"), torch.bfloat16))
+    models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
+    scheme = kda_mla_hybrid_scheme(config, "bfloat16")
+    rows, snapshots, num_pages = 8, 16, 256
+    common = dict(num_pages=num_pages, page_tokens=64, num_rows=rows, num_snapshot_rows=snapshots,
+                  num_logits_rows=16, vocab_size=config.vocab_size)
+    reference = EagerExecutor(models[0], scheme, **common, device=torch.device("cpu"))
+    graphs = GraphExecutor(models[1], scheme, **common, device=device, decode_capacities=(1, 2, 4, 8),
+                           prefill_capacities=(64, 128), context_length=2048)
+    assert not graphs.prefill_graphs, "MLA models run their prompt chunks eagerly"
+    schedulers = [make_scheduler(num_pages, rows, snapshots), make_scheduler(num_pages, rows, snapshots)]
+    first = lockstep_prompts()
+    shared = first["r1"][:150]
+    result = run_lockstep(reference, graphs, schedulers, first, tolerance=0.03,
+                          message_ends={rid: (150,) for rid in first if first[rid][:150] == shared})
+    replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
+    assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
+    assert result.restored_snapshots >= 1 and result.compared > 100
+    print(f"compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}, snapshots restored "
+          f"{result.restored_snapshots}, decode graphs replayed {sorted(replayed)}")
