@@ -1,16 +1,23 @@
-"""Gated DeltaNet hybrids on the GPU: decode against the bandwidth roofline, and the first token
-of a prompt whose 4k-token prefix a state snapshot restores against the same prompt cold.
+"""Delta-rule hybrids on the GPU: decode against the bandwidth roofline, and the first token of a
+prompt whose 4k-token prefix a state snapshot restores against the same prompt cold.
 
-Shape (random bf16 weights drawn on the GPU under the recipe's prepared names): Qwen3.5's default
-dense text shape (Transformers' `Qwen3_5TextConfig()`: hidden 4096, 32 layers of which 24 Gated
-DeltaNet and 8 gated full attention, 16 / 4 heads of 256, linear heads 16 key / 32 value of 128,
-vocab 248320).
+Shapes (`--shape`; random bf16 weights drawn on the GPU under the serving model's prepared names):
+
+* `qwen3.5`: Qwen3.5's default dense text shape (Transformers' `Qwen3_5TextConfig()`: hidden
+  4096, 32 layers of which 24 Gated DeltaNet and 8 gated full attention, 16 / 4 heads of 256,
+  linear heads 16 key / 32 value of 128, vocab 248320);
+* `kimi-linear`: Kimi Linear 48B-A3B (`KimiLinearConfig()`: hidden 2304, 27 layers of which 20
+  KDA and 7 MLA, 26 MoE layers of 256 experts top-8 with a shared expert; 49.1 B parameters).
+  Its modeling and cache scheme (flare_recipe_kimi.linear) serve it; it is not a registered
+  recipe yet.
 
 Decode is served the way `flare run` serves it (benchmarks/moe_decode.py's `decode`: compiled
 decoder layers, the one-token GEMV kernel, captured decode graphs with greedy sampling inside,
 two steps in flight). The roofline of a step is its bytes at the copy bandwidth: every weight but
 the (untied) embedding table, plus per request its state rows read and written (convolution
-windows and recurrent matrices of the 24 linear layers) and its K/V pages read at the context.
+windows and recurrent matrices of the linear layers) and its K/V pages read at the context; of a
+MoE model's routed experts only those a step's tokens can choose (benchmarks/moe_decode.py's
+`roofline_tok_s`).
 
 First token (`--prefix-tokens` shared, `--suffix-tokens` new): a scheduler with a prefix cache
 that snapshots continuation state, over the CUDA executor, `--chunk` token prompt chunks; the
@@ -19,6 +26,7 @@ prompt; warm: a prompt that shares the cold one's first `--prefix-tokens` (a mes
 so its state and pages are restored and only the suffix is computed.
 
     python benchmarks/hybrid_decode.py --out benchmarks/results/h200-qwen3.5-decode.json
+    python benchmarks/hybrid_decode.py --shape kimi-linear --batch 1 8 --out benchmarks/results/h200-kimi-linear-decode.json
 """
 
 from __future__ import annotations
@@ -26,18 +34,20 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from decode_c1 import copy_bandwidth
 from decode_mla import random_serving_model
-from moe_decode import decode
+from moe_decode import decode, roofline_tok_s
 from provenance import commit_and_date, report
 
 PAGE_TOKENS = 64
 
 
-def first_token(config, model, device, prefix: int, suffix: int, chunk: int, profile: Path | None = None) -> dict:
+def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: int,
+                profile: Path | None = None) -> dict:
     """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot
     (with `profile`, a second restoring prompt under the profiler: its kernels and host time)."""
     from flare_core.cache import PageAllocator, PrefixCache
@@ -45,9 +55,8 @@ def first_token(config, model, device, prefix: int, suffix: int, chunk: int, pro
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.plugins import load_registry
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
-    from flare_recipe_qwen.recipes import QWEN3_5
 
-    scheme = load_registry().cache_schemes[QWEN3_5.cache_scheme].build(config, "bfloat16")
+    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "bfloat16")
     rows, snapshots, total = 2, 8, prefix + suffix + 8
     num_pages = 4 * -(-total // PAGE_TOKENS)
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2 * total)
@@ -109,13 +118,30 @@ def write_profile(path: Path, run) -> None:
                     + averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=90))
 
 
-def main() -> None:
-    from transformers import Qwen3_5TextConfig
+def shape(name: str):
+    """(config, recipe, MoE layers, description) of a named shape."""
+    if name == "qwen3.5":
+        from transformers import Qwen3_5TextConfig
 
+        from flare_recipe_qwen.recipes import QWEN3_5
+
+        return Qwen3_5TextConfig(), QWEN3_5, 0, "qwen3.5 default text (Qwen3_5TextConfig())"
+    if name == "kimi-linear":
+        from transformers import KimiLinearConfig
+
+        from flare_recipe_kimi.linear import build_model, map_weights
+
+        config = KimiLinearConfig()
+        recipe = SimpleNamespace(build_model=build_model, map_weights=map_weights, cache_scheme="kda-mla-hybrid")
+        return config, recipe, config.mlp_layer_types.count("sparse"), "Kimi Linear 48B-A3B (KimiLinearConfig())"
+    raise SystemExit(f"--shape: unknown {name!r}")
+
+
+def main() -> None:
     from flare_core.plugins import load_registry
-    from flare_recipe_qwen.recipes import QWEN3_5
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3.5", choices=["qwen3.5", "kimi-linear"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request before decoding")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per batch")
@@ -128,28 +154,30 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
-    config = Qwen3_5TextConfig()
-    model = random_serving_model(config, device, QWEN3_5)
+    config, recipe, moe_layers, description = shape(args.shape)
+    model = random_serving_model(config, device, recipe)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    scheme = load_registry().cache_schemes[QWEN3_5.cache_scheme].build(config, "bfloat16")
+    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "bfloat16")
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    runs = decode(config, model, QWEN3_5, device, args.batch, args.context, args.steps,
+    runs = decode(config, model, recipe, device, args.batch, args.context, args.steps,
                   args.profile / "decode.txt" if args.profile else None)
     print("decode", runs, flush=True)
     # Per request and step: its state rows read and written, its K/V pages read.
     per_request = 2 * scheme.state_row_bytes() + (args.context + args.steps) * scheme.page_bytes(PAGE_TOKENS) // PAGE_TOKENS
-    embedding = config.vocab_size * config.hidden_size * 2
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * 2
     roofline = {}
     for batch in args.batch:
-        step_bytes = weight_bytes - embedding + batch * per_request
+        weights_read = roofline_tok_s(config, moe_layers, weight_bytes, batch, bandwidth)[1] if moe_layers else \
+            weight_bytes - embedding
+        step_bytes = weights_read + batch * per_request
         tok_s = batch * bandwidth / step_bytes
         roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
                                 "fraction": round(runs[str(batch)]["decode_tok_s"] / tok_s, 3)}
-    ttft = first_token(config, model, device, args.prefix_tokens, args.suffix_tokens, args.chunk,
+    ttft = first_token(config, model, recipe, device, args.prefix_tokens, args.suffix_tokens, args.chunk,
                        args.profile / "first_token.txt" if args.profile else None)
     print("first token", ttft, flush=True)
-    result = {"benchmark": "hybrid_decode", "shape": "qwen3.5 default text (Qwen3_5TextConfig())",
+    result = {"benchmark": "hybrid_decode", "shape": description,
               "weight_bytes": weight_bytes, "state_bytes_per_request": scheme.state_row_bytes(),
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "decode": runs, "roofline": roofline,
               "first_token": ttft, "context": args.context, "steps": args.steps,
