@@ -105,8 +105,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     q, k [1, T, H, K] (l2-normed in the kernel); v [1, T, HV, V] (HV a multiple of H: grouped
     values); g (log decay, float32) and beta [1, T, HV]; initial [B, HV, K, V] float32, request b
     owning tokens `query_start[b]:query_start[b+1]`; chunk_indices: the step's
-    `AttentionBatch.chunk_indices`, None when every request brings one token. Returns the output [1, T, HV, V] and
-    the final states [B, HV, K, V] (float32)."""
+    `AttentionBatch.chunk_indices`, None when every request brings one token. Returns the output
+    [1, T, HV, V] and the final states [B, HV, K, V] (float32)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     if chunk_indices is None:  # one token per request
@@ -156,7 +156,7 @@ class DeltaRuleForServing(nn.Module):
 
     recurrent_rule: Callable[..., tuple[Tensor, Tensor]]
     chunk_rule: Callable[..., tuple[Tensor, Tensor]]
-    kernel_rule: Callable[..., Tensor]
+    kernel_rule: Callable[..., tuple[Tensor, Tensor]]
 
     def forward(self, hidden_states: Tensor, context: ForwardContext, **_: Any) -> Tensor:
         mixed, g, beta, gate = self.project(hidden_states)

@@ -29,6 +29,16 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "in_proj_qkvzba": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
 }
 
+
+
+def fused_linear(*parts: nn.Linear) -> tuple[nn.Linear, list[int]]:
+    """The fused module of linear layers that read the same input (a FUSED_PROJECTIONS entry):
+    one nn.Linear whose output rows are the parts' in order, and each part's row count (to split
+    its output back). Created on the current default device (the meta device when building)."""
+    sizes = [part.out_features for part in parts]
+    return nn.Linear(parts[0].in_features, sum(sizes), bias=parts[0].bias is not None), sizes
+
+
 # Reads one checkpoint tensor: (checkpoint name, the prepared tensor it is for, dtype) -> tensor.
 Reader = Callable[[str, str, torch.dtype], Tensor]
 

@@ -25,14 +25,14 @@ import re
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
 from flare_core.contract import CacheScheme, PagedStore, StateTensor
 from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
-from flare_core.ops.weights import checkpoint_reader, prepare_weights
+from flare_core.ops.weights import checkpoint_reader, fused_linear, prepare_weights
 from flare_recipe_deepseek.modeling import AbsorbedMLA, keep_router_bias_float32
 from flare_recipe_deepseek.weights import absorbed_mla
 
@@ -72,7 +72,7 @@ class KimiDeltaAttentionForServing(DeltaRuleForServing):
         self.key_dim = self.value_dim = original.qkv_dim
         # q, k and v read as one matrix (`qkv_proj`, flare_core.ops.weights), in the order the
         # convolution's channels take them.
-        self.qkv_proj = nn.Linear(original.q_proj.in_features, 3 * self.key_dim, bias=False)
+        self.qkv_proj, _ = fused_linear(original.q_proj, original.k_proj, original.v_proj)
         self.conv1d, self.forget_gate, self.b_proj = original.conv1d, original.forget_gate, original.b_proj
         self.g_a_proj, self.g_b_proj = original.g_a_proj, original.g_b_proj
         self.o_norm, self.o_proj = original.o_norm, original.o_proj

@@ -37,6 +37,7 @@ from flare_core.ops.delta_rule import DeltaRuleForServing, gated_delta_rule
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.routing import SoftmaxTopKRouter
 from flare_core.ops.model import DecoderForServing
+from flare_core.ops.weights import fused_linear
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -112,9 +113,8 @@ class Qwen35GatedDeltaNet(GatedDeltaNetForServing):
 
     def __init__(self, original: nn.Module):
         super().__init__(original)
-        parts = (original.in_proj_qkv, original.in_proj_z, original.in_proj_b, original.in_proj_a)
-        self.split_sizes = [p.out_features for p in parts]
-        self.in_proj_qkvzba = nn.Linear(original.in_proj_qkv.in_features, sum(self.split_sizes), bias=False)
+        self.in_proj_qkvzba, self.split_sizes = fused_linear(original.in_proj_qkv, original.in_proj_z,
+                                                             original.in_proj_b, original.in_proj_a)
 
     def project_inputs(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         mixed, z, b, a = self.in_proj_qkvzba(hidden_states).split(self.split_sizes, dim=-1)
@@ -131,10 +131,7 @@ class GatedAttentionForServing(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = original.head_dim
         # q (with the gate), k and v read as one matrix (`qkv_proj`, flare_core.ops.weights).
-        parts = (original.q_proj, original.k_proj, original.v_proj)
-        self.split_sizes = [p.out_features for p in parts]
-        self.qkv_proj = nn.Linear(original.q_proj.in_features, sum(self.split_sizes),
-                                  bias=original.q_proj.bias is not None)
+        self.qkv_proj, self.split_sizes = fused_linear(original.q_proj, original.k_proj, original.v_proj)
         self.o_proj = original.o_proj
         self.q_norm, self.k_norm = original.q_norm, original.k_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, original.scaling, layer_idx)

@@ -93,13 +93,31 @@ def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
     return Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64), pages, prefix)
 
 
+def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = False):
+    """(the CPU reference over models[0], the CUDA executor over models[1], a scheduler for each)
+    with 8 state rows, 16 snapshot rows and 256 pages of 64 tokens."""
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.graphs import GraphExecutor
+
+    rows, snapshots, num_pages = 8, 16, 256
+    common = dict(num_pages=num_pages, page_tokens=64, num_rows=rows, num_snapshot_rows=snapshots,
+                  num_logits_rows=16, vocab_size=vocab_size)
+    reference = EagerExecutor(models[0], scheme, **common, device=torch.device("cpu"))
+    graphs = GraphExecutor(models[1], scheme, **common, device=torch.device("cuda"), decode_capacities=(1, 2, 4, 8),
+                           prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
+    return reference, graphs, [make_scheduler(num_pages, rows, snapshots) for _ in range(2)]
+
+
+def shared_prefix_ends(prompts: dict[str, list[int]], shared: list[int]) -> dict[str, tuple[int, ...]]:
+    """A message boundary after `shared` in each prompt that starts with it."""
+    return {rid: (len(shared),) for rid, prompt in prompts.items() if prompt[:len(shared)] == shared}
+
+
 @pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
 def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
     from flare_recipe_qwen.modeling import build_model
@@ -115,15 +133,9 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     prepared = dict(map_weights(config, {k: v.contiguous() for k, v in original.state_dict().items()},
                                 torch.bfloat16))
     models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
-    scheme = gated_deltanet_hybrid_scheme(config, "bfloat16")
-    rows, snapshots, num_pages = 8, 16, 256
-    common = dict(num_pages=num_pages, page_tokens=64, num_rows=rows, num_snapshot_rows=snapshots,
-                  num_logits_rows=16, vocab_size=config.vocab_size)
-    reference = EagerExecutor(models[0], scheme, **common, device=torch.device("cpu"))
-    graphs = GraphExecutor(models[1], scheme, **common, device=device, decode_capacities=(1, 2, 4, 8),
-                           prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
+    reference, graphs, schedulers = lockstep_executors(models, gated_deltanet_hybrid_scheme(config, "bfloat16"),
+                                                       config.vocab_size, compile_model)
     assert sorted(graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
-    schedulers = [make_scheduler(num_pages, rows, snapshots), make_scheduler(num_pages, rows, snapshots)]
     # Every other prompt starts with the same 150 tokens, a message boundary where the first wave
     # snapshots its state; the second wave's prompts start there too and restore that snapshot.
     first = lockstep_prompts()
@@ -133,9 +145,8 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
               for i, n in enumerate((1, 40, 97, 200))}
     waves, prefill_replays = [], []
     for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0))):
-        waves.append(run_lockstep(reference, graphs, schedulers, prompts,
-                                  message_ends={rid: (150,) for rid in prompts if prompts[rid][:150] == shared},
-                                  tolerance=0.03, **cancel))
+        waves.append(run_lockstep(reference, graphs, schedulers, prompts, tolerance=0.03,
+                                  message_ends=shared_prefix_ends(prompts, shared), **cancel))
         prefill_replays.append(sum(g.replays for g in graphs.prefill_graphs.values()))
     replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
@@ -166,8 +177,6 @@ def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_kimi.linear import build_model, kda_mla_hybrid_scheme, map_weights
     from lockstep import lockstep_prompts, run_lockstep
@@ -178,19 +187,12 @@ def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
     KimiLinearForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)  # Kimi Linear's own names
     prepared = dict(map_weights(config, load_file(tmp_path / "model.safetensors"), torch.bfloat16))
     models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
-    scheme = kda_mla_hybrid_scheme(config, "bfloat16")
-    rows, snapshots, num_pages = 8, 16, 256
-    common = dict(num_pages=num_pages, page_tokens=64, num_rows=rows, num_snapshot_rows=snapshots,
-                  num_logits_rows=16, vocab_size=config.vocab_size)
-    reference = EagerExecutor(models[0], scheme, **common, device=torch.device("cpu"))
-    graphs = GraphExecutor(models[1], scheme, **common, device=device, decode_capacities=(1, 2, 4, 8),
-                           prefill_capacities=(64, 128), context_length=2048)
+    reference, graphs, schedulers = lockstep_executors(models, kda_mla_hybrid_scheme(config, "bfloat16"),
+                                                       config.vocab_size)
     assert not graphs.prefill_graphs, "MLA models run their prompt chunks eagerly"
-    schedulers = [make_scheduler(num_pages, rows, snapshots), make_scheduler(num_pages, rows, snapshots)]
-    first = lockstep_prompts()
-    shared = first["r1"][:150]
-    result = run_lockstep(reference, graphs, schedulers, first, tolerance=0.03,
-                          message_ends={rid: (150,) for rid in first if first[rid][:150] == shared})
+    prompts = lockstep_prompts()
+    result = run_lockstep(reference, graphs, schedulers, prompts, tolerance=0.03,
+                          message_ends=shared_prefix_ends(prompts, prompts["r1"][:150]))
     replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
     assert result.restored_snapshots >= 1 and result.compared > 100
