@@ -6,10 +6,9 @@ Shapes (`--shape`; random bf16 weights drawn on the GPU under the serving model'
 * `qwen3.5`: Qwen3.5's default dense text shape (Transformers' `Qwen3_5TextConfig()`: hidden
   4096, 32 layers of which 24 Gated DeltaNet and 8 gated full attention, 16 / 4 heads of 256,
   linear heads 16 key / 32 value of 128, vocab 248320);
-* `kimi-linear`: Kimi Linear 48B-A3B (`KimiLinearConfig()`: hidden 2304, 27 layers of which 20
-  KDA and 7 MLA, 26 MoE layers of 256 experts top-8 with a shared expert; 49.1 B parameters).
-  Its modeling and cache scheme (flare_recipe_kimi.linear) serve it; it is not a registered
-  recipe yet.
+* `kimi-linear`: Kimi Linear 48B-A3B as published (recipes-kimi/tests/fixtures/kimi-linear/
+  config.json read by `KimiLinearConfig`: hidden 2304, 27 layers of which 20 KDA and 7 MLA, 26
+  MoE layers of 256 experts top-8 with a shared expert), served by recipe kimi-linear.
 
 Decode is served the way `flare run` serves it (benchmarks/moe_decode.py's `decode`: compiled
 decoder layers, the one-token GEMV kernel, captured decode graphs with greedy sampling inside,
@@ -32,9 +31,9 @@ so its state and pages are restored and only the suffix is computed.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -44,6 +43,8 @@ from moe_decode import decode, roofline_tok_s
 from provenance import commit_and_date, report
 
 PAGE_TOKENS = 64
+# The published Kimi Linear config (its SOURCES.md says which fields and from where).
+KIMI_LINEAR_CONFIG = Path(__file__).parents[1] / "recipes-kimi/tests/fixtures/kimi-linear/config.json"
 
 
 def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: int,
@@ -129,11 +130,10 @@ def shape(name: str):
     if name == "kimi-linear":
         from transformers import KimiLinearConfig
 
-        from flare_recipe_kimi.linear import build_model, map_weights
+        from flare_recipe_kimi.recipes import KIMI_LINEAR
 
-        config = KimiLinearConfig()
-        recipe = SimpleNamespace(build_model=build_model, map_weights=map_weights, cache_scheme="kda-mla-hybrid")
-        return config, recipe, config.mlp_layer_types.count("sparse"), "Kimi Linear 48B-A3B (KimiLinearConfig())"
+        config = KimiLinearConfig(**json.loads(KIMI_LINEAR_CONFIG.read_text()))
+        return config, KIMI_LINEAR, config.mlp_layer_types.count("sparse"), "Kimi Linear 48B-A3B (published config)"
     raise SystemExit(f"--shape: unknown {name!r}")
 
 

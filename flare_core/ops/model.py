@@ -143,6 +143,8 @@ class _LayerGroup(nn.Module):
 # H200). A whole-model graph would fuse all boundaries, but compiling 36 layers as one graph
 # took 145 s on the CPU, against seconds for a group of four.
 LAYERS_PER_GRAPH = 4
+# Dynamo's default recompile_limit: the compiled variants one group structure may take.
+RECOMPILES_PER_STRUCTURE = 8
 
 
 def compile_layers(model: nn.Module) -> None:
@@ -158,6 +160,13 @@ def compile_layers(model: nn.Module) -> None:
     groups = [_LayerGroup(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
     for group in groups:
         group.compile(dynamic=True, fullgraph=True)
+    # Dynamo counts the variants it compiles per code object, and all groups share
+    # _LayerGroup.forward: groups of another structure (a dense first MLP before MoE layers, a
+    # shorter last group, another mix of layer kinds: Kimi Linear has three) each need their own
+    # variants per shape kind. Each structure gets the default budget.
+    structures = {tuple(tuple(type(m).__name__ for m in layer.children()) for layer in g.layers) for g in groups}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILES_PER_STRUCTURE * len(structures))
     # A plain list: the groups hold the model's own layers and add no parameters of their own.
     model.compiled_groups = groups
     model.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
-from flare_core.contract import CacheScheme, PagedStore, StateTensor
+from flare_core.contract import CacheScheme, ContractError, PagedStore, StateTensor
 from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
@@ -54,6 +54,29 @@ def kda_mla_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
                            layer_ids=linear),
                StateTensor("recurrent", (heads, head_dim, head_dim), "float32", len(linear), layer_ids=linear)),
     )
+
+
+def check_kimi_linear_config(config: Any) -> None:
+    """A Kimi Linear config this module serves; ContractError naming the field otherwise."""
+    obj = type(config).__name__
+    if config.model_type != "kimi_linear":
+        raise ContractError(obj, "model_type", f"is {config.model_type!r}, expected 'kimi_linear'")
+    kinds = set(config.layer_types)
+    if not kinds <= {LINEAR, FULL} or len(config.layer_types) != config.num_hidden_layers:
+        raise ContractError(obj, "layer_types", f"holds {sorted(map(str, kinds))} over {len(config.layer_types)} "
+                            f"of {config.num_hidden_layers} layers; recipe kimi-linear implements one "
+                            f"{LINEAR!r} (KDA) or {FULL!r} (MLA) layer each")
+    if FULL not in kinds:
+        raise ContractError(obj, "layer_types", "has no full_attention (MLA) layer; the kda-mla-hybrid cache "
+                            "scheme pages the MLA layers' latents")
+    if not set(config.mlp_layer_types) <= {"dense", "sparse"}:
+        raise ContractError(obj, "mlp_layer_types", f"holds {sorted(set(config.mlp_layer_types))}; expected "
+                            "'dense' or 'sparse' (MoE) per layer")
+    if "sparse" in config.mlp_layer_types and config.num_experts_per_tok > config.num_local_experts:
+        raise ContractError(obj, "num_experts_per_token", f"{config.num_experts_per_tok} exceeds num_experts "
+                            f"{config.num_local_experts}")
+    if config.attention_bias:
+        raise ContractError(obj, "attention_bias", "is true; recipe kimi-linear implements projections without bias")
 
 
 class KimiDeltaAttentionForServing(DeltaRuleForServing):

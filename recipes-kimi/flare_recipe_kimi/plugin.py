@@ -6,13 +6,13 @@ from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatc
 from flare_core.plugins import hookimpl
 from flare_recipe_kimi.linear import kda_mla_hybrid_scheme
 from flare_recipe_kimi.parsers import KIMI_PARSERS
-from flare_recipe_kimi.recipes import KIMI_K2
+from flare_recipe_kimi.recipes import KIMI_K2, KIMI_LINEAR
 from flare_recipe_kimi.templates import KIMI_TEMPLATE_PATCHES
 
 
 @hookimpl
 def flare_recipes() -> list[Recipe]:
-    return [KIMI_K2]
+    return [KIMI_K2, KIMI_LINEAR]
 
 
 @hookimpl

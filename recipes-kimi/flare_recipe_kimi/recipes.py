@@ -1,7 +1,13 @@
-"""The Kimi K2 recipe: Kimi K2's text checkpoints are DeepSeek-V3-architecture models
-(`DeepseekV3ForCausalLM`, MLA + MoE), so the model, weight mapping and structural checks are
-flare_recipe_deepseek's, used as they are; this recipe adds Kimi's own text side. Export picks it
-for a local checkpoint by its config's model_type "kimi_k2" (flare_recipe_kimi.config)."""
+"""The Kimi recipes.
+
+* kimi-k2: Kimi K2's text checkpoints are DeepSeek-V3-architecture models
+  (`DeepseekV3ForCausalLM`, MLA + MoE), so the model, weight mapping and structural checks are
+  flare_recipe_deepseek's, used as they are; this recipe adds Kimi's own text side. Export picks
+  it for a local checkpoint by its config's model_type "kimi_k2" (flare_recipe_kimi.config).
+* kimi-linear: Kimi Linear (`KimiLinearForCausalLM`, model_type "kimi_linear": KDA + MLA + MoE,
+  flare_recipe_kimi.linear) with Kimi's text side: the same tiktoken tokenizer, chat tokens and
+  tool-call format as Kimi K2.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from flare_recipe_deepseek.checks import check_deepseek_v3_config, deepseek_v3_p
 from flare_recipe_deepseek.modeling import build_model
 from flare_recipe_deepseek.recipes import ARCHITECTURES, CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL
 from flare_recipe_deepseek.weights import map_weights
+from flare_recipe_kimi import linear
 from flare_recipe_kimi.config import KIMI_K2_MODEL_TYPE
 from flare_recipe_kimi.templates import KIMI_K2_TEMPLATE_PATCH
 from flare_recipe_kimi.tokenizer import convert_tiktoken_checkpoint
@@ -58,4 +65,43 @@ KIMI_K2 = Recipe(
     plan_notes=deepseek_v3_plan_notes,
     tokenizer_builder=convert_tiktoken_checkpoint,
     tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
+)
+
+
+# Kimi Linear's model card recommends no sampling settings: its usage example calls generate()
+# with max_new_tokens only. Read through copies of the card (the card's own page was not
+# reachable from here); requests get the neutral sampler unless they choose.
+KIMI_LINEAR_SAMPLING = SamplingPolicy(
+    defaults={},
+    source="https://huggingface.co/moonshotai/Kimi-Linear-48B-A3B-Instruct (model card, Usage: no sampling settings)",
+)
+
+# Kimi Linear's published chat template was not available here to make a patch for. A
+# checkpoint's template that is byte for byte Kimi K2's (sha256) gets K2's message marks; any
+# other serves with prefix reuse at prompt ends only, and export's plan says so.
+KIMI_LINEAR_FRONTEND = KIMI_K2_FRONTEND
+
+
+def kimi_linear_plan_notes(config) -> tuple[str, ...]:
+    mla = config.layer_types.count(linear.FULL)
+    return (f"{len(config.layer_types) - mla} KDA layers keep per-request state rows (convolution window and "
+            f"recurrent state); {mla} MLA layers keep latent pages",)
+
+
+KIMI_LINEAR = Recipe(
+    name="kimi-linear",
+    version=RECIPE_VERSION,
+    architectures=("KimiLinearForCausalLM",),
+    model_types=("kimi_linear",),
+    aliases=(Alias("kimi-linear-48b-a3b-instruct", "moonshotai/Kimi-Linear-48B-A3B-Instruct"),),
+    sampling=KIMI_LINEAR_SAMPLING,
+    frontend=KIMI_LINEAR_FRONTEND,
+    cache_scheme="kda-mla-hybrid",
+    capacities=Capacities(),
+    build_model=linear.build_model,
+    map_weights=linear.map_weights,
+    description="Kimi Linear (Kimi Delta Attention + MLA + MoE; Transformers KimiLinearForCausalLM)",
+    check_config=linear.check_kimi_linear_config,
+    plan_notes=kimi_linear_plan_notes,
+    tokenizer_builder=convert_tiktoken_checkpoint,
 )

@@ -55,3 +55,38 @@ def test_kimi_linear_logits_match_transformers(tmp_path, page_tokens):
     assert "model.layers.0.self_attn.q_conv1d.weight" in checkpoint  # Kimi Linear's names on disk
     assert_logits_parity(RECIPE, reference, checkpoint, KimiLinearConfig(**SMALL), page_tokens=page_tokens,
                          prompt_lens=(5, 70, 131, 1))
+
+
+def test_the_published_config_reads_as_kimi_linear_48b():
+    """The published config.json (tests/fixtures/kimi-linear): 1-based KDA / MLA layer lists, the
+    MoE fields under their published names; the recipe accepts it and plans 7 MLA layers of latent
+    pages and 20 KDA layers of state rows."""
+    import json
+    from pathlib import Path
+
+    from flare_recipe_kimi.recipes import KIMI_LINEAR
+
+    published = json.loads((Path(__file__).parent / "fixtures" / "kimi-linear" / "config.json").read_text())
+    config = KimiLinearConfig(**published)
+    KIMI_LINEAR.check_config(config)
+    assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == [3, 7, 11, 15, 19, 23, 26]
+    assert config.mlp_layer_types == ["dense"] + ["sparse"] * 26
+    assert (config.num_local_experts, config.num_experts_per_tok, config.n_shared_experts) == (256, 8, 1)
+    assert (config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim) == (32, 128, 4)
+    scheme = load_registry().cache_schemes["kda-mla-hybrid"].build(config, "bfloat16")
+    assert [s.layer_ids for s in scheme.paged] == [(3, 7, 11, 15, 19, 23, 26)] * 2
+    assert len(scheme.state[0].layer_ids) == 20
+    assert KIMI_LINEAR.plan_notes(config) == (
+        "20 KDA layers keep per-request state rows (convolution window and recurrent state); "
+        "7 MLA layers keep latent pages",)
+
+
+def test_configs_the_recipe_does_not_serve_are_refused():
+    from flare_core.contract import ContractError
+    from flare_recipe_kimi.recipes import KIMI_LINEAR
+
+    for field, changes in (("layer_types", dict(layer_types=["linear_attention"] * 4)),
+                           ("num_experts_per_token", dict(num_experts_per_tok=9)),
+                           ("attention_bias", dict(attention_bias=True))):
+        with pytest.raises(ContractError, match=field):
+            KIMI_LINEAR.check_config(KimiLinearConfig(**{**SMALL, **changes}))
