@@ -137,6 +137,24 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf):
+    """The float32 model Transformers loads from the SmolLM2 GGUF file (its own reader and
+    dequantization), loaded once: the reference of the tests that compare with Transformers."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference_tokenizer(smollm2_gguf):
+    """The tokenizer Transformers converts from the SmolLM2 GGUF file's metadata, loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
 def smollm2_core(session_flare, smollm2_gguf) -> Path:
     return session_flare.export(smollm2_gguf, "--dtype", "float32", "--max-concurrency", "4",
                                 "--context-length", "2048", "--prefill-chunk-size", "256")

@@ -49,16 +49,13 @@ def test_plan_names_what_was_dequantized(tmp_path, smollm2_gguf):
     assert manifest["dtype"] == "bfloat16" and manifest["capacities"]["context_length"] == 1024
 
 
-def test_logits_match_transformers_gguf_model(smollm2_gguf):
+def test_logits_match_transformers_gguf_model(smollm2_gguf, smollm2_reference):
     """Flare's Llama path over the tensors export reads from the GGUF file against the model
     Transformers loads from the same file (its own GGUF reader and dequantization)."""
-    from transformers import AutoModelForCausalLM
-
     from flare_core.prepare.gguf import GGUFFile, GGUFTensors
     from flare_recipe_llama.plugin import SMOLLM2
 
-    reference = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                     dtype=torch.float32).eval()
+    reference = smollm2_reference
     file = GGUFFile(smollm2_gguf)
     config = file.config()
     tensors = GGUFTensors(file, config)
@@ -66,12 +63,10 @@ def test_logits_match_transformers_gguf_model(smollm2_gguf):
                          decode_steps=3, atol=2e-4)
 
 
-def test_tokens_match_transformers_gguf_tokenizer(smollm2_gguf):
+def test_tokens_match_transformers_gguf_tokenizer(smollm2_gguf, smollm2_reference_tokenizer):
     """The tokenizer and chat template export converts from the GGUF metadata tokenize a chat
     exactly as Transformers' GGUF tokenizer does."""
     import json
-
-    from transformers import AutoTokenizer
 
     from flare_core.frontend import ChatTemplate, Tokenizer
     from flare_core.prepare.gguf import GGUFFile
@@ -79,7 +74,7 @@ def test_tokens_match_transformers_gguf_tokenizer(smollm2_gguf):
     files = GGUFFile(smollm2_gguf).frontend_files()
     ours = Tokenizer.from_str(files["tokenizer.json"].decode())
     template = ChatTemplate(json.loads(files["tokenizer_config.json"])["chat_template"])
-    reference = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    reference = smollm2_reference_tokenizer
     messages = [{"role": "user", "content": "What is the capital of France? Ünïcödé, émojis 🙂 and  spaces."},
                 {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
     rendered = template.render(messages, add_generation_prompt=True)

@@ -26,9 +26,8 @@ def smollm2_server(smollm2_core, session_flare, tmp_path_factory):
     server.stop()
 
 
-def test_greedy_answer_names_paris(smollm2_server):
+def test_greedy_answer_names_paris(smollm2_server, smollm2_reference_tokenizer):
     from openai import OpenAI
-    from transformers import AutoTokenizer
 
     client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     reply = client.chat.completions.create(model="smollm2-135m-instruct.q4_1", temperature=0, max_tokens=40,
@@ -40,16 +39,9 @@ def test_greedy_answer_names_paris(smollm2_server):
         messages=[{"role": "user", "content": QUESTION}]) if chunk.choices)
     assert streamed == answer
     # The prompt is tokenized as Transformers tokenizes it from the same GGUF file.
-    assert reply.usage.prompt_tokens == len(_reference_prompt_ids(AutoTokenizer))
-
-
-def _reference_prompt_ids(auto_tokenizer) -> list[int]:
-    from flare_core.cli import demo_gguf
-
-    gguf = demo_gguf()
-    tokenizer = auto_tokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = smollm2_reference_tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                                          add_generation_prompt=True)
+    assert reply.usage.prompt_tokens == len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def test_seeded_sampling_with_model_card_defaults_is_reproducible(smollm2_server):
@@ -103,21 +95,18 @@ def test_ollama_chat_generate_preload_and_num_ctx(smollm2_server):
     assert final["prompt_eval_count"] + final["eval_count"] == 48
 
 
-def test_echo_scores_the_prompt_as_transformers_does(smollm2_server, smollm2_gguf):
+def test_echo_scores_the_prompt_as_transformers_does(smollm2_server, smollm2_reference, smollm2_reference_tokenizer):
     """Legacy completions with echo, logprobs and max_tokens 0 (lm-evaluation-harness's
     log-likelihood request) return every prompt token's logprob; they match Transformers' model
     loaded from the same GGUF file, also for a prompt longer than one prefill chunk (256) and
     when the prefix cache already holds the prompt."""
     from openai import OpenAI
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import torch
 
     client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = "smollm2-135m-instruct.q4_1"
-    reference = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                     dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    reference, tokenizer = smollm2_reference, smollm2_reference_tokenizer
     short = "The capital of France is Paris."
     long = " ".join(f"Item {i} is a {('red', 'green', 'blue')[i % 3]} ball." for i in range(80))
     for text in (short, long, short):  # the second `short` finds its prompt in the prefix cache
@@ -289,13 +278,12 @@ def test_guided_fields_ollama_format_and_bad_grammars(smollm2_server):
     assert smollm2_server.get("/health").status == 200
 
 
-def test_logit_bias_through_the_sdk(smollm2_server, smollm2_gguf):
+def test_logit_bias_through_the_sdk(smollm2_server, smollm2_reference_tokenizer):
     """-100 on the greedy answer's first token keeps that token out of the answer; +100 on a token
     makes every output token that token."""
     from openai import OpenAI
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    tokenizer = smollm2_reference_tokenizer
     client = OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = "smollm2-135m-instruct.q4_1"
     prompt = "The capital of France is"
