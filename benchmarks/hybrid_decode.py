@@ -48,7 +48,7 @@ KIMI_LINEAR_CONFIG = Path(__file__).parents[1] / "recipes-kimi/tests/fixtures/ki
 
 
 def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: int,
-                profile: Path | None = None) -> dict:
+                profile: Path | None = None, compile_model: bool = True) -> dict:
     """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot
     (with `profile`, a second restoring prompt under the profiler: its kernels and host time)."""
     from flare_core.cache import PageAllocator, PrefixCache
@@ -66,7 +66,7 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
     executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
                              num_snapshot_rows=snapshots, num_logits_rows=8, vocab_size=config.vocab_size,
                              device=device, decode_capacities=(1,), prefill_capacities=catalog.prefill,
-                             context_length=capacities.context_length, compile_model=True,
+                             context_length=capacities.context_length, compile_model=compile_model,
                              prefill_chunk_size=chunk)
     pages = PageAllocator(num_pages)
     prefix_cache = PrefixCache(b"\x05" * 32, pages, PAGE_TOKENS, continuation_state=True, snapshot_rows=snapshots,
@@ -148,6 +148,9 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--suffix-tokens", type=int, default=96)
     parser.add_argument("--chunk", type=int, default=2048, help="prompt chunk tokens (the export's default)")
+    parser.add_argument("--eager-layers", action="store_true", help="capture the decoder layers without "
+                        "torch.compile (what `flare run --no-compile` serves; faster to start, for profiles of "
+                        "the opaque kernels)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="a folder for profiles of the first batch's decode steps "
                         "and of a restored prompt's first token")
@@ -160,8 +163,9 @@ def main() -> None:
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "bfloat16")
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
+    compile_model = not args.eager_layers
     runs = decode(config, model, recipe, device, args.batch, args.context, args.steps,
-                  args.profile / "decode.txt" if args.profile else None)
+                  args.profile / "decode.txt" if args.profile else None, compile_model)
     print("decode", runs, flush=True)
     # Per request and step: its state rows read and written, its K/V pages read.
     per_request = 2 * scheme.state_row_bytes() + (args.context + args.steps) * scheme.page_bytes(PAGE_TOKENS) // PAGE_TOKENS
@@ -175,12 +179,12 @@ def main() -> None:
         roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
                                 "fraction": round(runs[str(batch)]["decode_tok_s"] / tok_s, 3)}
     ttft = first_token(config, model, recipe, device, args.prefix_tokens, args.suffix_tokens, args.chunk,
-                       args.profile / "first_token.txt" if args.profile else None)
+                       args.profile / "first_token.txt" if args.profile else None, compile_model)
     print("first token", ttft, flush=True)
     result = {"benchmark": "hybrid_decode", "shape": description,
               "weight_bytes": weight_bytes, "state_bytes_per_request": scheme.state_row_bytes(),
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "decode": runs, "roofline": roofline,
-              "first_token": ttft, "context": args.context, "steps": args.steps,
+              "first_token": ttft, "context": args.context, "steps": args.steps, "compiled_layers": compile_model,
               "device": torch.cuda.get_device_name(device), "torch": torch.__version__, **commit_and_date()}
     report(result, args.out)
 

@@ -75,7 +75,7 @@ def roofline_tok_s(config, moe_layers: int, weight_bytes: int, batch: int, bandw
 
 
 def decode(config, model, recipe, device, batches: list[int], context: int, steps: int,
-           profile: Path | None = None) -> dict:
+           profile: Path | None = None, compile_model: bool = True) -> dict:
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import StepSampling
     from flare_core.plugins import load_registry
@@ -90,7 +90,7 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
     started = time.perf_counter()
     executor = GraphExecutor(model, scheme, num_pages=rows * per_request, page_tokens=PAGE_TOKENS, num_rows=rows,
                              num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size, device=device,
-                             decode_capacities=tuple(sorted(set(batches))), context_length=total, compile_model=True)
+                             decode_capacities=tuple(sorted(set(batches))), context_length=total, compile_model=compile_model)
     results: dict = {"compile_and_capture_s": round(time.perf_counter() - started, 1)}
     generator = torch.Generator().manual_seed(0)
     seq = 0
