@@ -29,7 +29,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as kl
 from conftest import FIXTURES
 from flare_core.contract.types import NEUTRAL_SAMPLING
 from flare_core.core import open_core
-from flare_recipe_deepseek.testing import ascii_tokenizer_json, write_frontend
+from flare_recipe_deepseek.testing import ascii_tokenizer_json, scale_random_weights, write_frontend
 from server_process import with_and_without_prefix_cache
 
 SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
@@ -47,23 +47,11 @@ NAME = "tiny-kimi-linear"
 
 
 def random_model(seed: int = 0) -> kl.KimiLinearForCausalLM:
-    """Random float32 weights scaled so that every sublayer matters (matrices std 1/sqrt(fan_in),
-    embeddings std 1) and routing is clear-cut (router weights std 1, a non-zero bias), as
-    flare_recipe_deepseek.testing.random_model draws DeepSeek's."""
+    """Random float32 weights drawn as flare_recipe_deepseek.testing draws DeepSeek's: every
+    sublayer matters and routing is clear-cut."""
     torch.manual_seed(seed)
     model = kl.KimiLinearForCausalLM(KimiLinearConfig(**TINY)).to(torch.float32).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.normal_(0.0, module.in_features ** -0.5)
-            elif isinstance(module, kl.KimiLinearExperts):
-                module.gate_up_proj.normal_(0.0, module.hidden_dim ** -0.5)
-                module.down_proj.normal_(0.0, module.intermediate_dim ** -0.5)
-            elif isinstance(module, kl.KimiLinearTopkRouter):
-                module.weight.normal_(0.0, 1.0)
-                module.e_score_correction_bias.normal_(0.0, 0.1)
-        model.model.embed_tokens.weight.normal_(0.0, 1.0)
-    return model
+    return scale_random_weights(model, kl.KimiLinearExperts, kl.KimiLinearTopkRouter)
 
 
 @pytest.fixture(scope="module")

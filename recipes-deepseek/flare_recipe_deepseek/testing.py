@@ -64,16 +64,23 @@ def random_model(config: ds.DeepseekV3Config, seed: int = 0) -> ds.DeepseekV3For
     by float noise, and the bias takes part in routing."""
     torch.manual_seed(seed)
     model = ds.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    return scale_random_weights(model, ds.DeepseekV3Experts, ds.DeepseekV3TopkRouter)
+
+
+def scale_random_weights(model: torch.nn.Module, experts: type, router: type) -> torch.nn.Module:
+    """Redraw `model`'s weights in place as `random_model` draws them, for any model with
+    DeepSeek-style packed experts (`gate_up_proj` / `down_proj`, `hidden_dim` / `intermediate_dim`)
+    and sigmoid routers with a score-correction bias (Kimi Linear's too); returns `model`."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, module.in_features ** -0.5)
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.1)
-            elif isinstance(module, ds.DeepseekV3Experts):
+            elif isinstance(module, experts):
                 module.gate_up_proj.normal_(0.0, module.hidden_dim ** -0.5)
                 module.down_proj.normal_(0.0, module.intermediate_dim ** -0.5)
-            elif isinstance(module, ds.DeepseekV3TopkRouter):
+            elif isinstance(module, router):
                 module.weight.normal_(0.0, 1.0)
                 module.e_score_correction_bias.normal_(0.0, 0.1)
         model.model.embed_tokens.weight.normal_(0.0, 1.0)

@@ -113,6 +113,26 @@ def shared_prefix_ends(prompts: dict[str, list[int]], shared: list[int]) -> dict
     return {rid: (len(shared),) for rid, prompt in prompts.items() if prompt[:len(shared)] == shared}
 
 
+def two_waves(reference, graphs, schedulers):
+    """Two lockstep waves (tolerance 0.03): the eight lockstep prompts, every other one starting
+    with the same 150 tokens, a message boundary where the first wave snapshots its state; then
+    four prompts starting there, which restore that snapshot (one cancelled at once). Returns the
+    waves' results and the prefill-graph replays counted after each."""
+    from lockstep import lockstep_prompts, run_lockstep
+
+    first = lockstep_prompts()
+    shared = first["r1"][:150]
+    generator = torch.Generator().manual_seed(2)
+    second = {f"s{i}": shared + torch.randint(10, 4000, (n,), generator=generator).tolist()
+              for i, n in enumerate((1, 40, 97, 200))}
+    waves, prefill_replays = [], []
+    for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0))):
+        waves.append(run_lockstep(reference, graphs, schedulers, prompts, tolerance=0.03,
+                                  message_ends=shared_prefix_ends(prompts, shared), **cancel))
+        prefill_replays.append(sum(g.replays for g in graphs.prefill_graphs.values()))
+    return waves, prefill_replays
+
+
 @pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
 def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     from transformers import Qwen3_5TextConfig
@@ -122,7 +142,6 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
     from flare_recipe_qwen.modeling import build_model
     from flare_recipe_qwen.weights import map_weights
-    from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
     config = Qwen3_5TextConfig(**SHAPE)
@@ -136,18 +155,7 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     reference, graphs, schedulers = lockstep_executors(models, gated_deltanet_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size, compile_model)
     assert sorted(graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
-    # Every other prompt starts with the same 150 tokens, a message boundary where the first wave
-    # snapshots its state; the second wave's prompts start there too and restore that snapshot.
-    first = lockstep_prompts()
-    shared = first["r1"][:150]
-    generator = torch.Generator().manual_seed(2)
-    second = {f"s{i}": shared + torch.randint(10, 4000, (n,), generator=generator).tolist()
-              for i, n in enumerate((1, 40, 97, 200))}
-    waves, prefill_replays = [], []
-    for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0))):
-        waves.append(run_lockstep(reference, graphs, schedulers, prompts, tolerance=0.03,
-                                  message_ends=shared_prefix_ends(prompts, shared), **cancel))
-        prefill_replays.append(sum(g.replays for g in graphs.prefill_graphs.values()))
+    waves, prefill_replays = two_waves(reference, graphs, schedulers)
     replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
     assert waves[1].restored_snapshots >= 2, "the second wave must restore the snapshot at the shared boundary"
@@ -179,7 +187,6 @@ def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
 
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_kimi.linear import build_model, kda_mla_hybrid_scheme, map_weights
-    from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
     config = KimiLinearConfig(**KIMI_SHAPE)
@@ -190,16 +197,7 @@ def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
     reference, graphs, schedulers = lockstep_executors(models, kda_mla_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size)
     assert not graphs.prefill_graphs, "MLA models run their prompt chunks eagerly"
-    # As for Qwen3.5: the first wave snapshots its state at the shared 150-token boundary, the
-    # second wave's prompts start there and restore it.
-    first = lockstep_prompts()
-    shared = first["r1"][:150]
-    generator = torch.Generator().manual_seed(2)
-    second = {f"s{i}": shared + torch.randint(10, 4000, (n,), generator=generator).tolist()
-              for i, n in enumerate((1, 40, 97, 200))}
-    waves = [run_lockstep(reference, graphs, schedulers, prompts, tolerance=0.03,
-                          message_ends=shared_prefix_ends(prompts, shared), **cancel)
-             for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0)))]
+    waves, _ = two_waves(reference, graphs, schedulers)
     replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
     assert waves[1].restored_snapshots >= 2, "the second wave must restore the snapshot at the shared boundary"
