@@ -1,4 +1,4 @@
-"""One-token matmuls on Qwen3-8B's weight shapes: cuBLAS (F.linear) vs Flare's Triton GEMV
+"""One-token matmuls on Qwen3-8B's (or, `--shape kimi-linear`, Kimi Linear 48B-A3B's) weight shapes: cuBLAS (F.linear) vs Flare's Triton GEMV
 (flare_core.ops.gemv), side by side in one run, with a sweep of the kernel's launch
 configurations.
 
@@ -7,6 +7,7 @@ distinct weight matrices (>= 2 GiB in all) that none is still in the 50 MB L2 ca
 turn comes, as in a decode step where each layer reads its own weights once.
 
     python benchmarks/gemv.py --out benchmarks/results/h200-gemv.json
+    python benchmarks/gemv.py --shape kimi-linear --out benchmarks/results/h200-gemv-kimi-linear.json
 """
 
 from __future__ import annotations
@@ -31,14 +32,31 @@ SHAPES = {
     "down_proj": (4096, 12288, False),
     "lm_head": (151936, 4096, False),
 }
+# Kimi Linear 48B-A3B as published (hidden 2304; KDA: 32 heads of 128, the low-rank forget gate and
+# output gate of rank 128; MLA: 32 heads, q without low rank, latent 512 + 64; MoE: router of 256
+# experts, shared expert 1024; the dense first layer's MLP 9216; vocab 163840).
+KIMI_LINEAR_SHAPES = {
+    "kda qkv_proj": (12288, 2304, False),
+    "kda qkv + f_a + g_a + b": (12576, 2304, False),
+    "kda f_b / g_b": (4096, 128, False),
+    "o_proj": (2304, 4096, False),
+    "mla q_proj": (6144, 2304, False),
+    "mla kv_a_proj_with_mqa": (576, 2304, False),
+    "router": (256, 2304, False),
+    "shared expert gate_up + silu*up": (2048, 2304, True),
+    "shared expert down": (2304, 1024, False),
+    "dense gate_up + silu*up": (18432, 2304, True),
+    "dense down": (2304, 9216, False),
+    "lm_head": (163840, 2304, False),
+}
 ROTATION_BYTES = 2 * 2**30
 
 
 def sweep_configs() -> list[GemvConfig]:
     configs = []
-    for rows in (1, 2, 4, 8, 16):
-        for columns in (256, 512, 1024, 2048):
-            if 1024 <= rows * columns <= 16384:
+    for rows in (1, 2, 4, 8, 16, 32):
+        for columns in (128, 256, 512, 1024, 2048):
+            if 256 <= rows * columns <= 16384:
                 configs += [GemvConfig(rows, columns, warps, stages) for warps in (4, 8) for stages in (1, 3)]
     return configs
 
@@ -90,12 +108,14 @@ def launch_effect(device: torch.device, generator: torch.Generator, layers: int 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "kimi-linear"])
     parser.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the shipped configuration")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     results = {}
-    for name, (n, k, gated) in SHAPES.items():
+    shapes = KIMI_LINEAR_SHAPES if args.shape == "kimi-linear" else SHAPES
+    for name, (n, k, gated) in shapes.items():
         bytes_per_weight = n * k * 2
         copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
@@ -141,7 +161,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     results["four GEMVs of a layer in a row"] = launch_effect(device, generator)
     print(json.dumps(results["four GEMVs of a layer in a row"]), flush=True)
-    result = {"results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    result = {"shape": args.shape, "results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

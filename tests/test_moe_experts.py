@@ -64,3 +64,43 @@ def test_the_serving_router_computes_what_transformers_router_does():
             hidden = torch.randn(tokens, 64)
             for actual, expected in zip(serving(hidden), router(hidden)):
                 torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_the_sigmoid_router_computes_what_transformers_routers_do():
+    """SigmoidTopKRouter (its CPU paths here) against DeepSeek-V3's router and Kimi Linear's on
+    their weight and score correction bias: logits, weights and experts at one token and at many,
+    group-limited (4 groups of 8, 2 kept) and not, with and without the division by the sum."""
+    from transformers import KimiLinearConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
+
+    from flare_core.ops.routing import SigmoidTopKRouter
+
+    routers = [DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=64, n_routed_experts=32, num_experts_per_tok=6,
+                                                     n_group=4, topk_group=2, norm_topk_prob=normalize,
+                                                     routed_scaling_factor=2.5))
+               for normalize in (True, False)]
+    routers.append(KimiLinearTopkRouter(KimiLinearConfig(hidden_size=64, num_experts=32, num_experts_per_token=4,
+                                                         num_expert_group=1, topk_group=1, moe_renormalize=True,
+                                                         routed_scaling_factor=2.446)))
+    torch.manual_seed(0)
+    for router in routers:
+        torch.nn.init.normal_(router.weight)
+        torch.nn.init.normal_(router.e_score_correction_bias, std=0.1)
+        serving = SigmoidTopKRouter.like(router)
+        assert (serving.groups, serving.top_groups) == (router.num_group, router.topk_group)
+        serving.load_state_dict(router.state_dict())
+        for tokens in (1, 37):
+            hidden = torch.randn(tokens, 64).bfloat16()
+            for actual, expected in zip(serving(hidden), router(hidden)):
+                torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_the_sigmoid_router_refuses_groups_it_cannot_route():
+    import pytest
+
+    from flare_core.ops.routing import SigmoidTopKRouter
+
+    for experts, groups, top_groups, top_k in ((30, 4, 2, 4), (32, 4, 5, 4), (32, 4, 1, 9), (8, 8, 4, 2)):
+        with pytest.raises(ValueError, match="groups must divide the experts"):
+            SigmoidTopKRouter(16, experts, top_k, groups, top_groups, True, 1.0)

@@ -56,18 +56,36 @@ def _pdl(device_index: int) -> bool:
 
 def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: bool = False) -> GemvConfig | None:
     """The launch configuration for a [out_features, in_features] weight (gated: twice as many
-    rows), or None when the kernel does not take the shape (then `F.linear` runs).
+    rows), or None when the kernel does not take the shape (then `F.linear` runs). The figures
+    below are the H200's (benchmarks/gemv.py: Qwen3-8B's shapes in
+    benchmarks/results/h200-gemv-sweep.json, Kimi Linear's in h200-gemv-kimi-linear.json).
 
-    Rows per program: 16 for matrices of at most 4,096 rows (256 programs or fewer), else 2;
-    1,024 columns per iteration (2,048 for the gated kernel, which reads two tiles per
-    iteration); four warps. On the H200 these were the best, or within 1 %, of 52 configurations
-    on each Qwen3-8B shape (benchmarks/gemv.py, benchmarks/results/h200-gemv-sweep.json).
-    Matrices of fewer than 1,024 rows (MoE routers: 128 experts) take one row per program, so
-    that their few rows still spread over the device's 132 SMs rather than 8 programs."""
-    rows = 1 if out_features < 1024 else 16 if out_features <= 4096 else 2
-    for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
-        if in_features % columns == 0:
-            return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
+    * Matrices of fewer than 1,024 rows (MoE routers, MLA's latent projection) take one row per
+      program, so that their few rows still spread over the device's 132 SMs, and the widest
+      tile of 1,024 (gated 2,048) to 256 columns that divides the input.
+    * Inputs of a multiple of 1,024 features: 1,024 columns per iteration (2,048 for the gated
+      kernel, which reads two tiles per iteration), four warps; 16 rows per program for matrices
+      of at most 4,096 rows that still give 256 programs, else 2. These were the best, or within
+      2 %, of the sweep on every such shape; 16 rows over 2,304 (144 programs, one wave and a
+      few) took 8.2 us against 6.6 with 2.
+    * Other inputs (Kimi Linear's 2,304 features, its gates' 128): 128 columns per iteration,
+      eight warps, 16 rows per program, halved to no fewer than 4 while that leaves fewer than
+      512 programs: the best or within 4 % of the sweep on those shapes, where the 256-column
+      tiles took 2.3-2.9 TB/s against 3.0-3.5."""
+    if out_features < 1024:
+        for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
+            if in_features % columns == 0:
+                return GemvConfig(rows=1, columns=columns, warps=4, stages=1, pdl=pdl)
+        return None
+    columns = 2048 if gated and in_features % 2048 == 0 else 1024
+    if in_features % columns == 0:
+        rows = 16 if out_features <= 4096 and out_features // 16 >= 256 else 2
+        return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
+    if in_features % 128 == 0:
+        rows = 16
+        while rows > 4 and out_features // rows < 512:
+            rows //= 2
+        return GemvConfig(rows=rows, columns=128, warps=8, stages=1, pdl=pdl)
     return None
 
 
@@ -105,11 +123,12 @@ if triton is not None:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False) -> Tensor:
-    """x [K] @ weight[N, K]^T -> [N] (gated: weight is [2N, K], gate rows first, and the result
-    is silu(gate) * up, [N])."""
+def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False,
+         out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [K] @ weight[N, K]^T -> [N] in `out_dtype` (default x's; the sums are float32 either
+    way) (gated: weight is [2N, K], gate rows first, and the result is silu(gate) * up, [N])."""
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
-    out = x.new_empty(out_features)
+    out = x.new_empty(out_features, dtype=out_dtype)
     _gemv_kernel[(triton.cdiv(out_features, config.rows),)](
         x, weight, out, out_features, weight.shape[1], ROWS=config.rows, COLUMNS=config.columns, GATED=gated,
         PDL=config.pdl, num_warps=config.warps, num_stages=config.stages, launch_pdl=config.pdl)
@@ -142,6 +161,22 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
 @linear.register_fake
 def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flare::linear_float32", mutates_args=())
+def linear_float32(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(x.float(), weight.float()), as sigmoid MoE routers compute their logits (casting
+    a 16-bit weight every call); one token through the GEMV kernel, whose products and sums are
+    float32 already, writing float32."""
+    config = _gemv_path(x, weight, weight.shape[0])
+    if config is None:
+        return F.linear(x.float(), weight.float())
+    return gemv(x.reshape(-1).contiguous(), weight, config, out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])
+
+
+@linear_float32.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("flare::gated_linear", mutates_args=())
@@ -186,12 +221,12 @@ def _is_silu(module: nn.Module) -> bool:
 def use_gemv(model: nn.Module) -> int:
     """Switch every bias-free nn.Linear of `model` to `GemvLinear`, every SiLU `FusedGatedMLP`
     to the gated kernel, a `DecoderForServing`'s output head and MoE routers' logits
-    (`SoftmaxTopKRouter`) to `flare::linear`, in place;
+    (`SoftmaxTopKRouter`, `SigmoidTopKRouter`) to `flare::linear` / `flare::linear_float32`, in place;
     returns how many modules changed. Weights stay where they are. Without Triton or a CUDA
     device the ops compute what the modules did."""
     from flare_core.ops.mlp import FusedGatedMLP  # these call this module's ops
     from flare_core.ops.model import DecoderForServing
-    from flare_core.ops.routing import SoftmaxTopKRouter
+    from flare_core.ops.routing import SigmoidTopKRouter, SoftmaxTopKRouter
 
     switched = 0
     for module in model.modules():
@@ -204,7 +239,7 @@ def use_gemv(model: nn.Module) -> int:
         elif isinstance(module, DecoderForServing):
             module.gemv_head = True
             switched += 1
-        elif isinstance(module, SoftmaxTopKRouter):
+        elif isinstance(module, (SoftmaxTopKRouter, SigmoidTopKRouter)):
             module.gemv_logits = True
             switched += 1
     return switched

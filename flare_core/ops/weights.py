@@ -8,6 +8,8 @@ the fused module; its checkpoint parts are declared here once, as data:
 * `<module>.gate_up_proj.weight` = cat(gate_proj, up_proj)
 * `<module>.in_proj_qkvzba.weight` = cat(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) (Qwen3.5's
   Gated DeltaNet input projections)
+* `<module>.in_proj_qkvfgb.weight` = cat(q_proj, k_proj, v_proj, forget_gate.f_a_proj, g_a_proj,
+  b_proj) (Kimi Linear's KDA input projections)
 * `<prefix>.experts.gate_up_proj` = stack over experts e of cat(experts.e.gate_proj, experts.e.up_proj)
 * `<prefix>.experts.down_proj`    = stack over experts e of experts.e.down_proj
 
@@ -27,6 +29,7 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj_qkvzba": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "in_proj_qkvfgb": ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "g_a_proj", "b_proj"),
 }
 
 

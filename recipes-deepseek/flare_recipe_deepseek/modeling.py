@@ -9,7 +9,9 @@ group-limited top-k, shared + routed experts) are reused unchanged. Replaced:
 * attention -> `AbsorbedMLA`: the same q / kv_a projections and norms, then absorbed multi-head
   latent attention over the paged latent cache (flare_core.ops.mla, cache scheme "mla-latent");
 * dense MLPs (the first `first_k_dense_replace` layers and each MoE block's shared experts) ->
-  flare_core.ops.mlp.FusedGatedMLP with one `gate_up_proj`.
+  flare_core.ops.mlp.FusedGatedMLP with one `gate_up_proj`;
+* each MoE block's router -> flare_core.ops.routing.SigmoidTopKRouter (the same routing, as a
+  logits matmul and one kernel; same weight and bias).
 
 Absorption. `kv_b_proj` [H * (nope + v), kv_lora_rank] holds, per head h, `W_UK_h` [nope,
 kv_lora_rank] (rows 0..nope) and `W_UV_h` [v, kv_lora_rank] (the next v rows). Transformers
@@ -46,6 +48,7 @@ from flare_core.ops.attention import ForwardContext
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
+from flare_core.ops.routing import SigmoidTopKRouter
 
 
 class AbsorbedMLA(nn.Module):
@@ -117,6 +120,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
             layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx)
             if isinstance(layer.mlp, ds.DeepseekV3MoE):
                 layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
+                layer.mlp.gate = SigmoidTopKRouter.like(layer.mlp.gate)
             else:
                 layer.mlp = FusedGatedMLP.like(layer.mlp)
     causal_lm.to(dtype)

@@ -9,8 +9,11 @@ Transformers' decoder layers, norms, router and experts are reused as they are. 
   rules, on CUDA with flash-linear-attention's KDA kernels (`flare::kimi_delta_rule`);
 * each MLA layer is flare_recipe_deepseek's absorbed MLA over the paged latent cache, with the
   rotation off (Kimi Linear's MLA encodes no positions; its shared key part is stored as it is);
-* each KDA layer's q, k and v projections are one fused matrix;
-* dense MLPs and each MoE block's shared experts fuse gate and up (`FusedGatedMLP`).
+* each KDA layer's projections of its input (q, k, v, the forget gate's and the output gate's
+  first low-rank factors, b) are one fused matrix, `in_proj_qkvfgb`;
+* dense MLPs and each MoE block's shared experts fuse gate and up (`FusedGatedMLP`);
+* each MoE block's router is flare_core.ops.routing.SigmoidTopKRouter (DeepSeek-V3's routing as
+  a logits matmul and one kernel; same weight and bias).
 
 The cache scheme (`kda_mla_hybrid_scheme`) keeps latent pages for the MLA layers only and the
 convolution window and recurrent state for the KDA layers. Prepared tensor names are the
@@ -32,6 +35,7 @@ from flare_core.contract import CacheScheme, ContractError, PagedStore, StateTen
 from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
+from flare_core.ops.routing import SigmoidTopKRouter
 from flare_core.ops.weights import checkpoint_reader, fused_linear, prepare_weights
 from flare_recipe_deepseek.modeling import AbsorbedMLA, keep_router_bias_float32
 from flare_recipe_deepseek.weights import absorbed_mla
@@ -93,17 +97,23 @@ class KimiDeltaAttentionForServing(DeltaRuleForServing):
         self.layer_idx, self.activation = original.layer_idx, original.activation
         self.head_k_dim = self.head_v_dim = original.head_dim
         self.key_dim = self.value_dim = original.qkv_dim
-        # q, k and v read as one matrix (`qkv_proj`, flare_core.ops.weights), in the order the
-        # convolution's channels take them.
-        self.qkv_proj, _ = fused_linear(original.q_proj, original.k_proj, original.v_proj)
-        self.conv1d, self.forget_gate, self.b_proj = original.conv1d, original.forget_gate, original.b_proj
-        self.g_a_proj, self.g_b_proj = original.g_a_proj, original.g_b_proj
+        # Every projection of the layer's input read as one matrix (`in_proj_qkvfgb`,
+        # flare_core.ops.weights): q, k and v in the order the convolution's channels take them,
+        # then the forget gate's f_a, the output gate's g_a and b (at one token eight small
+        # matmuls of 0.15-1 MB each were launch-bound: 1.7 TB/s on the H200). The forget gate
+        # keeps its f_b, bias and decay, and takes f_a's output in place of the hidden states.
+        original_gate = original.forget_gate
+        self.in_proj_qkvfgb, sizes = fused_linear(original.q_proj, original.k_proj, original.v_proj,
+                                                  original_gate.f_a_proj, original.g_a_proj, original.b_proj)
+        self.split_sizes = [sum(sizes[:3]), *sizes[3:]]  # q, k and v stay together for the convolution
+        original_gate.f_a_proj = torch.nn.Identity()
+        self.conv1d, self.forget_gate = original.conv1d, original_gate
+        self.g_b_proj = original.g_b_proj
         self.o_norm, self.o_proj = original.o_norm, original.o_proj
 
     def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        mixed = self.qkv_proj(hidden_states)[0]
-        gate = self.g_b_proj(self.g_a_proj(hidden_states))
-        return mixed, self.forget_gate(hidden_states), torch.sigmoid(self.b_proj(hidden_states)), gate
+        mixed, f_a, g_a, b = self.in_proj_qkvfgb(hidden_states).split(self.split_sizes, dim=-1)
+        return mixed[0], self.forget_gate(f_a), torch.sigmoid(b), self.g_b_proj(g_a)
 
     def output(self, core: Tensor, gate: Tensor) -> Tensor:
         tokens = core.shape[1]
@@ -125,6 +135,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
                 layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx, rotary=False)
             if isinstance(layer.mlp, kl.KimiLinearMoE):
                 layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
+                layer.mlp.gate = SigmoidTopKRouter.like(layer.mlp.gate)
             else:
                 layer.mlp = FusedGatedMLP.like(layer.mlp)
     causal_lm.to(dtype)

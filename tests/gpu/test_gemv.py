@@ -27,7 +27,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert error <= TOLERANCE * expected.float().abs().max().item(), error
 
 
-@pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 12288), (1000, 512), (37, 256)])
+# Qwen3-8B's shapes, Kimi Linear's (inputs of 2,304 and 128 features: the 128-column tiles), small ones.
+@pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 12288), (12576, 2304), (2304, 4096),
+                                                      (4096, 128), (1000, 512), (37, 256)])
 def test_gemv_matches_f_linear_on_one_token(out_features, in_features):
     from flare_core.ops.gemv import gemv_config
 
@@ -40,10 +42,11 @@ def test_gemv_matches_f_linear_on_one_token(out_features, in_features):
     _close(out, F.linear(x.float(), weight.float()))
 
 
-def test_gated_gemv_matches_silu_gate_times_up():
+@pytest.mark.parametrize("half,in_features", [(3000, 1024), (1024, 2304)])
+def test_gated_gemv_matches_silu_gate_times_up(half, in_features):
     generator = torch.Generator(device="cuda").manual_seed(1)
-    weight = torch.randn(2 * 3000, 1024, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.05
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
+    weight = torch.randn(2 * half, in_features, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.05
+    x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
     gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
     _close(torch.ops.flare.gated_linear(x, weight), F.silu(gate) * up)
 

@@ -148,3 +148,77 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     assert router.gemv_logits
     for h, e in zip(hidden, expected):
         assert_close(block(h), e)
+
+
+# DeepSeek-V3's routing (256 experts in 8 groups, 4 kept, top-8), Kimi Linear's (one group of
+# 256), Kimi K2's 384 experts, and groups of 15 (no power of two: the kernel's padded tile).
+@pytest.mark.parametrize("count,groups,top_groups,top_k", [(256, 8, 4, 8), (256, 1, 1, 8), (384, 1, 1, 8),
+                                                           (60, 4, 2, 4)])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_sigmoid_top_k_kernel_matches_torch(count, groups, top_groups, top_k, normalize, tokens):
+    """flare::sigmoid_top_k's kernel against its torch path (Transformers' code) on float32
+    logits: the same experts (ties do not occur in float32 here) and their weights within float32
+    rounding, whatever the order Transformers' unsorted topk lists them in."""
+    from flare_core.ops.routing import sigmoid_top_k
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, count, device="cuda", generator=generator) * 3
+    bias = torch.randn(count, device="cuda", generator=generator) * 0.1
+    weights, ids = sigmoid_top_k(logits, bias, top_k, groups, top_groups, normalize, 2.5)
+    expected, expected_ids = sigmoid_top_k(logits.cpu(), bias.cpu(), top_k, groups, top_groups, normalize, 2.5)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    order, expected_order = ids.cpu().argsort(-1), expected_ids.argsort(-1)
+    assert torch.equal(ids.cpu().gather(-1, order), expected_ids.gather(-1, expected_order))
+    torch.testing.assert_close(weights.cpu().gather(-1, order), expected.gather(-1, expected_order),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_float32_logits_of_one_token_through_the_gemv_kernel():
+    """flare::linear_float32 at one token (the GEMV kernel writing float32) against the float32
+    matmul of the up-cast weight, as sigmoid routers compute their logits."""
+    from flare_core.ops.gemv import gemv_config
+
+    for experts, hidden in ((256, 2304), (256, 7168), (384, 7168)):
+        assert gemv_config(experts, hidden) is not None
+        generator = torch.Generator(device="cuda").manual_seed(experts)
+        weight = torch.randn(experts, hidden, device="cuda", generator=generator).bfloat16()
+        x = torch.randn(1, hidden, device="cuda", generator=generator).bfloat16()
+        logits = torch.ops.flare.linear_float32(x, weight)
+        assert logits.dtype == torch.float32 and logits.shape == (1, experts)
+        torch.testing.assert_close(logits, torch.nn.functional.linear(x.float(), weight.float()), rtol=1e-4,
+                                   atol=1e-3)
+
+
+def test_deepseek_v3_moe_block_with_the_serving_router_matches_transformers():
+    """DeepSeek-V3's sparse block with its router swapped for SigmoidTopKRouter (GEMV logits at
+    one token, the kernel) and its experts through the op gives what Transformers' router and
+    grouped_mm give: one token and a decode batch."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
+
+    from flare_core.ops.gemv import use_gemv
+    from flare_core.ops.moe import use_fused_experts
+    from flare_core.ops.routing import SigmoidTopKRouter
+
+    config = DeepseekV3Config(vocab_size=256, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
+                              n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4,
+                              n_shared_experts=1, first_k_dense_replace=0, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=4, routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).cuda().bfloat16()
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 1.0)
+        block.gate.e_score_correction_bias = torch.randn(64, device="cuda") * 0.1
+    hidden = [torch.randn(1, tokens, 1024, device="cuda").bfloat16() for tokens in (1, 16)]
+    expected = [block(h) for h in hidden]
+    router = SigmoidTopKRouter.like(block.gate).cuda().bfloat16()
+    router.e_score_correction_bias = router.e_score_correction_bias.float()
+    router.load_state_dict(block.gate.state_dict())
+    block.gate = router
+    assert use_fused_experts(model)
+    use_gemv(model)
+    assert router.gemv_logits
+    for h, e in zip(hidden, expected):
+        assert_close(block(h), e)
