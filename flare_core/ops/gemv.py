@@ -60,9 +60,11 @@ def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: b
     below are the H200's (benchmarks/gemv.py: Qwen3-8B's shapes in
     benchmarks/results/h200-gemv-sweep.json, Kimi Linear's in h200-gemv-kimi-linear.json).
 
-    * Matrices of fewer than 1,024 rows (MoE routers, MLA's latent projection) take one row per
-      program, so that their few rows still spread over the device's 132 SMs, and the widest
-      tile of 1,024 (gated 2,048) to 256 columns that divides the input.
+    * Matrices of fewer than 1,024 rows (MoE routers, MLA's latent projection), or of fewer than
+      2,048 over an input of no multiple of 1,024 features, take one row per program, so that
+      their few rows still spread over the device's 132 SMs, and the widest tile of 1,024 (gated
+      2,048) to 128 columns that divides the input (Kimi Linear's gated shared expert, 2 x 1,024
+      rows over 2,304: 5.1 us against 7.2 with 4 rows of 128 columns).
     * Inputs of a multiple of 1,024 features: 1,024 columns per iteration (2,048 for the gated
       kernel, which reads two tiles per iteration), four warps; 16 rows per program for matrices
       of at most 4,096 rows that still give 256 programs, else 2. These were the best, or within
@@ -70,10 +72,10 @@ def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: b
       few) took 8.2 us against 6.6 with 2.
     * Other inputs (Kimi Linear's 2,304 features, its gates' 128): 128 columns per iteration,
       eight warps, 16 rows per program, halved to no fewer than 4 while that leaves fewer than
-      512 programs: the best or within 4 % of the sweep on those shapes, where the 256-column
+      512 programs: the best or within 2 % of the sweep on those shapes, where the 256-column
       tiles took 2.3-2.9 TB/s against 3.0-3.5."""
-    if out_features < 1024:
-        for columns in ((2048, 1024, 512, 256) if gated else (1024, 512, 256)):
+    if out_features < 1024 or (out_features < 2048 and in_features % 1024):
+        for columns in ((2048, 1024, 512, 256, 128) if gated else (1024, 512, 256, 128)):
             if in_features % columns == 0:
                 return GemvConfig(rows=1, columns=columns, warps=4, stages=1, pdl=pdl)
         return None

@@ -53,7 +53,7 @@ def test_gated_gemv_matches_silu_gate_times_up(half, in_features):
 
 def test_several_tokens_and_odd_shapes_take_f_linear_exactly():
     generator = torch.Generator(device="cuda").manual_seed(2)
-    weight = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16, generator=generator)  # 1000 % 256 != 0
+    weight = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16, generator=generator)  # 1000 % 128 != 0
     one = torch.randn(1, 1000, device="cuda", dtype=torch.bfloat16, generator=generator)
     assert torch.equal(torch.ops.flare.linear(one, weight), F.linear(one, weight))
     square = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16, generator=generator)
