@@ -23,19 +23,21 @@ import torch.nn.functional as F
 
 from flare_core.ops.gemv import GemvConfig, gemv, gemv_config
 
-# name -> (out_features, in_features, gated): Qwen3-8B (hidden 4096, 32/8 heads of 128, MLP 12288).
+# --shape -> {name -> (out_features, in_features, gated)}.
 SHAPES = {
+  # Qwen3-8B (hidden 4096, 32/8 heads of 128, MLP 12288).
+  "qwen3-8b": {
     "qkv_proj": (6144, 4096, False),
     "o_proj": (4096, 4096, False),
     "gate_up_proj": (24576, 4096, False),
     "gate_up_proj + silu*up": (24576, 4096, True),
     "down_proj": (4096, 12288, False),
     "lm_head": (151936, 4096, False),
-}
-# Kimi Linear 48B-A3B as published (hidden 2304; KDA: 32 heads of 128, the low-rank forget gate and
-# output gate of rank 128; MLA: 32 heads, q without low rank, latent 512 + 64; MoE: router of 256
-# experts, shared expert 1024; the dense first layer's MLP 9216; vocab 163840).
-KIMI_LINEAR_SHAPES = {
+  },
+  # Kimi Linear 48B-A3B as published (hidden 2304; KDA: 32 heads of 128, the low-rank forget gate
+  # and output gate of rank 128; MLA: 32 heads, q without low rank, latent 512 + 64; MoE: router of
+  # 256 experts, shared expert 1024; the dense first layer's MLP 9216; vocab 163840).
+  "kimi-linear": {
     "kda qkv_proj": (12288, 2304, False),
     "kda qkv + f_a + g_a + b": (12576, 2304, False),
     "kda f_b / g_b": (4096, 128, False),
@@ -48,6 +50,7 @@ KIMI_LINEAR_SHAPES = {
     "dense gate_up + silu*up": (18432, 2304, True),
     "dense down": (2304, 9216, False),
     "lm_head": (163840, 2304, False),
+  },
 }
 ROTATION_BYTES = 2 * 2**30
 
@@ -108,14 +111,13 @@ def launch_effect(device: torch.device, generator: torch.Generator, layers: int 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "kimi-linear"])
+    parser.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the shipped configuration")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     results = {}
-    shapes = KIMI_LINEAR_SHAPES if args.shape == "kimi-linear" else SHAPES
-    for name, (n, k, gated) in shapes.items():
+    for name, (n, k, gated) in SHAPES[args.shape].items():
         bytes_per_weight = n * k * 2
         copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
@@ -161,8 +163,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     results["four GEMVs of a layer in a row"] = launch_effect(device, generator)
     print(json.dumps(results["four GEMVs of a layer in a row"]), flush=True)
-    result = {"shape": args.shape, "results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    result = {"shape": args.shape, "results": results, "device": torch.cuda.get_device_name(device),
+              "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -2,9 +2,9 @@
 pair's output scaled by its route weight, as one custom op (`flare::routed_experts`) that CUDA
 graphs capture; the sum over a token's experts follows it in the caller's compiled code.
 
-The family's router stays the Transformers definition (softmax or sigmoid scoring, group limits,
-normalisation, scaling): it hands the experts module `top_k_index` / `top_k_weights`, and the
-op replaces only the expert loop. `use_fused_experts(causal_lm)` registers it with Transformers'
+The family's router (Transformers' or flare_core.ops.routing's, which routes the same: softmax
+or sigmoid scoring, group limits, normalisation, scaling) hands the experts module
+`top_k_index` / `top_k_weights`, and the op replaces only the expert loop. `use_fused_experts(causal_lm)` registers it with Transformers'
 experts interface, so every experts class decorated with `@use_experts_implementation` (Qwen3-MoE,
 DeepSeek-V3 and the families built like them) runs it.
 

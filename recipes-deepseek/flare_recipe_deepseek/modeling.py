@@ -3,8 +3,8 @@ Transformers `DeepseekV3ForCausalLM`.
 
 The Transformers model is built on the meta device from the config; its embeddings, decoder
 layers, RMSNorms, rotary embedding (YaRN included: Transformers folds YaRN's mscale into cos/sin
-and into the softmax scale) and MoE blocks (sigmoid router with `e_score_correction_bias`,
-group-limited top-k, shared + routed experts) are reused unchanged. Replaced:
+and into the softmax scale) and MoE blocks (shared + routed experts) are reused unchanged.
+Replaced:
 
 * attention -> `AbsorbedMLA`: the same q / kv_a projections and norms, then absorbed multi-head
   latent attention over the paged latent cache (flare_core.ops.mla, cache scheme "mla-latent");

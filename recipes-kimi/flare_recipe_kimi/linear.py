@@ -2,7 +2,7 @@
 interleaved with multi-head latent attention without position encoding, and DeepSeek-style MoE,
 built from the Transformers classes.
 
-Transformers' decoder layers, norms, router and experts are reused as they are. Replaced:
+Transformers' decoder layers, norms, MoE blocks and experts are reused as they are. Replaced:
 
 * each KDA layer keeps Transformers' parameters and continues its requests' state rows
   (flare_core.ops.delta_rule): on the CPU with Transformers' own chunked and recurrent KDA
