@@ -53,6 +53,11 @@ def shape(name: str):
 
         config = deepseek_v3_config(4)
         return config, DEEPSEEK_V3, config.num_hidden_layers - config.first_k_dense_replace
+    if name == "kimi-linear":  # the published config (benchmarks/hybrid_decode.py); decode it there
+        from hybrid_decode import shape as hybrid_shape
+
+        config, recipe, moe_layers, _ = hybrid_shape(name)
+        return config, recipe, moe_layers
     raise SystemExit(f"--shape: unknown {name!r}")
 
 
@@ -150,51 +155,110 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
     return results
 
 
+def graph_us(step, repeats: int) -> float:
+    """Microseconds per replay of `step` captured as one CUDA graph (compiled outside the capture)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / repeats
+
+
 def op_sweep(config, moe_layers: int, device, repeats: int = 50) -> dict:
-    """The op alone at one token, per tile choice: microseconds per MoE layer and the bandwidth of
-    reading the chosen experts, over `moe_layers` layers of distinct weights replayed as one CUDA
-    graph (as a decode step holds them), each layer with its own random route."""
-    from flare_core.ops.moe import ExpertsConfig, experts_config, fused_experts
+    """The op's two launches alone at one token, each over a grid of tiles:
+    microseconds per MoE layer and the bandwidth of reading the chosen experts' rows, over up to
+    8 layers of distinct weights replayed as one CUDA graph (as a decode step holds them; each
+    layer's chosen experts exceed the L2 cache), each layer with its own random route. Beside
+    them, the GEMV kernel over one matrix of the same bytes (the bound a launch of these bytes
+    reaches), and for families with a shared expert of a routed expert's shape the shared
+    expert's two GEMVs against routing it as one more pair of the op."""
+    from flare_core.ops import moe
+    from flare_core.ops.gemv import gemv, gemv_config
 
     experts, top_k, expert_bytes = expert_geometry(config)
     hidden, intermediate = config.hidden_size, config.moe_intermediate_size
-    up, down = experts_config(top_k, experts, True), experts_config(top_k, experts, False)
-    candidates = {
-        "default": (up, down),
-        "up k512": (ExpertsConfig(1, 16, 512, 4, 1), down),
-        "up n8 k512": (ExpertsConfig(1, 8, 512, 4, 1), down),
-        "up n32 k256 w8": (ExpertsConfig(1, 32, 256, 8, 1), down),
-        "up k1024 w8": (ExpertsConfig(1, 16, 1024, 8, 1), down),
-        "down n8 w2": (up, ExpertsConfig(1, 8, 256, 2, 1)),
-        "down n32 k128": (up, ExpertsConfig(1, 32, 128, 4, 1)),
-    }
+    layers_timed = min(moe_layers, 8)
     generator = torch.Generator(device=device).manual_seed(0)
-    layers = [(torch.randn(experts, 2 * intermediate, hidden, device=device, generator=generator).bfloat16(),
-               torch.randn(experts, hidden, intermediate, device=device, generator=generator).bfloat16())
-              for _ in range(moe_layers)]
-    x = torch.randn(1, hidden, device=device, generator=generator).bfloat16()
-    routes = [(weights.bfloat16(), index) for weights, index in (
-        torch.randn(1, experts, device=device, generator=generator).softmax(-1).topk(top_k) for _ in layers)]
-    results = {}
-    for name, configs in candidates.items():
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator).bfloat16()
+
+    # One expert more than the family routes: the shared expert's place when it is routed as a pair.
+    layers = [(randn(experts + 1, 2 * intermediate, hidden), randn(experts + 1, hidden, intermediate))
+              for _ in range(layers_timed)]
+    x = randn(1, hidden)
+    routes = [torch.randn(1, experts, device=device, generator=generator).softmax(-1).topk(top_k)
+              for _ in layers]
+    routes = [(weights.reshape(-1).contiguous(), index.reshape(-1).contiguous()) for weights, index in routes]
+    activated = [x.new_empty(top_k + 1, intermediate) for _ in layers]
+    weighted = [torch.empty(top_k + 1, hidden, dtype=torch.float32, device=device) for _ in layers]
+    gate_up_bytes, down_bytes = top_k * expert_bytes * 2 // 3, top_k * expert_bytes // 3
+
+    def launches(gated: bool, tiles: moe.ExpertsConfig, pairs: int = top_k):
         def step():
-            for (gate_up, down_proj), (weights, index) in zip(layers, routes):
-                fused_experts(x, gate_up, down_proj, index, weights, configs)
-        step()  # compiles the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        layer_us = 1000 * start.elapsed_time(end) / repeats / moe_layers
-        results[name] = {"us_per_layer": round(layer_us, 2), "gb_s": round(top_k * expert_bytes / layer_us / 1e3, 1)}
-        print(f"op sweep {name}: {results[name]}", flush=True)
+            for i, (gate_up, down) in enumerate(layers):
+                weights, index = routes[i]
+                if pairs > top_k:  # the shared expert (index `experts`) as one more pair of weight 1
+                    index = torch.cat([index, index.new_full((1,), experts)])
+                    weights = torch.cat([weights, weights.new_ones(1)])
+                moe._launch(x if gated else activated[i][:pairs], gate_up if gated else down, None,
+                            activated[i] if gated else weighted[i], weights, index, None, pairs, gated, tiles)
+        return step
+
+    results: dict = {"gate_up": {}, "down": {}}
+    for gated, name, nbytes in ((True, "gate_up", gate_up_bytes), (False, "down", down_bytes)):
+        # Pair by pair (the one-token path): rows x columns per iteration x warps.
+        grid = [moe.ExpertsConfig(1, n, k, w, 1) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (2, 4, 8)]
+        for tiles in [moe.experts_config(top_k, experts, gated), *grid]:
+            key = f"n{tiles.block_n} k{tiles.block_k} w{tiles.warps}"
+            if key in results[name]:
+                continue
+            us = graph_us(launches(gated, tiles), repeats) / layers_timed
+            results[name][key] = {"us_per_layer": round(us, 2), "gb_s": round(nbytes / us / 1e3, 1)}
+            print(f"op sweep {name} {key}: {results[name][key]}", flush=True)
+        results[name] = dict(sorted(results[name].items(), key=lambda item: item[1]["us_per_layer"]))
+    # The same bytes as one matrix through the GEMV kernel: gate/up gated, down plain.
+    for gated, name, rows, features in ((True, "gate_up", 2 * top_k * intermediate, hidden),
+                                        (False, "down", top_k * hidden, intermediate)):
+        matrices = [randn(rows, features) for _ in layers]
+        vector = randn(features)
+        tiles = gemv_config(rows // 2 if gated else rows, features, gated)
+        us = graph_us(lambda: [gemv(vector, m, tiles, gated=gated) for m in matrices], repeats) / layers_timed
+        results[f"{name}_as_one_gemv"] = {"us_per_layer": round(us, 2),
+                                          "gb_s": round(rows * features * 2 / us / 1e3, 1), "tiles": str(tiles)}
+        print(f"op sweep {name} as one GEMV: {results[f'{name}_as_one_gemv']}", flush=True)
+        del matrices
+    shared = getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", 0)
+    if shared == 1:
+        up_tiles, down_tiles = moe.experts_config(top_k, experts, True), moe.experts_config(top_k, experts, False)
+        shared_up = [randn(2 * intermediate, hidden) for _ in layers]
+        shared_down = [randn(hidden, intermediate) for _ in layers]
+        up_config, down_config = gemv_config(intermediate, hidden, True), gemv_config(hidden, intermediate)
+
+        def routed_then_shared():
+            launches(True, up_tiles)()
+            launches(False, down_tiles)()
+            for up, down in zip(shared_up, shared_down):
+                gemv(gemv(x[0], up, up_config, gated=True), down, down_config)
+
+        def shared_as_pair():
+            launches(True, up_tiles, top_k + 1)()
+            launches(False, down_tiles, top_k + 1)()
+
+        results["shared_expert"] = {
+            "routed then shared GEMVs": round(graph_us(routed_then_shared, repeats) / layers_timed, 2),
+            "routed only": round(graph_us(lambda: (launches(True, up_tiles)(), launches(False, down_tiles)()),
+                                          repeats) / layers_timed, 2),
+            "shared as one more pair": round(graph_us(shared_as_pair, repeats) / layers_timed, 2)}
+        print(f"op sweep shared expert (us per layer): {results['shared_expert']}", flush=True)
     layers.clear()
     torch.cuda.empty_cache()
     return results
@@ -202,12 +266,13 @@ def op_sweep(config, moe_layers: int, device, repeats: int = 50) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen3-30b-a3b-12l", choices=("qwen3-30b-a3b-12l", "deepseek-v3-4l"))
+    parser.add_argument("--shape", default="qwen3-30b-a3b-12l", choices=("qwen3-30b-a3b-12l", "deepseek-v3-4l", "kimi-linear"))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=128, help="timed decode steps per batch")
     parser.add_argument("--sweep", action="store_true", help="first time the op alone at one token per tile choice")
-    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--implementations", nargs="*", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
+                        help="the decode runs (none: --sweep alone)")
     parser.add_argument("--profile", type=Path,
                         help="write a per-kernel table of 20 decode steps of the fused path at the first batch here")
     parser.add_argument("--out", type=Path)
@@ -231,7 +296,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         print(implementation, json.dumps(runs[implementation]), flush=True)
     roofline = {}
-    for batch in args.batch:
+    for batch in args.batch if runs else ():
         tok_s, step_bytes = roofline_tok_s(config, moe_layers, weight_bytes, batch, bandwidth)
         roofline[str(batch)] = {"tok_s": round(tok_s, 1), "bytes_per_step": step_bytes,
                                 **{f"fraction_{impl}": round(runs[impl][str(batch)]["decode_tok_s"] / tok_s, 3)

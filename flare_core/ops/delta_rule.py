@@ -21,7 +21,10 @@ captured decode graph. The delta rule itself:
   graphs), the chunked kernel over the batch's variable-length sequences otherwise (eager prompt
   chunks, with the chunk index the batch built on the host: no layer waits for the device). The
   rows are gathered into the kernel's initial states and its final states written back around
-  the op.
+  the op;
+* on CUDA, for a family whose one-token kernel applies its gates and continues the rows in place
+  (Kimi Delta Attention: `flare::kimi_delta_rule_step`), a decode step takes that kernel alone:
+  no gather or scatter of the rows, no separate gate activations.
 """
 
 from __future__ import annotations
@@ -133,6 +136,38 @@ def kimi_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, in
     return _outputs(out, final, v)
 
 
+@torch.library.custom_op("flare::kimi_delta_rule_step", mutates_args=("state",))
+def kimi_delta_rule_step(q: Tensor, k: Tensor, v: Tensor, decay_input: Tensor, beta_logits: Tensor, decay_log: Tensor,
+                         decay_bias: Tensor, state: Tensor, rows: Tensor) -> Tensor:
+    """A decode step of Kimi Delta Attention on CUDA (one token per request): flash-linear-
+    attention's fused recurrent KDA kernel with the gates in the kernel and the state rows read
+    and written in place (its continuous-batching mode, `ssm_state_indices`).
+
+    q, k [1, B, H, K] (l2-normed in the kernel); v [1, B, H, V]; decay_input [1, B, H, K]: the
+    forget gate's projection before its activation, which the kernel applies as Transformers'
+    KimiLinearForgetGate does, -exp(decay_log[h]) * softplus(decay_input + decay_bias) in float32
+    (decay_log: A_log [H], decay_bias: dt_bias [H * K]); beta_logits [1, B, H]: b_proj's output,
+    sigmoid in the kernel; state [rows, H, K, V] float32, request b's row `rows[b]`, continued in
+    place. Returns the output [1, B, H, V]."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    def per_request(x: Tensor) -> Tensor:  # [1, B, ...] -> [B, 1, ...]: the same memory, contiguous
+        return x.contiguous().view(x.shape[1], 1, *x.shape[2:])
+
+    values = per_request(v)
+    out, _ = fused_recurrent_kda_fwd(per_request(q), per_request(k), values, per_request(decay_input),
+                                     per_request(beta_logits), A_log=decay_log, dt_bias=decay_bias,
+                                     initial_state=state, inplace_final_state=True, ssm_state_indices=rows,
+                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                     use_beta_sigmoid_in_kernel=True, out=torch.empty_like(values))
+    return out.view(v.shape)
+
+
+@kimi_delta_rule_step.register_fake
+def _(q, k, v, decay_input, beta_logits, decay_log, decay_bias, state, rows):
+    return torch.empty_like(v)
+
+
 @gated_delta_rule.register_fake
 def _(q, k, v, g, beta, initial, query_start, chunk_indices):
     return torch.empty_like(v), torch.empty_like(initial, dtype=torch.float32)
@@ -151,18 +186,29 @@ class DeltaRuleForServing(nn.Module):
     custom op, with `gated_delta_rule`'s signature) and
 
     * `project(hidden_states [1, T, hidden])` -> (q/k/v channels [T, 2 key_dim + value_dim],
-      decay g [1, T, heads(, key dim)], beta [1, T, heads], the output gate's input);
-    * `output(core [1, T, heads, value dim], gate)` -> [1, T, hidden]."""
+      the decay's input, beta's input, the output gate's input), the gates before their
+      activations;
+    * `gates(decay_input, beta_input)` -> (decay g [1, T, heads(, key dim)] in log space, beta
+      [1, T, heads]), as Transformers computes them;
+    * `output(core [1, T, heads, value dim], gate)` -> [1, T, hidden];
+    * optionally `step_in_place` (below)."""
 
     recurrent_rule: Callable[..., tuple[Tensor, Tensor]]
     chunk_rule: Callable[..., tuple[Tensor, Tensor]]
     kernel_rule: Callable[..., tuple[Tensor, Tensor]]
 
     def forward(self, hidden_states: Tensor, context: ForwardContext, **_: Any) -> Tensor:
-        mixed, g, beta, gate = self.project(hidden_states)
-        return self.output(self.mix(mixed, g, beta, context), gate)
+        mixed, decay_input, beta_input, gate = self.project(hidden_states)
+        return self.output(self.mix(mixed, decay_input, beta_input, context), gate)
 
-    def mix(self, mixed: Tensor, g: Tensor, beta: Tensor, context: ForwardContext) -> Tensor:
+    def step_in_place(self, q: Tensor, k: Tensor, v: Tensor, decay_input: Tensor, beta_input: Tensor,
+                      state: Tensor, rows: Tensor) -> Tensor | None:
+        """A CUDA decode step (one token per request) through a kernel that applies the gates
+        itself and continues `state` at `rows` in place: the output [1, B, heads, value dim], or
+        None where the family has no such kernel (then `gates` and `kernel_rule`)."""
+        return None
+
+    def mix(self, mixed: Tensor, decay_input: Tensor, beta_input: Tensor, context: ForwardContext) -> Tensor:
         """The convolution and the delta rule of the step's tokens, continuing their requests' state rows."""
         batch = context.batch
         conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
@@ -175,14 +221,19 @@ class DeltaRuleForServing(nn.Module):
         q, k = q.reshape(1, tokens, -1, self.head_k_dim), k.reshape(1, tokens, -1, self.head_k_dim)
         v = v.reshape(1, tokens, -1, self.head_v_dim)
         if q.is_cuda:
-            # The rows are read and written here, in traced code: compiled, a scatter of the step's
-            # rows into the layer's state (an op that wrote them itself would make Inductor guard
-            # the whole layer's state as a mutated input).
             rows = batch.state_rows
+            if batch.chunk_indices is None:
+                out = self.step_in_place(q, k, v, decay_input, beta_input, recurrent_rows, rows)
+                if out is not None:
+                    return out
+            g, beta = self.gates(decay_input, beta_input)
+            # fla's kernels here take the rows' states as one tensor and hand back the final ones:
+            # gathered and scattered in traced code (compiled, a scatter of just the step's rows).
             out, final = self.kernel_rule(q, k, v, g, beta, recurrent_rows.index_select(0, rows), batch.query_start,
                                           batch.chunk_indices)
             recurrent_rows.index_copy_(0, rows, final.to(recurrent_rows.dtype))
             return out
+        g, beta = self.gates(decay_input, beta_input)
         outputs = []
         for r, row in enumerate(batch.state_rows_host):
             start, end = batch.query_start_host[r], batch.query_start_host[r + 1]

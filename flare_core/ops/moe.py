@@ -74,11 +74,18 @@ def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) 
     """The tiles of one launch for `pairs` pairs over `experts` experts (`scaled`: FP8 weights,
     whose 128 x 128 blocks a tile must not straddle: 128 input features per iteration)."""
     if per_pair(pairs, experts):
-        # One token of the Qwen3-30B-A3B shape on the H200 (benchmarks/moe_decode.py --sweep): 16
-        # rows x 256 columns per iteration took 34.4 us a layer for gate/up against 36.6 with 512
-        # columns, 37.6 with 1024 and 8 warps, 44.0 with 32 rows; for down, writing each pair and
-        # summing after took 34.1 against 36.6 for a kernel that sums a token's pairs itself.
-        return ExpertsConfig(block_m=1, block_n=16, block_k=128 if scaled else 256, warps=4, stages=1)
+        if scaled:  # 128 input features per iteration, rows that divide a 128-row block
+            return ExpertsConfig(block_m=1, block_n=16, block_k=128, warps=4, stages=1)
+        # One token on the H200, each launch alone over a grid of 4-32 rows x 128-512 columns x
+        # 2-8 warps (benchmarks/moe_decode.py --sweep; h200-experts-sweep-*.json): gate/up best
+        # with 8 rows x 128 columns and 8 warps (Kimi Linear 21.0 us a layer, Qwen3-30B-A3B 15.7,
+        # against 22.1 and 17.6 with 16 x 256 and 4 warps), down with 32 x 128 and 8 warps
+        # (11.7 and 8.9 against 14.5 and 11.6): within 2 % of the GEMV kernel reading the same
+        # bytes as one matrix (20.7 / 11.6 and 14.5 / 8.4 us). A token's pairs are each written
+        # and summed after: 34.1 us a layer against 36.6 for a kernel summing them itself.
+        if gated:
+            return ExpertsConfig(block_m=1, block_n=8, block_k=128, warps=8, stages=1)
+        return ExpertsConfig(block_m=1, block_n=32, block_k=128, warps=8, stages=1)
     return ExpertsConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
 
 

@@ -6,11 +6,14 @@ Transformers' decoder layers, norms, MoE blocks and experts are reused as they a
 
 * each KDA layer keeps Transformers' parameters and continues its requests' state rows
   (flare_core.ops.delta_rule): on the CPU with Transformers' own chunked and recurrent KDA
-  rules, on CUDA with flash-linear-attention's KDA kernels (`flare::kimi_delta_rule`);
+  rules, on CUDA with flash-linear-attention's KDA kernels (`flare::kimi_delta_rule`; a decode
+  step `flare::kimi_delta_rule_step`, which applies the forget gate and beta in the kernel and
+  continues the rows in place);
 * each MLA layer is flare_recipe_deepseek's absorbed MLA over the paged latent cache, with the
   rotation off (Kimi Linear's MLA encodes no positions; its shared key part is stored as it is);
 * each KDA layer's projections of its input (q, k, v, the forget gate's and the output gate's
-  first low-rank factors, b) are one fused matrix, `in_proj_qkvfgb`;
+  first low-rank factors, b) are one fused matrix, `in_proj_qkvfgb`, and the forget gate's
+  second factor sits beside it (`f_b_proj`; the forget gate module keeps its activation);
 * dense MLPs and each MoE block's shared experts fuse gate and up (`FusedGatedMLP`);
 * each MoE block's router is flare_core.ops.routing.SigmoidTopKRouter (DeepSeek-V3's routing as
   a logits matmul and one kernel; same weight and bias).
@@ -32,7 +35,7 @@ from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
 from flare_core.contract import CacheScheme, ContractError, PagedStore, StateTensor
-from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule
+from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule, kimi_delta_rule_step
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
 from flare_core.ops.routing import SigmoidTopKRouter
@@ -100,20 +103,32 @@ class KimiDeltaAttentionForServing(DeltaRuleForServing):
         # Every projection of the layer's input read as one matrix (`in_proj_qkvfgb`,
         # flare_core.ops.weights): q, k and v in the order the convolution's channels take them,
         # then the forget gate's f_a, the output gate's g_a and b (at one token eight small
-        # matmuls of 0.15-1 MB each were launch-bound: 1.7 TB/s on the H200). The forget gate
-        # keeps its f_b, bias and decay, and takes f_a's output in place of the hidden states.
+        # matmuls of 0.15-1 MB each were launch-bound: 1.7 TB/s on the H200). The forget gate's
+        # f_b follows f_a here; the gate module keeps its bias and decay and, with both factors
+        # Identity, computes Transformers' activation of f_b's output (`gates`), which a CUDA
+        # decode step leaves to the KDA kernel (`step_in_place`).
         original_gate = original.forget_gate
         self.in_proj_qkvfgb, sizes = fused_linear(original.q_proj, original.k_proj, original.v_proj,
                                                   original_gate.f_a_proj, original.g_a_proj, original.b_proj)
         self.split_sizes = [sum(sizes[:3]), *sizes[3:]]  # q, k and v stay together for the convolution
-        original_gate.f_a_proj = torch.nn.Identity()
+        self.f_b_proj = original_gate.f_b_proj
+        original_gate.f_a_proj = original_gate.f_b_proj = torch.nn.Identity()
         self.conv1d, self.forget_gate = original.conv1d, original_gate
         self.g_b_proj = original.g_b_proj
         self.o_norm, self.o_proj = original.o_norm, original.o_proj
 
     def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         mixed, f_a, g_a, b = self.in_proj_qkvfgb(hidden_states).split(self.split_sizes, dim=-1)
-        return mixed[0], self.forget_gate(f_a), torch.sigmoid(b), self.g_b_proj(g_a)
+        return mixed[0], self.f_b_proj(f_a), b, self.g_b_proj(g_a)
+
+    def gates(self, decay_input: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        return self.forget_gate(decay_input), torch.sigmoid(b)
+
+    def step_in_place(self, q: Tensor, k: Tensor, v: Tensor, decay_input: Tensor, b: Tensor, state: Tensor,
+                      rows: Tensor) -> Tensor:
+        tokens = decay_input.shape[1]
+        return kimi_delta_rule_step(q, k, v, decay_input.view(1, tokens, -1, self.head_k_dim), b,
+                                    self.forget_gate.A_log.view(-1), self.forget_gate.dt_bias, state, rows)
 
     def output(self, core: Tensor, gate: Tensor) -> Tensor:
         tokens = core.shape[1]

@@ -83,9 +83,11 @@ class GatedDeltaNetForServing(DeltaRuleForServing):
 
     def project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         mixed, z, b, a = self.project_inputs(hidden_states)
+        return mixed, a, b, z
+
+    def gates(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
         # As Transformers computes it: in float32, else A might be -inf in half precision.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return mixed, g, b.sigmoid(), z
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
 
     def output(self, core: Tensor, z: Tensor) -> Tensor:
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

@@ -4,6 +4,8 @@
   against Transformers' torch rules request by request: decode (one token per request, the fused recurrent kernel) and ragged
   prompt chunks (the chunked kernel over variable-length sequences), grouped value heads, each
   request from its own initial state (gathered from scattered rows), each final state returned.
+* `flare::kimi_delta_rule_step` (KDA's decode step with its gates in the kernel and the state
+  rows continued in place) against Transformers' forget gate and recurrent rule.
 * The CUDA executor against the CPU reference in lockstep (tests/gpu/lockstep.py) on a small
   Qwen3.5 of real head geometry: decode and prefill graphs over the state rows (padding rows on
   the scratch row), prefix hits that restore state snapshots at message boundaries before a
@@ -80,6 +82,52 @@ def test_delta_rule_kernels_match_transformers(family, lengths):
         got = out[:, span].float().cpu()
         assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3, f"request {r}: output"
         assert (finals[r].cpu() - final[0]).abs().max() <= 0.01 * final.abs().max() + 1e-4, f"request {r}: state"
+
+
+def test_kimi_delta_rule_step_applies_gates_and_continues_rows_in_place():
+    """A KDA decode step (`flare::kimi_delta_rule_step`: the forget gate's activation and beta's
+    sigmoid in fla's kernel, the state rows read and written in place) against Transformers'
+    forget gate and recurrent rule request by request; rows no request owns stay as they were."""
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear import modeling_kimi_linear as kl
+
+    from flare_core.ops.delta_rule import kimi_delta_rule_step
+    from flare_recipe_kimi.linear import KimiDeltaAttentionForServing
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    heads, dim, requests = 4, 128, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator)
+
+    gate = kl.KimiLinearForgetGate(KimiLinearConfig(linear_num_heads=heads, linear_head_dim=dim)).to(device)
+    gate.f_a_proj = gate.f_b_proj = torch.nn.Identity()  # as the serving layer holds it: the activation alone
+    with torch.no_grad():
+        gate.A_log.copy_(torch.empty_like(gate.A_log).uniform_(1.0, 16.0, generator=generator).log())
+        gate.dt_bias.copy_(0.5 * randn(heads * dim))
+    q, k, v = (randn(1, requests, heads, dim).bfloat16() for _ in range(3))
+    decay_input = (2 * randn(1, requests, heads * dim)).bfloat16()
+    beta_logits = randn(1, requests, heads).bfloat16()
+    state = 0.1 * randn(12, heads, dim, dim)
+    before = state.clone()
+    rows = torch.tensor([7, 2, 9, 0, 11], device=device)
+    out = kimi_delta_rule_step(q, k, v, decay_input.view(1, requests, heads, dim), beta_logits, gate.A_log.view(-1),
+                               gate.dt_bias, state, rows)
+
+    with torch.no_grad():
+        g = gate(decay_input).cpu()
+    beta = beta_logits.float().sigmoid().cpu()
+    for r, row in enumerate(rows.tolist()):
+        span = slice(r, r + 1)
+        want, final = KimiDeltaAttentionForServing.recurrent_rule(
+            *(x[:, span].float().cpu() for x in (q, k, v)), g=g[:, span], beta=beta[:, span],
+            initial_state=before[row][None].cpu(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        got = out[:, span].float().cpu()
+        assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3, f"request {r}: output"
+        assert (state[row].cpu() - final[0]).abs().max() <= 0.01 * final.abs().max() + 1e-4, f"request {r}: state"
+    untouched = [row for row in range(12) if row not in rows.tolist()]
+    assert torch.equal(state[untouched], before[untouched])
 
 
 def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
