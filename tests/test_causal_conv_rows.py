@@ -66,3 +66,24 @@ def test_one_token_each_reads_and_writes_the_rows_as_the_general_path_does():
 
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(shortcut_rows, conv_rows)
+
+
+def test_conv_step_is_silu_of_the_decode_convolution_and_compiles_with_the_rows_in_place():
+    """`flare::conv_step` (a decode step's convolution and SiLU as one op; CUDA's kernel is
+    tested in tests/gpu) on the CPU, eagerly and under torch.compile, against conv1d per request."""
+    from flare_core.ops.delta_rule import conv_step
+
+    generator = torch.Generator().manual_seed(3)
+    channels, kernel = 10, 4
+    rows = torch.tensor([4, 1, 6])
+    weight = torch.randn(channels, 1, kernel, generator=generator)
+    start = torch.randn(8, channels, kernel - 1, generator=generator)
+    x = torch.randn(3, channels, generator=generator)
+    want = torch.stack([F.silu(F.conv1d(torch.cat([start[row], x[r][:, None]], -1)[None], weight,
+                                        groups=channels)[0, :, 0]) for r, row in enumerate(rows.tolist())])
+    for step in (conv_step, torch.compile(conv_step, fullgraph=True)):
+        conv_rows = start.clone()
+        torch.testing.assert_close(step(x, conv_rows, rows, weight, None), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(conv_rows[rows], torch.cat([start[rows][:, :, 1:], x[:, :, None]], -1))
+        untouched = [i for i in range(8) if i not in rows.tolist()]
+        assert torch.equal(conv_rows[untouched], start[untouched])

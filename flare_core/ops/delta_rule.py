@@ -10,7 +10,14 @@ which is the same as no history, and a prefix-cache hit restores it from a snaps
 The convolution runs over the whole flattened batch at once (`causal_conv_rows`): each
 request's row is gathered in front of its tokens, and the windows are read by index. Its indices
 come from the batch's device tensors only, so the same code runs eagerly, compiled and inside a
-captured decode graph. The delta rule itself:
+captured decode graph. A decode step (one token per request) with SiLU after the convolution
+(every family here) takes `flare::conv_step` instead: on CUDA one Triton kernel that reads each
+request's window at its row, applies the convolution and SiLU and shifts the token into the
+row in place. Compiled, the torch code took five kernels a layer at one token on the H200 (the
+window's gather, the taps, the row's write-back, and SiLU written out once per q, k and v);
+flash-linear-attention's `causal_conv1d_update` keeps one window per batch entry, so rows would
+still be gathered and scattered around it (benchmarks/conv_step.py times the three side by
+side). The delta rule itself:
 
 * on the CPU (the reference): request by request through the family's own Transformers rules
   (chunked for several tokens, recurrent for one), which take the row as initial state and hand
@@ -33,10 +40,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from flare_core.ops.attention import ForwardContext
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: conv_step runs the torch code
+    triton = None
 
 
 def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Tensor, weight: Tensor,
@@ -48,19 +62,12 @@ def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Te
     one_token_each: every request brings exactly one token (a decode step: T == B).
     Returns the convolution [T, C] (accumulated in float32, in x's dtype, before any activation)
     and writes each request's last W inputs back to its row."""
+    if one_token_each:
+        return _conv_one_token(x, conv_rows, rows, weight, bias)
     tokens, channels = x.shape
     window = weight.shape[-1] - 1
     requests = rows.shape[0]
     kernel = weight[:, 0, :].float()
-    if one_token_each:
-        # The row's window then the token, read and written directly: two kernels in a captured
-        # decode step, where the extended sequence below costs several scatters and gathers.
-        inputs = torch.cat([conv_rows.index_select(0, rows).to(x.dtype), x[:, :, None]], dim=-1)  # [B, C, W + 1]
-        out = (inputs.float() * kernel).sum(-1)
-        if bias is not None:
-            out += bias.float()
-        conv_rows.index_copy_(0, rows, inputs[:, :, 1:].to(conv_rows.dtype))
-        return out.to(x.dtype)
     starts = query_start.to(torch.int64)
     # An extended sequence holds each request's row, then its tokens: request b's row starts at
     # starts[b] + b W, its token t (flattened index) sits at t + (b + 1) W.
@@ -83,6 +90,76 @@ def causal_conv_rows(x: Tensor, conv_rows: Tensor, rows: Tensor, query_start: Te
     tails = (starts[1:] + offsets)[:, None] + taps
     conv_rows.index_copy_(0, rows, extended[tails].transpose(1, 2).to(conv_rows.dtype))
     return out.to(x.dtype)
+
+
+def _conv_one_token(x: Tensor, conv_rows: Tensor, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`causal_conv_rows` of one token per request: the row's window then the token, read and
+    written directly (the extended sequence there costs several scatters and gathers)."""
+    inputs = torch.cat([conv_rows.index_select(0, rows).to(x.dtype), x[:, :, None]], dim=-1)  # [B, C, W + 1]
+    out = (inputs.float() * weight[:, 0, :].float()).sum(-1)
+    if bias is not None:
+        out += bias.float()
+    conv_rows.index_copy_(0, rows, inputs[:, :, 1:].to(conv_rows.dtype))
+    return out.to(x.dtype)
+
+
+# The activations conv_step applies in its kernel (Transformers' names for SiLU).
+CONV_STEP_ACTIVATIONS = ("silu", "swish")
+
+if triton is not None:
+    @triton.jit
+    def _conv_step_kernel(x_ptr, rows_ptr, window_ptr, weight_ptr, bias_ptr, out_ptr, channels, x_stride,
+                          row_stride, channel_stride, WINDOW: tl.constexpr, BLOCK_TAPS: tl.constexpr,
+                          BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # Program (b, c): request b's channels [c BLOCK_C, (c + 1) BLOCK_C) as a [channels, taps]
+        # tile: taps 0..WINDOW-1 from its row, tap WINDOW its new input, in float32.
+        request = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_channels = c < channels
+        taps = tl.arange(0, BLOCK_TAPS)[None, :]
+        row = tl.load(rows_ptr + request).to(tl.int64)
+        at = window_ptr + row * row_stride + c[:, None].to(tl.int64) * channel_stride + taps
+        window = tl.load(at, mask=in_channels[:, None] & (taps < WINDOW), other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + request.to(tl.int64) * x_stride + c, mask=in_channels, other=0.0)
+        window = tl.where(taps == WINDOW, x.to(tl.float32)[:, None], window)
+        kernel = tl.load(weight_ptr + c[:, None] * (WINDOW + 1) + taps, mask=in_channels[:, None] & (taps <= WINDOW),
+                         other=0.0).to(tl.float32)
+        y = tl.sum(window * kernel, axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + c, mask=in_channels, other=0.0).to(tl.float32)
+        y = y * tl.sigmoid(y)
+        tl.store(out_ptr + request.to(tl.int64) * channels + c, y.to(out_ptr.dtype.element_ty), mask=in_channels)
+        # The row keeps the last WINDOW inputs: tap t moves to slot t - 1 (the loads above are done).
+        tl.store(at - 1, window.to(window_ptr.dtype.element_ty),
+                 mask=in_channels[:, None] & (taps >= 1) & (taps <= WINDOW))
+
+
+@torch.library.custom_op("flare::conv_step", mutates_args=("conv_rows",))
+def conv_step(x: Tensor, conv_rows: Tensor, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """SiLU of the depthwise causal convolution of one new input per request, continuing each
+    request's row: `causal_conv_rows(..., one_token_each=True)` then SiLU, as one kernel on CUDA.
+
+    x [B, C]; conv_rows [rows, C, W] (each row's last W = kernel - 1 inputs; the channel and tap
+    dimensions contiguous), request b's row `rows[b]`, shifted in place; weight [C, 1, W + 1];
+    bias [C] or None. Returns [B, C] in x's dtype (the sums and SiLU in float32)."""
+    if triton is None or not x.is_cuda or conv_rows.stride(2) != 1 or x.stride(1) != 1:
+        return F.silu(_conv_one_token(x, conv_rows, rows, weight, bias))
+    requests, channels = x.shape
+    window = weight.shape[-1] - 1
+    out = torch.empty(requests, channels, dtype=x.dtype, device=x.device)
+    if requests == 0:
+        return out
+    block_c = 128
+    _conv_step_kernel[(requests, triton.cdiv(channels, block_c))](
+        x, rows, conv_rows, weight.contiguous(), bias if bias is not None else weight, out, channels, x.stride(0),
+        conv_rows.stride(0), conv_rows.stride(1), WINDOW=window, BLOCK_TAPS=triton.next_power_of_2(window + 1),
+        BLOCK_C=block_c, HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+@conv_step.register_fake
+def _(x, conv_rows, rows, weight, bias):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _recurrent(rule: Callable, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -213,9 +290,12 @@ class DeltaRuleForServing(nn.Module):
         batch = context.batch
         conv_rows, recurrent_rows = context.store("conv", self), context.store("recurrent", self)
         weight = self.conv1d.weight
-        convolved = ACT2FN[self.activation](causal_conv_rows(mixed.to(weight.dtype), conv_rows, batch.state_rows,
-                                                             batch.query_start, weight, self.conv1d.bias,
-                                                             one_token_each=batch.chunk_indices is None))
+        if batch.chunk_indices is None and self.activation in CONV_STEP_ACTIVATIONS:
+            convolved = conv_step(mixed.to(weight.dtype), conv_rows, batch.state_rows, weight, self.conv1d.bias)
+        else:
+            convolved = ACT2FN[self.activation](causal_conv_rows(mixed.to(weight.dtype), conv_rows, batch.state_rows,
+                                                                 batch.query_start, weight, self.conv1d.bias,
+                                                                 one_token_each=batch.chunk_indices is None))
         q, k, v = convolved.to(mixed.dtype).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         tokens = q.shape[0]
         q, k = q.reshape(1, tokens, -1, self.head_k_dim), k.reshape(1, tokens, -1, self.head_k_dim)

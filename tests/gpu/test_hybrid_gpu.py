@@ -6,6 +6,8 @@
   request from its own initial state (gathered from scattered rows), each final state returned.
 * `flare::kimi_delta_rule_step` (KDA's decode step with its gates in the kernel and the state
   rows continued in place) against Transformers' forget gate and recurrent rule.
+* `flare::conv_step` (a decode step's convolution and SiLU, the rows shifted in place) against
+  the convolution computed on the CPU.
 * The CUDA executor against the CPU reference in lockstep (tests/gpu/lockstep.py) on a small
   Qwen3.5 of real head geometry: decode and prefill graphs over the state rows (padding rows on
   the scratch row), prefix hits that restore state snapshots at message boundaries before a
@@ -128,6 +130,40 @@ def test_kimi_delta_rule_step_applies_gates_and_continues_rows_in_place():
         assert (state[row].cpu() - final[0]).abs().max() <= 0.01 * final.abs().max() + 1e-4, f"request {r}: state"
     untouched = [row for row in range(12) if row not in rows.tolist()]
     assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_conv_step_matches_convolution_and_shifts_rows_in_place(bias, dtype):
+    """`flare::conv_step` on CUDA: SiLU of each request's window and new input convolved, against
+    float64 on the CPU; each request's row then holds its last three inputs, other rows stay as
+    they were. Channels of no multiple of the kernel's block; inputs a column slice of a wider
+    projection, as the layer passes them."""
+    from flare_core.ops.delta_rule import conv_step
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    channels, window, pool = 300, 3, 12
+    rows = torch.tensor([7, 2, 9, 0, 11], device=device)
+    projected = torch.randn(len(rows), channels + 40, device=device, generator=generator).to(dtype)
+    x = projected[:, :channels]
+    conv_rows = torch.randn(pool, channels, window, device=device, generator=generator).to(dtype)
+    before = conv_rows.clone()
+    weight = (0.5 * torch.randn(channels, 1, window + 1, device=device, generator=generator)).to(dtype)
+    conv_bias = torch.randn(channels, device=device, generator=generator).to(dtype) if bias else None
+    out = conv_step(x, conv_rows, rows, weight, conv_bias)
+
+    inputs = torch.cat([before[rows].double(), x.double()[:, :, None]], dim=-1).cpu()
+    want = (inputs * weight[:, 0, :].double().cpu()).sum(-1)
+    if bias:
+        want += conv_bias.double().cpu()
+    want = torch.nn.functional.silu(want)
+    assert out.dtype == dtype and out.shape == (len(rows), channels)
+    tolerance = 0.01 if dtype == torch.bfloat16 else 1e-5
+    assert (out.double().cpu() - want).abs().max() <= tolerance * want.abs().max()
+    assert torch.equal(conv_rows[rows].cpu(), inputs[:, :, 1:].to(dtype))
+    untouched = [row for row in range(pool) if row not in rows.tolist()]
+    assert torch.equal(conv_rows[untouched], before[untouched])
 
 
 def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
