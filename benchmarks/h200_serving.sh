@@ -3,19 +3,21 @@
 # empty compile caches (cold), `flare bench` at concurrency 1 and 64, after which every request
 # state row must be free again (/metrics), then the start-up of a second `flare run` of the same
 # core, which finds the first one's compile caches (warm).
-#   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] OUTDIR [extra `flare run` flags, e.g. --no-compile]
-#   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] --prepare-only   (checkpoint + export, no serving)
+#   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] OUTDIR [extra `flare run` flags, e.g. --no-compile]
+#   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] --prepare-only   (checkpoint + export, no serving)
 # The core: the Qwen3-8B shape; with --moe the MoE issue's 12-layer Qwen3-30B-A3B shape; with
 # --qwen3.5 Qwen3.5's default dense text shape (a Gated DeltaNet hybrid) as Qwen publishes its
 # checkpoints (benchmarks/random_qwen3_5.py), with an 8k context; with --fp8 exported from the same
-# checkpoint with `--quantize fp8` (both serve as the checkpoint's name).
+# checkpoint with `--quantize fp8`, with --kv-fp8 with `--kv-dtype fp8_e4m3` (FP8 KV pages; all
+# serve as the checkpoint's name).
 set -euo pipefail
 name=qwen3-8b-random; quantize=""; write_checkpoint="benchmarks/random_checkpoint.py"; context=4096
 if [ "${1:-}" = --moe ]; then write_checkpoint="benchmarks/random_checkpoint.py --moe"; name=qwen3-moe-12l-random; shift; fi
 if [ "${1:-}" = --qwen3.5 ]; then write_checkpoint=benchmarks/random_qwen3_5.py; name=qwen3.5-random; context=8192; shift; fi
 checkpoint=$name
 if [ "${1:-}" = --fp8 ]; then quantize="--quantize fp8"; name=$name-fp8; shift; fi
-out=${1:?usage: h200_serving.sh [--moe|--qwen3.5] [--fp8] OUTDIR|--prepare-only [flare run flags]}
+if [ "${1:-}" = --kv-fp8 ]; then quantize="$quantize --kv-dtype fp8_e4m3"; name=$name-kvfp8; shift; fi
+out=${1:?usage: h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] OUTDIR|--prepare-only [flare run flags]}
 shift
 work=/tmp/flare-bench; mkdir -p "$work"
 printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n%s\n' \

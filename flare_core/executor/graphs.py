@@ -38,6 +38,7 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.storage import TORCH_DTYPES
 from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, AttentionBatch, ForwardContext, cache_index, linear_chunks
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
@@ -210,7 +211,8 @@ class GraphExecutor:
                  num_rows: int, num_snapshot_rows: int, num_logits_rows: int, vocab_size: int,
                  device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
                  prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
-                 triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0):
+                 triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0,
+                 dtype: torch.dtype | None = None):
         self.model, self.device, self.page_tokens, self.vocab_size = model, device, page_tokens, vocab_size
         # One page beyond the scheduler's pool is the scratch page padding rows write to.
         self.eager = EagerExecutor(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens,
@@ -218,10 +220,16 @@ class GraphExecutor:
                                    num_logits_rows=num_logits_rows, vocab_size=vocab_size, device=device,
                                    seed=seed, plan_attention=self._plan_prefill)
         self.penalties = self.eager.penalties
-        first_store = next(iter(self.storage.values()))
-        dtype = first_store[0].dtype if first_store else next(model.parameters()).dtype
+        # The attention kernels take queries of the model's activation dtype (`dtype`; None: that
+        # of its first parameter that is no FP8 weight) over pages of the paged stores' dtype.
+        cache_dtypes = {TORCH_DTYPES[store.dtype] for store in scheme.paged}
+        if len(cache_dtypes) != 1:
+            raise ValueError(f"GraphExecutor: the paged stores of cache scheme {scheme.name!r} must share one dtype "
+                             f"for the attention kernels, got {sorted(store.dtype for store in scheme.paged)}")
+        if dtype is None:
+            dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.dtype.itemsize > 1)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.kernels = kernels_for(model, self.workspace, page_tokens, dtype)
+        self.kernels = kernels_for(model, self.workspace, page_tokens, dtype, cache_dtypes.pop())
         self.scale = self.kernels.scale
         self.prefill_attention = _FencedPlan(self.kernels.prefill())
         self.scratch_page = num_pages

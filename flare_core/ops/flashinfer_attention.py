@@ -5,6 +5,11 @@ Plans are made on the host from CPU metadata (page tables, lengths the scheduler
 the step runs; only buffer contents change between CUDA graph replays. Decode uses the
 tensor-core decode kernel; prefill chunks (and decode mixed into them) use the paged prefill
 kernel with a causal mask.
+
+Pages may be float8_e4m3fn (`flare export --kv-dtype fp8_e4m3`) under 16-bit queries
+(`cache_dtype` differs from `dtype`): FlashInfer then runs its FA2 kernels, which widen the FP8
+records as they load them (its FA3 kernels take FP8 pages only with FP8 queries). Records are
+stored at scale 1 (flare_core.ops.attention.write_paged), so no k / v scale is passed.
 """
 
 from __future__ import annotations
@@ -51,14 +56,14 @@ class FlashInferDecode:
 
     def __init__(self, workspace: Tensor, capacity: int, max_pages: int, *, num_heads: int, num_kv_heads: int,
                  head_dim: int, page_tokens: int, dtype: torch.dtype, use_cuda_graph: bool,
-                 use_tensor_cores: bool = True, split_pages: int | None = None):
+                 use_tensor_cores: bool = True, split_pages: int | None = None, cache_dtype: torch.dtype | None = None):
         import flashinfer
 
         device = workspace.device
         self.capacity = capacity
         self._split_pages = split_pages  # KV pages per split-KV chunk; None: FlashInfer's planner decides
         self._shape = (num_heads, num_kv_heads, head_dim, page_tokens)
-        self._dtype = dtype
+        self._dtype, self._cache_dtype = dtype, cache_dtype or dtype
         self._indptr = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
         self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
         self._last = torch.zeros(capacity, dtype=torch.int32, device=device)
@@ -78,7 +83,7 @@ class FlashInferDecode:
         # which would make the host wait for the steps still running.
         indices = to_device(layout.indices, torch.int32, self._indptr.device)
         self.wrapper.plan(layout.indptr, indices, layout.last_page_len, num_heads, num_kv_heads, head_dim,
-                          page_tokens, q_data_type=self._dtype, kv_data_type=self._dtype, sm_scale=scale,
+                          page_tokens, q_data_type=self._dtype, kv_data_type=self._cache_dtype, sm_scale=scale,
                           non_blocking=True, fixed_split_size=self._split_pages)
 
     def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor:
@@ -95,11 +100,11 @@ class FlashInferPrefill:
     the worst ragged split of those tokens, so any later plan of the same shape replays."""
 
     def __init__(self, workspace: Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int, page_tokens: int,
-                 dtype: torch.dtype, graph: tuple[int, int] | None = None):
+                 dtype: torch.dtype, graph: tuple[int, int] | None = None, cache_dtype: torch.dtype | None = None):
         import flashinfer
 
         self._shape = (num_heads, num_kv_heads, head_dim, page_tokens)
-        self._dtype = dtype
+        self._dtype, self._cache_dtype = dtype, cache_dtype or dtype
         self._device = workspace.device
         self._graph = graph
         buffers = {}
@@ -128,7 +133,7 @@ class FlashInferPrefill:
             indices = to_device(indices, torch.int32, self._device)
         self.wrapper.plan(layout.qo_indptr, layout.indptr, indices, layout.last_page_len, num_heads,
                           num_kv_heads, head_dim, page_tokens, causal=True, sm_scale=scale,
-                          q_data_type=self._dtype, kv_data_type=self._dtype, non_blocking=True)
+                          q_data_type=self._dtype, kv_data_type=self._cache_dtype, non_blocking=True)
 
     def run(self, q: Tensor, k_layer: Tensor, v_layer: Tensor, scale: float) -> Tensor:
         return self.wrapper.run(q, (k_layer, v_layer))

@@ -56,12 +56,14 @@ class AttentionKernels(Protocol):
 @dataclass
 class _Kernels:
     """What every kernel factory holds: the shared FlashInfer workspace, the model's first
-    attention module (its shape and softmax scale), the page size and the cache dtype."""
+    attention module (its shape and softmax scale), the page size, the queries' dtype (the
+    model's activations) and the pages' (`cache_dtype`: float8_e4m3fn for `--kv-dtype fp8_e4m3`)."""
 
     workspace: torch.Tensor
     module: PagedAttention | MLAPagedAttention
     page_tokens: int
     dtype: torch.dtype
+    cache_dtype: torch.dtype
 
     @property
     def scale(self) -> float:
@@ -72,12 +74,12 @@ class _PagedKernels(_Kernels):
     def _shape(self) -> dict:
         m = self.module
         return dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                    page_tokens=self.page_tokens, dtype=self.dtype)
+                    page_tokens=self.page_tokens, dtype=self.dtype, cache_dtype=self.cache_dtype)
 
     def decode(self, capacity: int, max_pages: int, triton: bool = False) -> FlashInferDecode | TritonDecode:
         if triton:
             shape = self._shape()
-            del shape["dtype"]
+            del shape["dtype"], shape["cache_dtype"]  # the kernels read both from their inputs
             return TritonDecode(capacity, -(-max_pages // capacity), device=self.workspace.device, **shape)
         return FlashInferDecode(self.workspace, capacity, max_pages, use_cuda_graph=True, **self._shape())
 
@@ -120,8 +122,11 @@ class _LatentKernels(_Kernels):
     graph_prefill = False
 
 
-def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dtype: torch.dtype) -> AttentionKernels:
-    """The kernel factory for `model`'s attention modules (all of one kind, one softmax scale)."""
+def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dtype: torch.dtype,
+                cache_dtype: torch.dtype | None = None) -> AttentionKernels:
+    """The kernel factory for `model`'s attention modules (all of one kind, one softmax scale),
+    whose queries are `dtype` and pages `cache_dtype` (None: `dtype`)."""
+    cache_dtype = cache_dtype or dtype
     modules = [m for m in model.modules() if isinstance(m, (PagedAttention, MLAPagedAttention))]
     if not modules:
         raise ValueError("the CUDA executor needs a model built on flare_core.ops.attention.PagedAttention or "
@@ -133,5 +138,8 @@ def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dty
                          f"{sorted(k.__name__ for k in kinds)} with softmax scales {sorted(scales)}")
     first = modules[0]
     if isinstance(first, MLAPagedAttention):
-        return _LatentKernels(workspace, first, page_tokens, dtype)
-    return _PagedKernels(workspace, first, page_tokens, dtype)
+        if cache_dtype != dtype:
+            raise ValueError(f"FlashInfer's MLA kernels read latent pages of the queries' dtype ({dtype}); pages of "
+                             f"{cache_dtype} (--kv-dtype fp8_e4m3) are served on the CPU path only")
+        return _LatentKernels(workspace, first, page_tokens, dtype, cache_dtype)
+    return _PagedKernels(workspace, first, page_tokens, dtype, cache_dtype)

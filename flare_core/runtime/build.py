@@ -73,7 +73,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
         executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
                                  decode_capacities=tuple(c for c in catalog.decode if c <= covering),
                                  prefill_capacities=catalog.prefill, context_length=capacities.context_length,
-                                 compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size)
+                                 compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
+                                 dtype=loaded.dtype)
         kv = plan_kv()
         executor.resize_cache(kv.num_pages)
     else:

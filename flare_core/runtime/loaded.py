@@ -15,6 +15,7 @@ from flare_core.contract import CONTRACT_VERSION, CacheScheme, Capacities, Paged
 from flare_core.core import RuntimeCore
 from flare_core.frontend import ChatTemplate, ConversationRenderer, Tokenizer
 from flare_core.ops.loading import load_prepared_weights
+from flare_core.ops.mla import MLAPagedAttention
 from flare_core.plugins import Registry
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -126,15 +127,17 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
                             f"model without --quantize")
     fp8_stores = [store["name"] for store in manifest["cache_scheme"].get("paged", ())
                   if store.get("dtype") == "float8_e4m3fn"]
-    if fp8_stores and device.type == "cuda":
-        raise CoreLoadError(f"core keeps its KV cache ({', '.join(fp8_stores)}) as float8_e4m3fn, which only the CPU "
-                            f"path serves so far (the CUDA attention kernels read 16-bit pages): serve it with "
-                            f"--device cpu, or export the model without --kv-dtype")
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
     if ranks == 1:
         model = recipe.build_model(model_config, dtype)
+        if fp8_stores and device.type == "cuda" and any(isinstance(m, MLAPagedAttention) for m in model.modules()):
+            # FlashInfer's MLA kernels take FP8 latent pages only with FP8 queries (and on
+            # Blackwell); its paged attention widens FP8 K/V pages under 16-bit queries.
+            raise CoreLoadError(f"core keeps its latent KV cache ({', '.join(fp8_stores)}) as float8_e4m3fn, which "
+                                f"the CUDA path does not serve (FlashInfer's MLA kernels read latent pages of the "
+                                f"queries' dtype): serve it with --device cpu, or export the model without --kv-dtype")
         if quantization is not None:
             from flare_core.ops.fp8 import quantized_experts, quantized_paths, use_fp8_blocks, use_fp8_experts
 

@@ -87,6 +87,21 @@ def test_bfloat16_export_casts_the_dequantized_weights(fp8_checkpoint, tmp_path)
     assert torch.equal(tensors[f"{KEEP}.weight"], dequantized[f"{KEEP}.weight"].to(torch.bfloat16))
 
 
+def test_cuda_refuses_fp8_latent_pages(fp8_checkpoint, tmp_path):
+    """FlashInfer's MLA kernels read latent pages of the queries' dtype: a core whose latent cache
+    is FP8 (`--kv-dtype fp8_e4m3`) is refused on CUDA at load, before any weight moves, naming the
+    stores and the way out (the CPU path serves it: tests/test_fp8_kv_cache.py)."""
+    from flare_core.core import open_core
+    from flare_core.plugins import load_registry
+    from flare_core.runtime.loaded import CoreLoadError, load_core
+
+    directory, _ = fp8_checkpoint
+    core, _, _ = export_checkpoint(directory, tmp_path / "flare", "--recipe", "deepseek-v3", "--kv-dtype", "fp8_e4m3")
+    with pytest.raises(CoreLoadError, match=r"latent KV cache \(ckv, kpe\) as float8_e4m3fn, which the CUDA path "
+                                            r"does not serve .* --device cpu, or export the model without --kv-dtype"):
+        load_core(open_core(core), load_registry(), torch.device("cuda"))
+
+
 def open_core_tensors(core: Path) -> dict[str, torch.Tensor]:
     from flare_core.core import open_core
 

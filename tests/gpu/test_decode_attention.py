@@ -5,7 +5,8 @@ CUDA graph replayed after new plans.
 
 Tolerance: bf16 inputs; the reference computes in fp32, the kernel accumulates in fp32 but
 feeds its second matmul bf16 probabilities (as FlashInfer's kernels do), about 3 significant
-digits: max |diff| < 2e-2 on outputs of magnitude ~1.
+digits: max |diff| < 2e-2 on outputs of magnitude ~1. FP8 pages (`--kv-dtype fp8_e4m3`) widen to
+bf16 exactly, and the reference reads the same FP8 records: the same bound.
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ def layout_for(kv_lens, page_ids, page_tokens):
     return layout, batch
 
 
+@pytest.mark.parametrize("pages_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (16, 2)])
-def test_triton_decode_matches_the_reference_and_replays_in_a_graph(heads, kv_heads):
+def test_triton_decode_matches_the_reference_and_replays_in_a_graph(heads, kv_heads, pages_dtype):
     from flare_core.ops.attention import paged_attention_reference
     from flare_core.ops.decode_attention import TritonDecode
 
     torch.manual_seed(0)
     pages, page_tokens, dim = 256, 64, 128
-    k = torch.randn(pages, page_tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    k = torch.randn(pages, page_tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(pages_dtype)
+    v = torch.randn(pages, page_tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(pages_dtype)
     page_ids = torch.randperm(pages).tolist()
     scale = dim ** -0.5
     for kv_lens in ([1], [64], [65], [1000], [4000], [1, 63, 130, 2049]):

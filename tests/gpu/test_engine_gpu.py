@@ -23,14 +23,20 @@ pytestmark = [pytest.mark.gpu,
                                  reason="GPU tests run only with FLARE_TEST_GPU=1 on a CUDA machine")]
 
 
+EXPORT = ("--dtype", "bfloat16", "--max-concurrency", "8", "--context-length", "1024", "--prefill-chunk-size", "128")
+
+
 @pytest.fixture(scope="module")
-def bf16_core(session_flare, tmp_path_factory):
+def checkpoint(tmp_path_factory):
     from conftest import tiny_qwen3_config, write_checkpoint
 
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-head128"),
-                                  tiny_qwen3_config(hidden_size=256, intermediate_size=512, head_dim=128))
-    return session_flare.export(checkpoint, "--dtype", "bfloat16", "--max-concurrency", "8",
-                                "--context-length", "1024", "--prefill-chunk-size", "128")
+    return write_checkpoint(tmp_path_factory.mktemp("qwen3-head128"),
+                            tiny_qwen3_config(hidden_size=256, intermediate_size=512, head_dim=128))
+
+
+@pytest.fixture(scope="module")
+def bf16_core(session_flare, checkpoint):
+    return session_flare.export(checkpoint, *EXPORT)
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
@@ -57,6 +63,25 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     replays = sum(g.replays for g in engine.executor.decode_graphs.values())
     assert replays > 0
     assert sum(g.replays for g in engine.executor.prefill_graphs.values()) > 0
+
+
+def test_fp8_kv_core_on_cuda(session_flare, checkpoint, bf16_core):
+    """A core exported with `--kv-dtype fp8_e4m3` is served on CUDA (compiled layers, decode and
+    prompt-chunk graphs over FP8 pages): twice the pages of the bf16-page core in the same KV
+    budget, the same tokens with two steps in flight as with one, every page back at the end."""
+    fp8_core = session_flare.export(checkpoint, *EXPORT, "--kv-dtype", "fp8_e4m3")
+    one = make_engine(session_flare, fp8_core, 1, "cuda", True)
+    assert one.executor.storage["k"][0].dtype == torch.float8_e4m3fn
+    reference = asyncio.run(run_requests(one, REQUESTS))
+    two = make_engine(session_flare, fp8_core, 2, "cuda", True)
+    bf16_pages = make_engine(session_flare, bf16_core, 1, "cuda", False).resources().pages
+    assert two.resources().pages in (2 * bf16_pages, 2 * bf16_pages + 1)  # the same 64M budget, half-size pages
+    assert asyncio.run(run_requests(two, REQUESTS)) == reference
+    assert [len(tokens) for tokens, *_ in reference] == [r.max_tokens for r in REQUESTS]
+    resources = two.resources()
+    assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
+    assert sum(g.replays for g in two.executor.decode_graphs.values()) > 0
+    assert sum(g.replays for g in two.executor.prefill_graphs.values()) > 0
 
 
 def test_steps_never_wait_for_the_device(session_flare, bf16_core):

@@ -65,8 +65,11 @@ def build_models(device, shape="qwen3"):
     return config, models
 
 
-def test_flashinfer_decode_and_prefill_match_reference():
-    """The kernels alone, on a random paged cache with non-contiguous pages."""
+@pytest.mark.parametrize("pages_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
+    """The kernels alone, on a random paged cache with non-contiguous pages; bf16 queries over
+    bf16 pages, and over FP8 pages (`--kv-dtype fp8_e4m3`: FlashInfer's FA2 kernels widen the
+    records; the reference reads the same FP8 records, so the bound stays)."""
     from flare_core.ops.attention import AttentionBatch, paged_attention_reference
     from flare_core.ops.flashinfer_attention import (WORKSPACE_BYTES, FlashInferDecode, FlashInferPrefill,
                                                      PagedLayout)
@@ -74,8 +77,8 @@ def test_flashinfer_decode_and_prefill_match_reference():
     device = torch.device("cuda")
     torch.manual_seed(0)
     pages, page_tokens, heads, kv_heads, dim = 64, 64, 8, 2, 128
-    k_layer = torch.randn(pages, page_tokens, kv_heads, dim, device=device, dtype=torch.bfloat16)
-    v_layer = torch.randn_like(k_layer)
+    k_layer = torch.randn(pages, page_tokens, kv_heads, dim, device=device, dtype=torch.bfloat16).to(pages_dtype)
+    v_layer = torch.randn(pages, page_tokens, kv_heads, dim, device=device, dtype=torch.bfloat16).to(pages_dtype)
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     page_ids = torch.randperm(pages).tolist()
     kv_lens, new = [1, 65, 130, 700], [1, 1, 1, 1]
@@ -89,11 +92,12 @@ def test_flashinfer_decode_and_prefill_match_reference():
     q = torch.randn(4, heads, dim, device=device, dtype=torch.bfloat16)
     want = paged_attention_reference(q, k_layer, v_layer, batch, dim ** -0.5).float()
     decode = FlashInferDecode(workspace, 4, 64, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-                              page_tokens=page_tokens, dtype=torch.bfloat16, use_cuda_graph=False)
+                              page_tokens=page_tokens, dtype=torch.bfloat16, use_cuda_graph=False,
+                              cache_dtype=pages_dtype)
     decode.plan(layout, dim ** -0.5)
     assert (decode.run(q, k_layer, v_layer, dim ** -0.5).float() - want).abs().max().item() < 2e-2
     prefill = FlashInferPrefill(workspace, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-                                page_tokens=page_tokens, dtype=torch.bfloat16)
+                                page_tokens=page_tokens, dtype=torch.bfloat16, cache_dtype=pages_dtype)
     prefill.plan(layout, dim ** -0.5)
     assert (prefill.run(q, k_layer, v_layer, dim ** -0.5).float() - want).abs().max().item() < 2e-2
 
@@ -160,6 +164,43 @@ def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacitie
             "prefill graphs of both token capacities must have been replayed"
     assert compared > 100
     print(f"compared {compared} logits rows, worst max|diff|/range {worst:.4f}, replays {replays}")
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
+def test_fp8_pages_on_the_graph_path_match_the_eager_reference(compile_model):
+    """A cache scheme of FP8 pages (`--kv-dtype fp8_e4m3`) on the CUDA executor: the layers write
+    records clamped to +-448 and cast (through torch.compile too), decode graphs attend through
+    the Triton kernels (one row) and FlashInfer's FA2 kernels (wider batches, prompt chunks) over
+    FP8 pages. Against the eager reference over FP8 pages of its own, only the attention kernels
+    differ (the 2 % bound of the bf16 lockstep). Then against a bf16-page reference: the measured
+    distance is the FP8 records' rounding, printed and bounded at 10 % of the logits' range."""
+    from flare_core.contract import CacheScheme, PagedStore
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.graphs import GraphExecutor
+    from lockstep import lockstep_prompts, run_lockstep
+
+    device = torch.device("cuda")
+    config = build_models(device)[0]
+    record = (config.num_key_value_heads, config.head_dim)
+
+    def scheme(dtype):
+        return CacheScheme("attention-kv", (PagedStore("k", record, dtype, 4), PagedStore("v", record, dtype, 4)))
+
+    num_pages = 256
+    common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
+                  vocab_size=config.vocab_size, device=device)
+    for reference_pages, tolerance in (("float8_e4m3fn", 0.02), ("bfloat16", 0.10)):
+        _, (ref_model, gpu_model) = build_models(device)  # fresh: GraphExecutor compiles and patches its model
+        reference = EagerExecutor(ref_model, scheme(reference_pages), **common)
+        graphs = GraphExecutor(gpu_model, scheme("float8_e4m3fn"), **common, decode_capacities=(1, 2, 4, 8),
+                               prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
+        assert graphs.storage["k"][0].dtype == torch.float8_e4m3fn
+        result = run_lockstep(reference, graphs, [make_scheduler(num_pages), make_scheduler(num_pages)],
+                              lockstep_prompts(), tolerance=tolerance)
+        assert result.compared > 100 and any(g.replays for g in graphs.prefill_graphs.values())
+        assert len({c for c, g in graphs.decode_graphs.items() if g.replays}) >= 2
+        print(f"FP8 pages vs a {reference_pages} reference: compared {result.compared} logits rows, worst "
+              f"max|diff|/range {result.worst:.4f}")
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
