@@ -140,7 +140,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         scheme = dataclasses.replace(scheme, paged=tuple(dataclasses.replace(store, dtype=kv_dtype)
                                                          for store in scheme.paged))
         kv_notes = (f"KV cache: paged records as float8_e4m3fn at scale 1 (saturating at +-448), half the bytes of "
-                    f"a 16-bit page; continuation state keeps {request.dtype}; served on the CPU path",)
+                    f"a 16-bit page; continuation state keeps {request.dtype}; K/V pages are served on the CPU "
+                    f"and CUDA paths, latent (MLA) pages on the CPU path",)
     assets = collect_frontend_assets(checkpoint, recipe, registry)
 
     torch_dtype = DTYPES[request.dtype]
