@@ -289,8 +289,14 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     started = time.monotonic()
     torch_device, device_reason = _pick_device(device)
     log.info("device", device=str(torch_device), chosen=device_reason)
+    # Where start-up goes, for the "core loaded" line: the core's hashes and signature, the
+    # plugins, the weights onto the device, the engine (compilation, graphs, the KV pool).
+    phase_started = time.monotonic()
     runtime_core = open_verified_core(config, core, trust_publisher)
+    phases = {"verify_s": time.monotonic() - phase_started}
+    phase_started = time.monotonic()
     registry = _registry()
+    phases["plugins_s"] = time.monotonic() - phase_started
     ranks = runtime_core.manifest.get("tensor_parallel", 1)
     leader = None
     if ranks > 1:
@@ -314,10 +320,12 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                                           runtime_core.manifest_bytes, device_tag(torch_device), library_versions())
             compile_cache, compiling = "warm" if holds_compiled(directory) else "cold", compiling_into(directory)
             log.info("compile cache", directory=str(directory), start=compile_cache)
+        phase_started = time.monotonic()
         try:
             loaded = load_core(runtime_core, registry, torch_device)
         except CoreLoadError as exc:
             raise FlareCommandError(str(exc)) from exc
+        phases["weights_s"] = time.monotonic() - phase_started
         if leader is not None:
             from flare_core.parallel import Ranks, join_group, spec_of
 
@@ -329,6 +337,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
             # Called by the engine once compilation and graphs have taken their memory (on CUDA).
             kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
                                         memory.memory_limit, memory.kv_cache_limit)
+            phase_started = time.monotonic()
             with compiling:  # the layers are compiled and the graphs captured while the engine is built
                 engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
                                       queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
@@ -336,6 +345,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                                       compile_model=compile_model, leader=leader)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
             raise FlareCommandError(str(exc)) from exc
+        phases["engine_s"] = time.monotonic() - phase_started
         kv = engine.kv
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
@@ -346,7 +356,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                  state_rows=concurrency + kv.snapshot_rows if loaded.cache_scheme.state else 0,
                  state_row_bytes=loaded.cache_scheme.state_row_bytes(),
                  max_concurrency=concurrency, context_length=capacities.context_length,
-                 prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2))
+                 prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2),
+                 **{name: round(seconds, 2) for name, seconds in phases.items()})
         engine.start()
         server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
         while_serving = None
