@@ -11,12 +11,12 @@
 # checkpoint with `--quantize fp8`, with --kv-fp8 with `--kv-dtype fp8_e4m3` (FP8 KV pages; all
 # serve as the checkpoint's name).
 set -euo pipefail
-name=qwen3-8b-random; quantize=""; write_checkpoint="benchmarks/random_checkpoint.py"; context=4096
+name=qwen3-8b-random; export_flags=""; write_checkpoint="benchmarks/random_checkpoint.py"; context=4096
 if [ "${1:-}" = --moe ]; then write_checkpoint="benchmarks/random_checkpoint.py --moe"; name=qwen3-moe-12l-random; shift; fi
 if [ "${1:-}" = --qwen3.5 ]; then write_checkpoint=benchmarks/random_qwen3_5.py; name=qwen3.5-random; context=8192; shift; fi
 checkpoint=$name
-if [ "${1:-}" = --fp8 ]; then quantize="--quantize fp8"; name=$name-fp8; shift; fi
-if [ "${1:-}" = --kv-fp8 ]; then quantize="$quantize --kv-dtype fp8_e4m3"; name=$name-kvfp8; shift; fi
+if [ "${1:-}" = --fp8 ]; then export_flags="--quantize fp8"; name=$name-fp8; shift; fi
+if [ "${1:-}" = --kv-fp8 ]; then export_flags="$export_flags --kv-dtype fp8_e4m3"; name=$name-kvfp8; shift; fi
 out=${1:?usage: h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] OUTDIR|--prepare-only [flare run flags]}
 shift
 work=/tmp/flare-bench; mkdir -p "$work"
@@ -27,7 +27,7 @@ flare="python3 -m flare_core.cli --config $work/config.toml"
 # Both cores of a checkpoint serve under its name: the server is given the core's path (export's
 # last line), kept in $name.core.
 if [ ! -f "$work/$name.core" ]; then
-  $flare export "$work/$checkpoint" $quantize --no-progress --max-concurrency 64 --prefill-chunk-size 2048 \
+  $flare export "$work/$checkpoint" $export_flags --no-progress --max-concurrency 64 --prefill-chunk-size 2048 \
     --context-length $context > "$work/$name.export.log" 2>&1 || { tail -20 "$work/$name.export.log"; exit 1; }
   tail -12 "$work/$name.export.log"
   tail -1 "$work/$name.export.log" > "$work/$name.core"

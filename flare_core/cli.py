@@ -263,6 +263,16 @@ def _pick_device(requested: str):
     return torch.device(requested), "as asked"
 
 
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str):
+    """Record in `phases[name]` the seconds the block took."""
+    import time
+
+    started = time.monotonic()
+    yield
+    phases[name] = time.monotonic() - started
+
+
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
@@ -291,12 +301,11 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     log.info("device", device=str(torch_device), chosen=device_reason)
     # Where start-up goes, for the "core loaded" line: the core's hashes and signature, the
     # plugins, the weights onto the device, the engine (compilation, graphs, the KV pool).
-    phase_started = time.monotonic()
-    runtime_core = open_verified_core(config, core, trust_publisher)
-    phases = {"verify_s": time.monotonic() - phase_started}
-    phase_started = time.monotonic()
-    registry = _registry()
-    phases["plugins_s"] = time.monotonic() - phase_started
+    phases: dict[str, float] = {}
+    with _timed(phases, "verify_s"):
+        runtime_core = open_verified_core(config, core, trust_publisher)
+    with _timed(phases, "plugins_s"):
+        registry = _registry()
     ranks = runtime_core.manifest.get("tensor_parallel", 1)
     leader = None
     if ranks > 1:
@@ -320,12 +329,11 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                                           runtime_core.manifest_bytes, device_tag(torch_device), library_versions())
             compile_cache, compiling = "warm" if holds_compiled(directory) else "cold", compiling_into(directory)
             log.info("compile cache", directory=str(directory), start=compile_cache)
-        phase_started = time.monotonic()
         try:
-            loaded = load_core(runtime_core, registry, torch_device)
+            with _timed(phases, "weights_s"):
+                loaded = load_core(runtime_core, registry, torch_device)
         except CoreLoadError as exc:
             raise FlareCommandError(str(exc)) from exc
-        phases["weights_s"] = time.monotonic() - phase_started
         if leader is not None:
             from flare_core.parallel import Ranks, join_group, spec_of
 
@@ -337,15 +345,13 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
             # Called by the engine once compilation and graphs have taken their memory (on CUDA).
             kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
                                         memory.memory_limit, memory.kv_cache_limit)
-            phase_started = time.monotonic()
-            with compiling:  # the layers are compiled and the graphs captured while the engine is built
+            with _timed(phases, "engine_s"), compiling:  # layers compiled, graphs captured while it is built
                 engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
                                       queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
                                       served_names=served_names or None, telemetry=telemetry,
                                       compile_model=compile_model, leader=leader)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
             raise FlareCommandError(str(exc)) from exc
-        phases["engine_s"] = time.monotonic() - phase_started
         kv = engine.kv
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
