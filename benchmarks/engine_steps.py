@@ -2,10 +2,13 @@
 JSON-schema grammar on every request, to tell the grammar's cost on the model thread from what
 serving adds around it. Runs an exported core in-process: C requests of random 1024-token
 prompts, 256 output tokens each (ignore_eos); reports the median gap between a request's tokens
-(ITL) in the decode phase, and with --profile the model thread's cumulative time per function.
+(ITL) in the decode phase, and with --profile the model thread's cumulative time per function;
+with --host-split, the model thread's time per step split into planning (the scheduler),
+launching (inputs, attention plans, replays), reading back (output processing, events) and
+waiting for the device: a thread that seldom waits sets the step time itself.
 
     python3 benchmarks/engine_steps.py --config /tmp/flare-bench/config.toml --core qwen3-8b-random \
-        --concurrency 64 --json-schema benchmarks/note_schema.json [--profile]
+        --concurrency 64 --json-schema benchmarks/note_schema.json [--profile | --host-split]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pstats
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,10 +37,51 @@ from flare_core.runtime.engine import Engine
 from flare_core.runtime.loaded import load_core
 from flare_core.runtime.memory import plan_kv
 from flare_core.runtime.types import GenerationRequest, SamplingParams
+from flare_core.scheduler import Scheduler
 
 
-async def run(engine: Engine, requests: list[GenerationRequest]) -> list[list[float]]:
-    """Per request, the arrival times of its token events."""
+def host_split(engine_type: type[Engine]) -> dict[str, float]:
+    """Wrap the model thread's step phases with timers; returns the totals (seconds) it fills.
+    `wait` (blocked on the device's events) is timed inside `consume`, and counted apart from it."""
+    totals = {"steps": 0, "schedule": 0.0, "launch": 0.0, "consume": 0.0, "wait": 0.0}
+
+    def timed(method, name: str):
+        def wrapper(self, *args):
+            start = time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    def less_waits(method, name: str):  # a phase's time without the waits inside it
+        def wrapper(self, *args):
+            waited, start = totals["wait"], time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                totals[name] += time.perf_counter() - start - (totals["wait"] - waited)
+        return wrapper
+
+    def counted(method):
+        def wrapper(self, *args):
+            totals["steps"] += 1
+            return method(self, *args)
+        return wrapper
+
+    engine_type._wait = timed(engine_type._wait, "wait")
+    engine_type._launch = less_waits(engine_type._launch, "launch")  # grammar masks wait for tokens
+    engine_type._consume = counted(less_waits(engine_type._consume, "consume"))
+    Scheduler.schedule = timed(Scheduler.schedule, "schedule")
+    return totals
+
+
+async def run(engine: Engine, rounds: list[list[GenerationRequest]], kernel_profile: Path | None,
+              split: dict[str, float] | None) -> list[tuple[list[list[float]], dict[str, float]]]:
+    """Per round (its requests run together, the rounds one after another on one engine): per
+    request, the arrival times of its token events, and the round's share of the `split`
+    totals. The last round runs under the torch profiler when `kernel_profile` names a file for
+    its per-kernel table."""
     engine.start()
     try:
         async def times(stream) -> list[float]:
@@ -46,9 +91,37 @@ async def run(engine: Engine, requests: list[GenerationRequest]) -> list[list[fl
                     arrivals.append(time.perf_counter())
             return arrivals
 
-        return await asyncio.gather(*(times(engine.submit(r)) for r in requests))
+        results = []
+        for index, requests in enumerate(rounds):
+            before = dict(split or {})
+            if kernel_profile is not None and index == len(rounds) - 1:
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    arrivals = await asyncio.gather(*(times(engine.submit(r)) for r in requests))
+                kernel_profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=50,
+                                                                    max_name_column_width=90))
+            else:
+                arrivals = await asyncio.gather(*(times(engine.submit(r)) for r in requests))
+            results.append((arrivals, {name: value - before[name] for name, value in (split or {}).items()}))
+        return results
     finally:
         await engine.aclose()
+
+
+def sampling_settings(text: str) -> SamplingParams:
+    """SamplingParams from `temperature=0.7,top_k=20,top_p=0.8` (fields of SamplingParams)."""
+    fields = dict(item.split("=") for item in text.split(",") if item)
+    return SamplingParams(**{name: (int(value) if name == "top_k" else float(value)) for name, value in fields.items()})
+
+
+def itl(arrivals: list[list[float]]) -> dict:
+    """Median and mean gap between a request's tokens in the decode phase: once every request
+    has its first token, until the first one ends."""
+    start, end = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if start <= a and b <= end]
+    return {"tokens": sum(len(a) for a in arrivals), "decode_itl_median_ms": round(statistics.median(gaps) * 1e3, 3),
+            "decode_itl_mean_ms": round(statistics.fmean(gaps) * 1e3, 3)}
 
 
 def main() -> None:
@@ -60,6 +133,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--json-schema", type=Path)
     parser.add_argument("--profile", action="store_true", help="cProfile the model thread (slows it)")
+    parser.add_argument("--sampling", action="append",
+                        help="a round of requests sampled so, e.g. temperature=0.7,top_k=20,top_p=0.8 (repeat "
+                             "for rounds one after another on one engine; default temperature=1.0)")
+    parser.add_argument("--kernel-profile", type=Path, help="write the last round's per-kernel device time here")
+    parser.add_argument("--host-split", action="store_true",
+                        help="time the model thread's planning, launching, reading back and waiting")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     config = load_config(args.config)
@@ -78,6 +157,7 @@ def main() -> None:
                 profile.disable()
 
         Engine._run = profiled
+    split = host_split(Engine) if args.host_split else None
     engine = build_engine(loaded, kv, load_registry(), max_concurrency=args.concurrency, queue_capacity=0)
     grammar = None
     if args.json_schema is not None:
@@ -85,18 +165,19 @@ def main() -> None:
         grammar = engine.frontend.grammars.compile(spec)
     rng = random.Random(0)
     vocab = engine.frontend.tokenizer.vocab_size
-    requests = [GenerationRequest(prompt_ids=tuple(rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)),
-                                  max_tokens=args.output_len, ignore_eos=True, grammar=grammar,
-                                  sampling=SamplingParams(temperature=1.0, seed=i))
-                for i in range(args.concurrency)]
-    arrivals = asyncio.run(run(engine, requests))
-    # The decode phase: once every request has its first token, until the first one ends.
-    start, end = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
-    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if start <= a and b <= end]
-    result = {"concurrency": args.concurrency, "grammar": grammar is not None, "profiled": args.profile,
-              "tokens": sum(len(a) for a in arrivals), "decode_itl_median_ms": round(statistics.median(gaps) * 1e3, 3),
-              "decode_itl_mean_ms": round(statistics.fmean(gaps) * 1e3, 3)}
-    print(json.dumps(result))
+    settings = args.sampling or ["temperature=1.0"]
+    rounds = [[GenerationRequest(prompt_ids=tuple(rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)),
+                                 max_tokens=args.output_len, ignore_eos=True, grammar=grammar,
+                                 sampling=replace(sampling_settings(setting), seed=i))
+               for i in range(args.concurrency)] for setting in settings]
+    results = asyncio.run(run(engine, rounds, args.kernel_profile, split))
+    for setting, (arrivals, phases) in zip(settings, results):
+        result = {"concurrency": args.concurrency, "grammar": grammar is not None, "profiled": args.profile,
+                  "sampling": setting, **itl(arrivals)}
+        if phases:
+            steps = phases.pop("steps")
+            result["host_ms_per_step"] = {name: round(1e3 * seconds / steps, 4) for name, seconds in phases.items()}
+        print(json.dumps(result))
     if args.profile:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(

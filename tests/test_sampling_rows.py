@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flare_core.ops.sampling import exponential_noise, filter_weights, noise_keys, sample_rows
+from flare_core.ops.sampling import (VOCAB_SLICES, exponential_noise, filter_weights, first_argmax, noise_keys,
+                                     sample_rows, top_values)
 
 VOCAB = 400
 ROWS = 48
@@ -63,6 +64,22 @@ def test_filtered_probabilities_match_the_per_row_reference() -> None:
                                        case["min_p"][row].item())
             assert torch.equal(probs[row] > 0, expected > 0), (seed, row)
             assert torch.allclose(probs[row], expected, atol=1e-6), (seed, row)
+
+
+def test_sliced_reductions_equal_the_plain_ones_ties_and_masks_included() -> None:
+    generator = torch.Generator().manual_seed(11)
+    # Vocabularies below, at and past the slice count, divisible by it or not (padded slices).
+    for vocab in (1, 7, VOCAB_SLICES, VOCAB_SLICES * 9, VOCAB_SLICES * 9 + 5, 151936):
+        logits = (torch.randn(6, vocab, generator=generator) * 3).round()  # many exact ties
+        logits[1] = 2.0  # one value everywhere: the lowest id wins
+        logits[2] = float("-inf")  # a mask that leaves nothing
+        logits[3, :] = float("-inf")
+        logits[3, vocab // 2:] = 1.0  # ties that start mid-row
+        if vocab > 3:
+            logits[4, -1] = logits[4].max() + 1  # the maximum in the last (padded) slice
+        assert torch.equal(first_argmax(logits), logits.argmax(dim=-1)), vocab
+        for k in sorted({1, min(3, vocab), min(64, vocab)}):
+            assert torch.equal(top_values(logits, k), logits.topk(k, dim=-1).values), (vocab, k)
 
 
 def test_a_candidate_window_covering_every_top_k_changes_nothing() -> None:

@@ -129,22 +129,24 @@ GRAPH_SAMPLING_WINDOW = 64
 @dataclass
 class _Samplers:
     """Graphs that sample a graph's logits rows on the device and record the tokens as their
-    state rows' next decode inputs: greedy, windowed, full-vocabulary, and with penalties (full
-    vocabulary; it also counts the tokens in the state rows' penalty histories). `tokens` holds what
-    the last replay sampled."""
+    state rows' next decode inputs: greedy, windowed, full-vocabulary, and both of these with
+    penalties (they also count the tokens in the state rows' penalty histories). `tokens` holds
+    what the last replay sampled."""
 
     greedy: torch.cuda.CUDAGraph
     windowed: torch.cuda.CUDAGraph
     full: torch.cuda.CUDAGraph
+    penalised_windowed: torch.cuda.CUDAGraph
     penalised: torch.cuda.CUDAGraph
     tokens: torch.Tensor
 
     def for_step(self, sampling: StepSampling, vocab_size: int) -> torch.cuda.CUDAGraph:
+        windowed = window(sampling.params, vocab_size) <= GRAPH_SAMPLING_WINDOW
         if sampling.penalised:
-            return self.penalised
+            return self.penalised_windowed if windowed else self.penalised
         if sampling.greedy:
             return self.greedy
-        return self.windowed if window(sampling.params, vocab_size) <= GRAPH_SAMPLING_WINDOW else self.full
+        return self.windowed if windowed else self.full
 
 
 class _ChunkLayout:
@@ -447,18 +449,20 @@ class GraphExecutor:
                 min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"] != 0,
                 unseeded_seed=ints["key"][0], candidates=candidates))
 
-        def penalised() -> torch.Tensor:
+        def penalised(sample, candidates: int) -> torch.Tensor:
             working = penalise(logits, penalties.in_prompt[rows], penalties.output_counts[rows],
                                floats["repetition"], floats["frequency"], floats["presence"])
-            chosen = sampled(working, sample_rows, vocab)
+            chosen = sampled(working, sample, candidates)
             penalties.record(rows, chosen)  # the histories of the rows that have penalties
             return chosen
 
+        windowed = min(GRAPH_SAMPLING_WINDOW, vocab)
         graphs = [self._captured(fn, pool)[0] for fn in (
             lambda: recorded(logits.argmax(dim=-1)),
-            lambda: sampled(logits, self._sample_rows, min(GRAPH_SAMPLING_WINDOW, vocab)),
+            lambda: sampled(logits, self._sample_rows, windowed),
             lambda: sampled(logits, sample_rows, vocab),
-            penalised)]
+            lambda: penalised(self._sample_rows, windowed),
+            lambda: penalised(sample_rows, vocab))]
         return _Samplers(*graphs, tokens)
 
     @staticmethod

@@ -279,6 +279,18 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     assert token == want[0].item() and token != unpenalised
     assert state.output_counts[token].item() == history.output_counts[token].item() + 1
 
+    # Penalties beside a top-k window (Qwen3.5's card: presence_penalty 1.5, top_k 20) sample
+    # through the windowed graph with penalties, seeded rows as the eager sampler does.
+    windowed = [SamplingParams(temperature=0.8, top_k=20, presence_penalty=1.5, seed=5)] + greedy[1:]
+    samplers = graphs.decode_graphs[8].samplers
+    assert samplers.for_step(StepSampling(windowed, [1] * 5, [None] * 5), config.vocab_size) \
+        is samplers.penalised_windowed
+    state = graphs.penalties.start(handles[0].state_row, prompts[0], generated=[unpenalised] * 50)
+    out = graphs.step(decode(2, first), StepSampling(windowed, [1] * 5, [state] + [None] * 4))
+    logits = graphs.decode_graphs[8].logits[:5].clone()
+    want = Sampler(device=device).sample(logits, windowed, [1] * 5, [history] + [None] * 4).token_ids
+    assert out.token_ids.tolist() == want.tolist()
+
     top_p_only = [SamplingParams(temperature=0.9, top_p=0.9, seed=4)] + greedy[1:]
     out = graphs.step(decode(2, first), StepSampling(top_p_only, [1] * 5, [None] * 5))
     logits = graphs.decode_graphs[8].logits[:5].clone()

@@ -1,0 +1,100 @@
+"""Device time of the samplers the CUDA executor captures, side by side in one process: the
+compiled windowed sampler (`sample_rows` with the top-64 window, as flare_core.executor.graphs
+compiles it) with the vocabulary reductions of flare_core.ops.sampling (`first_argmax`,
+`top_values`: a row in 128 slices) and with plain `argmax` / `topk` over the whole row, at a few
+batch sizes; each replayed in a CUDA graph of `--repeats` calls over one logits buffer.
+
+    python3 benchmarks/sampling_step.py --vocab 151936 --batch 1 64 --out benchmarks/results/sampling-step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from provenance import commit_and_date, report
+
+import flare_core.ops.sampling as sampling
+
+WINDOW = 64
+
+
+def plain_reductions() -> dict:
+    """The module's reductions swapped for plain whole-row ones (undone by `restore`)."""
+    saved = {"first_argmax": sampling.first_argmax, "top_values": sampling.top_values}
+    sampling.first_argmax = lambda x: x.argmax(dim=-1)
+    sampling.top_values = lambda x, k: x.topk(k, dim=-1).values
+    return saved
+
+
+def graph_us(fn, repeats: int) -> float:
+    """Microseconds per call of `fn` captured `repeats` times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1000 * start.elapsed_time(end) / (5 * repeats)
+
+
+def windowed_sampler(batch: int, vocab: int, device: torch.device):
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(batch, vocab, device=device, generator=generator) * 3
+    columns = dict(temperature=torch.full((batch,), 0.6, device=device), top_k=torch.full((batch,), 20, device=device),
+                   top_p=torch.full((batch,), 0.95, device=device), min_p=torch.zeros(batch, device=device),
+                   seeds=torch.arange(batch, device=device), steps=torch.zeros(batch, dtype=torch.int64, device=device),
+                   seeded=torch.ones(batch, dtype=torch.bool, device=device),
+                   unseeded_seed=torch.tensor(3, device=device))
+    compiled = torch.compile(sampling.sample_rows, dynamic=True)
+    return lambda: compiled(logits, candidates=WINDOW, **columns), logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results: dict[str, dict] = {}
+    for batch in args.batch:
+        row = results[f"batch_{batch}"] = {}
+        # Plain first, then the module's own: each compiled afresh.
+        saved = plain_reductions()
+        torch._dynamo.reset()
+        plain, logits = windowed_sampler(batch, args.vocab, device)
+        row["windowed_plain_us"] = graph_us(plain, args.repeats)
+        plain_tokens = plain().clone()
+        for name, fn in saved.items():
+            setattr(sampling, name, fn)
+        torch._dynamo.reset()
+        sliced, _ = windowed_sampler(batch, args.vocab, device)
+        row["windowed_sliced_us"] = graph_us(sliced, args.repeats)
+        row["same_tokens"] = bool(torch.equal(sliced(), plain_tokens))
+        row["greedy_argmax_us"] = graph_us(lambda: logits.argmax(dim=-1), args.repeats)
+        print(batch, row, flush=True)
+    report({"vocab": args.vocab, "window": WINDOW, "sampling": "temperature 0.6, top_k 20, top_p 0.95, seeded",
+            "results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            **commit_and_date(), "command": "python3 benchmarks/sampling_step.py " + " ".join(
+                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in vars(args).items() if v is not None and k != "out")}, args.out)
+
+
+if __name__ == "__main__":
+    main()
