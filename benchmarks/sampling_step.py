@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="write the per-kernel table of the first batch's samplers here")
     args = parser.parse_args()
     device = torch.device("cuda")
     results: dict[str, dict] = {}
@@ -88,12 +89,21 @@ def main() -> None:
         row["windowed_sliced_us"] = graph_us(sliced, args.repeats)
         row["same_tokens"] = bool(torch.equal(sliced(), plain_tokens))
         row["greedy_argmax_us"] = graph_us(lambda: logits.argmax(dim=-1), args.repeats)
+        if args.profile is not None and batch == args.batch[0]:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    sliced()
+                torch.cuda.synchronize()
+            args.profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                                              max_name_column_width=100))
         print(batch, row, flush=True)
     report({"vocab": args.vocab, "window": WINDOW, "sampling": "temperature 0.6, top_k 20, top_p 0.95, seeded",
             "results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
             **commit_and_date(), "command": "python3 benchmarks/sampling_step.py " + " ".join(
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in vars(args).items() if v is not None and k != "out")}, args.out)
+                for k, v in vars(args).items() if v is not None and k not in ("out", "profile"))}, args.out)
 
 
 if __name__ == "__main__":

@@ -77,9 +77,12 @@ def test_sliced_reductions_equal_the_plain_ones_ties_and_masks_included() -> Non
         logits[3, vocab // 2:] = 1.0  # ties that start mid-row
         if vocab > 3:
             logits[4, -1] = logits[4].max() + 1  # the maximum in the last (padded) slice
+        for row in logits:  # one row at a time: the sliced reductions
+            row = row[None]
+            assert torch.equal(first_argmax(row), row.argmax(dim=-1)), vocab
+            for k in sorted({1, min(3, vocab), min(64, vocab)}):
+                assert torch.equal(top_values(row, k), row.topk(k, dim=-1).values), (vocab, k)
         assert torch.equal(first_argmax(logits), logits.argmax(dim=-1)), vocab
-        for k in sorted({1, min(3, vocab), min(64, vocab)}):
-            assert torch.equal(top_values(logits, k), logits.topk(k, dim=-1).values), (vocab, k)
 
 
 def test_a_candidate_window_covering_every_top_k_changes_nothing() -> None:

@@ -84,11 +84,11 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return uniform.log_().neg_()
 
 
-# Reductions over a row of the vocabulary run in slices of it. Compiled, a row's arg-reduction is
-# one Triton program (Inductor splits sums and maxima over many programs, never argmax), and
-# torch.topk walks one row in several radix passes: on the H200, at one row of 151,936 logits,
-# the compiled sampler's noise-and-argmax kernel took 73 us and its top-64 41 us
-# (benchmarks/sampling_step.py).
+# A single row's reductions over the vocabulary run in slices of it. Compiled, a row's
+# arg-reduction is one Triton program (Inductor splits sums and maxima over many programs, never
+# argmax), and torch.topk walks one row in several radix passes: on the H200, at one row of
+# 151,936 logits, the compiled windowed sampler took 169 us so and 88 us sliced; at 64 rows, whose
+# programs fill the device already, slicing doubled it (benchmarks/sampling_step.py).
 VOCAB_SLICES = 128
 
 
@@ -100,10 +100,12 @@ def _slices(x: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) of [B, V] (the first maximum: ties go to the lowest index), through
-    the maximum of each slice of the row: padding (-inf) follows every real entry, so it wins
-    no tie."""
+    """x.argmax(dim=-1) of [B, V] (the first maximum: ties go to the lowest index); one row
+    through the maximum of each slice: padding (-inf) follows every real entry, so it wins no
+    tie."""
     count = min(VOCAB_SLICES, x.shape[-1])
+    if x.shape[0] != 1 or count < 2:
+        return x.argmax(dim=-1)
     size = -(-x.shape[-1] // count)
     maxima, where = _slices(x, count).max(dim=-1)  # the first maximum of each slice
     best = maxima.argmax(dim=-1, keepdim=True)  # the first slice holding the row's maximum
@@ -111,11 +113,11 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x.topk(k, dim=-1).values of [B, V] (descending): the k largest of the slices' k largest,
-    which hold the row's k largest. A row of at least 2k entries has k real ones, so padding
-    (-inf) is only ever picked in place of an equal real value."""
+    """x.topk(k, dim=-1).values of [B, V] (descending); one row as the k largest of the slices'
+    k largest, which hold the row's k largest. A row of at least 2k entries has k real ones, so
+    padding (-inf) is only ever picked in place of an equal real value."""
     count = min(VOCAB_SLICES, x.shape[-1] // (2 * k))
-    if count < 2:
+    if x.shape[0] != 1 or count < 2:
         return x.topk(k, dim=-1).values
     candidates = _slices(x, count).topk(k, dim=-1).values
     return candidates.flatten(1).topk(k, dim=-1).values
