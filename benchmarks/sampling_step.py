@@ -10,6 +10,7 @@ batch sizes; each replayed in a CUDA graph of `--repeats` calls over one logits 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -52,6 +53,38 @@ def graph_us(fn, repeats: int) -> float:
     return 1000 * start.elapsed_time(end) / (5 * repeats)
 
 
+def top_value_variants(vocab: int, device: torch.device) -> dict[str, float]:
+    """Microseconds per call of ways to get one row's 64 largest values (descending), each
+    checked against x.topk(64)."""
+    x = torch.randn(1, vocab, device=device, generator=torch.Generator(device=device).manual_seed(1)) * 3
+    want = x.topk(WINDOW, dim=-1).values
+
+    def sliced(count: int, sort_slices: bool, sort_candidates: bool):
+        def fn():
+            slices = sampling._slices(x, count)
+            if sort_slices:
+                candidates = slices.sort(dim=-1, descending=True).values[..., :WINDOW]
+            else:
+                candidates = slices.topk(WINDOW, dim=-1).values
+            candidates = candidates.flatten(1)
+            if sort_candidates:
+                return candidates.sort(dim=-1, descending=True).values[:, :WINDOW]
+            return candidates.topk(WINDOW, dim=-1).values
+        return fn
+
+    variants = {"topk": lambda: x.topk(WINDOW, dim=-1).values}
+    for count in (32, 128, 512):
+        for sort_slices in (False, True):
+            for sort_candidates in (False, True):
+                name = f"{count}_slices_{'sort' if sort_slices else 'topk'}_then_{'sort' if sort_candidates else 'topk'}"
+                variants[name] = sliced(count, sort_slices, sort_candidates)
+    timings = {}
+    for name, fn in variants.items():
+        assert torch.equal(fn(), want), name
+        timings[name] = round(graph_us(fn, 50), 2)
+    return timings
+
+
 def windowed_sampler(batch: int, vocab: int, device: torch.device):
     generator = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(batch, vocab, device=device, generator=generator) * 3
@@ -70,6 +103,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--top-values", action="store_true", help="also time ways to take one row's 64 largest")
     parser.add_argument("--profile", type=Path, help="write the per-kernel table of the first batch's samplers here")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -99,11 +133,12 @@ def main() -> None:
             args.profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
                                                               max_name_column_width=100))
         print(batch, row, flush=True)
+    if args.top_values:
+        results["top_values_batch_1_us"] = top_value_variants(args.vocab, device)
+        print(results["top_values_batch_1_us"], flush=True)
     report({"vocab": args.vocab, "window": WINDOW, "sampling": "temperature 0.6, top_k 20, top_p 0.95, seeded",
             "results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-            **commit_and_date(), "command": "python3 benchmarks/sampling_step.py " + " ".join(
-                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in vars(args).items() if v is not None and k not in ("out", "profile"))}, args.out)
+            **commit_and_date(), "command": " ".join(["python3 benchmarks/sampling_step.py", *sys.argv[1:]])}, args.out)
 
 
 if __name__ == "__main__":
