@@ -1,8 +1,9 @@
 """Device time of the samplers the CUDA executor captures, side by side in one process: the
 compiled windowed sampler (`sample_rows` with the top-64 window, as flare_core.executor.graphs
-compiles it) with the vocabulary reductions of flare_core.ops.sampling (`first_argmax`,
-`top_values`: a row in 128 slices) and with plain `argmax` / `topk` over the whole row, at a few
-batch sizes; each replayed in a CUDA graph of `--repeats` calls over one logits buffer.
+compiles it) with flare_core.ops.sampling's `first_argmax` (one row in 128 slices) and with a
+plain `argmax` over the whole row, at a few batch sizes; each replayed in a CUDA graph of
+`--repeats` calls over one logits buffer. With --top-values, ways to take one row's 64 largest
+values (torch.topk whole or over slices, sorts), which the windowed sampler needs.
 
     python3 benchmarks/sampling_step.py --vocab 151936 --batch 1 64 --out benchmarks/results/sampling-step.json
 """
@@ -23,10 +24,9 @@ WINDOW = 64
 
 
 def plain_reductions() -> dict:
-    """The module's reductions swapped for plain whole-row ones (undone by `restore`)."""
-    saved = {"first_argmax": sampling.first_argmax, "top_values": sampling.top_values}
+    """The module's sliced argmax swapped for the plain one; returns what to put back."""
+    saved = {"first_argmax": sampling.first_argmax}
     sampling.first_argmax = lambda x: x.argmax(dim=-1)
-    sampling.top_values = lambda x, k: x.topk(k, dim=-1).values
     return saved
 
 
@@ -60,8 +60,10 @@ def top_value_variants(vocab: int, device: torch.device) -> dict[str, float]:
     want = x.topk(WINDOW, dim=-1).values
 
     def sliced(count: int, sort_slices: bool, sort_candidates: bool):
+        size = -(-vocab // count)
+
         def fn():
-            slices = sampling._slices(x, count)
+            slices = torch.nn.functional.pad(x, (0, count * size - vocab), value=float("-inf")).view(1, count, size)
             if sort_slices:
                 candidates = slices.sort(dim=-1, descending=True).values[..., :WINDOW]
             else:

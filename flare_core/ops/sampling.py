@@ -84,43 +84,28 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return uniform.log_().neg_()
 
 
-# A single row's reductions over the vocabulary run in slices of it. Compiled, a row's
-# arg-reduction is one Triton program (Inductor splits sums and maxima over many programs, never
-# argmax), and torch.topk walks one row in several radix passes: on the H200, at one row of
-# 151,936 logits, the compiled windowed sampler took 169 us so and 88 us sliced; at 64 rows, whose
-# programs fill the device already, slicing doubled it (benchmarks/sampling_step.py).
+# A single row's argmax over the vocabulary runs in slices of it. Compiled, a row's arg-reduction
+# is one Triton program (Inductor splits sums and maxima over many programs, never argmax): on
+# the H200, at one row of 151,936 logits, the compiled windowed sampler took 169 us so and 88 us
+# sliced, 60 of which are torch.topk, which slicing did not speed up; at 64 rows, whose
+# programs fill the device already, slicing doubled its time (benchmarks/sampling_step.py,
+# benchmarks/results/h200-sampling-step.json).
 VOCAB_SLICES = 128
-
-
-def _slices(x: torch.Tensor, count: int) -> torch.Tensor:
-    """x [B, V] as [B, count, ceil(V / count)], the last slice padded with -inf."""
-    batch, vocab = x.shape
-    size = -(-vocab // count)
-    return torch.nn.functional.pad(x, (0, count * size - vocab), value=float("-inf")).view(batch, count, size)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of [B, V] (the first maximum: ties go to the lowest index); one row
-    through the maximum of each slice: padding (-inf) follows every real entry, so it wins no
-    tie."""
-    count = min(VOCAB_SLICES, x.shape[-1])
-    if x.shape[0] != 1 or count < 2:
+    through the first maximum of each of its slices, the last slice padded with -inf, which
+    follows every real entry and so wins no tie."""
+    batch, vocab = x.shape
+    count = min(VOCAB_SLICES, vocab)
+    if batch != 1 or count < 2:
         return x.argmax(dim=-1)
-    size = -(-x.shape[-1] // count)
-    maxima, where = _slices(x, count).max(dim=-1)  # the first maximum of each slice
+    size = -(-vocab // count)
+    slices = torch.nn.functional.pad(x, (0, count * size - vocab), value=float("-inf")).view(batch, count, size)
+    maxima, where = slices.max(dim=-1)  # the first maximum of each slice
     best = maxima.argmax(dim=-1, keepdim=True)  # the first slice holding the row's maximum
     return (best * size + where.gather(1, best)).squeeze(1)
-
-
-def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x.topk(k, dim=-1).values of [B, V] (descending); one row as the k largest of the slices'
-    k largest, which hold the row's k largest. A row of at least 2k entries has k real ones, so
-    padding (-inf) is only ever picked in place of an equal real value."""
-    count = min(VOCAB_SLICES, x.shape[-1] // (2 * k))
-    if x.shape[0] != 1 or count < 2:
-        return x.topk(k, dim=-1).values
-    candidates = _slices(x, count).topk(k, dim=-1).values
-    return candidates.flatten(1).topk(k, dim=-1).values
 
 
 def filter_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -141,7 +126,7 @@ def filter_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if width == vocab:
         ranked = scaled.sort(dim=-1, descending=True).values
     else:
-        ranked = top_values(scaled, width)
+        ranked = scaled.topk(width, dim=-1).values
     row_max = ranked[:, :1]
     no_floor = torch.full_like(row_max, float("-inf"))
 
