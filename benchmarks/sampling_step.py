@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moe_decode import graph_us
 from provenance import commit_and_date, report
 
 import flare_core.ops.sampling as sampling
@@ -30,27 +31,9 @@ def plain_reductions() -> dict:
     return saved
 
 
-def graph_us(fn, repeats: int) -> float:
-    """Microseconds per call of `fn` captured `repeats` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return 1000 * start.elapsed_time(end) / (5 * repeats)
+def per_call_us(fn, calls: int) -> float:
+    """Microseconds per call of `fn` captured `calls` times in one CUDA graph."""
+    return graph_us(lambda: [fn() for _ in range(calls)], 5) / calls
 
 
 def top_value_variants(vocab: int, device: torch.device) -> dict[str, float]:
@@ -83,7 +66,7 @@ def top_value_variants(vocab: int, device: torch.device) -> dict[str, float]:
     timings = {}
     for name, fn in variants.items():
         assert torch.equal(fn(), want), name
-        timings[name] = round(graph_us(fn, 50), 2)
+        timings[name] = round(per_call_us(fn, 50), 2)
     return timings
 
 
@@ -116,15 +99,15 @@ def main() -> None:
         saved = plain_reductions()
         torch._dynamo.reset()
         plain, logits = windowed_sampler(batch, args.vocab, device)
-        row["windowed_plain_us"] = graph_us(plain, args.repeats)
+        row["windowed_plain_us"] = per_call_us(plain, args.repeats)
         plain_tokens = plain().clone()
         for name, fn in saved.items():
             setattr(sampling, name, fn)
         torch._dynamo.reset()
         sliced, _ = windowed_sampler(batch, args.vocab, device)
-        row["windowed_sliced_us"] = graph_us(sliced, args.repeats)
+        row["windowed_sliced_us"] = per_call_us(sliced, args.repeats)
         row["same_tokens"] = bool(torch.equal(sliced(), plain_tokens))
-        row["greedy_argmax_us"] = graph_us(lambda: logits.argmax(dim=-1), args.repeats)
+        row["greedy_argmax_us"] = per_call_us(lambda: logits.argmax(dim=-1), args.repeats)
         if args.profile is not None and batch == args.batch[0]:
             from torch.profiler import ProfilerActivity, profile
 
