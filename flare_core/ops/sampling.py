@@ -86,7 +86,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 # A single row's argmax over the vocabulary runs in slices of it. Compiled, a row's arg-reduction
 # is one Triton program (Inductor splits sums and maxima over many programs, never argmax): on
-# the H200, at one row of 151,936 logits, the compiled windowed sampler took 169 us so and 88 us
+# the H200, at one row of 151,936 logits, the compiled windowed sampler took 169 us whole and 88 us
 # sliced, 60 of which are torch.topk, which slicing did not speed up; at 64 rows, whose
 # programs fill the device already, slicing doubled its time (benchmarks/sampling_step.py,
 # benchmarks/results/h200-sampling-step.json).
