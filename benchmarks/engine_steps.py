@@ -42,7 +42,8 @@ from flare_core.scheduler import Scheduler
 
 def host_split(engine_type: type[Engine]) -> dict[str, float]:
     """Wrap the model thread's step phases with timers; returns the totals (seconds) it fills.
-    `wait` (blocked on the device's events) is timed inside `consume`, and counted apart from it."""
+    `wait` (blocked on the device's events, inside `consume`, or inside `launch` where grammar
+    masks need the tokens in flight) is counted apart from the phase it happens in."""
     totals = {"steps": 0, "schedule": 0.0, "launch": 0.0, "consume": 0.0, "wait": 0.0}
 
     def timed(method, name: str):

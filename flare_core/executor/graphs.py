@@ -141,12 +141,12 @@ class _Samplers:
     tokens: torch.Tensor
 
     def for_step(self, sampling: StepSampling, vocab_size: int) -> torch.cuda.CUDAGraph:
-        windowed = window(sampling.params, vocab_size) <= GRAPH_SAMPLING_WINDOW
-        if sampling.penalised:
-            return self.penalised_windowed if windowed else self.penalised
-        if sampling.greedy:
+        penalised = sampling.penalised
+        if sampling.greedy and not penalised:
             return self.greedy
-        return self.windowed if windowed else self.full
+        if window(sampling.params, vocab_size) <= GRAPH_SAMPLING_WINDOW:
+            return self.penalised_windowed if penalised else self.windowed
+        return self.penalised if penalised else self.full
 
 
 class _ChunkLayout:
