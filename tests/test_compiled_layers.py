@@ -143,3 +143,29 @@ def test_each_group_structure_gets_its_own_recompile_budget(monkeypatch):
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE
     compile_layers(serving_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)))  # one structure
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE  # never lowered
+
+
+def test_any_pool_size_reuses_the_compiled_layers():
+    """The CUDA executor compiles over a one-page pool and then sizes it (GraphExecutor.
+    resize_cache): the page count must be no guard of the compiled code. A backed size would be
+    (torch specialises a size of 1, and Inductor guards 32-bit indexing on it), so a one-page pool
+    after a three-page one would compile again; unbacked, every pool size runs the first code."""
+    from flare_core.executor.storage import allocate_cache_storage
+
+    config = tiny_qwen3_config(vocab_size=512)
+    scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
+    model = serving_model(config)
+    compile_layers(model)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for num_pages in (3, 1, 40):
+        storage = allocate_cache_storage(scheme, num_pages, 16, "cpu")
+        last_page = num_pages - 1
+        for tokens, cached in ((5, 0), (1, 5)):  # a prompt chunk, then a decode step on the last page
+            batch = AttentionBatch.build([(tokens, cached, [last_page])], 16, "cpu")
+            with torch.no_grad():
+                model(torch.arange(tokens), batch.positions(), ForwardContext(batch, storage))
+        assert storage["k"][0][last_page, :6].abs().sum() > 0, "the compiled layers wrote nothing to the last page"
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 3, f"graphs compiled after each pool size: {graphs}"

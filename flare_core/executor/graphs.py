@@ -281,19 +281,19 @@ class GraphExecutor:
     def resize_cache(self, num_pages: int) -> None:
         """Replace the cache storage by one of `num_pages` pages (plus the scratch page) and
         capture the graphs again over it: they read the storage's addresses. Compiled code is
-        kept (the page count is a symbolic size). Meant for start-up: the executor is first
-        built over a small cache, so that the pool can be sized from the memory that
-        compilation, the graphs and the largest prompt chunk leave free."""
+        kept: the page count is unbacked (flare_core.executor.storage), so no guard of the
+        compiled layers depends on it. Meant for start-up: the executor is first built over a
+        small cache, so that the pool can be sized from the memory that compilation, the graphs
+        and the largest prompt chunk leave free."""
         self.decode_graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
         self.prefill_graphs.clear()
         self.eager.replace_storage(num_pages + 1)
         self.scratch_page = num_pages
         if self._compiled:
-            # Compiled code is kept unless the new storage fails one of its guards: a layer's store
-            # of 2**31 elements or more makes Inductor compile again with 64-bit indexing (the
-            # 12-layer Qwen3-30B-A3B shape on the H200 did, and stalled its first eager steps
-            # 20 s each while serving). The eager path is warmed again so that any such
-            # compilation happens here; the captures below compile the graphs' own variants.
+            # Warmed again over the new storage: should a guard of the compiled layers fail on it
+            # after all, they compile here and not in the first requests (a compilation inside
+            # serving once stalled the first eager steps of the 12-layer Qwen3-30B-A3B shape 20 s
+            # each on the H200). The expected cost is three eager steps.
             self._warm_eager()
         self._capture()
 

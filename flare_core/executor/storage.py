@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._dynamo.decorators import mark_unbacked
 
 from flare_core.contract import CacheScheme
 
@@ -21,6 +22,13 @@ def allocate_cache_storage(scheme: CacheScheme, num_pages: int, page_tokens: int
     A paged store layer is `[num_pages, page_tokens // tokens_per_record, *record_shape]`; a
     state tensor layer is `[num_rows, *shape]` (one row per live request). `num_rows` must be
     positive when the scheme declares state tensors.
+
+    A paged layer's page count is unbacked for torch.compile: compiled code takes any pool size
+    without a guard on it. The CUDA executor compiles over a one-page pool and then sizes the
+    pool (GraphExecutor.resize_cache); with a backed size Inductor chose 32-bit indexing from
+    the small pool and compiled every layer again once a store reached 2**31 elements (35.7 s
+    of a cold start-up of the 12-layer Qwen3-30B-A3B shape on the H200, 4.1 s of a warm one).
+    Unbacked, the kernels that write pages index in 64 bits from the first compile.
     """
     if num_pages <= 0:
         raise ValueError(f"allocate_cache_storage: num_pages must be positive, got {num_pages}")
@@ -35,6 +43,8 @@ def allocate_cache_storage(scheme: CacheScheme, num_pages: int, page_tokens: int
         shape = (num_pages, page_tokens // store.tokens_per_record, *store.record_shape)
         storage[store.name] = [torch.zeros(shape, dtype=TORCH_DTYPES[store.dtype], device=device)
                                for _ in range(store.layers)]
+        for layer in storage[store.name]:
+            mark_unbacked(layer, 0)
     for state in scheme.state:
         storage[state.name] = [torch.zeros((num_rows, *state.shape), dtype=TORCH_DTYPES[state.dtype], device=device)
                                for _ in range(state.layers)]

@@ -120,13 +120,15 @@ def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
     assert rows.max().item() < 2e-2, f"worst rows {rows.topk(5)}"
 
 
-def make_scheduler(num_pages, max_concurrency=8, chunk=128):
+def make_scheduler(num_pages, max_concurrency=8, chunk=128, held_pages=0):
+    """`held_pages`: the first pages, taken before any request, so that requests get the others."""
     from flare_core.cache import PageAllocator, PrefixCache
     from flare_core.contract import Capacities
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
 
     caps = Capacities(max_concurrency=max_concurrency, prefill_chunk_size=chunk, context_length=2048)
     pages = PageAllocator(num_pages)
+    pages.allocate(held_pages)
     prefix = PrefixCache(b"\x01" * 32, pages, 64, logits_rows=16)
     config = SchedulerConfig(max_concurrency, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64)
     return Scheduler(config, pages, prefix)
@@ -164,6 +166,44 @@ def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacitie
             "prefill graphs of both token capacities must have been replayed"
     assert compared > 100
     print(f"compared {compared} logits rows, worst max|diff|/range {worst:.4f}, replays {replays}")
+
+
+def test_a_pool_past_32_bit_indexing_reuses_the_compiled_layers():
+    """build_engine's start-up order: compiled and captured over a one-page cache, then resized
+    to the planned pool. A pool whose layer stores hold 2**31 elements or more (where Inductor
+    indexes in 64 bits) must compile nothing again, since the page count is unbacked
+    (flare_core.executor.storage), and requests whose pages lie beyond the first 2**31 elements
+    of each store must still match the eager reference."""
+    from torch._dynamo.utils import counters
+
+    from flare_core.contract import CacheScheme, PagedStore
+    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.graphs import GraphExecutor
+    from lockstep import lockstep_prompts, run_lockstep
+
+    device = torch.device("cuda")
+    config, (ref_model, gpu_model) = build_models(device)
+    record = (config.num_key_value_heads, config.head_dim)
+    scheme = CacheScheme("attention-kv", (PagedStore("k", record, "bfloat16", 4),
+                                          PagedStore("v", record, "bfloat16", 4)))
+    page_tokens = 64
+    low_pages = 2**31 // (page_tokens * record[0] * record[1])  # the pages below 2**31 elements
+    num_pages = low_pages + 512
+    common = dict(page_tokens=page_tokens, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
+                  vocab_size=config.vocab_size, device=device)
+    graphs = GraphExecutor(gpu_model, scheme, num_pages=1, **common, decode_capacities=(1, 2, 4, 8),
+                           prefill_capacities=(64, 128), context_length=2048, compile_model=True,
+                           prefill_chunk_size=128)
+    compiled = counters["stats"]["unique_graphs"]
+    graphs.resize_cache(num_pages)
+    assert graphs.storage["k"][0].numel() > 2**31
+    assert counters["stats"]["unique_graphs"] == compiled, "resizing the pool compiled the layers again"
+    reference = EagerExecutor(ref_model, scheme, num_pages=num_pages, **common)
+    schedulers = [make_scheduler(num_pages, held_pages=low_pages) for _ in range(2)]
+    result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
+    assert result.compared > 100
+    assert sum(g.replays for g in graphs.decode_graphs.values()) > 0
+    print(f"compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}")
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
