@@ -136,15 +136,33 @@ def _holds_core(path: Path) -> bool:
 
 def open_verified_core(config: Config, core: str, trust_publisher: bool):
     """Open a core and verify signature, publisher trust and every payload hash."""
+    runtime_core = open_trusted_core(config, core, trust_publisher)
+    verify_payload(runtime_core)
+    return runtime_core
+
+
+def open_trusted_core(config: Config, core: str, trust_publisher: bool):
+    """Open a core and verify its signature and publisher trust; its payload hashes are
+    `verify_payload`'s."""
     from flare_core.core import CoreError, TrustStore, open_core
 
     path = resolve_core_path(config, core)
     try:
         runtime_core = open_core(path)
-        runtime_core.verify(TrustStore(config.paths.trust_store), accept_new=_acceptor(trust_publisher))
+        runtime_core.check_publisher(TrustStore(config.paths.trust_store), accept_new=_acceptor(trust_publisher))
     except CoreError as exc:
         raise FlareCommandError(f"{path}: {exc}") from exc
     return runtime_core
+
+
+def verify_payload(runtime_core) -> None:
+    """Every payload tensor and asset as the core's manifest lists it, with its sha256."""
+    from flare_core.core import CoreError
+
+    try:
+        runtime_core.verify_integrity()
+    except CoreError as exc:
+        raise FlareCommandError(f"{runtime_core.path}: {exc}") from exc
 
 
 def _acceptor(trust_publisher: bool):
@@ -273,6 +291,11 @@ def _timed(phases: dict[str, float], name: str):
     phases[name] = time.monotonic() - started
 
 
+def _timed_call(phases: dict[str, float], name: str, function, *args) -> None:
+    with _timed(phases, name):
+        function(*args)
+
+
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
@@ -280,6 +303,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import structlog
 
@@ -299,13 +323,17 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     started = time.monotonic()
     torch_device, device_reason = _pick_device(device)
     log.info("device", device=str(torch_device), chosen=device_reason)
-    # Where start-up goes, for the "core loaded" line: the core's hashes and signature, the
-    # plugins, the weights onto the device, the engine (compilation, graphs, the KV pool).
+    # Where start-up goes, for the "core loaded" line: the core's payload hashes, the plugins,
+    # the weights onto the device, the engine (compilation, graphs, the KV pool).
     phases: dict[str, float] = {}
-    with _timed(phases, "verify_s"):
-        runtime_core = open_verified_core(config, core, trust_publisher)
-    with _timed(phases, "plugins_s"):
-        registry = _registry()
+    runtime_core = open_trusted_core(config, core, trust_publisher)  # asks on a terminal about a new publisher
+    # The hashes are computed while the plugins import (mostly Transformers): hashing and reads
+    # release the GIL, so the two overlap, and nothing is loaded from the core before both end.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-verify") as pool:
+        hashed = pool.submit(_timed_call, phases, "verify_s", verify_payload, runtime_core)
+        with _timed(phases, "plugins_s"):
+            registry = _registry()
+        hashed.result()
     ranks = runtime_core.manifest.get("tensor_parallel", 1)
     leader = None
     if ranks > 1:

@@ -61,6 +61,11 @@ def test_tampered_core_is_rejected_naming_what_failed(flare, qwen3_checkpoint, t
     result = flare("inspect", copy, expect_ok=False)
     assert result.exit_code == 1
     assert "sha256 mismatch" in result.output and named in result.output
+    # `flare run` hashes the payload while its plugins import, and must refuse it all the same
+    # (the KV limit it is given is invalid, so a core that passed would fail on that instead).
+    served = flare("run", copy, "--device", "cpu", "--kv-cache-limit", "not-a-size", expect_ok=False)
+    assert served.exit_code == 1
+    assert "sha256 mismatch" in served.output and named in served.output, served.output
 
 
 def test_untrusted_publisher_refused_then_accepted(flare, qwen3_checkpoint, tmp_path):

@@ -103,13 +103,14 @@ def _user(text: str) -> list[dict[str, str]]:
 # ---- models ------------------------------------------------------------------------------------
 
 def test_startup_line_splits_where_the_time_went(main):
-    """The `core loaded` line says where start-up went: verifying the core, loading plugins,
-    moving the weights, building the engine; `load_s` covers them all."""
+    """The `core loaded` line says where start-up went: verifying the core's hashes while the
+    plugins load, moving the weights, building the engine; `load_s` covers them all."""
     line = next(line for line in main.log().splitlines() if "core loaded" in line)
     phases = {name: float(re.search(rf"\b{name}=([0-9.]+)", line).group(1))
               for name in ("verify_s", "plugins_s", "weights_s", "engine_s", "load_s")}
     assert all(seconds >= 0 for seconds in phases.values()), line
-    assert sum(phases[name] for name in ("verify_s", "plugins_s", "weights_s", "engine_s")) <= phases["load_s"] + 0.05
+    overlapped = max(phases["verify_s"], phases["plugins_s"])
+    assert overlapped + phases["weights_s"] + phases["engine_s"] <= phases["load_s"] + 0.05, line
 
 
 def test_models_list_and_retrieve(oai, claude):

@@ -312,6 +312,11 @@ class RuntimeCore:
 
         The signature was checked when the core was opened.
         """
+        self.check_publisher(trust, accept_new)
+        self.verify_integrity(progress=progress)
+
+    def check_publisher(self, trust: TrustStore, accept_new: Callable[[Publisher], bool] | None = None) -> None:
+        """The publisher is trusted, or `accept_new` accepts it (then it is trusted from now on)."""
         if not trust.is_trusted(self.publisher):
             if accept_new is None or not accept_new(self.publisher):
                 raise UntrustedPublisherError(
@@ -319,7 +324,6 @@ class RuntimeCore:
                     f"if you trust it, run again with --trust-publisher (fingerprint {self.publisher.fingerprint})"
                 )
             trust.trust(self.publisher)
-        self.verify_integrity(progress=progress)
 
     def verify_integrity(self, *, progress: bool = False) -> None:
         """Every payload and asset present as the manifest lists it, with matching sha256 (no trust check)."""
