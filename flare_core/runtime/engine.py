@@ -448,9 +448,10 @@ class Engine:
         output = frame.output
         self._note_first_work(plan)
         confirmed = self._scheduler.complete(plan, StepResult(token_list, duration))
+        prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefills)
+        self.metrics.step_completed(plan.kind.value, len(plan.decodes) + prefill_tokens)
         if self.telemetry is not None:
-            self.telemetry.record_step(plan.kind.value, plan.capacity, duration,
-                                       prefill_tokens=sum(chunk.end - chunk.start for chunk in plan.prefills),
+            self.telemetry.record_step(plan.kind.value, plan.capacity, duration, prefill_tokens=prefill_tokens,
                                        sampled=[s.handle.request_id for s in confirmed],
                                        **self._page_counts())
         for scores in output.prompt_scores if output is not None else ():

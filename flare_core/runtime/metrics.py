@@ -57,6 +57,10 @@ class RuntimeMetrics:
         self._http_uploads = Gauge("flare_http_uploads_in_progress",
                                    "HTTP requests whose body is still arriving (they hold no ingress reservation).",
                                    registry=r)
+        self._steps = Counter("flare_steps", "Model steps run, by kind: decode, prefill, mixed (decode rows beside "
+                              "prompt chunks) and restore (prefix-cache copies alone).", ["kind"], registry=r)
+        self._step_tokens = Counter("flare_step_tokens", "Tokens the model steps computed, by kind: decode rows "
+                                    "and prompt-chunk tokens (padding excluded).", ["kind"], registry=r)
         self._ttft = Histogram("flare_time_to_first_token_seconds", "Time from admission to the first token.",
                                buckets=_TTFT_BUCKETS, registry=r)
         self._itl = Histogram("flare_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
@@ -91,6 +95,11 @@ class RuntimeMetrics:
         if hit:
             self._prefix_hits.inc()
             self._prefix_reused_tokens.inc(reused_tokens)
+
+    def step_completed(self, kind: str, tokens: int) -> None:
+        """A model step of `kind` (StepKind's value) that computed `tokens` tokens was read back."""
+        self._steps.labels(kind=kind).inc()
+        self._step_tokens.labels(kind=kind).inc(tokens)
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)
