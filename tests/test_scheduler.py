@@ -265,10 +265,13 @@ def test_rank_prefers_starving_then_throughput():
 
 
 def test_capacities_from_contract_graph_catalog():
-    from flare_core.contract.types import Capacities
+    from flare_core.contract.types import Capacities, GraphSpec
     catalog = Capacities(max_concurrency=12, prefill_chunk_size=512).graph_catalog()
     capacities = GraphCapacities.from_specs(catalog)
     assert capacities.decode == (1, 2, 4, 8, 12) and capacities.prefill == (64, 128, 256, 512)
+    # Mixed steps (decode rows beside prompt chunks) run in the prefill graphs unless declared apart.
+    assert capacities.mixed == capacities.prefill
+    assert GraphCapacities.from_specs([*catalog, GraphSpec("mixed", 256)]).mixed == (256,)
     assert capacities.covering(StepKind.DECODE, 9) == 12 and capacities.covering(StepKind.PREFILL, 513) is None
     with pytest.raises(ValueError, match="strictly increasing"):
         GraphCapacities((2, 1), (64,))
@@ -301,6 +304,47 @@ def test_decoders_keep_progressing_while_a_long_prompt_prefills():
                 gaps.append(index - last)
                 last = index
         assert max(gaps) <= limits.max_wait_steps + 1, f"chat{i} starved: {gaps}"
+
+
+def test_with_mixed_capacities_decoders_ride_along_every_prompt_chunk():
+    """Mixed capacities equal to the prefill ones (what GraphCapacities.from_specs gives a core's
+    catalog): while a long prompt prefills, every step also carries the running requests' decode
+    rows, so none of them waits for a step of its own; every output matches its greedy run."""
+    scheduler = make_scheduler(num_pages=512, chunk=256, mixed=(64, 128, 256), prefix=False)
+    driver = Driver(scheduler)
+    for i in range(3):
+        driver.submit(f"chat{i}", prompt(30, 10 + i), 500)
+    while not all(driver.outputs[f"chat{i}"] for i in range(3)):
+        driver.step()
+    driver.submit("document", prompt(8000, 4), 1)
+    start = len(driver.plans)
+    while not driver.outputs["document"]:
+        driver.step()
+    window = driver.plans[start:]
+    assert sum(c.end - c.start for p in window for c in p.prefills) == 8000
+    assert all(p.kind is StepKind.MIXED and len(p.decodes) == 3 for p in window if p.prefills), \
+        [(p.kind.value, len(p.decodes)) for p in window]
+    driver.run()
+    assert driver.outputs["document"] == reference(prompt(8000, 4), 1)
+    for i in range(3):
+        assert driver.outputs[f"chat{i}"] == reference(prompt(30, 10 + i), 500)
+    assert_all_returned(scheduler)
+
+
+def test_a_prompt_only_step_is_rated_with_the_decode_step_it_defers():
+    estimator = StepCostEstimator(CostPrior(fixed_s=0.005, per_token_s=1e-5))
+    prefill = Candidate(StepKind.PREFILL, 1024, 1024, 0, deferred_decodes=63, deferred_capacity=64)
+    mixed = Candidate(StepKind.MIXED, 1024, 63 + 960, 0)
+    # The same graph carries 63 decode rows and one page less of the prompt: the decode rows would
+    # otherwise take a step of their own after the prompt-only step.
+    assert rank([prefill, mixed], estimator) == [1, 0]
+    uncharged = Candidate(StepKind.PREFILL, 1024, 1024, 0)
+    assert rank([uncharged, mixed], estimator) == [0, 1]
+    # A mixed step that pads to a graph of twice the tokens costs more than the decode step apart.
+    assert rank([prefill, Candidate(StepKind.MIXED, 2048, 63 + 1024, 0)], estimator) == [0, 1]
+    # Against decoding alone the charge changes nothing: prompt chunks advance more tokens a second.
+    decode = Candidate(StepKind.DECODE, 64, 63, 0)
+    assert rank([decode, prefill], estimator) == rank([decode, uncharged], estimator) == [1, 0]
 
 
 def test_learned_estimates_change_selection():

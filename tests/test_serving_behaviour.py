@@ -171,7 +171,8 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize("which", ["qwen3", "moe", "moe_uncached"])
 def test_greedy_output_matches_transformers(servers, tokenizer, references, which):
-    """One request, then eight concurrent ones, then (with the prefix cache) the eight again."""
+    """One request, then eight concurrent ones, then (with the prefix cache) the eight again. The
+    concurrent ones run in mixed steps too: decode rows beside prompt chunks."""
     served: Served = getattr(servers, which)
     model = references[served.reference]
     prompts = parity_prompts(tokenizer)
@@ -187,6 +188,9 @@ def test_greedy_output_matches_transformers(servers, tokenizer, references, whic
         return responses
 
     first = concurrently()
+    # While some of the eight decoded, the others' prompts were computed in the same (mixed) steps.
+    steps = served.process.metrics()
+    assert steps.get('flare_steps_total{kind="mixed"}', 0) > 0, {k: v for k, v in steps.items() if "steps" in k}
     if which == "moe_uncached":
         assert [cached_tokens(r) for r in first] == [0] * len(prompts)
         return

@@ -1,10 +1,10 @@
 """The CUDA executor: steps replay CUDA graphs captured at load, one per capacity of the core's
 graph catalog, all sharing one memory pool: decode batch capacities (rows) and prefill token
-capacities (prompt chunks of several requests). Matmuls of one token (the capacity-1 decode
-graph: a single request decoding) run a Triton GEMV kernel (flare_core.ops.gemv) unless
-`gemv=False`. Steps no graph covers (decode rows mixed with prompt chunks, steps that restore
-a prompt's stored logits, prompt chunks of kernels without prefill graphs) run the same model
-eagerly over FlashInfer paged prefill.
+capacities (prompt chunks of several requests; a mixed step's decode rows join its chunks as
+one-token requests). Matmuls of one token (the capacity-1 decode graph: a single request
+decoding) run a Triton GEMV kernel (flare_core.ops.gemv) unless `gemv=False`. Steps no graph
+covers (steps that restore a prompt's stored logits or score prompts, prompt chunks of kernels
+without prefill graphs) run the same model eagerly over FlashInfer paged prefill.
 
 A step pads to the smallest covering capacity. Padding rows and tokens read and write a scratch
 page that no request owns, so a replay never touches live cache pages beyond its own rows.
@@ -104,7 +104,8 @@ class _Inputs:
 
 # A graph's integer inputs, one column per row of the graph (a decode graph's rows are its decode
 # rows; a prefill graph's rows are its requests). `ids`: the tokens the host knows; `from_device`:
-# the row reads its token from the step before, on the device, instead; `last_token_index`
+# the row (a decode row, in a prefill graph one of the first requests) reads its token from the
+# step before, on the device, instead; `last_token_index`
 # (prefill): the flattened index of each request's last token, whose logits the row gets;
 # `state_rows`: the state row of each row that samples (the scratch row for padding and, in prefill
 # graphs, for chunks that do not end their prompts); `chunk_state_rows` (prefill, schemes with
@@ -173,13 +174,67 @@ class _ChunkLayout:
         upload(self.chunk_indices, chunks)
 
 
+@dataclass(frozen=True)
+class PrefillStepInputs:
+    """A step's inputs to a prefill graph of `capacity` tokens over `requests` requests
+    (`prefill_step_inputs`). Requests in order: the decode rows, each a one-token request; the
+    prompt chunks; the padding request, which owns the tokens beyond theirs (over the scratch
+    page); empty requests (no tokens) up to `requests`."""
+
+    tokens: dict[str, list[int]]  # per token (TOKEN_INPUTS): ids, positions, cache indices
+    rows: dict[str, list[int]]    # per request: last_token_index, state_rows, chunk_state_rows, from_device
+    lengths: list[int]            # tokens per request: the step's rows, then the padding request
+    attention: PagedLayout        # the requests for the attention kernels
+
+
+def prefill_step_inputs(decodes, chunks, capacity: int, requests: int, page_tokens: int, scratch_page: int,
+                        scratch_row: int) -> PrefillStepInputs:
+    """The inputs of a prefill graph for a step of `decodes` (DecodeEntry) and `chunks`
+    (PrefillChunk). A decode row is the one-token chunk [position, position + 1) of its request:
+    its token comes from the host, or with `from_device` from the token its state row sampled
+    last (on the device: the step before may still be running). Logits rows follow the requests
+    (decodes first), as the eager executor's do."""
+    count = len(decodes) + len(chunks)
+    used = len(decodes) + sum(c.end - c.start for c in chunks)
+    assert used <= capacity and count < requests, \
+        f"a step of {count} rows and {used} tokens exceeds a prefill graph of {requests - 1} rows, {capacity} tokens"
+    pad = capacity - used
+    ids = [0 if e.input_token is None else e.input_token for e in decodes] + [t for c in chunks for t in c.tokens]
+    positions = [e.position for e in decodes] + [p for c in chunks for p in range(c.start, c.end)]
+    indices = [cache_index(e.page_table, e.position, page_tokens) for e in decodes]
+    indices += [cache_index(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
+    # Padding tokens go to the scratch page (its records wrap around: nothing reads them).
+    lengths = [1] * len(decodes) + [c.end - c.start for c in chunks]
+    unused = requests - count
+    empty = unused - 1
+    return PrefillStepInputs(
+        tokens={"ids": ids + [0] * pad, "positions": positions + list(range(pad)),
+                "cache_indices": indices + [scratch_page * page_tokens + p % page_tokens for p in range(pad)]},
+        rows={
+            "last_token_index": [end - 1 for end in itertools.accumulate(lengths)] + [capacity - 1] * unused,
+            "state_rows": [e.handle.state_row for e in decodes]
+            + [c.handle.state_row if c.samples else scratch_row for c in chunks] + [scratch_row] * unused,
+            "chunk_state_rows": [e.handle.state_row for e in decodes] + [c.handle.state_row for c in chunks]
+            + [scratch_row] * unused,
+            "from_device": [int(e.input_token is None) for e in decodes] + [0] * (requests - len(decodes)),
+        },
+        lengths=lengths + [pad],
+        # The padding request holds at least one token (the kernels take no empty last request with pages).
+        attention=PagedLayout.from_requests(
+            [e.position + 1 for e in decodes] + [c.end for c in chunks] + [max(pad, 1)] + [1] * empty,
+            lengths + [pad] + [0] * empty,
+            [e.page_table for e in decodes] + [c.page_table for c in chunks]
+            + [[scratch_page] * -(-max(pad, 1) // page_tokens)] + [[scratch_page]] * empty, page_tokens))
+
+
 @dataclass
 class _Graph:
     """The graphs of one capacity of the catalog: the forward (inputs -> logits) and its
     samplers. A decode graph's rows are its `capacity` decode rows, whose tokens come in `ints`.
-    A prefill graph holds `capacity` prompt tokens (`tokens_in`) from up to `requests - 1`
-    requests; its rows are the requests, the last one (and any unused ones) padding: it owns the
-    tokens beyond the chunks', over the scratch page."""
+    A prefill graph holds `capacity` tokens (`tokens_in`) of up to `requests - 1` requests
+    (decode rows of one token each, then prompt chunks: `prefill_step_inputs`); its rows are the
+    requests, the last one (and any unused ones) padding: it owns the tokens beyond the step's,
+    over the scratch page."""
 
     kind: str  # "decode" or "prefill"
     capacity: int
@@ -195,6 +250,7 @@ class _Graph:
     tokens_in: _Inputs | None = None
     chunks: _ChunkLayout | None = None  # prefill graphs of schemes with continuation state
     replays: int = 0
+    mixed_replays: int = 0  # of a prefill graph: replays with decode rows beside the chunks
 
     @property
     def requests(self) -> int:
@@ -273,8 +329,8 @@ class GraphExecutor:
     def summary(self) -> str:
         """How this executor runs steps and what it compiled and captured, for the startup log."""
         compiled = f"torch.compile {self.compile_s:.1f} s, " if self.compile_s else "not compiled, "
-        prefill = (f"prompt chunks of {sorted(self.prefill_graphs)} tokens" if self.prefill_graphs
-                   else "no prompt-chunk graphs (eager FlashInfer prefill)")
+        prefill = (f"prompt chunks (with decode rows beside them) of {sorted(self.prefill_graphs)} tokens"
+                   if self.prefill_graphs else "no prompt-chunk graphs (eager FlashInfer prefill)")
         return (f"CUDA graphs for decode batches {sorted(self.decode_graphs)} and {prefill}, sampling inside "
                 f"({compiled}captured in {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB)")
 
@@ -423,9 +479,17 @@ class GraphExecutor:
             state_rows=ints["chunk_state_rows"] if state else None,
             chunk_indices=chunks.chunk_indices if state else None)
         context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
-        attention.plan(self._prefill_layout((), capacity, requests), self.scale)
-        forward_graph, logits = self._captured(
-            lambda: self.model(tokens_in["ids"], tokens_in["positions"], context), pool)
+        attention.plan(self._prefill_step((), (), capacity, requests).attention, self.scale)
+        last_sampled, head = self.eager.last_sampled, min(capacity, requests)
+
+        def forward() -> torch.Tensor:
+            # Decode rows (the first requests, one token each) may read their token on the device.
+            ids = tokens_in["ids"]
+            sampled = last_sampled[ints["state_rows"][:head]]
+            ids = torch.cat([torch.where(ints["from_device"][:head] != 0, sampled, ids[:head]), ids[head:]])
+            return self.model(ids, tokens_in["positions"], context)
+
+        forward_graph, logits = self._captured(forward, pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
         return _Graph("prefill", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
                       tokens_in, chunks)
@@ -482,14 +546,14 @@ class GraphExecutor:
 
     def _graph_for(self, plan: StepPlan) -> _Graph | None:
         """The smallest captured graph that covers the step, or None: the step runs eagerly.
-        Graphs cover decode-only and prefill-only steps, after restoring resume points; steps that
-        mix decodes with chunks, sample a prompt's stored logits, or score prompts (logits at
-        every token of some chunks) run eagerly."""
-        if (plan.prefills and plan.decodes) or any(r.logits_row is not None for r in plan.restores) \
-                or EagerExecutor.scores_prompt(plan):
+        Decode graphs cover decode-only steps; prefill graphs cover steps with prompt chunks,
+        with decode rows beside them (mixed steps: each decode row is a one-token request);
+        both after restoring resume points. Steps that sample a prompt's stored logits or score
+        prompts (logits at every token of some chunks) run eagerly."""
+        if any(r.logits_row is not None for r in plan.restores) or EagerExecutor.scores_prompt(plan):
             return None
         if plan.prefills:
-            tokens = sum(c.end - c.start for c in plan.prefills)
+            tokens = len(plan.decodes) + sum(c.end - c.start for c in plan.prefills)
             return next((self.prefill_graphs[c] for c in sorted(self.prefill_graphs) if c >= tokens), None)
         rows = len(plan.decodes)
         return next((self.decode_graphs[c] for c in sorted(self.decode_graphs) if c >= rows), None)
@@ -561,9 +625,9 @@ class GraphExecutor:
         floats = {}
         if sampling is not None and not (sampling.greedy and not sampling.penalised):
             # Sampling columns go to the rows that sample, in plan.samples order: every decode
-            # row, or the chunks that end their prompts.
-            where = range(len(plan.decodes)) if plan.decodes else [
-                i for i, chunk in enumerate(plan.prefills) if chunk.samples]
+            # row, then the chunks that end their prompts (rows after the decode rows).
+            decodes = len(plan.decodes)
+            where = list(range(decodes)) + [decodes + i for i, chunk in enumerate(plan.prefills) if chunk.samples]
             width = graph.requests
             sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
             ints.update((name, self._scatter(column, where, width, 0))
@@ -575,6 +639,7 @@ class GraphExecutor:
         graph.floats.upload(floats)
         graph.forward.replay()
         graph.replays += 1
+        graph.mixed_replays += bool(plan.decodes and plan.prefills)
         return self.eager.finish_chunks(plan, graph.logits)
 
     @staticmethod
@@ -603,35 +668,18 @@ class GraphExecutor:
             + [self.scratch_page * page_tokens] * pad,
         }
 
-    def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
-        """Upload the chunks' tokens and plan their attention; return the requests' inputs by name."""
-        chunks, capacity, page_tokens = plan.prefills, graph.capacity, self.page_tokens
-        pad = capacity - sum(c.end - c.start for c in chunks)
-        ids = [t for c in chunks for t in c.tokens] + [0] * pad
-        positions = [p for c in chunks for p in range(c.start, c.end)] + list(range(pad))
-        indices = [cache_index(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
-        indices += [self.scratch_page * page_tokens + p % page_tokens for p in range(pad)]
-        graph.tokens_in.upload({"ids": ids, "positions": positions, "cache_indices": indices})
-        unused = graph.requests - len(chunks)
-        ends = list(itertools.accumulate(c.end - c.start for c in chunks))
-        graph.attention.plan(self._prefill_layout(chunks, capacity, graph.requests), self.scale)
-        inputs = {
-            "last_token_index": [end - 1 for end in ends] + [capacity - 1] * unused,
-            "state_rows": [c.handle.state_row if c.samples else self.scratch_row for c in chunks]
-            + [self.scratch_row] * unused,
-        }
-        if graph.chunks is not None:
-            graph.chunks.upload([c.end - c.start for c in chunks] + [pad])
-            inputs["chunk_state_rows"] = [c.handle.state_row for c in chunks] + [self.scratch_row] * unused
-        return inputs
+    def _prefill_step(self, decodes, chunks, capacity: int, requests: int) -> PrefillStepInputs:
+        return prefill_step_inputs(decodes, chunks, capacity, requests, self.page_tokens, self.scratch_page,
+                                   self.scratch_row)
 
-    def _prefill_layout(self, chunks, capacity: int, requests: int) -> PagedLayout:
-        """The chunks, then the padding request (the remaining tokens, on the scratch page), then
-        empty requests (no new tokens; one scratch token cached) up to `requests`."""
-        pad = capacity - sum(c.end - c.start for c in chunks)
-        empty = requests - len(chunks) - 1
-        return PagedLayout.from_requests(
-            [c.end for c in chunks] + [max(pad, 1)] + [1] * empty,
-            [c.end - c.start for c in chunks] + [pad] + [0] * empty,
-            [c.page_table for c in chunks] + [[self.scratch_page] * -(-max(pad, 1) // self.page_tokens)]
-            + [[self.scratch_page]] * empty, self.page_tokens)
+    def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
+        """Upload the step's tokens (decode rows', then the chunks') and plan their attention;
+        return the requests' inputs by name."""
+        step = self._prefill_step(plan.decodes, plan.prefills, graph.capacity, graph.requests)
+        graph.tokens_in.upload(step.tokens)
+        graph.attention.plan(step.attention, self.scale)
+        inputs = {name: step.rows[name] for name in ("last_token_index", "state_rows", "from_device")}
+        if graph.chunks is not None:
+            graph.chunks.upload(step.lengths)
+            inputs["chunk_state_rows"] = step.rows["chunk_state_rows"]
+        return inputs

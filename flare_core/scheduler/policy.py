@@ -39,12 +39,16 @@ class GraphCapacities:
     @classmethod
     def from_specs(cls, specs: Iterable[object]) -> GraphCapacities:
         """From contract graph specs (objects with `kind` and `capacity`); kinds this scheduler
-        does not plan (e.g. speculative) are ignored."""
+        does not plan (e.g. speculative) are ignored. Without mixed specs, the mixed capacities
+        are the prefill ones: both executors run a step of decode rows and prompt chunks as a
+        prefill step whose decode rows are one-token requests (the CUDA executor in the prefill
+        graph of its token count), so decoding goes on while prompts are prefilled."""
         by_kind: dict[str, list[int]] = {"decode": [], "prefill": [], "mixed": []}
         for spec in specs:
             kind, capacity = getattr(spec, "kind"), getattr(spec, "capacity")
             if kind in by_kind:
                 by_kind[kind].append(capacity)
+        by_kind["mixed"] = by_kind["mixed"] or by_kind["prefill"]
         return cls(*(tuple(sorted(set(by_kind[k]))) for k in ("decode", "prefill", "mixed")))
 
     def of(self, kind: StepKind) -> tuple[int, ...]:
@@ -88,6 +92,10 @@ class Candidate:
     capacity: int
     useful_tokens: int      # tokens advanced: decode rows + real (unpadded) prompt tokens
     starving_served: int    # starving requests this step would advance
+    # Decode rows ready now that the step leaves out (a prompt-only step beside decoders), and
+    # the decode capacity that covers them: they will take a step of their own.
+    deferred_decodes: int = 0
+    deferred_capacity: int = 0
 
 
 _KIND_PREFERENCE = {StepKind.MIXED: 0, StepKind.DECODE: 1, StepKind.PREFILL: 2}
@@ -95,12 +103,21 @@ _KIND_PREFERENCE = {StepKind.MIXED: 0, StepKind.DECODE: 1, StepKind.PREFILL: 2}
 
 def rank(candidates: Sequence[Candidate], estimator: StepCostEstimator) -> list[int]:
     """Candidate indices, best first: most starving requests served, then most useful tokens
-    per estimated second; ties go to mixed, then decode (deterministic)."""
+    per estimated second; ties go to mixed, then decode (deterministic).
+
+    A step that leaves ready decode rows out is rated with the decode step those rows then take
+    (its tokens and seconds added to its own): against a mixed step that carries them for the
+    small cost of a few more tokens, a prompt-only step then wins only when the mixed step
+    would pad to a much larger graph. Against a decode-only step nothing changes: the rate of
+    the two steps together lies between the rates of each."""
 
     def key(index: int) -> tuple[int, float, int]:
         c = candidates[index]
-        rate = c.useful_tokens / estimator.estimate(c.kind, c.capacity)
-        return -c.starving_served, -rate, _KIND_PREFERENCE[c.kind]
+        tokens, seconds = c.useful_tokens, estimator.estimate(c.kind, c.capacity)
+        if c.deferred_decodes:
+            tokens += c.deferred_decodes
+            seconds += estimator.estimate(StepKind.DECODE, c.deferred_capacity)
+        return -c.starving_served, -tokens / seconds, _KIND_PREFERENCE[c.kind]
 
     return sorted(range(len(candidates)), key=key)
 

@@ -303,7 +303,8 @@ class Scheduler:
 
     def _candidates(self, seq: int) -> list[CandidateStep]:
         """The possible next steps over the running requests: all decodes, prompt chunks up to
-        the chunk size, and (with a mixed catalog) decodes plus the chunks that fit beside them."""
+        the chunk size, and (with a mixed catalog) all decodes plus the chunks that fill each
+        mixed capacity beside them (the smaller ones pad less, the larger carry more prompt)."""
         running = [r for r in self._live if r.status is RequestStatus.RUNNING]
         starving = {r.request_id for r in running
                     if self.config.fairness.starving(seq - r.last_served_seq - 1, r.waited_s)}
@@ -314,17 +315,22 @@ class Scheduler:
             candidates.append(self._candidate(decoders, (), starving))
         chunks = self._pack(prefillers, self.config.prefill_chunk_size)
         if chunks:
-            candidates.append(self._candidate((), chunks, starving))
-        room = min(self.config.capacities.largest(StepKind.MIXED) - len(decoders), self.config.prefill_chunk_size)
-        mixed_chunks = self._pack(prefillers, room) if decoders and room > 0 else ()
-        if mixed_chunks:
-            candidates.append(self._candidate(decoders, mixed_chunks, starving))
+            candidates.append(self._candidate((), chunks, starving, deferred=len(decoders)))
+        mixed: set[tuple[tuple[int, int], ...]] = set()
+        for capacity in self.config.capacities.of(StepKind.MIXED) if decoders and prefillers else ():
+            room = min(capacity - len(decoders), self.config.prefill_chunk_size)
+            mixed_chunks = self._pack(prefillers, room) if room > 0 else ()
+            spans = tuple((c.start, c.end) for c in mixed_chunks)
+            if mixed_chunks and spans not in mixed:
+                mixed.add(spans)
+                candidates.append(self._candidate(decoders, mixed_chunks, starving))
         return candidates
 
     def _candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
-                   starving: Collection[str] = frozenset()) -> CandidateStep:
-        """The step over `decoders` and `chunks`: its kind, the graph capacity that covers it,
-        its useful tokens and the starving requests it serves, each computed here once."""
+                   starving: Collection[str] = frozenset(), deferred: int = 0) -> CandidateStep:
+        """The step over `decoders` and `chunks`, leaving `deferred` ready decode rows out: its
+        kind, the graph capacity that covers it, its useful tokens and the starving requests it
+        serves, each computed here once."""
         tokens = len(decoders) + sum(c.end - c.start for c in chunks)
         kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
                 else StepKind.PREFILL if chunks else StepKind.RESTORE)
@@ -332,7 +338,8 @@ class Scheduler:
         assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
         served = sum(r.request_id in starving for r in decoders) + sum(c.request.request_id in starving
                                                                        for c in chunks)
-        return CandidateStep(kind, capacity, tokens, served, decoders, chunks)
+        deferred_capacity = self.config.capacities.covering(StepKind.DECODE, deferred) if deferred else 0
+        return CandidateStep(kind, capacity, tokens, served, deferred, deferred_capacity, decoders, chunks)
 
     def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
         """Prompt chunks in submission order, filling `budget` tokens."""

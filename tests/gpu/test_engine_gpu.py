@@ -46,7 +46,8 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     two = make_engine(session_flare, bf16_core, 2, "cuda", compile_model)
     assert two.frames_in_flight == 2 and two.executor.decode_graphs
     summary = two.executor_summary()
-    assert summary.startswith("CUDA graphs for decode batches [1, 2, 4] and prompt chunks of [64, 128] tokens")
+    assert summary.startswith("CUDA graphs for decode batches [1, 2, 4] and prompt chunks (with decode rows beside "
+                              "them) of [64, 128] tokens")
     assert summary.endswith("2 steps in flight")
     assert asyncio.run(run_requests(two, REQUESTS)) == reference
 

@@ -164,6 +164,8 @@ def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacitie
             "decode graphs of several batch sizes must have been replayed"
         assert len({c for c, g in graphs.prefill_graphs.items() if g.replays}) == 2, \
             "prefill graphs of both token capacities must have been replayed"
+        assert sum(g.mixed_replays for g in graphs.prefill_graphs.values()) > 0, \
+            "steps of decode rows beside prompt chunks must have replayed prefill graphs"
     assert compared > 100
     print(f"compared {compared} logits rows, worst max|diff|/range {worst:.4f}, replays {replays}")
 
@@ -249,7 +251,8 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     windowed (top-k), full vocabulary (top-p without top-k), penalties from the executor's
     history book. Tokens equal the eager Sampler's on the same logits (greedy and seeded rows;
     the unseeded key differs by design) and become the rows' next inputs. A prefill step samples
-    the chunks that end their prompts, skipping one that does not."""
+    the chunks that end their prompts, skipping one that does not; a mixed step samples its
+    decode rows, then its chunks, in the prefill graph."""
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import PenaltyState, Sampler, StepSampling
@@ -349,6 +352,28 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
     assert graphs.eager.last_sampled[[5, 7]].tolist() == tokens
     assert graphs.prefill_graphs[256].replays == 2
+
+    # A mixed step in the same prefill graph: the five decode rows, their tokens read on the device,
+    # beside the rest of the middle prompt; rows follow plan.samples (the decode rows, then the chunk).
+    inputs = graphs.eager.last_sampled[:5].tolist()
+
+    def mixed(seq: int, tokens) -> StepPlan:
+        rest = PrefillChunk(handles[6], 20, len(prompts[6]), tuple(prompts[6][20:]), pages[6], True, None)
+        return StepPlan(seq, StepKind.MIXED, 256, (), tuple(
+            DecodeEntry(h, len(p) + 2, t, pg) for h, p, pg, t in zip(handles, prompts, pages, tokens)), (rest,), 0.0)
+
+    mixed_params = params[:4] + [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=30, seed=11)]
+    out = graphs.step(mixed(4, [None] * 5), StepSampling(mixed_params, [4] * 5 + [0], [None] * 6, logprobs=True))
+    logits = graphs.prefill_graphs[256].logits[:6].clone()
+    tokens = out.token_ids.tolist()
+    assert graphs.prefill_graphs[256].replays == 3 and graphs.prefill_graphs[256].mixed_replays == 1
+    want = Sampler(device=device).sample(logits, mixed_params, [4] * 5 + [0]).token_ids.tolist()
+    assert tokens[:5] == want[:5] and tokens[5] == want[5]  # greedy and seeded rows
+    torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
+    assert graphs.eager.last_sampled[[0, 1, 2, 3, 4, 6]].tolist() == tokens
+    # The decode rows read the tokens the previous step had sampled: given from the host, the
+    # same step (its records written again, unchanged) computes the same logits.
+    assert torch.equal(graphs.run(mixed(5, inputs)).float(), logits.float())
     assert not eager_calls, "every step here is covered by a graph and must sample inside it"
 
 

@@ -245,6 +245,7 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     assert waves[1].restored_snapshots >= 2, "the second wave must restore the snapshot at the shared boundary"
     # The second wave's prompts start by restoring the snapshot, in steps that replay prefill graphs.
     assert prefill_replays[0] > 0 and prefill_replays[1] > prefill_replays[0], prefill_replays
+    assert sum(g.mixed_replays for g in graphs.prefill_graphs.values()) > 0, "no mixed step replayed a prefill graph"
     assert sum(w.compared for w in waves) > 100
     print(f"compared {[w.compared for w in waves]} logits rows, worst max|diff|/range "
           f"{max(w.worst for w in waves):.4f}, snapshots restored {waves[1].restored_snapshots}, "

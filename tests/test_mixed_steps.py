@@ -1,0 +1,157 @@
+"""Mixed steps: decode rows beside prompt chunks in one step.
+
+The scheduler plans them wherever the catalog has prefill capacities (GraphCapacities.from_specs),
+the eager executor runs them as they are, and the CUDA executor replays them in a prefill graph
+whose first requests are the decode rows, one token each (`prefill_step_inputs`). Here, on the
+CPU, the model runs over exactly what a prefill graph would read for every step with prompt
+chunks: the padded tokens, positions and cache indices, the decode rows' tokens taken on the
+device from their state rows' last samples (plans are issued two ahead, as the engine does), the
+requests' attention layout with the padding request on the scratch page, each request's state
+row and last token. Its logits must be the eager executor's, on a dense and a hybrid model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from flare_core.cache import PageAllocator
+from flare_core.contract import Capacities
+from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.graphs import _ChunkLayout, prefill_step_inputs
+from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.ops.loading import load_prepared_weights
+from flare_core.plugins import load_registry
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind, StepPlan, StepResult
+
+from conftest import tiny_qwen3_config
+
+PAGE_TOKENS = 16
+ROWS = 4
+PAGES = 64  # the scheduler's; the executors hold one more, the scratch page
+
+
+def qwen3_5_config():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=96, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                             linear_conv_kernel_dim=4, max_position_embeddings=512)
+
+
+def executors(family: str):
+    """Two eager executors over one random model's weights (the reference, and the one the
+    prefill-graph layout drives), with the scratch page and row a CUDA executor keeps."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=2) if family == "qwen3" else qwen3_5_config()
+    recipe = load_registry().recipes[family]
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # clear-cut greedy choices, so that both runs pick the same tokens
+        reference.get_input_embeddings().weight.normal_(0.0, 1.0)
+    prepared = dict(recipe.map_weights(config, reference.state_dict(), torch.float32))
+    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
+    pair = [EagerExecutor(load_prepared_weights(recipe.build_model(config, torch.float32), prepared, "cpu"), scheme,
+                          num_pages=PAGES + 1, page_tokens=PAGE_TOKENS, num_rows=ROWS, num_snapshot_rows=0,
+                          num_logits_rows=0, vocab_size=config.vocab_size, device=torch.device("cpu"))
+            for _ in range(2)]
+    return config, pair
+
+
+def run_as_prefill_graph(executor: EagerExecutor, plan: StepPlan, capacity: int) -> torch.Tensor:
+    """The logits rows of `plan` (plan.samples order) computed from a prefill graph's inputs."""
+    state = bool(executor.scheme.state)
+    requests = min(capacity, ROWS) + (2 if state else 1)  # as GraphExecutor._capture_prefill sizes them
+    step = prefill_step_inputs(plan.decodes, plan.prefills, capacity, requests, PAGE_TOKENS, PAGES, ROWS)
+    executor.restore(plan)
+    executor.start_chunks(plan)
+    # The graph's token inputs, the decode rows' resolved as its forward resolves them.
+    head = min(capacity, requests)
+    ids = torch.tensor(step.tokens["ids"])
+    from_device = torch.tensor(step.rows["from_device"][:head]) != 0
+    ids[:head] = torch.where(from_device, executor.last_sampled[torch.tensor(step.rows["state_rows"][:head])],
+                             ids[:head])
+    # The requests that hold tokens, from the attention layout (FlashInfer's plan), each with the
+    # cached tokens and pages the kernels read; the empty ones after them hold none.
+    layout = step.attention
+    indptr, qo = layout.indptr.tolist(), layout.qo_indptr.tolist()
+    sequences = []
+    for b, kv_len in enumerate(layout.kv_lens.tolist()):
+        new = qo[b + 1] - qo[b]
+        if new:
+            sequences.append((new, kv_len - new, layout.indices[indptr[b]:indptr[b + 1]].tolist()))
+    state_rows = step.rows["chunk_state_rows"][:len(sequences)] if state else ()
+    built = AttentionBatch.build(sequences, PAGE_TOKENS, "cpu", state_rows=state_rows)
+    assert built.slot_mapping.tolist() == step.tokens["cache_indices"]
+    assert built.positions().tolist() == step.tokens["positions"]
+    assert step.lengths == [n for n, _, _ in sequences] + [0] * (len(step.lengths) - len(sequences))
+    if state:
+        chunk_layout = _ChunkLayout(capacity, requests, torch.device("cpu"))
+        chunk_layout.upload(step.lengths)
+        assert chunk_layout.query_start[:len(sequences) + 1].tolist() == built.query_start.tolist()
+        if built.chunk_indices is not None:
+            chunks = built.chunk_indices.shape[0]
+            assert chunk_layout.chunk_indices[:chunks].tolist() == built.chunk_indices.tolist()
+    rows = len(plan.decodes) + len(plan.prefills)
+    batch = AttentionBatch(built.query_start, built.kv_lens, built.page_table, torch.tensor(step.tokens["cache_indices"]),
+                           torch.tensor(step.rows["last_token_index"][:rows]), PAGE_TOKENS, built.query_start_host,
+                           built.kv_lens_host, built.state_rows_host, built.state_rows, built.chunk_indices)
+    logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
+                            ForwardContext(batch, executor.storage, layer_map=executor.layer_map))
+    sampling = executor.finish_chunks(plan, logits)
+    return logits[sampling]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
+    config, (reference, graph_like) = executors(family)
+    capacities = Capacities(max_concurrency=ROWS, prefill_chunk_size=128, context_length=512, page_tokens=PAGE_TOKENS)
+    catalog = GraphCapacities.from_specs(capacities.graph_catalog())
+    scheduler = Scheduler(SchedulerConfig(ROWS, 128, catalog, PAGE_TOKENS), PageAllocator(PAGES), None)
+    generator = torch.Generator().manual_seed(5)
+    # Prompts arrive while earlier requests decode: (arrival step, prompt length, tokens to generate).
+    requests = {"a": (0, 40, 20), "b": (2, 150, 10), "c": (4, 7, 16), "d": (6, 200, 6), "e": (10, 33, 8),
+                "f": (14, 120, 5)}
+    prompts = {rid: torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
+               for rid, (_, n, _) in requests.items()}
+    generated: dict[str, int] = defaultdict(int)
+    in_flight: list[tuple[StepPlan, list[int]]] = []
+    seen = defaultdict(int)
+    issued = 0
+    while True:
+        for rid, (arrival, _, max_tokens) in requests.items():
+            if arrival == issued:
+                scheduler.submit(rid, prompts[rid], max_tokens=max_tokens)
+        plan = scheduler.schedule()
+        issued += 1
+        if plan is not None:
+            want = reference.run(plan)
+            capacity = catalog.covering(StepKind.PREFILL, len(plan.decodes) + sum(c.end - c.start for c in plan.prefills))
+            if plan.prefills:
+                got = run_as_prefill_graph(graph_like, plan, capacity)
+                torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {plan.seq} "
+                                           f"({plan.kind.value}, {len(plan.decodes)} decode rows): {m}")
+                seen[plan.kind] += 1
+                seen["from device"] += sum(e.input_token is None for e in plan.decodes)
+            else:
+                assert torch.equal(graph_like.run(plan), want)
+            tokens = want.argmax(-1).tolist()
+            for executor in (reference, graph_like):
+                executor.record_sampled([h.state_row for h in plan.samples], torch.tensor(tokens))
+            in_flight.append((plan, tokens))
+        if in_flight and (plan is None or len(in_flight) == 2):  # two plans in flight, as the engine keeps
+            done, tokens = in_flight.pop(0)
+            for sampled in scheduler.complete(done, StepResult(tokens, 0.01)):
+                rid = sampled.handle.request_id
+                generated[rid] += 1
+                if generated[rid] == requests[rid][2]:
+                    scheduler.finish(rid, "length")
+        elif plan is None and scheduler.is_idle() and issued > max(a for a, _, _ in requests.values()):
+            break
+    assert dict(generated) == {rid: n for rid, (_, _, n) in requests.items()}
+    assert seen[StepKind.MIXED] >= 3 and seen[StepKind.PREFILL] >= 1, dict(seen)
+    assert seen["from device"] > 0, "no decode row of a mixed step read its token on the device"
