@@ -79,7 +79,7 @@ def recipes() -> None:
                    "128x128 block (served on Hopper GPUs or with --device cpu).")
 @click.option("--kv-dtype", type=click.Choice(["auto", "fp8_e4m3"]), default="auto",
               help="KV cache records: auto (the weights' dtype) or fp8_e4m3 (half the bytes of a 16-bit page; "
-                   "served with --device cpu so far).")
+                   "K/V pages on CUDA and the CPU, latent (MLA) pages with --device cpu only).")
 @click.pass_context
 def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, recipe_name,
            offline, no_progress, tensor_parallel, quantize, kv_dtype) -> None:
