@@ -2,7 +2,8 @@
 # for /health.  start_server CORE LOG [flare run flags...]
 # sets $server (the server's pid) and $startup_s (seconds from start to healthy).
 # check_slots_free ROWS OUT: after a load, the server's request state rows are all free again
-# (/metrics: flare_slots_live 0, flare_slots_free ROWS, nothing waiting); the gauges go to OUT.
+# (/metrics: flare_slots_live 0, flare_slots_free ROWS, nothing waiting); the gauges go to OUT,
+# with the steps the server ran so far and their tokens by kind (decode, prefill, mixed, restore).
 start_server() {
   local core=$1 log=$2 start
   shift 2
@@ -23,8 +24,10 @@ rows, out = int(sys.argv[1]), sys.argv[2]
 text = urllib.request.urlopen("http://127.0.0.1:8000/metrics").read().decode()
 gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
           if line.split(" ")[0] in ("flare_slots_live", "flare_slots_free", "flare_requests_waiting")}
-open(out, "w").write(f"{gauges}\n")
-print("after the load:", gauges)
+steps = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+         if line.startswith(("flare_steps_total", "flare_step_tokens_total"))}
+open(out, "w").write(f"{gauges}\n{steps}\n")
+print("after the load:", gauges, steps)
 if gauges != {"flare_slots_live": 0, "flare_slots_free": rows, "flare_requests_waiting": 0}:
     sys.exit(f"request state rows not all free after the load: {gauges}")
 EOF

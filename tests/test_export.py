@@ -24,7 +24,7 @@ def test_export_inspect_convert_roundtrip(flare, qwen3_checkpoint, tmp_path):
     # The plan is printed before the work, then the core path.
     assert "recipe        qwen3 0.1.0 (Qwen3ForCausalLM)" in out
     assert "capacities    max_concurrency=4 prefill_chunk_size=512 context_length=2048 page_tokens=64" in out
-    assert "graphs        decode batch 1,2,4; prefill tokens 64,128,256,512" in out
+    assert "graphs        decode batch 1,2,4; prefill tokens 64,128,256,512 (mixed steps too" in out
     assert "patch qwen3-v2" in out
     core = Path(out.strip().splitlines()[-1])
     assert core.is_dir() and core.parent == flare.config_path.parent / "cores"

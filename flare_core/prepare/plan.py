@@ -79,7 +79,8 @@ class ExportPlan:
             f"weights       {self.parameters / 1e9:.3f} B parameters, {_gib(self.weight_bytes)} as {self.dtype}",
             f"capacities    max_concurrency={c.max_concurrency} prefill_chunk_size={c.prefill_chunk_size} "
             f"context_length={c.context_length} page_tokens={c.page_tokens}",
-            f"graphs        decode batch {decode}; prefill tokens {prefill}",
+            f"graphs        decode batch {decode}; prefill tokens {prefill} (mixed steps too: decode rows beside "
+            f"prompt chunks)",
             f"cache scheme  {self.cache_scheme.name}: {_kib(page_bytes)} per {c.page_tokens}-token page, "
             f"{_gib(page_bytes * full_context_pages)} per full context",
             f"tokenizer     {self.tokenizer}",
