@@ -254,6 +254,13 @@ def test_estimates_are_medians_of_recent_observations_with_a_scaled_prior():
     assert estimator.estimate(StepKind.PREFILL, 64) == pytest.approx(0.01)  # other kinds untouched
     with pytest.raises(ValueError, match="positive number of seconds"):
         estimator.observe(StepKind.DECODE, 4, 0.0)
+    # A mixed step replays the prefill graph of its capacity: what one kind measured rates the other.
+    estimator.observe(StepKind.PREFILL, 256, 0.02)
+    assert estimator.estimate(StepKind.MIXED, 256) == pytest.approx(0.02)
+    assert estimator.estimate(StepKind.MIXED, 128) == pytest.approx(0.02)  # the prefill steps' prior ratio
+    estimator.observe(StepKind.MIXED, 256, 0.04)
+    assert estimator.estimate(StepKind.PREFILL, 256) == pytest.approx(0.03)
+    assert estimator.observations(StepKind.PREFILL, 256) == estimator.observations(StepKind.MIXED, 256) == 2
 
 
 def test_rank_prefers_starving_then_throughput():

@@ -1,6 +1,6 @@
 """Step-cost estimates learned from measured step durations.
 
-A bucket is (step kind, graph capacity). Its estimate is the median of its most recent
+A bucket is (step kind, graph capacity), mixed steps counting as prefill steps. Its estimate is the median of its most recent
 observations (robust to a stray slow step). A bucket with no data yet uses a linear prior scaled
 by how far the prior has been off for the same kind, so one measured capacity already corrects
 the others of that kind.
@@ -42,8 +42,15 @@ class CostPrior:
         return self.fixed_s + self.per_token_s * capacity
 
 
+# A mixed step (decode rows beside prompt chunks) replays the prefill graph of its capacity: the
+# two kinds share their buckets, so mixed steps are rated by what prefill steps measured (and
+# the reverse) rather than by the prior until one of their own has run.
+_BUCKET_KIND = {StepKind.MIXED: StepKind.PREFILL}
+
+
 class StepCostEstimator:
-    """Median of the last `window` observations per (kind, capacity) bucket."""
+    """Median of the last `window` observations per (kind, capacity) bucket; mixed and prefill
+    steps of one capacity share a bucket."""
 
     def __init__(self, prior: CostPrior | None = None, window: int = 16) -> None:
         if window < 1:
@@ -56,11 +63,13 @@ class StepCostEstimator:
     def observe(self, kind: StepKind, capacity: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"measured step duration must be a positive number of seconds, got {seconds}")
+        kind = _BUCKET_KIND.get(kind, kind)
         self._buckets.setdefault((kind, capacity), deque(maxlen=self.window)).append(seconds)
         ratio = seconds / self.prior.seconds(kind, capacity)
         self._prior_ratios.setdefault(kind, deque(maxlen=self.window)).append(ratio)
 
     def estimate(self, kind: StepKind, capacity: int) -> float:
+        kind = _BUCKET_KIND.get(kind, kind)
         observed = self._buckets.get((kind, capacity))
         if observed:
             return statistics.median(observed)
@@ -69,4 +78,4 @@ class StepCostEstimator:
         return self.prior.seconds(kind, capacity) * scale
 
     def observations(self, kind: StepKind, capacity: int) -> int:
-        return len(self._buckets.get((kind, capacity), ()))
+        return len(self._buckets.get((_BUCKET_KIND.get(kind, kind), capacity), ()))
