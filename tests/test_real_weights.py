@@ -332,9 +332,12 @@ def test_n_choices_share_one_prefill(smollm2_server):
     completion = client.completions.create(model=model, prompt="The sky is", n=2, seed=3, temperature=1.0,
                                            max_tokens=8, extra_body={"ignore_eos": True})
     assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens == 16
-    # Echoed prompt logprobs: every choice scores the prompt itself and echoes it.
+    # Echoed prompt logprobs: every choice scores the prompt itself and echoes it. Each choice's
+    # chunk runs in a step of its own composition (the other choice may decode beside it), so the
+    # float32 sums may round apart in the last digits.
     scored = client.completions.create(model=model, prompt="The sky is", n=2, echo=True, logprobs=1, max_tokens=2,
                                        temperature=0)
     assert [c.text.startswith("The sky is") for c in scored.choices] == [True, True]
-    assert scored.choices[0].logprobs.token_logprobs[0] is None
-    assert scored.choices[0].logprobs.token_logprobs == scored.choices[1].logprobs.token_logprobs
+    first, second = (c.logprobs.token_logprobs for c in scored.choices)
+    assert first[0] is None and second[0] is None and len(first) == len(second)
+    assert first[1:] == pytest.approx(second[1:], abs=1e-4)
