@@ -288,9 +288,9 @@ def test_capacities_from_contract_graph_catalog():
         SchedulerConfig(4, 100, GraphCapacities((4,), (256,)))
 
 
-def test_decoders_keep_progressing_while_a_long_prompt_prefills():
-    limits = FairnessLimits(max_wait_steps=3, max_wait_s=1e9)
-    scheduler = make_scheduler(num_pages=512, chunk=256, fairness=limits, prefix=False)
+def a_document_beside_three_chats(scheduler: Scheduler) -> tuple[Driver, int]:
+    """Three chats start decoding, then an 8,000-token document arrives; driven until the
+    document's first token. Returns the driver and the index of the document's first plan."""
     driver = Driver(scheduler)
     for i in range(3):
         driver.submit(f"chat{i}", prompt(30, 10 + i), 500)
@@ -300,6 +300,13 @@ def test_decoders_keep_progressing_while_a_long_prompt_prefills():
     start = len(driver.plans)
     while not driver.outputs["document"]:
         driver.step()
+    return driver, start
+
+
+def test_decoders_keep_progressing_while_a_long_prompt_prefills():
+    limits = FairnessLimits(max_wait_steps=3, max_wait_s=1e9)
+    scheduler = make_scheduler(num_pages=512, chunk=256, fairness=limits, prefix=False)
+    driver, start = a_document_beside_three_chats(scheduler)
     window = driver.plans[start:]
     prefill_steps = sum(1 for p in window if p.prefills)
     assert prefill_steps >= 8000 // 256            # the document did advance
@@ -318,15 +325,7 @@ def test_with_mixed_capacities_decoders_ride_along_every_prompt_chunk():
     catalog): while a long prompt prefills, every step also carries the running requests' decode
     rows, so none of them waits for a step of its own; every output matches its greedy run."""
     scheduler = make_scheduler(num_pages=512, chunk=256, mixed=(64, 128, 256), prefix=False)
-    driver = Driver(scheduler)
-    for i in range(3):
-        driver.submit(f"chat{i}", prompt(30, 10 + i), 500)
-    while not all(driver.outputs[f"chat{i}"] for i in range(3)):
-        driver.step()
-    driver.submit("document", prompt(8000, 4), 1)
-    start = len(driver.plans)
-    while not driver.outputs["document"]:
-        driver.step()
+    driver, start = a_document_beside_three_chats(scheduler)
     window = driver.plans[start:]
     assert sum(c.end - c.start for p in window for c in p.prefills) == 8000
     assert all(p.kind is StepKind.MIXED and len(p.decodes) == 3 for p in window if p.prefills), \
