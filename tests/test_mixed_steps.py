@@ -12,6 +12,7 @@ row and last token. Its logits must be the eager executor's, on a dense and a hy
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from flare_core.cache import PageAllocator
 from flare_core.contract import Capacities
 from flare_core.executor.eager import EagerExecutor
-from flare_core.executor.graphs import _ChunkLayout, prefill_step_inputs
+from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs
 from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
@@ -65,7 +66,7 @@ def executors(family: str):
 def run_as_prefill_graph(executor: EagerExecutor, plan: StepPlan, capacity: int) -> torch.Tensor:
     """The logits rows of `plan` (plan.samples order) computed from a prefill graph's inputs."""
     state = bool(executor.scheme.state)
-    requests = min(capacity, ROWS) + (2 if state else 1)  # as GraphExecutor._capture_prefill sizes them
+    requests = prefill_graph_requests(capacity, ROWS, state)
     step = prefill_step_inputs(plan.decodes, plan.prefills, capacity, requests, PAGE_TOKENS, PAGES, ROWS)
     executor.restore(plan)
     executor.start_chunks(plan)
@@ -97,9 +98,8 @@ def run_as_prefill_graph(executor: EagerExecutor, plan: StepPlan, capacity: int)
             chunks = built.chunk_indices.shape[0]
             assert chunk_layout.chunk_indices[:chunks].tolist() == built.chunk_indices.tolist()
     rows = len(plan.decodes) + len(plan.prefills)
-    batch = AttentionBatch(built.query_start, built.kv_lens, built.page_table, torch.tensor(step.tokens["cache_indices"]),
-                           torch.tensor(step.rows["last_token_index"][:rows]), PAGE_TOKENS, built.query_start_host,
-                           built.kv_lens_host, built.state_rows_host, built.state_rows, built.chunk_indices)
+    batch = dataclasses.replace(built, slot_mapping=torch.tensor(step.tokens["cache_indices"]),
+                                logits_indices=torch.tensor(step.rows["last_token_index"][:rows]))
     logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
                             ForwardContext(batch, executor.storage, layer_map=executor.layer_map))
     sampling = executor.finish_chunks(plan, logits)

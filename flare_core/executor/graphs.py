@@ -187,6 +187,14 @@ class PrefillStepInputs:
     attention: PagedLayout        # the requests for the attention kernels
 
 
+def prefill_graph_requests(capacity: int, rows: int, state: bool) -> int:
+    """The requests a prefill graph of `capacity` tokens holds when `rows` requests may be live:
+    each request of a step has at least one token and holds a state row, so at most the smaller
+    of the two; then the padding request, and for recurrent layers (`state`) one that stays empty
+    (_ChunkLayout)."""
+    return min(capacity, rows) + (2 if state else 1)
+
+
 def prefill_step_inputs(decodes, chunks, capacity: int, requests: int, page_tokens: int, scratch_page: int,
                         scratch_row: int) -> PrefillStepInputs:
     """The inputs of a prefill graph for a step of `decodes` (DecodeEntry) and `chunks`
@@ -453,9 +461,7 @@ class GraphExecutor:
     def _capture_prefill(self, capacity: int, pool) -> _Graph:
         device = self.device
         state = bool(self.eager.scheme.state)
-        # Each request of a step has at least one token and holds a state row: at most this many,
-        # then the padding request, and for recurrent layers one that stays empty (_ChunkLayout).
-        requests = min(capacity, self.scratch_row) + (2 if state else 1)
+        requests = prefill_graph_requests(capacity, self.scratch_row, state)
         pad_pages = -(-capacity // self.page_tokens)
         attention = _FencedPlan(self.kernels.prefill(
             graph=(requests, (requests - 1) * self._pages_per_context + pad_pages + requests)))

@@ -1,9 +1,9 @@
 """Step-cost estimates learned from measured step durations.
 
-A bucket is (step kind, graph capacity), mixed steps counting as prefill steps. Its estimate is the median of its most recent
-observations (robust to a stray slow step). A bucket with no data yet uses a linear prior scaled
-by how far the prior has been off for the same kind, so one measured capacity already corrects
-the others of that kind.
+A bucket is (step kind, graph capacity), mixed steps counting as prefill steps. Its estimate is
+the median of its most recent observations (robust to a stray slow step). A bucket with no data
+yet uses a linear prior scaled by how far the prior has been off for the same kind, so one
+measured capacity already corrects the others of that kind.
 """
 
 from __future__ import annotations
