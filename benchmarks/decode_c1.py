@@ -58,7 +58,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import StepSampling
-    from flare_core.runtime.types import SamplingParams
+    from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
 

@@ -2,10 +2,11 @@
 JSON-schema grammar on every request, to tell the grammar's cost on the model thread from what
 serving adds around it. Runs an exported core in-process: C requests of random 1024-token
 prompts, 256 output tokens each (ignore_eos); reports the median gap between a request's tokens
-(ITL) in the decode phase, and with --profile the model thread's cumulative time per function;
-with --host-split, the model thread's time per step split into planning (the scheduler),
-launching (inputs, attention plans, replays), reading back (output processing, events) and
-waiting for the device: a thread that seldom waits sets the step time itself.
+(ITL) in the decode phase, and with --profile the host's cumulative time per function; with
+--host-split, the host's time per step split into planning (the scheduler), launching (inputs,
+attention plans, replays), reading back (output processing, events) and waiting for the device
+(each step's HostTimes): a host that seldom waits sets the step time itself. The engine core is
+driven step by step on the benchmark's own thread (EngineCore.step).
 
     python3 benchmarks/engine_steps.py --config /tmp/flare-bench/config.toml --core qwen3-8b-random \
         --concurrency 64 --json-schema benchmarks/note_schema.json [--profile | --host-split]
@@ -14,7 +15,6 @@ waiting for the device: a thread that seldom waits sets the step time itself.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import functools
 import io
@@ -32,82 +32,53 @@ from flare_core.cli import open_verified_core
 from flare_core.config import load_config
 from flare_core.frontend.grammar import GrammarKind, GrammarSpec
 from flare_core.plugins import load_registry
-from flare_core.runtime.build import build_engine
-from flare_core.runtime.engine import Engine
-from flare_core.runtime.loaded import load_core
-from flare_core.runtime.memory import plan_kv
-from flare_core.runtime.types import GenerationRequest, SamplingParams
-from flare_core.scheduler import Scheduler
+from flare_core.engine.build import build_engine
+from flare_core.engine.core import EngineCore
+from flare_core.engine.load import load_core
+from flare_core.engine.memory import plan_kv
+from flare_core.requests import GenerationRequest, SamplingParams
 
 
-def host_split(engine_type: type[Engine]) -> dict[str, float]:
-    """Wrap the model thread's step phases with timers; returns the totals (seconds) it fills.
-    `wait` (blocked on the device's events, inside `consume`, or inside `launch` where grammar
-    masks need the tokens in flight) is counted apart from the phase it happens in."""
-    totals = {"steps": 0, "schedule": 0.0, "launch": 0.0, "consume": 0.0, "wait": 0.0}
+def run(core: EngineCore, rounds: list[list[GenerationRequest]], kernel_profile: Path | None,
+        profile: cProfile.Profile | None) -> list[tuple[list[list[float]], dict[str, float]]]:
+    """Per round (its requests run together, the rounds one after another on one engine core,
+    driven step by step on this thread): per request, the arrival times of its token events,
+    and the round's host time per step by phase (HostTimes of the steps read back). The last
+    round runs under the torch profiler when `kernel_profile` names a file for its per-kernel
+    table; `profile` profiles the steps' host code."""
+    results = []
+    for index, requests in enumerate(rounds):
+        arrivals: dict[str, list[float]] = {}
+        totals = {"steps": 0, "schedule": 0.0, "launch": 0.0, "read": 0.0, "wait": 0.0}
+        for i, request in enumerate(requests):
+            core.add(f"r{index}.{i}", request)
+            arrivals[f"r{index}.{i}"] = []
+        tracing = kernel_profile is not None and index == len(rounds) - 1
+        if tracing:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    def timed(method, name: str):
-        def wrapper(self, *args):
-            start = time.perf_counter()
-            try:
-                return method(self, *args)
-            finally:
-                totals[name] += time.perf_counter() - start
-        return wrapper
-
-    def less_waits(method, name: str):  # a phase's time without the waits inside it
-        def wrapper(self, *args):
-            waited, start = totals["wait"], time.perf_counter()
-            try:
-                return method(self, *args)
-            finally:
-                totals[name] += time.perf_counter() - start - (totals["wait"] - waited)
-        return wrapper
-
-    def counted(method):
-        def wrapper(self, *args):
-            totals["steps"] += 1
-            return method(self, *args)
-        return wrapper
-
-    engine_type._wait = timed(engine_type._wait, "wait")
-    engine_type._launch = less_waits(engine_type._launch, "launch")  # grammar masks wait for tokens
-    engine_type._consume = counted(less_waits(engine_type._consume, "consume"))
-    Scheduler.schedule = timed(Scheduler.schedule, "schedule")
-    return totals
-
-
-async def run(engine: Engine, rounds: list[list[GenerationRequest]], kernel_profile: Path | None,
-              split: dict[str, float] | None) -> list[tuple[list[list[float]], dict[str, float]]]:
-    """Per round (its requests run together, the rounds one after another on one engine): per
-    request, the arrival times of its token events, and the round's share of the `split`
-    totals. The last round runs under the torch profiler when `kernel_profile` names a file for
-    its per-kernel table."""
-    engine.start()
-    try:
-        async def times(stream) -> list[float]:
-            arrivals = []
-            async for event in stream:
+            tracer = torch_profile(activities=[ProfilerActivity.CUDA])
+            tracer.__enter__()
+        if profile is not None:
+            profile.enable()
+        while not core.is_idle():
+            activity = core.step()
+            now = time.perf_counter()
+            for request_id, event in activity.events:
                 if event.token_ids:
-                    arrivals.append(time.perf_counter())
-            return arrivals
-
-        results = []
-        for index, requests in enumerate(rounds):
-            before = dict(split or {})
-            if kernel_profile is not None and index == len(rounds) - 1:
-                from torch.profiler import ProfilerActivity, profile as torch_profile
-
-                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    arrivals = await asyncio.gather(*(times(engine.submit(r)) for r in requests))
-                kernel_profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=50,
-                                                                    max_name_column_width=90))
-            else:
-                arrivals = await asyncio.gather(*(times(engine.submit(r)) for r in requests))
-            results.append((arrivals, {name: value - before[name] for name, value in (split or {}).items()}))
-        return results
-    finally:
-        await engine.aclose()
+                    arrivals[request_id].append(now)
+            for step in activity.steps:
+                totals["steps"] += 1
+                for name in ("schedule", "launch", "read", "wait"):
+                    totals[name] += getattr(step.host, f"{name}_s")
+        if profile is not None:
+            profile.disable()
+        if tracing:
+            tracer.__exit__(None, None, None)
+            kernel_profile.write_text(tracer.key_averages().table(sort_by="cuda_time_total", row_limit=50,
+                                                                  max_name_column_width=90))
+        results.append((list(arrivals.values()), totals))
+    return results
 
 
 def sampling_settings(text: str) -> SamplingParams:
@@ -147,18 +118,6 @@ def main() -> None:
     loaded = load_core(open_verified_core(config, args.core, trust_publisher=True), load_registry(), device)
     kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, args.concurrency, device, "0.9", None)
     profile = cProfile.Profile()
-    if args.profile:
-        thread_run = Engine._run
-
-        def profiled(self: Engine) -> None:
-            profile.enable()
-            try:
-                thread_run(self)
-            finally:
-                profile.disable()
-
-        Engine._run = profiled
-    split = host_split(Engine) if args.host_split else None
     engine = build_engine(loaded, kv, load_registry(), max_concurrency=args.concurrency, queue_capacity=0)
     grammar = None
     if args.json_schema is not None:
@@ -171,18 +130,18 @@ def main() -> None:
                                  max_tokens=args.output_len, ignore_eos=True, grammar=grammar,
                                  sampling=replace(sampling_settings(setting), seed=i))
                for i in range(args.concurrency)] for setting in settings]
-    results = asyncio.run(run(engine, rounds, args.kernel_profile, split))
+    results = run(engine.core, rounds, args.kernel_profile, profile if args.profile else None)
     for setting, (arrivals, phases) in zip(settings, results):
         result = {"concurrency": args.concurrency, "grammar": grammar is not None, "profiled": args.profile,
                   "sampling": setting, **itl(arrivals)}
-        if phases:
+        if args.host_split:
             steps = phases.pop("steps")
             result["host_ms_per_step"] = {name: round(1e3 * seconds / steps, 4) for name, seconds in phases.items()}
         print(json.dumps(result))
     if args.profile:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(
-            "engine.py|grammar.py|scheduler.py|output.py|graphs.py|eager.py|sampling.py|token_masks.py", 40)
+            "core.py|frames.py|live.py|grammar.py|scheduler.py|output.py|graphs.py|eager.py|sampling.py|token_masks.py", 40)
         print(text.getvalue())
 
 

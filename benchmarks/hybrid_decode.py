@@ -62,7 +62,7 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
     num_pages = 4 * -(-total // PAGE_TOKENS)
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2 * total)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
-    # As `flare run` builds it (flare_core.runtime.build): prefill graphs of the catalog's capacities.
+    # As `flare run` builds it (flare_core.engine.build): prefill graphs of the catalog's capacities.
     executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
                              num_snapshot_rows=snapshots, num_logits_rows=8, vocab_size=config.vocab_size,
                              device=device, decode_capacities=(1,), prefill_capacities=catalog.prefill,

@@ -84,7 +84,7 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import StepSampling
     from flare_core.plugins import load_registry
-    from flare_core.runtime.types import SamplingParams
+    from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
 

@@ -308,9 +308,9 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     import structlog
 
     from flare_core.config import with_overrides
-    from flare_core.runtime.build import build_engine
-    from flare_core.runtime.loaded import CoreLoadError, load_core
-    from flare_core.runtime.memory import MemoryPlanError, plan_kv
+    from flare_core.engine.build import build_engine
+    from flare_core.engine.load import CoreLoadError, load_core
+    from flare_core.engine.memory import MemoryPlanError, plan_kv
     from flare_core.server.serve import ServeError, WorkerFailed, serve
 
     telemetry = logs = None
@@ -340,7 +340,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         if torch_device.type != "cpu":
             raise FlareCommandError(f"{runtime_core.path}: the core is split over {ranks} tensor-parallel ranks; "
                                     f"only the CPU path (--device cpu) serves such cores so far")
-        from flare_core.runtime.tensor_parallel import RankLeader
+        from flare_core.engine.tensor_parallel import RankLeader
 
         try:
             leader = RankLeader.start(runtime_core.path, ranks)
@@ -350,7 +350,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     try:
         compile_cache, compiling = None, contextlib.nullcontext()
         if torch_device.type == "cuda":  # the CPU reference compiles nothing
-            from flare_core.runtime.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
+            from flare_core.engine.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
                                                           library_versions)
 
             directory = compile_cache_dir(config.paths.compile_cache, runtime_core.path.name,

@@ -32,7 +32,7 @@ class PathsConfig:
     # Checkpoints Flare writes itself (the random-weight demo models), kept for tools to reuse.
     checkpoint_cache: Path = Path("~/.cache/flare/checkpoints")
     # Kernels `flare run` compiles on a GPU, per core, GPU model and library versions (see
-    # flare_core.runtime.compile_cache), so that the next start of a core skips compiling.
+    # flare_core.engine.compile_cache), so that the next start of a core skips compiling.
     compile_cache: Path = Path("~/.cache/flare/compiled")
     keys: Path = Path("~/.config/flare/keys")
     trust_store: Path = Path("~/.config/flare/trusted_publishers.json")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from flare_core.runtime.types import GenerationRequest, SamplingParams
+from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine, run_requests
 
 # A flat distribution (this random model's logits are peaked), so that seeds tell choices apart.
@@ -76,11 +76,11 @@ def test_a_choice_cancelled_as_it_is_released_is_not_run(session_flare, qwen3_co
     async def race():
         leader = engine.submit(LEADER)
         waiting = engine.submit(dataclasses.replace(LEADER, request_id="choice.1"), leader=leader)
-        engine._drain_inbox(block=False)  # the model thread's side, by hand: the choice is parked
+        engine._handle_messages(block=False)  # the model thread's side, by hand: the choice is parked
         waiting.cancel()  # the cancel is queued ...
         engine._release_parked(leader.request_id)  # ... before the released choice
-        engine._drain_inbox(block=False)
-        assert "choice.1" not in engine._live
+        engine._handle_messages(block=False)
+        assert engine.core.generated("choice.1") is None
         engine.start()
         try:
             return await asyncio.gather(collect(leader), collect(waiting))

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from flare_core.runtime.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
+from flare_core.engine.compile_cache import (compile_cache_dir, compiling_into, device_tag, holds_compiled,
                                               library_versions)
 
 VERSIONS = {"torch": "2.11.0", "triton": "3.5.0", "flashinfer-python": "0.7.2"}
@@ -32,7 +32,7 @@ def test_one_directory_per_core_device_and_versions(tmp_path):
 _COMPILE = """
 import json, sys, torch
 from pathlib import Path
-from flare_core.runtime.compile_cache import compiling_into, holds_compiled
+from flare_core.engine.compile_cache import compiling_into, holds_compiled
 import torch._inductor.runtime.cache_dir_utils as dirs
 from torch._dynamo.utils import counters
 warm = holds_compiled(Path(sys.argv[1]))

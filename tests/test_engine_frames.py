@@ -18,11 +18,11 @@ import torch
 
 from flare_core.config import load_config
 from flare_core.plugins import load_registry
-from flare_core.runtime.build import build_engine
-from flare_core.runtime.engine import Engine
-from flare_core.runtime.loaded import load_core
-from flare_core.runtime.memory import plan_kv
-from flare_core.runtime.types import GenerationRequest, SamplingParams
+from flare_core.engine.build import build_engine
+from flare_core.engine.service import Engine
+from flare_core.engine.load import load_core
+from flare_core.engine.memory import plan_kv
+from flare_core.requests import GenerationRequest, SamplingParams
 
 
 def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_model: bool = False,
@@ -86,7 +86,7 @@ def test_two_frames_match_one(session_flare, qwen3_core, reference):
     engine = make_engine(session_flare, qwen3_core, frames=2)
     results = asyncio.run(run_requests(engine, REQUESTS))
     assert results == reference
-    assert engine.frames_in_flight == 2
+    assert engine.core.frames_in_flight == 2
     assert engine.executor_summary() == "eager reference (plain-torch paged attention), 2 steps in flight"
     resources = engine.resources()
     assert resources.live == 0 and resources.waiting == 0 and resources.steps_in_flight == 0

@@ -203,7 +203,7 @@ def test_cuda_refuses_a_float32_core_before_loading_weights(flare, qwen3_checkpo
     import torch
 
     from flare_core.plugins import load_registry
-    from flare_core.runtime.loaded import CoreLoadError, load_core
+    from flare_core.engine.load import CoreLoadError, load_core
 
     core = open_core(flare.export(qwen3_checkpoint, "--dtype", "float32"))
     with pytest.raises(CoreLoadError, match=r"float32, which the CUDA path does not serve .* --device cpu, or "

@@ -15,7 +15,7 @@ import torch
 
 from flare_core.core import open_core
 from flare_core.plugins import load_registry
-from flare_core.runtime.loaded import load_core
+from flare_core.engine.load import load_core
 from flare_core.testing import serve_paged
 from server_process import ServerProcess
 

@@ -17,7 +17,7 @@ import openai
 
 from conftest import write_checkpoint
 from server_process import with_and_without_prefix_cache
-from flare_core.runtime.types import GenerationRequest, SamplingParams
+from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
 
 SHARED = tuple(range(1000, 1077))  # the messages both requests start with (77 tokens: mid-page)

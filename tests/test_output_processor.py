@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flare_core.frontend import Tokenizer, build_tokenizer_json
-from flare_core.runtime.output import Finish, OutputProcessor
-from flare_core.runtime.types import GenerationRequest
+from flare_core.frontend.output import Finish, OutputProcessor
+from flare_core.requests import GenerationRequest
 
 QWEN3 = Path(__file__).parent / "fixtures" / "tokenizers" / "qwen3"
 IM_END = 151645

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flare_core.ops.sampling import PenaltyBook, PenaltyState, Sampler, apply_penalties
-from flare_core.runtime.types import SamplingParams
+from flare_core.requests import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -18,7 +18,7 @@ import torch
 from flare_core.frontend.grammar import GrammarKind, GrammarMatcher, GrammarSpec
 from flare_core.ops.sampling import Sampler
 from flare_core.ops.token_masks import MASK_BITS, apply_token_masks
-from flare_core.runtime.types import GenerationRequest, SamplingParams
+from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine, run_requests
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]},
@@ -78,13 +78,13 @@ def test_a_grammar_request_samples_in_every_step_with_two_in_flight(session_flar
     engine = make_engine(session_flare, qwen3_core, frames=2)
     [constrained] = grammar_requests(engine, GrammarSpec(GrammarKind.REGEX, r"[a-z]{40}", "test"))[:1]
     sampled_by_step = []
-    step = engine.executor.step
+    step = engine.core.executor.step
 
     def recording_step(plan, sampling):
         sampled_by_step.append({handle.request_id for handle in plan.samples})
         return step(plan, sampling)
 
-    engine.executor.step = recording_step
+    engine.core.executor.step = recording_step
     free = dataclasses.replace(FREE[0], max_tokens=60)
     [(tokens, _, reason, _), _] = asyncio.run(run_requests(engine, [constrained, free]))
     assert re.fullmatch(r"[a-z]{40}", text_of(engine, tokens)) and reason == "stop"

@@ -21,7 +21,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from flare_core.config import ServerConfig
-from flare_core.runtime.types import GenerationRequest, SamplingParams
+from flare_core.requests import GenerationRequest, SamplingParams
 from flare_core.server.app import build_app
 from flare_core.server.state import STATE
 from server_process import ServerProcess

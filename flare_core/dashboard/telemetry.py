@@ -16,6 +16,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flare_core.engine.stats import Activity
 
 QUEUED = "queued"
 PREFILL = "prefill"
@@ -137,6 +141,23 @@ class Telemetry:
         self._pages: PageCounts | None = None
 
     # ---- model thread ------------------------------------------------------------------------
+
+    def record(self, activity: Activity) -> None:
+        """Take what the engine core reported (flare_core.engine.stats.Activity), in its order:
+        requests queued and started, steps read back, requests finished."""
+        for request_id, prompt_tokens in activity.queued:
+            self.request_queued(request_id, prompt_tokens)
+        for request_id, cached_tokens in activity.started:
+            self.request_started(request_id, cached_tokens)
+        resources = activity.resources
+        assert resources is not None, "an engine core's report holds its resources"
+        pages = {"total_pages": resources.pages, "free_pages": resources.free_pages,
+                 "cached_pages": resources.cached_pages}
+        for step in activity.steps:
+            self.record_step(step.kind, step.capacity, step.duration_s, prefill_tokens=step.prefill_tokens,
+                             sampled=step.sampled, **pages)
+        for finished in activity.finished:
+            self.request_finished(finished.request_id, finished.reason, **pages)
 
     def request_queued(self, request_id: str, prompt_tokens: int) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from flare_core.contract import CacheScheme
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.ops.attention import AttentionBackend, AttentionBatch, ForwardContext
 from flare_core.ops.sampling import PenaltyBook, PromptScores, SampleOutput, Sampler, StepSampling
-from flare_core.runtime.types import MAX_TOP_LOGPROBS
+from flare_core.requests import MAX_TOP_LOGPROBS
 from flare_core.ops.transfer import to_device
 from flare_core.scheduler import StepPlan
 

@@ -41,7 +41,7 @@ import torch
 
 from flare_core.ops.token_masks import apply_token_masks
 from flare_core.ops.transfer import to_device
-from flare_core.runtime.types import SamplingParams
+from flare_core.requests import SamplingParams
 
 _WORD = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit word times one stays below 2**63, so the int64 tensor

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.runtime.types import GenerationRequest, Usage
+from flare_core.requests import GenerationRequest, Usage
 from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Outcome, Piece, answer, execution_error,
                                           no_events, read_call)
 from flare_core.server.models import resolve_model

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from flare_core.frontend import Frontend
 from flare_core.frontend.parsers import OutputParser, ParsedDelta, prompt_opens_reasoning
-from flare_core.runtime.types import AdmissionError, GenerationRequest, TokenLogprob, Usage
+from flare_core.requests import AdmissionError, GenerationRequest, TokenLogprob, Usage
 from flare_core.server.errors import ApiError
 from flare_core.server.prompts import Prompt
 from flare_core.server.request_log import RECORD, RequestRecord

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 import flare_core
-from flare_core.runtime.types import GenerationRequest
+from flare_core.requests import GenerationRequest
 from flare_core.server.errors import ApiError
 from flare_core.frontend.parsers import ParsedOutput
 from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Framing, Outcome, Piece, answer,

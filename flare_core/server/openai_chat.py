@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
-from flare_core.runtime.types import TokenLogprob
+from flare_core.requests import TokenLogprob
 from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
                                           unfinished_error)
 from flare_core.server.models import resolve_model

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flare_core.frontend import Frontend
-from flare_core.runtime.types import GenerationRequest, TokenLogprob, Usage
+from flare_core.requests import GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, choices_usage, execution_error
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_logit_bias, read_max_tokens,

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.frontend import Frontend
-from flare_core.runtime.types import TokenLogprob
+from flare_core.requests import TokenLogprob
 from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
                                           unfinished_error)
 from flare_core.server.models import resolve_model

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.runtime.types import TokenLogprob, Usage
+from flare_core.requests import TokenLogprob, Usage
 from flare_core.server.generation import Call, EventSink, Outcome, Piece, answer, execution_error, no_events, read_call
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import chat_logprobs, generation_request, read_tool_choice, thinking_switch

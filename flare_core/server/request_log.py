@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
-from flare_core.runtime.types import Usage
+from flare_core.requests import Usage
 
 _log = structlog.get_logger("flare.server")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from flare_core.contract import SamplingPolicy
 from flare_core.frontend.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_automaton
-from flare_core.runtime.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_TOKENS, SamplingParams
+from flare_core.requests import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from flare_core.server.validation import get_int, get_number, invalid, json_type
 
 CLAMPED_HEADER = "x-flare-clamped"

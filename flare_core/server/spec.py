@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flare_core.runtime.types import MAX_TOP_LOGPROBS
+from flare_core.requests import MAX_TOP_LOGPROBS
 from flare_core.server.validation import (get_bool, get_int, get_list, get_number, get_object, get_str, invalid,
                                           reject_unknown)
 

@@ -13,8 +13,8 @@ from aiohttp import web
 
 from flare_core.config import ServerConfig
 from flare_core.frontend import Frontend
-from flare_core.runtime.metrics import RuntimeMetrics
-from flare_core.runtime.types import EngineInfo, GenerationEvent, GenerationRequest
+from flare_core.engine.metrics import RuntimeMetrics
+from flare_core.requests import EngineInfo, GenerationEvent, GenerationRequest
 
 
 class RequestStream(Protocol):
@@ -24,7 +24,7 @@ class RequestStream(Protocol):
 
 
 class Engine(Protocol):
-    """The part of `flare_core.runtime.engine.Engine` the server uses."""
+    """The part of `flare_core.engine.service.Engine` the server uses."""
 
     info: EngineInfo
     frontend: Frontend  # tokenizer, chat template, sampling policy, parsers, template defaults

@@ -22,7 +22,7 @@ from typing import Any
 from flare_core.contract import ToolCallFormat
 from flare_core.frontend import Frontend
 from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec
-from flare_core.runtime.types import GenerationRequest
+from flare_core.requests import GenerationRequest
 from flare_core.server.spec import Field
 from flare_core.server.validation import invalid, json_type
 

@@ -93,7 +93,7 @@ def test_cuda_refuses_fp8_latent_pages(fp8_checkpoint, tmp_path):
     stores and the way out (the CPU path serves it: tests/test_fp8_kv_cache.py)."""
     from flare_core.core import open_core
     from flare_core.plugins import load_registry
-    from flare_core.runtime.loaded import CoreLoadError, load_core
+    from flare_core.engine.load import CoreLoadError, load_core
 
     directory, _ = fp8_checkpoint
     core, _, _ = export_checkpoint(directory, tmp_path / "flare", "--recipe", "deepseek-v3", "--kv-dtype", "fp8_e4m3")

@@ -61,9 +61,9 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     assert results[1:4] == reference[1:4]
     resources = engine.resources()
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
-    replays = sum(g.replays for g in engine.executor.decode_graphs.values())
+    replays = sum(g.replays for g in engine.core.executor.decode_graphs.values())
     assert replays > 0
-    assert sum(g.replays for g in engine.executor.prefill_graphs.values()) > 0
+    assert sum(g.replays for g in engine.core.executor.prefill_graphs.values()) > 0
 
 
 def test_fp8_kv_core_on_cuda(session_flare, checkpoint, bf16_core):
@@ -135,7 +135,7 @@ def test_grammars_on_cuda(session_flare, bf16_core):
             torch.cuda.set_sync_debug_mode("default")
         syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
         assert not syncs, syncs[:3]
-        assert sum(g.replays for g in engine.executor.decode_graphs.values()) > 0
+        assert sum(g.replays for g in engine.core.executor.decode_graphs.values()) > 0
     assert runs[0] == runs[1]
     constrained, [forced_result] = runs[0][:-len(REQUESTS) - 1], runs[0][-len(REQUESTS) - 1:-len(REQUESTS)]
     [_, _, first_top] = forced_result[1][0]

@@ -244,7 +244,7 @@ def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
     from flare_core.config import load_config
     from flare_core.ops.fp8 import Fp8BlockLinear
     from flare_core.plugins import load_registry
-    from flare_core.runtime.loaded import load_core
+    from flare_core.engine.load import load_core
     from flare_core.testing import serve_paged
     from flare_recipe_deepseek.testing import (dequantized_reference, export_checkpoint, quantize_fp8_checkpoint,
                                                random_model, save_model, write_frontend)
@@ -293,4 +293,4 @@ def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
     engine = make_engine(SimpleNamespace(config_path=config_path), core, 2, "cuda")
     results = asyncio.run(run_requests(engine, REQUESTS))
     assert [len(r[0]) for r in results] == [r.max_tokens for r in REQUESTS]
-    assert sum(g.replays for g in engine.executor.decode_graphs.values()) > 0
+    assert sum(g.replays for g in engine.core.executor.decode_graphs.values()) > 0

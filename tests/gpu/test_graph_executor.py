@@ -256,7 +256,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.ops.sampling import PenaltyState, Sampler, StepSampling
-    from flare_core.runtime.types import SamplingParams
+    from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
 

@@ -175,7 +175,7 @@ def _build_executor(core_path: str, rank: int, ranks: int, commands):
     from flare_core.executor.eager import EagerExecutor
     from flare_core.parallel import Ranks, join_group, spec_of
     from flare_core.plugins import load_registry
-    from flare_core.runtime.loaded import load_core
+    from flare_core.engine.load import load_core
 
     registry = load_registry()
     # The signature is checked on opening; rank 0 verified the payload hashes and the publisher.

@@ -8,8 +8,13 @@ loop may both call these methods.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from flare_core.engine.stats import Activity
 
 # Finish reasons the runtime reports; "stop" and "length" are completions.
 COMPLETED_REASONS = ("stop", "length")
@@ -65,6 +70,32 @@ class RuntimeMetrics:
                                buckets=_TTFT_BUCKETS, registry=r)
         self._itl = Histogram("flare_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                               buckets=_ITL_BUCKETS, registry=r)
+        self._prefix_seen = (0, 0, 0)  # the prefix cache's lookups, hits and reused tokens counted so far
+
+    def record(self, activity: Activity) -> None:
+        """Count what the engine core reported (flare_core.engine.stats.Activity)."""
+        for step in activity.steps:
+            self._steps.labels(kind=step.kind).inc()
+            self._step_tokens.labels(kind=step.kind).inc(step.computed_tokens)
+        for seconds in activity.first_token_s:
+            self._ttft.observe(seconds)
+        for seconds in activity.token_gaps_s:
+            self._itl.observe(seconds)
+        for finished in activity.finished:
+            usage = finished.usage
+            self._request_finished(finished.reason, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        if activity.prefix is not None:
+            stats, (lookups, hits, reused) = activity.prefix, self._prefix_seen
+            self._prefix_lookups.inc(stats.lookups - lookups)
+            self._prefix_hits.inc(stats.hits - hits)
+            self._prefix_reused_tokens.inc(stats.reused_tokens - reused)
+            self._prefix_seen = (stats.lookups, stats.hits, stats.reused_tokens)
+        resources = activity.resources
+        if resources is not None:
+            self._live_slots.set(resources.live)
+            self._free_slots.set(resources.state_rows - resources.live)
+            self._free_pages.set(resources.free_pages)
+            self._waiting.set(resources.waiting)
 
     def request_admitted(self) -> None:
         self._admitted.inc()
@@ -73,7 +104,7 @@ class RuntimeMetrics:
         """An HTTP request refused before it reached generation (401, 413, 429, 503, ...)."""
         self._rejected.labels(status=str(status)).inc()
 
-    def request_finished(self, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+    def _request_finished(self, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """`reason` is the runtime's finish reason: "stop", "length", "cancelled" or "error";
         `cached_tokens` are the prompt tokens restored from the prefix cache."""
         if reason in COMPLETED_REASONS:
@@ -88,34 +119,6 @@ class RuntimeMetrics:
         self._prompt_tokens.inc(prompt_tokens)
         self._cached_prompt_tokens.inc(cached_tokens)
         self._generation_tokens.inc(completion_tokens)
-
-    def prefix_lookup(self, hit: bool, reused_tokens: int) -> None:
-        """One prefix cache lookup; `reused_tokens` are the prompt tokens it restored."""
-        self._prefix_lookups.inc()
-        if hit:
-            self._prefix_hits.inc()
-            self._prefix_reused_tokens.inc(reused_tokens)
-
-    def step_completed(self, kind: str, tokens: int) -> None:
-        """A model step of `kind` (StepKind's value) that computed `tokens` tokens was read back."""
-        self._steps.labels(kind=kind).inc()
-        self._step_tokens.labels(kind=kind).inc(tokens)
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
-
-    def observe_itl(self, seconds: float) -> None:
-        self._itl.observe(seconds)
-
-    def set_slots(self, live: int, free: int) -> None:
-        self._live_slots.set(live)
-        self._free_slots.set(free)
-
-    def set_free_pages(self, pages: int) -> None:
-        self._free_pages.set(pages)
-
-    def set_waiting(self, requests: int) -> None:
-        self._waiting.set(requests)
 
     def set_http_uploads(self, count: int) -> None:
         self._http_uploads.set(count)

@@ -16,15 +16,16 @@ from flare_core.cache import PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
 from flare_core.frontend import Frontend
 from flare_core.plugins import Registry
-from flare_core.runtime.engine import Engine
-from flare_core.runtime.types import EngineInfo
-from flare_core.runtime.loaded import LoadedCore
-from flare_core.runtime.memory import KvPlan, snapshot_rows_for
+from flare_core.engine.core import EngineCore
+from flare_core.engine.service import Engine
+from flare_core.requests import EngineInfo
+from flare_core.engine.load import LoadedCore
+from flare_core.engine.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
 
 if TYPE_CHECKING:
     from flare_core.dashboard.telemetry import Telemetry
-    from flare_core.runtime.tensor_parallel import RankLeader
+    from flare_core.engine.tensor_parallel import RankLeader
 
 # Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live state row.
 LOGITS_ROWS_PER_REQUEST = 4
@@ -37,7 +38,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
     executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
     executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
-    of a core split over tensor-parallel ranks (flare_core.runtime.tensor_parallel), which build
+    of a core split over tensor-parallel ranks (flare_core.engine.tensor_parallel), which build
     the same executor and follow its steps."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
@@ -89,7 +90,9 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
                                           prefill_chunk_size=capacities.prefill_chunk_size,
                                           capacities=catalog, page_tokens=page_tokens), pages, prefix)
-    return Engine(info=info, frontend=frontend, scheduler=scheduler, executor=executor, kv=kv,
-                  vocab_size=loaded.model_config.vocab_size,
-                  core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),
-                  frames_in_flight=frames_in_flight or executor.frames_in_flight, telemetry=telemetry)
+    core = EngineCore(scheduler, executor, tokenizer=loaded.tokenizer,
+                      core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),
+                      vocab_size=loaded.model_config.vocab_size,
+                      mask_words=frontend.grammars.words if frontend.grammars is not None else 0,
+                      frames_in_flight=frames_in_flight or executor.frames_in_flight)
+    return Engine(core, info=info, frontend=frontend, kv=kv, telemetry=telemetry)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from flare_core.frontend import IncrementalDetokenizer, Tokenizer
 from flare_core.frontend.stops import StopMatcher
-from flare_core.runtime.types import GenerationEvent, GenerationRequest, TokenLogprob
+from flare_core.requests import GenerationEvent, GenerationRequest, TokenLogprob
 
 
 @dataclass(frozen=True)
