@@ -51,7 +51,7 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
                 profile: Path | None = None, compile_model: bool = True) -> dict:
     """Seconds to the first token of a cold prompt and of one restoring its prefix's snapshot
     (with `profile`, a second restoring prompt under the profiler: its kernels and host time)."""
-    from flare_core.cache import PageAllocator, PrefixCache
+    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.contract import Capacities
     from flare_core.executor.graphs import GraphExecutor
     from flare_core.plugins import load_registry
@@ -71,7 +71,8 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
     pages = PageAllocator(num_pages)
     prefix_cache = PrefixCache(b"\x05" * 32, pages, PAGE_TOKENS, continuation_state=True, snapshot_rows=snapshots,
                                logits_rows=8)
-    scheduler = Scheduler(SchedulerConfig(rows, chunk, catalog, PAGE_TOKENS), pages, prefix_cache)
+    scheduler = Scheduler(SchedulerConfig(rows, chunk, catalog, PAGE_TOKENS),
+                          KvCacheManager(pages, rows, PAGE_TOKENS, prefix_cache))
     generator = torch.Generator().manual_seed(7)
 
     def prompt(n: int) -> list[int]:

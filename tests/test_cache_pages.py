@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from flare_core.cache import (
+from flare_core.kv import (
     PageAllocator,
     PagesExhausted,
     RowsExhausted,

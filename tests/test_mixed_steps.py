@@ -18,7 +18,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from flare_core.cache import PageAllocator
+from flare_core.kv import KvCacheManager, PageAllocator
 from flare_core.contract import Capacities
 from flare_core.executor.eager import EagerExecutor
 from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs
@@ -111,7 +111,8 @@ def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
     config, (reference, graph_like) = executors(family)
     capacities = Capacities(max_concurrency=ROWS, prefill_chunk_size=128, context_length=512, page_tokens=PAGE_TOKENS)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
-    scheduler = Scheduler(SchedulerConfig(ROWS, 128, catalog, PAGE_TOKENS), PageAllocator(PAGES), None)
+    scheduler = Scheduler(SchedulerConfig(ROWS, 128, catalog, PAGE_TOKENS),
+                          KvCacheManager(PageAllocator(PAGES), ROWS, PAGE_TOKENS))
     generator = torch.Generator().manual_seed(5)
     # Prompts arrive while earlier requests decode: (arrival step, prompt length, tokens to generate).
     requests = {"a": (0, 40, 20), "b": (2, 150, 10), "c": (4, 7, 16), "d": (6, 200, 6), "e": (10, 33, 8),

@@ -7,7 +7,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from flare_core.cache import PageAllocator, PrefixCache, block_hash, extend_block_hashes
+from flare_core.kv import PageAllocator, PrefixCache, block_hash, extend_block_hashes
 
 P = 64
 IDENTITY = hashlib.sha256(b"test-model/recipe-1").digest()
@@ -265,3 +265,52 @@ def test_everything_returns_after_full_eviction():
     assert pages.free_count == 32
     assert cache.free_snapshot_rows == 4 and cache.free_logits_rows == 2
     assert cache.stats.resume_points == 0 and cache.stats.cached_blocks == 0
+
+
+def populated_cache(seed: int) -> tuple[PrefixCache, PageAllocator, list]:
+    """A cache of branching prefixes, resume points with tail pages and logits, some pages held
+    by live requests, some resume points pinned by restores in flight, and hits held: built the
+    same way for every `seed`, so two copies can be compared."""
+    import random
+
+    rng = random.Random(seed)
+    pages = PageAllocator(2000)
+    cache = PrefixCache(IDENTITY, pages, P, logits_rows=12)
+    trunks = [tokens(rng.randrange(64, 640), seed=s) for s in range(6)]
+    hits = []
+    for i in range(30):
+        trunk = rng.choice(trunks)
+        toks = trunk[:rng.randrange(64, len(trunk) + 1)] + tokens(rng.randrange(0, 200), seed=100 + i)
+        if rng.random() < 0.5:
+            store(cache, pages, toks)
+        else:  # unaligned: a resume point always keeps its partial last page
+            end = rng.randrange(1, len(toks) + 1)
+            save_resume_point(cache, pages, toks, end - (end % P == 0), prompt_end=True)
+        if rng.random() < 0.3:  # a request still holds what it looked up (pages pinned; a resume point, too)
+            hits.append(cache.lookup(toks, []))
+    return cache, pages, hits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dry_run_of_eviction_frees_what_eviction_frees_and_changes_nothing(seed):
+    """`evictable_pages(n)` counts, without evicting, what `evict_pages` then frees; counting what
+    dropping held hits would add (`released`, `unpinned`) matches dropping them and evicting."""
+    from collections import Counter
+
+    for wanted in (1, 5, 40, 2000):
+        cache, pages, hits = populated_cache(seed)
+        free, stats = pages.free_count, cache.stats
+        counted = cache.evictable_pages(wanted)
+        assert (pages.free_count, cache.stats) == (free, stats)  # nothing changed
+        cache.evict_pages(free + wanted)
+        assert pages.free_count - free == counted
+
+        cache, pages, hits = populated_cache(seed)
+        released = Counter(page for hit in hits for page in hit.pages)
+        unpinned = Counter(hit.resume_point for hit in hits if hit.resume_point is not None)
+        counted = cache.evictable_pages(wanted, released, unpinned)
+        for hit in hits:
+            cache.release_hit(hit)
+        cache.evict_pages(free + wanted)
+        assert pages.free_count - free == counted
+        assert counted >= cache.evictable_pages(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.scheduler import (
     Candidate,
     CostPrior,
@@ -177,17 +177,18 @@ def make_scheduler(num_pages=256, concurrency=4, chunk=256, state=False, logits_
     prefill_caps = tuple(c for c in (64, 128, 256, 512, 1024) if c < chunk) + (chunk,)
     config = SchedulerConfig(concurrency, chunk, GraphCapacities(decode_caps, prefill_caps, mixed),
                              P, fairness)
-    return Scheduler(config, pages, cache, StepCostEstimator(prior))
+    return Scheduler(config, KvCacheManager(pages, concurrency, P, cache), StepCostEstimator(prior))
 
 
 def assert_all_returned(scheduler: Scheduler) -> None:
     assert scheduler.is_idle()
-    assert scheduler.state_rows.free_count == scheduler.state_rows.num_rows
-    if scheduler.prefix is not None:
-        scheduler.prefix.evict_pages(scheduler.pages.num_pages)
-        assert scheduler.prefix.free_snapshot_rows == scheduler.prefix.snapshot_rows
-        assert scheduler.prefix.free_logits_rows == scheduler.prefix.logits_rows
-    assert scheduler.pages.free_count == scheduler.pages.num_pages
+    kv = scheduler.kv
+    assert kv.free_state_rows == kv.state_rows
+    if kv.prefix is not None:
+        kv.prefix.evict_pages(kv.num_pages)
+        assert kv.prefix.free_snapshot_rows == kv.prefix.snapshot_rows
+        assert kv.prefix.free_logits_rows == kv.prefix.logits_rows
+    assert kv.free_pages == kv.num_pages
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -422,18 +423,18 @@ def test_cancel_with_two_plans_in_flight_releases_after_the_last_completes():
     first, second = driver.issue(), driver.issue()
     assert {d.handle.request_id for d in first.decodes} == {"a", "b"}
     assert {d.handle.request_id for d in second.decodes} == {"a", "b"}
-    free_pages, free_slots = scheduler.pages.free_count, scheduler.state_rows.free_count
+    free_pages, free_slots = scheduler.kv.free_pages, scheduler.kv.free_state_rows
     assert scheduler.cancel("a") and not scheduler.cancel("a")
     third = driver.issue()
     assert [d.handle.request_id for d in third.decodes] == ["b"]   # stops being scheduled at once
     driver.complete_oldest()
-    assert scheduler.pages.free_count == free_pages and scheduler.state_rows.free_count == free_slots
+    assert scheduler.kv.free_pages == free_pages and scheduler.kv.free_state_rows == free_slots
     assert scheduler.request("a").status is RequestStatus.STOPPED
     outputs_before = list(driver.outputs["a"])
     driver.complete_oldest()                            # the last plan using "a"
     assert driver.outputs["a"] == outputs_before        # its in-flight tokens were dropped
-    assert scheduler.state_rows.free_count == free_slots + 1
-    assert scheduler.pages.free_count == free_pages + 2
+    assert scheduler.kv.free_state_rows == free_slots + 1
+    assert scheduler.kv.free_pages == free_pages + 2
     with pytest.raises(KeyError, match="unknown request_id 'a'"):
         scheduler.request("a")
     driver.complete_oldest()
@@ -469,7 +470,7 @@ def test_exact_hit_resumes_sampling_without_prefill():
     assert restore.logits_row is not None and restore.tail_copy is not None
     assert b_plans[0].samples[0] == restore.handle
     assert driver.outputs["b"] == driver.outputs["a"] == reference(text, 5)
-    assert scheduler.prefix.stats.reused_tokens >= 150
+    assert scheduler.kv.prefix.stats.reused_tokens >= 150
     assert_all_returned(scheduler)
 
 
@@ -518,10 +519,10 @@ def test_multi_turn_chat_through_real_template_reuses_turn_one():
     driver.run()
     prompt2 = encode(turn2, True)
     assert prompt2[:len(prompt1)] == prompt1
-    reused_before = scheduler.prefix.stats.reused_tokens
+    reused_before = scheduler.kv.prefix.stats.reused_tokens
     driver.submit("turn2", prompt2, 8, message_ends(turn2))
     driver.run()
-    assert scheduler.prefix.stats.reused_tokens - reused_before == len(prompt1)
+    assert scheduler.kv.prefix.stats.reused_tokens - reused_before == len(prompt1)
     assert driver.outputs["turn2"] == reference(prompt2, 8)
     assert_all_returned(scheduler)
 
@@ -618,7 +619,7 @@ def test_randomized_simulation_completes_everything_without_leaks(state, mixed, 
             assert got == want[:len(got)]
         else:
             assert got == want, request_id
-    assert scheduler.prefix.stats.hits > 0 and scheduler.prefix.stats.evictions > 0
+    assert scheduler.kv.prefix.stats.hits > 0 and scheduler.kv.prefix.stats.evictions > 0
     restores = [r for plan in driver.plans for r in plan.restores]
     if pressure:
         assert scheduler.preemptions > 0

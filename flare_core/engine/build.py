@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.executor.eager import EagerExecutor
 from flare_core.frontend import Frontend
 from flare_core.plugins import Registry
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from flare_core.dashboard.telemetry import Telemetry
     from flare_core.engine.tensor_parallel import RankLeader
 
-# Logits rows kept for exact prefix hits (see flare_core.cache.prefix): a few per live state row.
+# Logits rows kept for exact prefix hits (see flare_core.kv.prefix): a few per live state row.
 LOGITS_ROWS_PER_REQUEST = 4
 
 
@@ -89,7 +89,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                          snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None
     scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
                                           prefill_chunk_size=capacities.prefill_chunk_size,
-                                          capacities=catalog, page_tokens=page_tokens), pages, prefix)
+                                          capacities=catalog, page_tokens=page_tokens),
+                          KvCacheManager(pages, max_concurrency, page_tokens, prefix))
     core = EngineCore(scheduler, executor, tokenizer=loaded.tokenizer,
                       core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),
                       vocab_size=loaded.model_config.vocab_size,

@@ -121,7 +121,7 @@ class EngineCore:
         """What happened since the last report, with the resources held now."""
         activity, self._activity = self._activity, Activity()
         activity.resources = self.scheduler.resources()
-        activity.prefix = self.scheduler.prefix.stats if self.scheduler.prefix is not None else None
+        activity.prefix = self.scheduler.kv.prefix_stats
         return activity
 
     def _launch(self, plan: StepPlan, schedule_s: float) -> Frame:

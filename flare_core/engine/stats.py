@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flare_core.cache import PrefixCacheStats
+from flare_core.kv import PrefixCacheStats
 from flare_core.requests import GenerationEvent, Usage
 from flare_core.scheduler import Resources
 

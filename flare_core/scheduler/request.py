@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from flare_core.cache.prefix import ResumePoint, PrefixHit
+from flare_core.kv.manager import KvRecord
 
 
 class RequestStatus(enum.Enum):
@@ -60,21 +60,17 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    hashes: list[bytes] = field(default_factory=list)   # prefix block hashes, grown lazily
+    kv: KvRecord = field(default_factory=KvRecord)  # what the cache holds for it (the KV-cache manager's)
 
     # Per admission; reset when released.
     handle: RequestHandle | None = None
-    page_table: tuple[int, ...] = ()
     target: int = 0                 # prefill runs to here: prompt plus outputs known at admission
     boundaries: tuple[int, ...] = ()  # chunk ends forced for state snapshots
     num_computed: int = 0
     num_written: int = 0
     num_planned_samples: int = 0
-    cached_depth: int = 0           # leading pages registered in the prefix cache
     in_flight: int = 0              # issued plans that include this request
-    hit: PrefixHit | None = None    # lookup held while waiting for pages, or until admitted
     restore: Restore | None = None  # queued for the next plan
-    restoring: ResumePoint | None = None  # pinned until the plan carrying its restore completes
     last_served_seq: int = -1
     waited_s: float = 0.0
 
@@ -114,9 +110,6 @@ class Request:
 
     def reset_admission(self) -> None:
         self.handle = None
-        self.page_table = ()
         self.target = self.num_computed = self.num_written = self.num_planned_samples = 0
         self.boundaries = ()
-        self.cached_depth = 0
         self.restore = None
-        self.restoring = None

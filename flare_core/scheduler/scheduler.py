@@ -7,10 +7,11 @@ is issued and is confirmed, in issue order, when it completes. Resources of a fi
 cancelled or preempted request are released at the completion of the last in-flight plan that
 includes it (its fence), never earlier.
 
-Pages. A request holds one reference on every page in its page table (shared prefix pages
-included). Pages are taken when a step needs them; when none are free the prefix cache evicts,
-and if that is not enough an older request preempts the youngest running ones (their pages
-return at their fence; they requeue and recompute, reusing whatever the prefix cache kept).
+Pages. Everything a request holds in the cache (pages, state row, prefix hit, resume points)
+goes through the KV-cache manager (flare_core.kv.manager). Pages are taken when a step needs
+them; when none are free the prefix cache evicts, and if that is not enough an older request
+preempts the youngest running ones (their pages return at their fence; they requeue and
+recompute, reusing whatever the prefix cache kept).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from flare_core.cache.pages import PageAllocator, StateRowAllocator, pages_for_tokens, request_page_need
-from flare_core.cache.prefix import NO_HIT, ResumeStorage, PrefixCache
+from flare_core.kv.manager import KvCacheManager
+from flare_core.kv.pages import pages_for_tokens, request_page_need
+from flare_core.kv.prefix import NO_HIT, ResumeStorage
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
 from flare_core.scheduler.policy import Candidate, FairnessLimits, GraphCapacities, chunk_end, rank
 from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
@@ -123,11 +125,11 @@ class CandidateStep(Candidate):
 @dataclass(eq=False)
 class Reservation:
     """What committing a candidate would do: the entries that got pages (chunks possibly
-    shortened), the pages taken for each request, and the requests it preempts."""
+    shortened), the new pages each request would take, and the requests it preempts."""
 
     decoders: list[Request] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
-    pages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    pages: dict[str, int] = field(default_factory=dict)
     victims: list[Request] = field(default_factory=list)
 
     @property
@@ -166,16 +168,16 @@ class Resources:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: PageAllocator, prefix: PrefixCache | None = None,
-                 estimator: StepCostEstimator | None = None) -> None:
-        if prefix is not None and prefix.page_tokens != config.page_tokens:
-            raise ValueError(f"prefix cache page_tokens ({prefix.page_tokens}) must equal the "
+    def __init__(self, config: SchedulerConfig, kv: KvCacheManager, estimator: StepCostEstimator | None = None) -> None:
+        if kv.page_tokens != config.page_tokens:
+            raise ValueError(f"the KV-cache manager's page_tokens ({kv.page_tokens}) must equal the "
                              f"scheduler's ({config.page_tokens})")
+        if kv.state_rows != config.max_concurrency:
+            raise ValueError(f"the KV-cache manager's state rows ({kv.state_rows}) must equal max_concurrency "
+                             f"({config.max_concurrency})")
         self.config = config
-        self.pages = pages
-        self.prefix = prefix
+        self.kv = kv
         self.estimator = estimator or StepCostEstimator()
-        self.state_rows = StateRowAllocator(config.max_concurrency)
         self._requests: dict[str, Request] = {}
         self._waiting: list[tuple[int, Request]] = []   # heap by submission order
         self._live: list[Request] = []                  # holding a state row, sorted by order
@@ -205,10 +207,11 @@ class Scheduler:
             raise ValueError(f"request {request_id!r}: message_ends must be increasing endpoints in "
                              f"1..{len(prompt)}, got {message_ends}")
         need = request_page_need(len(prompt), max_tokens, self.config.page_tokens)
-        if need > self.pages.num_pages:
+        if need > self.kv.num_pages:
             raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
-                             f"max_tokens {max_tokens}) but the cache has {self.pages.num_pages}")
-        request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt)
+                             f"max_tokens {max_tokens}) but the cache has {self.kv.num_pages}")
+        request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
+                          kv=self.kv.open(request_id))
         self._next_order += 1
         self._requests[request_id] = request
         heapq.heappush(self._waiting, (request.order, request))
@@ -225,8 +228,7 @@ class Scheduler:
         request.status = RequestStatus.STOPPED
         request.finish_reason = reason
         if was_waiting:
-            self._drop_held_hit(request)
-            del self._requests[request_id]
+            self._forget(request)
         elif request.in_flight == 0:
             self._release(request)
 
@@ -265,20 +267,20 @@ class Scheduler:
         return request_id in self._requests
 
     def resources(self) -> Resources:
-        cached = 0 if self.prefix is None else self.prefix.held_pages
+        kv = self.kv
         return Resources(live=self.num_live, waiting=self.num_waiting, steps_in_flight=len(self._in_flight),
-                         state_rows=self.state_rows.num_rows, free_state_rows=self.state_rows.free_count,
-                         pages=self.pages.num_pages, free_pages=self.pages.free_count, cached_pages=cached,
-                         request_page_refs=self.pages.references - cached, preemptions=self.preemptions)
+                         state_rows=kv.state_rows, free_state_rows=kv.free_state_rows, pages=kv.num_pages,
+                         free_pages=kv.free_pages, cached_pages=kv.cached_pages,
+                         request_page_refs=kv.request_page_refs, preemptions=self.preemptions)
 
     # ---- planning -----------------------------------------------------------------------
     #
     # `schedule` builds the candidate steps (decode, prefill, mixed), ranks them, and for each in
-    # turn `_reserve`s pages without changing any request: the first reservation that runs
-    # something is committed (`_commit` preempts its victims, appends its pages, advances the
-    # requests and records the plan); the others are given back whole. When no candidate can
-    # run, the best-ranked one's victims are preempted and the candidates built again, so an
-    # older request always gets the pages it needs, and a rejected candidate preempts nothing.
+    # turn `_reserve`s pages without changing anything: the first reservation that runs
+    # something is committed (`_commit` preempts its victims, takes its pages, advances the
+    # requests and records the plan); the others cost nothing. When no candidate can run, the
+    # best-ranked one's victims are preempted and the candidates built again, so an older
+    # request always gets the pages it needs, and a rejected candidate preempts nothing.
 
     def schedule(self) -> StepPlan | None:
         """Admit what fits, choose the next step and issue it; None when nothing can run now."""
@@ -293,7 +295,6 @@ class Scheduler:
                 reservation = self._reserve(candidates[index], protected)
                 if reservation.runs:
                     return self._commit(seq, restoring, reservation)
-                self._give_back(reservation)
                 blocked = blocked or (reservation if reservation.victims else None)
             if blocked is None:
                 break
@@ -355,28 +356,33 @@ class Scheduler:
         return tuple(chunks)
 
     def _reserve(self, candidate: CandidateStep, protected: set[str]) -> Reservation:
-        """Take the pages `candidate`'s entries need, oldest request first, without changing any
-        request: a decode runs only with the page for its position, a chunk is shortened to the
-        pages it got. An entry short of pages names younger running requests outside the step
-        as victims (preempted only if this reservation is committed), unless pages enough return
-        at the fences of steps in flight."""
+        """The pages `candidate`'s entries would take, oldest request first, changing nothing: a
+        decode runs only with the page for its position, a chunk is shortened to the pages it
+        would get. An entry short of pages names younger running requests outside the step as
+        victims (preempted only if this reservation is committed), unless pages enough return at
+        the fences of steps in flight."""
         reservation = Reservation()
         page_tokens = self.config.page_tokens
+        entries = [(r, r.num_computed + 1) for r in candidate.decoders] + [(c.request, c.end) for c in candidate.chunks]
+        available = self.kv.obtainable(sum(max(pages_for_tokens(end, page_tokens) - len(r.kv.page_table), 0)
+                                           for r, end in entries))
         granted = set(protected)
         victims: dict[str, Request] = {}
         deficit = 0
 
         def take(request: Request, tokens: int) -> int:
             """Pages toward covering [0, tokens) for `request`; returns the positions covered."""
-            nonlocal deficit
-            need = pages_for_tokens(tokens, page_tokens) - len(request.page_table)
-            pages = self._take_pages(need) if need > 0 else ()
-            if pages:
-                reservation.pages[request.request_id] = pages
-            if len(pages) < need:
-                deficit += need - len(pages)
+            nonlocal available, deficit
+            held = len(request.kv.page_table)
+            need = pages_for_tokens(tokens, page_tokens) - held
+            got = min(max(need, 0), available)
+            available -= got
+            if got:
+                reservation.pages[request.request_id] = got
+            if got < need:
+                deficit += need - got
                 self._choose_victims(request, deficit, granted, victims)
-            return (len(request.page_table) + len(pages)) * page_tokens
+            return (held + got) * page_tokens
 
         for request in candidate.decoders:
             if request.request_id in victims:
@@ -395,19 +401,11 @@ class Scheduler:
         reservation.victims = list(victims.values())
         return reservation
 
-    def _take_pages(self, count: int) -> tuple[int, ...]:
-        """Up to `count` pages: free ones, then ones the prefix cache evicts, then ones held by
-        the prefix hits of blocked waiting requests."""
-        if not self._make_free(count):
-            self._drop_waiting_hits()
-            self._make_free(count)
-        return self.pages.allocate(min(count, self.pages.free_count))
-
     def _choose_victims(self, request: Request, deficit: int, granted: set[str],
                         victims: dict[str, Request]) -> None:
         """Add younger running requests (youngest first, not in the step) to `victims` until
         their pages, with those returning at in-flight fences, cover `deficit`."""
-        returning = self._pages_awaiting_fence() + sum(len(v.page_table) for v in victims.values())
+        returning = self._pages_awaiting_fence() + sum(len(v.kv.page_table) for v in victims.values())
         for victim in reversed(self._live):
             if returning >= deficit:
                 return
@@ -415,24 +413,18 @@ class Scheduler:
                     and victim.request_id not in granted and victim.request_id not in victims
                     and victim.num_planned_samples < victim.max_tokens):
                 victims[victim.request_id] = victim
-                returning += len(victim.page_table)
-
-    def _give_back(self, reservation: Reservation) -> None:
-        for pages in reservation.pages.values():
-            self.pages.release_all(pages)
+                returning += len(victim.kv.page_table)
 
     def _commit(self, seq: int, restoring: list[Request], reservation: Reservation) -> StepPlan:
         """Issue `reservation` as plan `seq`: preempt its victims, append its pages, advance its
         requests' state and record the plan as in flight."""
         for victim in reservation.victims:
             self._preempt(victim)
-        for request_id, pages in reservation.pages.items():
-            request = self._requests[request_id]
-            request.page_table += pages
+        self.kv.extend(reservation.pages)
         decodes = []
         for request in reservation.decoders:
             position = request.num_computed
-            decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.page_table))
+            decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.kv.page_table))
             request.num_computed += 1
             request.num_planned_samples += 1
         prefills = []
@@ -441,7 +433,7 @@ class Scheduler:
             samples = end == request.target
             targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
             prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
-                                         request.page_table, samples, self._reserve_save(request, end), targets))
+                                         request.kv.page_table, samples, self._reserve_save(request, end), targets))
             request.num_computed = end
             request.num_planned_samples += samples
         restores = []
@@ -488,18 +480,12 @@ class Scheduler:
         _, members = self._in_flight.popleft()
 
         for restore in plan.restores:
-            request = self._requests[restore.handle.request_id]
-            assert self.prefix is not None and request.restoring is not None
-            self.prefix.unpin(request.restoring)
-            request.restoring = None
+            self.kv.restored(restore.handle.request_id)
         for chunk in plan.prefills:
             request = self._requests[chunk.handle.request_id]
             request.num_written = max(request.num_written, chunk.end)
             if chunk.save is not None:
-                assert self.prefix is not None
-                self.prefix.record_resume_point(request.hashes, request.page_table, request.prompt, chunk.end,
-                                              chunk.save, request.cached_depth)
-                request.cached_depth = max(request.cached_depth, chunk.end // self.config.page_tokens)
+                self.kv.save(request.request_id, request.prompt, chunk.end, chunk.save)
         for decode in plan.decodes:
             request = self._requests[decode.handle.request_id]
             request.num_written = max(request.num_written, decode.position + 1)
@@ -512,7 +498,7 @@ class Scheduler:
                 emitted.append(SampledToken(handle, token))
 
         for request in members:
-            self._cache_written_pages(request)
+            self.kv.cache_written(request.request_id, request, request.num_written)
             request.in_flight -= 1
             if request.in_flight == 0 and request.status in (RequestStatus.PREEMPTED, RequestStatus.STOPPED):
                 self._release(request)
@@ -524,15 +510,13 @@ class Scheduler:
         """Admit waiting requests in submission order while a state row and the pages for their
         first chunk (plus one page of headroom per running request) are available."""
         page_tokens = self.config.page_tokens
-        while self._waiting and self.state_rows.free_count:
+        while self._waiting and self.kv.free_state_rows:
             request = self._waiting[0][1]
             if request.status is not RequestStatus.WAITING:
                 heapq.heappop(self._waiting)
                 continue
             tokens = request.known_tokens()
-            if request.hit is None and self.prefix is not None and not request.score_prompt:
-                request.hit = self.prefix.lookup(tokens, request.hashes)
-            hit = request.hit or NO_HIT
+            hit = NO_HIT if request.score_prompt else self.kv.lookup(request.request_id, tokens)
             target = len(tokens)
             boundaries = self._boundaries(request, hit.num_tokens, target)
             if hit.exact:
@@ -540,28 +524,19 @@ class Scheduler:
             else:
                 first_end = chunk_end(hit.num_tokens, target, self.config.prefill_chunk_size, page_tokens, boundaries)
                 assert first_end is not None
-            need = pages_for_tokens(first_end, page_tokens) - len(hit.pages)
             headroom = sum(1 for r in self._live if r.status is RequestStatus.RUNNING)
-            if not self._make_free(need + headroom):
+            admission = self.kv.admit(request.request_id, first_end, headroom)
+            if admission is None:
                 return
             heapq.heappop(self._waiting)
-            row, generation = self.state_rows.allocate()
-            request.handle = RequestHandle(request.request_id, row, generation)
-            request.page_table = hit.pages + self.pages.allocate(need)
+            request.handle = RequestHandle(request.request_id, admission.state_row, admission.generation)
             request.target = target
             request.boundaries = boundaries
-            request.num_computed = request.num_written = hit.num_tokens
+            request.num_computed = request.num_written = admission.restored_tokens
             request.num_planned_samples = len(request.outputs)
-            request.cached_depth = len(hit.pages)
-            resume_point = hit.resume_point
-            if resume_point is not None:
-                tail = None
-                if resume_point.tail_page is not None:
-                    tail = (resume_point.tail_page, request.page_table[len(hit.pages)])
-                request.restore = Restore(request.handle, tail, resume_point.snapshot_row,
-                                          resume_point.logits_row if hit.exact else None)
-                request.restoring = resume_point
-            request.hit = None
+            if admission.resumes:
+                request.restore = Restore(request.handle, admission.tail_copy, admission.snapshot_row,
+                                          admission.logits_row)
             request.status = RequestStatus.RUNNING
             request.last_served_seq = self._next_seq - 1
             request.waited_s = 0.0
@@ -569,29 +544,20 @@ class Scheduler:
 
     def _boundaries(self, request: Request, start: int, target: int) -> tuple[int, ...]:
         """Chunk ends forced so a state snapshot can be taken exactly there."""
-        if self.prefix is None or not self.prefix.continuation_state:
+        if not self.kv.continuation_state:
             return ()
         ends = set(request.message_ends)
         ends.add(request.prompt_len)
         return tuple(sorted(e for e in ends if start < e < target))
 
     def _reserve_save(self, request: Request, end: int) -> ResumeStorage | None:
-        if self.prefix is None:
-            return None
         prompt_end = end == request.prompt_len
         if not prompt_end and end not in request.boundaries:
             return None
-        if self.prefix.has_resume_point(request.hashes, request.prompt, end):
-            return None
-        return self.prefix.reserve_resume_point(end, prompt_end)
-
-    def _make_free(self, count: int) -> bool:
-        if self.pages.free_count < count and self.prefix is not None:
-            self.prefix.evict_pages(count)
-        return self.pages.free_count >= count
+        return self.kv.reserve_resume_point(request.request_id, request.prompt, end, prompt_end)
 
     def _pages_awaiting_fence(self) -> int:
-        return sum(len(r.page_table) for r in self._live
+        return sum(len(r.kv.page_table) for r in self._live
                    if r.status is not RequestStatus.RUNNING and r.in_flight > 0)
 
     def _preempt(self, request: Request) -> None:
@@ -600,45 +566,18 @@ class Scheduler:
         if request.in_flight == 0:
             self._release(request)
 
-    def _cache_written_pages(self, request: Request) -> None:
-        """Register complete, fully known pages (schemes without continuation state reuse any
-        page boundary; with state, only resume points register pages)."""
-        if self.prefix is None or self.prefix.continuation_state:
-            return
-        depth = min(request.num_written, request.num_known_tokens) // self.config.page_tokens
-        if depth > request.cached_depth:
-            self.prefix.extend_hashes(request.hashes, request.tokens_between(0, depth * self.config.page_tokens))
-            self.prefix.insert(request.hashes, request.page_table, depth, request.cached_depth)
-            request.cached_depth = depth
-
     def _release(self, request: Request) -> None:
         """Return a request's state row and pages (its fence has passed)."""
         assert request.handle is not None and request.in_flight == 0
-        self._cache_written_pages(request)
-        self.pages.release_all(request.page_table)
-        if request.restoring is not None:
-            assert self.prefix is not None
-            self.prefix.unpin(request.restoring)
-        self.state_rows.free(request.handle.state_row)
+        self.kv.release(request.request_id, request, request.num_written)
         self._live.remove(request)
         request.reset_admission()
         if request.status is RequestStatus.PREEMPTED:
             request.status = RequestStatus.WAITING
             heapq.heappush(self._waiting, (request.order, request))
         else:
-            del self._requests[request.request_id]
+            self._forget(request)
 
-    def _drop_waiting_hits(self) -> bool:
-        """Release prefix hits held by blocked waiting requests; True if any pages were held."""
-        dropped = False
-        for _, request in self._waiting:
-            if request.hit is not None:
-                dropped = dropped or bool(request.hit.pages)
-                self._drop_held_hit(request)
-        return dropped
-
-    def _drop_held_hit(self, request: Request) -> None:
-        if request.hit is not None:
-            assert self.prefix is not None
-            self.prefix.release_hit(request.hit)
-            request.hit = None
+    def _forget(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self.kv.close(request.request_id)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.contract import Capacities
 from flare_core.executor.eager import EagerExecutor
 from flare_core.ops.loading import load_prepared_weights
@@ -92,7 +92,7 @@ def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Sche
                          logits_rows=8)
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512, page_tokens=32)
     scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), pages, prefix)
+                                          page_tokens), KvCacheManager(pages, rows, page_tokens, prefix))
     return scheduler, executor, prefix
 
 
@@ -143,7 +143,7 @@ def test_a_restored_snapshot_continues_exactly(reference):
     assert restores == 1
     assert_greedy_matches(model, first, done["first"])
     assert_greedy_matches(model, second, again["second"])
-    assert scheduler.state_rows.free_count == rows and prefix.free_snapshot_rows < 2 * rows
+    assert scheduler.kv.free_state_rows == rows and prefix.free_snapshot_rows < 2 * rows
 
 
 def test_preempted_requests_resume_exactly(reference):

@@ -22,7 +22,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
-from flare_core.cache import PageAllocator, PrefixCache
+from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.contract import Capacities
 from flare_core.executor.eager import EagerExecutor
 from flare_core.ops.loading import load_prepared_weights
@@ -99,7 +99,7 @@ def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Sche
                          logits_rows=8)
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512)
     scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), pages, prefix)
+                                          page_tokens), KvCacheManager(pages, rows, page_tokens, prefix))
     return scheduler, executor, prefix
 
 
@@ -144,7 +144,7 @@ def test_a_restored_state_snapshot_continues_exactly(reference):
             sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
             expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
             torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
-    assert scheduler.state_rows.free_count == rows and prefix.free_snapshot_rows < 2 * rows  # snapshots kept
+    assert scheduler.kv.free_state_rows == rows and prefix.free_snapshot_rows < 2 * rows  # snapshots kept
 
 
 def test_preempted_requests_resume_from_their_snapshots_exactly(reference):

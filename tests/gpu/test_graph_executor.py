@@ -122,7 +122,7 @@ def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
 
 def make_scheduler(num_pages, max_concurrency=8, chunk=128, held_pages=0):
     """`held_pages`: the first pages, taken before any request, so that requests get the others."""
-    from flare_core.cache import PageAllocator, PrefixCache
+    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.contract import Capacities
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
 
@@ -131,7 +131,7 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128, held_pages=0):
     pages.allocate(held_pages)
     prefix = PrefixCache(b"\x01" * 32, pages, 64, logits_rows=16)
     config = SchedulerConfig(max_concurrency, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64)
-    return Scheduler(config, pages, prefix)
+    return Scheduler(config, KvCacheManager(pages, max_concurrency, 64, prefix))
 
 
 @pytest.mark.parametrize("decode_capacities,prefill_capacities,shape",

@@ -167,14 +167,15 @@ def test_conv_step_matches_convolution_and_shifts_rows_in_place(bias, dtype):
 
 
 def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
-    from flare_core.cache import PageAllocator, PrefixCache
+    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.contract import Capacities
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
 
     caps = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2048)
     pages = PageAllocator(num_pages)
     prefix = PrefixCache(b"\x03" * 32, pages, 64, continuation_state=True, snapshot_rows=snapshots, logits_rows=16)
-    return Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64), pages, prefix)
+    return Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64),
+                     KvCacheManager(pages, rows, 64, prefix))
 
 
 def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = False):

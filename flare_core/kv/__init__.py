@@ -1,6 +1,7 @@
-"""Prefix history hashing, the checkpoint tree, and page / state-row allocators."""
+"""The KV cache's bookkeeping: the manager the scheduler goes through, prefix history hashing,
+the resume-point tree, and the page / state-row allocators."""
 
-from flare_core.cache.pages import (
+from flare_core.kv.pages import (
     AllocatorExhausted,
     PageAllocator,
     PagesExhausted,
@@ -9,7 +10,8 @@ from flare_core.cache.pages import (
     pages_for_tokens,
     request_page_need,
 )
-from flare_core.cache.prefix import (
+from flare_core.kv.manager import Admission, KnownTokens, KvCacheManager, KvRecord
+from flare_core.kv.prefix import (
     BLOCK_HASH_BYTES,
     IDENTITY_BYTES,
     NO_HIT,
@@ -23,6 +25,7 @@ from flare_core.cache.prefix import (
 )
 
 __all__ = [
+    "Admission", "KnownTokens", "KvCacheManager", "KvRecord",
     "AllocatorExhausted", "PageAllocator", "PagesExhausted", "RowsExhausted", "StateRowAllocator",
     "pages_for_tokens", "request_page_need",
     "BLOCK_HASH_BYTES", "IDENTITY_BYTES", "NO_HIT", "ResumePoint", "ResumeStorage", "PrefixCache",

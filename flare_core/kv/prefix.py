@@ -38,11 +38,11 @@ import hashlib
 import heapq
 import itertools
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from flare_core.cache.pages import PageAllocator, StateRowAllocator
+from flare_core.kv.pages import PageAllocator, StateRowAllocator
 
 IDENTITY_BYTES = 32
 BLOCK_HASH_BYTES = 16
@@ -160,6 +160,11 @@ class _LruHeap(Generic[_Item]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def entries(self) -> list[tuple[int, int, _Item]]:
+        """The heap's entries (stale ones included), to copy for a dry run."""
+        return self._entries
 
     def push(self, item: _Item) -> None:
         heapq.heappush(self._entries, (item.last_used, next(self._serial), item))
@@ -422,6 +427,57 @@ class PrefixCache:
             self._block_lru.push(block)
         for resume_point in pinned_resume_points:
             self._resume_point_lru.push(resume_point)
+
+    def evictable_pages(self, wanted: int, released: Mapping[int, int] | None = None,
+                        unpinned: Mapping[ResumePoint, int] | None = None) -> int:
+        """How many pages, up to `wanted`, `evict_pages` would free now; nothing changes (a dry
+        run of the same order). `released`: references on pages and `unpinned`: pins on resume
+        points to count as given back first (the hits of blocked waiting requests)."""
+        released, unpinned = released or {}, unpinned or {}
+        blocks, resume_points = list(self._block_lru.entries), list(self._resume_point_lru.entries)
+        serial = itertools.count(2**62)  # entries pushed here follow every earlier one of equal last_used
+        gone: set[int] = set()  # ids of the blocks and resume points the dry run evicts
+        lost_children: dict[int, int] = {}  # block id -> its children or resume points the dry run evicts
+
+        def leaf(block: _Block) -> bool:
+            return block.children + len(block.resume_points) - lost_children.get(id(block), 0) == 0
+
+        def current(entries: list, test) -> Any:
+            while entries:
+                stamp, _, item = entries[0]
+                if stamp == item.last_used and not item.evicted and id(item) not in gone and test(item):
+                    return item
+                heapq.heappop(entries)
+            return None
+
+        def drop(holder: _Block) -> None:
+            lost_children[id(holder)] = lost_children.get(id(holder), 0) + 1
+            if holder is not self._root and leaf(holder):
+                heapq.heappush(blocks, (holder.last_used, next(serial), holder))
+
+        freed = 0
+        while freed < wanted:
+            block = current(blocks, leaf)
+            if block is not None and self._pages.refcount(block.page) - released.get(block.page, 0) > 1:
+                heapq.heappop(blocks)  # pinned: evict_pages sets it aside for this call
+                continue
+            resume_point = current(resume_points, lambda c: True)
+            if resume_point is not None and resume_point.pins - unpinned.get(resume_point, 0):
+                heapq.heappop(resume_points)
+                continue
+            if block is None and resume_point is None:
+                break
+            if resume_point is not None and (block is None or resume_point.last_used <= block.last_used):
+                heapq.heappop(resume_points)
+                gone.add(id(resume_point))
+                freed += resume_point.tail_page is not None
+                drop(resume_point.holder)
+            else:
+                heapq.heappop(blocks)
+                gone.add(id(block))
+                freed += 1
+                drop(block.parent)
+        return freed
 
     def _take_row(self, rows: StateRowAllocator, slot_field: str) -> int | None:
         """A free row of `rows`, evicting the least recently used unpinned resume point holding
