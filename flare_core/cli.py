@@ -315,7 +315,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
 
     telemetry = logs = None
     if dashboard and sys.stderr.isatty():
-        from flare_core.dashboard import LogSink, Telemetry
+        from flare_core.observability import LogSink, Telemetry
 
         telemetry, logs = Telemetry(), LogSink(sys.stderr)
     _configure_logging(logs if logs is not None else sys.stderr)
@@ -396,7 +396,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
         while_serving = None
         if telemetry is not None:
-            from flare_core.dashboard import Dashboard
+            from flare_core.observability import Dashboard
 
             while_serving = Dashboard(telemetry, logs, title=f"{engine.info.served_names[0]} on {torch_device}").run
         try:

@@ -56,6 +56,10 @@ class SamplingParams:
             raise ValueError(f"{where}.seed must be a 64-bit integer, got {self.seed!r}")
 
 
+# Tokens per int32 word of a token bitmask row (a grammar's allowed next tokens, xgrammar's layout:
+# bit j of word w allows token 32 w + j), as the text side writes them and the samplers read them.
+MASK_BITS = 32
+
 MAX_TOP_LOGPROBS = 20
 # OpenAI's logit_bias: values in [-100, 100] (-100 bans a token in effect, 100 all but forces it).
 LOGIT_BIAS_LIMIT = 100.0

@@ -16,7 +16,7 @@ from flare_core.ops.loading import load_prepared_weights
 from flare_core.ops.model import compile_layers
 from flare_core.ops.opaque import bound
 from flare_core.plugins import load_registry
-from flare_core.testing import serve_paged
+from flare_testing.parity import serve_paged
 from flare_recipe_qwen.recipes import QWEN3
 
 from conftest import tiny_qwen3_config

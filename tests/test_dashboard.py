@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import pytest
 
-from flare_core.dashboard import LogSink, Pane, Telemetry, parse_keys, render_lines
-from flare_core.dashboard.telemetry import DECODE, FINISHED, QUEUED
-from flare_core.dashboard.terminal import NEXT_PANE, PREVIOUS_PANE, QUIT
+from flare_core.observability import LogSink, Pane, Telemetry, parse_keys, render_lines
+from flare_core.observability.telemetry import DECODE, FINISHED, QUEUED
+from flare_core.observability.terminal import NEXT_PANE, PREVIOUS_PANE, QUIT
 from server_process import ServerProcess, http_request
 
 PAGES = dict(total_pages=64, free_pages=50, cached_pages=6)

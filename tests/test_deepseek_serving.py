@@ -21,7 +21,7 @@ from transformers import DeepseekV3Config, PreTrainedTokenizerFast
 
 from conftest import FIXTURES, Flare, write_config
 from flare_core.core import open_core
-from flare_recipe_deepseek.testing import ascii_tokenizer_json, random_model, save_model, write_frontend
+from flare_testing.deepseek import ascii_tokenizer_json, random_model, save_model, write_frontend
 from server_process import ServerProcess
 
 MAX_TOKENS = 12

@@ -16,7 +16,7 @@ import torch
 from flare_core.core import open_core
 from flare_core.plugins import load_registry
 from flare_core.engine.load import load_core
-from flare_core.testing import serve_paged
+from flare_testing.parity import serve_paged
 from server_process import ServerProcess
 
 EXPORT = ("--dtype", "bfloat16", "--max-concurrency", "4", "--context-length", "1024", "--prefill-chunk-size", "128")
@@ -105,7 +105,7 @@ def test_an_mla_latent_cache_in_fp8(tmp_path):
 
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
-    from flare_recipe_deepseek.testing import random_model
+    from flare_testing.deepseek import random_model
 
     config = DeepseekV3Config(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,

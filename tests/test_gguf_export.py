@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flare_core.core import open_core
-from flare_core.testing import assert_logits_parity
+from flare_testing.parity import assert_logits_parity
 
 
 def test_export_plan_and_manifest(smollm2_core, session_flare, smollm2_gguf):

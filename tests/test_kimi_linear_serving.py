@@ -29,7 +29,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear as kl
 from conftest import FIXTURES
 from flare_core.contract.types import NEUTRAL_SAMPLING
 from flare_core.core import open_core
-from flare_recipe_deepseek.testing import ascii_tokenizer_json, scale_random_weights, write_frontend
+from flare_testing.deepseek import ascii_tokenizer_json, scale_random_weights, write_frontend
 from server_process import with_and_without_prefix_cache
 
 SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
@@ -47,7 +47,7 @@ NAME = "tiny-kimi-linear"
 
 
 def random_model(seed: int = 0) -> kl.KimiLinearForCausalLM:
-    """Random float32 weights drawn as flare_recipe_deepseek.testing draws DeepSeek's: every
+    """Random float32 weights drawn as flare_testing.deepseek draws DeepSeek's: every
     sublayer matters and routing is clear-cut."""
     torch.manual_seed(seed)
     model = kl.KimiLinearForCausalLM(KimiLinearConfig(**TINY)).to(torch.float32).eval()

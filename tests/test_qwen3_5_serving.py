@@ -83,7 +83,7 @@ def test_the_core_serves_the_text_model(exported, session_flare):
     from flare_core.config import load_config
     from flare_core.plugins import load_registry
     from flare_core.engine.load import load_core
-    from flare_core.testing import serve_paged
+    from flare_testing.parity import serve_paged
 
     kind, _, model, core = exported
     opened = open_verified_core(load_config(session_flare.config_path), str(core), trust_publisher=True)

@@ -16,7 +16,7 @@ from flare_core.config import ServerConfig
 from flare_core.frontend import ChatTemplate, Frontend, Tokenizer, apply_template_patch, build_tokenizer_json
 from flare_core.frontend.parsers import OutputParser
 from flare_core.plugins import load_registry
-from flare_core.engine.metrics import RuntimeMetrics
+from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.requests import Usage
 from flare_core.server.anthropic_messages import (
     MessageBuilder,

@@ -1,7 +1,7 @@
 """A DeepSeek V4 core served by `flare run` on the CPU reference path, asked through the openai SDK.
 
 The checkpoint is a tiny random-weight V4 (every layer kind: sliding window, CSA with its indexer,
-HCA, hash routing, mHC; flare_recipe_deepseek.testing) named as DeepSeek publishes it, with a
+HCA, hash routing, mHC; flare_testing.deepseek) named as DeepSeek publishes it, with a
 byte-level tokenizer holding V4's special tokens (every other token is one printable character,
 so generated text compares exactly). Greedy answers must be Transformers' `generate` on the
 prompt V4's encoder renders; the second turn of a chat must resume from the first turn's
@@ -23,7 +23,7 @@ NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, session_flare):
     from flare_core.frontend import Tokenizer
-    from flare_recipe_deepseek.testing import write_v4_checkpoint
+    from flare_testing.deepseek import write_v4_checkpoint
 
     root = tmp_path_factory.mktemp("deepseek-v4")
     checkpoint = root / "checkpoint"

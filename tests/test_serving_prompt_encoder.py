@@ -41,7 +41,7 @@ SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 def server(tmp_path_factory, session_flare):
     from flare_core.frontend import Tokenizer
     from flare_core.plugins import load_registry
-    from flare_recipe_deepseek.testing import ascii_tokenizer_json
+    from flare_testing.deepseek import ascii_tokenizer_json
     from flare_recipe_deepseek.v4_encoder import render
 
     if "scripted-deepseek-v4" not in load_registry().recipes:

@@ -17,7 +17,8 @@ import torch
 
 from flare_core.frontend.grammar import GrammarKind, GrammarMatcher, GrammarSpec
 from flare_core.ops.sampling import Sampler
-from flare_core.ops.token_masks import MASK_BITS, apply_token_masks
+from flare_core.ops.token_masks import apply_token_masks
+from flare_core.requests import MASK_BITS
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine, run_requests
 

@@ -29,7 +29,7 @@ def deepseek_v3_checkpoint(directory: Path) -> Path:
     DeepSeek-V3's real chat template and a byte-level tokenizer holding its special tokens."""
     from transformers import DeepseekV3Config
 
-    from flare_recipe_deepseek.testing import ascii_tokenizer_json, random_model, save_model, write_frontend
+    from flare_testing.deepseek import ascii_tokenizer_json, random_model, save_model, write_frontend
 
     special = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
     vocab_size = len(Tokenizer.from_str(ascii_tokenizer_json(special)).get_vocab())

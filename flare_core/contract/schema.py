@@ -28,7 +28,7 @@ def _field_schema(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
         return {}
     if tp is type(None):
         return {"type": "null"}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         _define(tp, defs)
         return {"$ref": f"#/$defs/{tp.__name__}"}
     if tp is str:
@@ -48,9 +48,14 @@ def _field_schema(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
                 "minItems": len(args), "maxItems": len(args)}
     if origin in (dict, collections.abc.Mapping):
         return {"type": "object", "additionalProperties": _field_schema(args[1], defs)}
-    if origin is collections.abc.Callable or tp is collections.abc.Callable:
+    if origin is collections.abc.Callable or tp is collections.abc.Callable or _is_call_protocol(tp):
         return {"x-python-callable": True}
     raise TypeError(f"no JSON Schema mapping for {tp!r}")
+
+
+def _is_call_protocol(tp: Any) -> bool:
+    """A Protocol whose one member is `__call__` (BuildModel, MapWeights): a callable."""
+    return getattr(tp, "_is_protocol", False) and "__call__" in vars(tp)
 
 
 def _define(cls: type, defs: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
+from flare_core.contract.protocols import BuildModel, ConversationRenderer, MapWeights, StreamingParser
 from flare_core.contract.template_patch import TemplatePatch
 
 CONTRACT_VERSION = "1.0"
@@ -225,8 +226,9 @@ class CacheScheme:
     def layer_map(self) -> dict[str, dict[int, int]]:
         """For each store that covers only some model layers (`layer_ids`): model layer -> the
         store's own layer index. Stores not listed cover every layer under its own index."""
+        stores: tuple[PagedStore | StateTensor, ...] = (*self.paged, *self.state)
         return {store.name: {layer: index for index, layer in enumerate(store.layer_ids)}
-                for store in (*self.paged, *self.state) if store.layer_ids}
+                for store in stores if store.layer_ids}
 
 
 @dataclass(frozen=True)
@@ -397,7 +399,7 @@ class Parser:
 
     id: str
     kind: str
-    factory: Callable[..., Any]
+    factory: Callable[..., StreamingParser]
     closing: str | None = None
     call_format: ToolCallFormat | None = None
     reads_tools: bool = False
@@ -436,7 +438,7 @@ class PromptEncoder:
     renders and where that comes from (shown where a template would be)."""
 
     id: str
-    factory: Callable[[], Any]
+    factory: Callable[[], ConversationRenderer]
     description: str
 
     def __post_init__(self) -> None:
@@ -519,8 +521,8 @@ class Recipe:
     frontend: FrontendSpec
     cache_scheme: str
     capacities: Capacities
-    build_model: Callable[..., Any]
-    map_weights: Callable[..., Any]
+    build_model: BuildModel
+    map_weights: MapWeights
     description: str = ""
     assets: Mapping[str, Callable[[], bytes]] = field(default_factory=dict)
     check_config: Callable[[Any], None] | None = None

@@ -24,7 +24,7 @@ from flare_core.engine.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
 
 if TYPE_CHECKING:
-    from flare_core.dashboard.telemetry import Telemetry
+    from flare_core.observability.telemetry import Telemetry
     from flare_core.engine.tensor_parallel import RankLeader
 
 # Logits rows kept for exact prefix hits (see flare_core.kv.prefix): a few per live state row.

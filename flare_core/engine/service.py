@@ -23,14 +23,14 @@ import structlog
 
 from flare_core.engine.core import EngineCore
 from flare_core.engine.memory import KvPlan
-from flare_core.engine.metrics import RuntimeMetrics
+from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.engine.stats import Activity
 from flare_core.frontend import Frontend
 from flare_core.requests import AdmissionError, EngineInfo, GenerationEvent, GenerationRequest
 from flare_core.scheduler import Resources
 
 if TYPE_CHECKING:  # the dashboard sits above the engine; only its type is needed here
-    from flare_core.dashboard.telemetry import Telemetry
+    from flare_core.observability.telemetry import Telemetry
 
 log = structlog.get_logger("flare.engine")
 

@@ -1,6 +1,6 @@
 """What the engine core reports of its work: one `Activity` record per call of `EngineCore.step`
-(and of `EngineCore.take` between steps), read by `/metrics` (flare_core.engine.metrics) and the
-dashboard (flare_core.dashboard.telemetry) alike. Only counts, sizes and timings: no token ids
+(and of `EngineCore.take` between steps), read by `/metrics` (flare_core.observability.metrics) and the
+dashboard (flare_core.observability.telemetry) alike. Only counts, sizes and timings: no token ids
 or text."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from flare_core.frontend.tokenizer import Tokenizer
-from flare_core.ops.token_masks import MASK_BITS
+from flare_core.requests import MASK_BITS
 
 # A grammar's source (schema, regex, EBNF, choices, forced calls' tools), at most. Compile time and
 # memory grow with it: an enum of 100k strings (1 MB) took 4 s and 200 MB to compile on a CI core;

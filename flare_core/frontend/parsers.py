@@ -16,37 +16,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from flare_core.contract.protocols import ParsedDelta, ToolCallDelta, merge_tool_deltas
 from flare_core.frontend.stops import partial_match_length
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """A piece of the tool call at `index` (0, 1, ... in output order). The first delta of an
-    index carries `id` and `name`; `arguments` pieces concatenate to the arguments JSON text;
-    the last delta of an index has `done` set."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-    done: bool = False
-
-
-@dataclass(frozen=True)
-class ParsedDelta:
-    """What one `feed`/`finish` produced. Within one delta there is no ordering between the
-    content text and the tool-call pieces."""
-
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
-
-    def __add__(self, later: ParsedDelta) -> ParsedDelta:
-        return ParsedDelta(self.content + later.content, self.reasoning + later.reasoning,
-                           _merge_tool_deltas(self.tool_calls + later.tool_calls))
 
 
 @dataclass
@@ -71,19 +42,6 @@ class ParsedOutput:
             if piece.index == len(self.tool_calls):
                 self.tool_calls.append(ToolCall(piece.id or "", piece.name or "", ""))
             self.tool_calls[piece.index].arguments += piece.arguments
-
-
-def _merge_tool_deltas(deltas: tuple[ToolCallDelta, ...]) -> tuple[ToolCallDelta, ...]:
-    """Join consecutive pieces of the same call into one delta."""
-    merged: list[ToolCallDelta] = []
-    for delta in deltas:
-        if merged and merged[-1].index == delta.index:
-            last = merged[-1]
-            merged[-1] = ToolCallDelta(last.index, last.id or delta.id, last.name or delta.name,
-                                       last.arguments + delta.arguments, last.done or delta.done)
-        else:
-            merged.append(delta)
-    return tuple(merged)
 
 
 class ThinkParser:
@@ -375,7 +333,7 @@ class HermesToolParser:
 
     def _take_output(self) -> ParsedDelta:
         delta = ParsedDelta(content="".join(self._out_content),
-                            tool_calls=_merge_tool_deltas(tuple(self._out_calls)))
+                            tool_calls=merge_tool_deltas(tuple(self._out_calls)))
         self._out_content, self._out_calls = [], []
         return delta
 

@@ -21,13 +21,15 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from flare_core.contract.protocols import ConversationRenderer, RenderedPrompt
 
 # Context variable the mark tag prints; `render` fills it with a fresh sentinel each time.
 _SENTINEL_VARIABLE = "_flare_mark_sentinel"
@@ -38,24 +40,6 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 class TemplateError(jinja2.exceptions.TemplateError):
     """A chat template failed to compile or render, or raised an error itself."""
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    """Rendered chat text and the UTF-8 byte offsets into it where `{% mark %}` tags ran (ascending, distinct)."""
-
-    text: str
-    marks: tuple[int, ...]
-
-
-class ConversationRenderer(Protocol):
-    """What renders a core's conversations: a `ChatTemplate`, or the object a recipe's
-    `PromptEncoder` makes (models whose prompt format is code, e.g. DeepSeek V4)."""
-
-    source: str  # the template's text; "" for an encoder, whose format is its code
-
-    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = False, **options: Any) -> RenderedPrompt: ...
 
 
 class _MarkExtension(jinja2.ext.Extension):

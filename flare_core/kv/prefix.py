@@ -421,6 +421,7 @@ class PrefixCache:
                 self._resume_point_lru.pop()
                 self._evict_resume_point(resume_point)
             else:
+                assert block is not None
                 self._block_lru.pop()
                 self._evict_block(block)
         for block in pinned_blocks:

@@ -26,13 +26,14 @@ How the runtime builds a model from prepared tensors:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flare_core.contract import ContractError
+from flare_core.contract.protocols import RuntimeModel  # noqa: F401 - the protocol this module implements
 from flare_core.ops.attention import ForwardContext
 from flare_core.ops.gemv import one_token
 from flare_core.ops.moe import use_fused_experts
@@ -51,13 +52,6 @@ def check_rope_type(config: Any, supported: tuple[str, ...] = STATIC_ROPE_TYPES)
     if rope_type not in supported:
         raise ContractError(type(config).__name__, "rope_parameters.rope_type",
                             f"{rope_type!r} is not supported (supported: {', '.join(supported)})")
-
-
-@runtime_checkable
-class RuntimeModel(Protocol):
-    def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        """Logits float32 [len(context.batch.logits_indices), vocab]."""
-        ...
 
 
 class DecoderForServing(nn.Module):

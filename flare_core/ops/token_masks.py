@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-# Tokens per word of a bitmask row.
-MASK_BITS = 32
+from flare_core.requests import MASK_BITS
 
 
 def apply_token_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -339,7 +339,7 @@ class Scheduler:
         assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
         served = sum(r.request_id in starving for r in decoders) + sum(c.request.request_id in starving
                                                                        for c in chunks)
-        deferred_capacity = self.config.capacities.covering(StepKind.DECODE, deferred) if deferred else 0
+        deferred_capacity = self.config.capacities.covering(StepKind.DECODE, deferred) or 0 if deferred else 0
         return CandidateStep(kind, capacity, tokens, served, deferred, deferred_capacity, decoders, chunks)
 
     def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
@@ -424,6 +424,7 @@ class Scheduler:
         decodes = []
         for request in reservation.decoders:
             position = request.num_computed
+            assert request.handle is not None, "a running request holds a state row"
             decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.kv.page_table))
             request.num_computed += 1
             request.num_planned_samples += 1
@@ -432,6 +433,7 @@ class Scheduler:
             request, start, end = chunk.request, chunk.start, chunk.end
             samples = end == request.target
             targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
+            assert request.handle is not None, "a running request holds a state row"
             prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
                                          request.kv.page_table, samples, self._reserve_save(request, end), targets))
             request.num_computed = end
@@ -519,11 +521,10 @@ class Scheduler:
             hit = NO_HIT if request.score_prompt else self.kv.lookup(request.request_id, tokens)
             target = len(tokens)
             boundaries = self._boundaries(request, hit.num_tokens, target)
-            if hit.exact:
-                first_end = target
-            else:
-                first_end = chunk_end(hit.num_tokens, target, self.config.prefill_chunk_size, page_tokens, boundaries)
-                assert first_end is not None
+            end = target if hit.exact else chunk_end(hit.num_tokens, target, self.config.prefill_chunk_size,
+                                                     page_tokens, boundaries)
+            assert end is not None, "a request short of its target has a next chunk"
+            first_end = end
             headroom = sum(1 for r in self._live if r.status is RequestStatus.RUNNING)
             admission = self.kv.admit(request.request_id, first_end, headroom)
             if admission is None:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from flare_core.config import ServerConfig
 from flare_core.frontend import Frontend
-from flare_core.engine.metrics import RuntimeMetrics
+from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.requests import EngineInfo, GenerationEvent, GenerationRequest
 
 

@@ -29,8 +29,7 @@ import json
 import re
 import secrets
 
-from flare_core.frontend.parsers import ParsedDelta, ToolCallDelta
-from flare_core.frontend.stops import partial_match_length
+from flare_core.api import ParsedDelta, ToolCallDelta, partial_match_length
 
 DSML = "｜DSML｜"
 BLOCK_BEGIN = f"<{DSML}tool_calls>"

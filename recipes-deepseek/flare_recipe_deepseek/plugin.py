@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from flare_core.contract import CacheSchemeFactory, Parser, PromptEncoder, Recipe, TemplatePatch
-from flare_core.plugins import hookimpl
+from flare_core.api import CacheSchemeFactory, Parser, PromptEncoder, Recipe, TemplatePatch, hookimpl
 from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
 from flare_recipe_deepseek.templates import DEEPSEEK_TEMPLATE_PATCHES

@@ -1,7 +1,7 @@
 """The DeepSeek-V3 and DeepSeek-V3.1 recipe declarations: aliases, sampling defaults, frontend.
 
-Both serve `DeepseekV3ForCausalLM` checkpoints with model_type "deepseek_v3" through the same
-model code; they differ in the text side (V3.1's hybrid thinking template and its sampling
+Both serve `DeepseekV3ForCausalLM` checkpoints with model_type "deepseek_v3" through the model
+kit's DeepSeek-V3 architecture (flare_core.api: build_deepseek_v3, map_deepseek_v3_weights); they differ in the text side (V3.1's hybrid thinking template and its sampling
 defaults). A local checkpoint directory matches both, so export asks for `--recipe` there; the
 aliases name their recipe.
 """
@@ -11,18 +11,14 @@ from __future__ import annotations
 from importlib import resources
 from typing import Callable
 
-from flare_core.contract import Alias, Capacities, DerivedShard, FrontendSpec, Recipe, SamplingPolicy, \
-    TensorParallelSpec
-from flare_recipe_deepseek.checks import check_deepseek_v3_config, deepseek_v3_plan_notes
-from flare_recipe_deepseek.modeling import build_model
+from flare_core.api import (DEEPSEEK_V3_ARCHITECTURES, DEEPSEEK_V3_CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL, Alias,
+                            Capacities, FrontendSpec, Recipe, SamplingPolicy, build_deepseek_v3,
+                            check_deepseek_v3_config, deepseek_v3_plan_notes, map_deepseek_v3_weights)
 from flare_recipe_deepseek.templates import DEEPSEEK_V3_1_TEMPLATE_PATCH, DEEPSEEK_V3_TEMPLATE_PATCH
-from flare_recipe_deepseek.weights import map_weights
 
 RECIPE_VERSION = "0.1.0"
 
-ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 MODEL_TYPES = ("deepseek_v3",)
-CACHE_SCHEME = "mla-latent"
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -59,21 +55,6 @@ DEEPSEEK_V3_1_FRONTEND = FrontendSpec(
     template_options={"thinking": False},
 )
 
-# Attention heads split over tensor-parallel ranks (q_b_proj rows, the absorbed w_uk / w_uv, o_proj
-# columns), the latent KV path (kv_a_proj_with_mqa, its norm, the paged latent cache) replicated:
-# every rank's heads attend over the whole latent (num_key_value_heads, nominal for MLA, divides
-# with the heads so a rank's config passes the same checks). Dense-layer and expert intermediate features
-# split too (the shared experts' size is moe_intermediate_size * n_shared_experts); the router
-# stays whole. kv_b_proj's rows are per head ([H * (nope + v), kv_lora_rank]), so a rank's w_uk and
-# w_uv come from its slice of rows.
-DEEPSEEK_V3_TENSOR_PARALLEL = TensorParallelSpec(
-    divided=("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"),
-    partial_sums=("self_attn", "mlp"),
-    derived=(DerivedShard("self_attn.w_uk", "self_attn.kv_b_proj.weight", 0),
-             DerivedShard("self_attn.w_uv", "self_attn.kv_b_proj.weight", 0)),
-)
-
-
 def _asset(file_name: str) -> Callable[[], bytes]:
     def load() -> bytes:
         return resources.files("flare_recipe_deepseek").joinpath("assets", file_name).read_bytes()
@@ -82,16 +63,16 @@ def _asset(file_name: str) -> Callable[[], bytes]:
 DEEPSEEK_V3 = Recipe(
     name="deepseek-v3",
     version=RECIPE_VERSION,
-    architectures=ARCHITECTURES,
+    architectures=DEEPSEEK_V3_ARCHITECTURES,
     model_types=MODEL_TYPES,
     aliases=(Alias("deepseek-v3", "deepseek-ai/DeepSeek-V3"),
              Alias("deepseek-v3-0324", "deepseek-ai/DeepSeek-V3-0324")),
     sampling=DEEPSEEK_V3_SAMPLING,
     frontend=DEEPSEEK_V3_FRONTEND,
-    cache_scheme=CACHE_SCHEME,
+    cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
     capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_weights,
+    build_model=build_deepseek_v3,
+    map_weights=map_deepseek_v3_weights,
     description="DeepSeek-V3 (Transformers DeepseekV3ForCausalLM, absorbed MLA over a paged latent cache, MoE)",
     assets={"chat_template.jinja": _asset("deepseek-v3.jinja")},
     check_config=check_deepseek_v3_config,
@@ -102,16 +83,16 @@ DEEPSEEK_V3 = Recipe(
 DEEPSEEK_V3_1 = Recipe(
     name="deepseek-v3.1",
     version=RECIPE_VERSION,
-    architectures=ARCHITECTURES,
+    architectures=DEEPSEEK_V3_ARCHITECTURES,
     model_types=MODEL_TYPES,
     aliases=(Alias("deepseek-v3.1", "deepseek-ai/DeepSeek-V3.1"),
              Alias("deepseek-v3.1-terminus", "deepseek-ai/DeepSeek-V3.1-Terminus")),
     sampling=DEEPSEEK_V3_1_SAMPLING,
     frontend=DEEPSEEK_V3_1_FRONTEND,
-    cache_scheme=CACHE_SCHEME,
+    cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
     capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_weights,
+    build_model=build_deepseek_v3,
+    map_weights=map_deepseek_v3_weights,
     description="DeepSeek-V3.1 hybrid thinking model (same model code as deepseek-v3)",
     assets={"chat_template.jinja": _asset("deepseek-v3.1.jinja")},
     check_config=check_deepseek_v3_config,

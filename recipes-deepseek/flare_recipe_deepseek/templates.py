@@ -37,7 +37,7 @@ SOURCES.md for their provenance), computed with `flare_core.frontend.make_templa
 
 from __future__ import annotations
 
-from flare_core.contract.template_patch import MARK_TAG, TemplatePatch
+from flare_core.api import TemplatePatch, MARK_TAG
 
 DEEPSEEK_V3_TEMPLATE_PATCH = TemplatePatch(
     # deepseek-ai/DeepSeek-V3 (DeepSeek's deepseek_v3_tokenizer.zip), the template without thinking.

@@ -49,11 +49,10 @@ import torch
 from torch import Tensor, nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from flare_core.contract import CacheScheme, ContractError, PagedStore, StateTensor
-from flare_core.ops.attention import ForwardContext, write_paged
-from flare_core.ops.model import STATIC_ROPE_TYPES, DecoderForServing
-from flare_core.ops.weights import prepare_weights
-from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
+from flare_core.api import (
+    CacheScheme, ContractError, DecoderForServing, DequantizedCheckpoint, ForwardContext, Fp8ConfigError,
+    PagedStore, StateTensor, fp8_blocks, prepare_weights, STATIC_ROPE_TYPES, write_paged,
+)
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

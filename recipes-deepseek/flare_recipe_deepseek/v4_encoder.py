@@ -30,7 +30,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flare_core.frontend import RenderedPrompt
+from flare_core.api import RenderedPrompt
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -3,7 +3,7 @@ encoder, DSML tool calls, thinking sections), cache scheme and capacities."""
 
 from __future__ import annotations
 
-from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
+from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
 from flare_recipe_deepseek.v4 import build_model, check_config, map_weights, plan_notes
 from flare_recipe_deepseek.v4_encoder import ASSISTANT, BOS, EOS, USER
 

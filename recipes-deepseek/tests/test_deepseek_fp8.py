@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from flare_core.contract import ContractError
 from flare_core.prepare.fp8_checkpoint import Fp8Blocks, dequantize
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
-from flare_recipe_deepseek.testing import (assert_core_matches, dequantize_fp8_blocks, dequantized_reference,
+from flare_testing.deepseek import (assert_core_matches, dequantize_fp8_blocks, dequantized_reference,
                                            export_checkpoint, fp8_quantization_config, quantize_fp8_blocks,
                                            quantize_fp8_checkpoint, random_model, save_model, write_frontend)
 from test_deepseek_parity import ReadRecorder, v3_config

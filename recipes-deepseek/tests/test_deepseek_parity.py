@@ -20,9 +20,9 @@ from transformers import DeepseekV3Config
 from flare_core.contract import ContractError
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
-from flare_core.testing import assert_logits_parity, serve_paged
+from flare_testing.parity import assert_logits_parity, serve_paged
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
-from flare_recipe_deepseek.testing import random_model
+from flare_testing.deepseek import random_model
 
 VOCAB = 128
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,

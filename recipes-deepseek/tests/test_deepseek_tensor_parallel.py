@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from test_deepseek_parity import saved_checkpoint, v3_config
 
 from flare_core.parallel import Ranks, rank_checkpoint, rank_config
-from flare_core.testing import assert_logits_parity
+from flare_testing.parity import assert_logits_parity
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3
-from flare_recipe_deepseek.testing import random_model
+from flare_testing.deepseek import random_model
 
 
 def serve_rank(rank: int, size: int, directory: str) -> None:

@@ -27,8 +27,8 @@ from flare_core.executor.eager import EagerExecutor
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
-from flare_core.testing import assert_logits_parity
-from flare_recipe_deepseek.testing import CSA_RATE, HCA_RATE, assert_core_matches, export_checkpoint, \
+from flare_testing.parity import assert_logits_parity
+from flare_testing.deepseek import CSA_RATE, HCA_RATE, assert_core_matches, export_checkpoint, \
     random_v4_model, save_v4_as_published, tiny_v4_config as tiny_config, write_v4_checkpoint
 from flare_recipe_deepseek.v4 import build_model, compressed_attention_scheme, map_weights
 

@@ -17,7 +17,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from flare_core.ops.fp4 import dequantize_fp4
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8Blocks, Fp8ConfigError, fp8_blocks
-from flare_recipe_deepseek.testing import assert_core_matches, export_checkpoint, publish_v4_quantized, \
+from flare_testing.deepseek import assert_core_matches, export_checkpoint, publish_v4_quantized, \
     quantize_fp4_groups, write_v4_checkpoint
 from flare_recipe_deepseek.v4 import map_weights
 

@@ -34,14 +34,10 @@ import torch
 from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
-from flare_core.contract import CacheScheme, ContractError, PagedStore, StateTensor
-from flare_core.ops.delta_rule import DeltaRuleForServing, kimi_delta_rule, kimi_delta_rule_step
-from flare_core.ops.mlp import FusedGatedMLP
-from flare_core.ops.model import DecoderForServing
-from flare_core.ops.routing import SigmoidTopKRouter
-from flare_core.ops.weights import checkpoint_reader, fused_linear, prepare_weights
-from flare_recipe_deepseek.modeling import AbsorbedMLA, keep_router_bias_float32
-from flare_recipe_deepseek.weights import absorbed_mla
+from flare_core.api import (AbsorbedMLA, CacheScheme, ContractError, DecoderForServing, DeltaRuleForServing,
+                            FusedGatedMLP, PagedStore, SigmoidTopKRouter, StateTensor, absorbed_mla, checkpoint_reader,
+                            fused_linear, keep_router_bias_float32, kimi_delta_rule, kimi_delta_rule_step,
+                            prepare_weights)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

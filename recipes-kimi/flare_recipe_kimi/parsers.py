@@ -3,8 +3,8 @@
     <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
     {"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>...<|tool_call_end|><|tool_calls_section_end|>
 
-(without the line break). The streaming machinery is flare_recipe_deepseek's (Kimi K2 is a
-DeepSeek-V3-architecture model and this package builds on that one); see its module for the
+(without the line break). The streaming machinery is the core's marked tool-call parser
+(flare_core.api.MarkedToolCallParser, shared with DeepSeek V3 / V3.1); see it for the
 `feed`/`finish` behaviour and for what the server must do so that the markers survive
 detokenization. Kimi K2's published template has no reasoning, so there is no reasoning parser.
 """
@@ -12,10 +12,8 @@ detokenization. Kimi K2's published template has no reasoning, so there is no re
 from __future__ import annotations
 
 import re
-import secrets
 
-from flare_core.contract import Parser, ToolCallFormat
-from flare_recipe_deepseek.parsers import MarkedToolCallParser, ToolCallMarkers
+from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers, new_call_id
 
 # Kimi K2 writes `functions.NAME:INDEX` (the form its template renders); the prefix and index are
 # accepted as optional so a call written as plain `NAME` is not lost.
@@ -44,7 +42,7 @@ class KimiK2ToolParser(MarkedToolCallParser):
         if match is None:
             return None
         own_id = match.group("prefix") and match.group("index")
-        return (text if own_id else "call_" + secrets.token_hex(12)), match.group("name")
+        return (text if own_id else new_call_id()), match.group("name")
 
 
 # The form the template renders, `functions.NAME:INDEX`, the index numbered by the model.

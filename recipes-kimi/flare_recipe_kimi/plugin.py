@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatch
-from flare_core.plugins import hookimpl
+from flare_core.api import CacheSchemeFactory, Parser, Recipe, TemplatePatch, hookimpl
 from flare_recipe_kimi.linear import kda_mla_hybrid_scheme
 from flare_recipe_kimi.parsers import KIMI_PARSERS
 from flare_recipe_kimi.recipes import KIMI_K2, KIMI_LINEAR

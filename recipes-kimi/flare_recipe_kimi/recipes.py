@@ -2,7 +2,8 @@
 
 * kimi-k2: Kimi K2's text checkpoints are DeepSeek-V3-architecture models
   (`DeepseekV3ForCausalLM`, MLA + MoE), so the model, weight mapping and structural checks are
-  flare_recipe_deepseek's, used as they are; this recipe adds Kimi's own text side. Export picks
+  the model kit's DeepSeek-V3 architecture (flare_core.api), used as they are; this recipe adds
+  Kimi's own text side. Export picks
   it for a local checkpoint by its config's model_type "kimi_k2" (flare_recipe_kimi.config).
 * kimi-linear: Kimi Linear (`KimiLinearForCausalLM`, model_type "kimi_linear": KDA + MLA + MoE,
   flare_recipe_kimi.linear) with Kimi's text side: the same tiktoken tokenizer, chat tokens and
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 from importlib import resources
 
-from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
-from flare_recipe_deepseek.checks import check_deepseek_v3_config, deepseek_v3_plan_notes
-from flare_recipe_deepseek.modeling import build_model
-from flare_recipe_deepseek.recipes import ARCHITECTURES, CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL
-from flare_recipe_deepseek.weights import map_weights
+from flare_core.api import (DEEPSEEK_V3_ARCHITECTURES, DEEPSEEK_V3_CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL, Alias,
+                            Capacities, FrontendSpec, Recipe, SamplingPolicy, build_deepseek_v3,
+                            check_deepseek_v3_config, deepseek_v3_plan_notes, map_deepseek_v3_weights)
 from flare_recipe_kimi import linear
 from flare_recipe_kimi.config import KIMI_K2_MODEL_TYPE
 from flare_recipe_kimi.templates import KIMI_K2_TEMPLATE_PATCH
@@ -49,17 +48,17 @@ def _template() -> bytes:
 KIMI_K2 = Recipe(
     name="kimi-k2",
     version=RECIPE_VERSION,
-    architectures=ARCHITECTURES,
+    architectures=DEEPSEEK_V3_ARCHITECTURES,
     model_types=(KIMI_K2_MODEL_TYPE,),
     aliases=(Alias("kimi-k2-instruct", "moonshotai/Kimi-K2-Instruct"),
              Alias("kimi-k2-instruct-0905", "moonshotai/Kimi-K2-Instruct-0905")),
     sampling=KIMI_K2_SAMPLING,
     frontend=KIMI_K2_FRONTEND,
-    cache_scheme=CACHE_SCHEME,
+    cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
     capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_weights,
-    description="Kimi K2 text models (the DeepSeek-V3 architecture through flare-recipe-deepseek's model code)",
+    build_model=build_deepseek_v3,
+    map_weights=map_deepseek_v3_weights,
+    description="Kimi K2 text models (the DeepSeek-V3 architecture of the model kit)",
     assets={"chat_template.jinja": _template},
     check_config=check_deepseek_v3_config,
     plan_notes=deepseek_v3_plan_notes,

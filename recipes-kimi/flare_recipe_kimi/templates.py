@@ -21,7 +21,7 @@ bytes (see the assets' SOURCES.md), computed with `flare_core.frontend.make_temp
 
 from __future__ import annotations
 
-from flare_core.contract.template_patch import MARK_TAG, TemplatePatch
+from flare_core.api import TemplatePatch, MARK_TAG
 
 KIMI_K2_TEMPLATE_PATCH = TemplatePatch(
     # moonshotai/Kimi-K2-Instruct, the first (July 2025) template.

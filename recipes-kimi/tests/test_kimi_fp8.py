@@ -12,8 +12,8 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from flare_recipe_deepseek.modeling import ds
-from flare_recipe_deepseek.testing import (assert_core_matches, dequantized_reference, export_checkpoint,
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+from flare_testing.deepseek import (assert_core_matches, dequantized_reference, export_checkpoint,
                                            fp8_quantization_config, quantize_fp8_checkpoint, random_model,
                                            save_model, write_frontend)
 from flare_recipe_kimi.recipes import KIMI_K2

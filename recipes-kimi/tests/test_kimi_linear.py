@@ -15,7 +15,7 @@ from transformers import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
 from flare_core.plugins import load_registry
-from flare_core.testing import assert_logits_parity
+from flare_testing.parity import assert_logits_parity
 from flare_recipe_kimi.linear import build_model, checkpoint_name, map_weights
 
 # Layers: KDA, KDA, MLA, KDA; the first MLP dense, the others MoE with a shared expert.

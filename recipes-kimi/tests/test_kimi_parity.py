@@ -1,6 +1,6 @@
 """The Kimi K2 recipe: Kimi-shaped tiny checkpoints (model_type "kimi_k2", DeepseekV3ForCausalLM,
 many experts in a single routing group, YaRN with Kimi's beta values, no MTP layer) served through
-flare_recipe_deepseek's model code must match the Transformers forward, and export must pick this
+the model kit's DeepSeek-V3 architecture must match the Transformers forward, and export must pick this
 recipe for them by model_type.
 """
 
@@ -12,16 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-import flare_recipe_deepseek.modeling
-import flare_recipe_deepseek.weights
+from flare_core.api import build_deepseek_v3, map_deepseek_v3_weights
 from flare_core.plugins import load_registry
 from flare_core.prepare.checkpoint import Checkpoint, load_config
 from flare_core.prepare.export import ExportError, choose_recipe
 from flare_core.prepare.source import ModelSource
-from flare_core.testing import assert_logits_parity
-from flare_recipe_deepseek.modeling import ds
-from flare_recipe_deepseek.testing import random_model, save_model
+from flare_testing.deepseek import random_model, save_model
+from flare_testing.parity import assert_logits_parity
 from flare_recipe_kimi.config import KimiK2Config
 from flare_recipe_kimi.recipes import KIMI_K2
 
@@ -72,8 +71,8 @@ def test_kimi_logits_match_transformers(saved, page_tokens):
 
 
 def test_the_model_code_is_deepseeks():
-    assert KIMI_K2.build_model is flare_recipe_deepseek.modeling.build_model
-    assert KIMI_K2.map_weights is flare_recipe_deepseek.weights.map_weights
+    assert KIMI_K2.build_model is build_deepseek_v3
+    assert KIMI_K2.map_weights is map_deepseek_v3_weights
     assert KIMI_K2.cache_scheme == "mla-latent" and KIMI_K2.architectures == ("DeepseekV3ForCausalLM",)
     assert KIMI_K2.plan_notes(kimi_config()) == ()  # Kimi K2 ships no MTP layer
 

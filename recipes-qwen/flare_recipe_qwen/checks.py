@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flare_core.contract import ContractError
-from flare_core.ops.model import check_rope_type
+from flare_core.api import ContractError, check_rope_type
 
 # The static rope types (flare_core.ops.model.STATIC_ROPE_TYPES) Qwen checkpoints use.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")

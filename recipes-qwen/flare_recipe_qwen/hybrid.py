@@ -31,13 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
-from flare_core.contract import CacheScheme, PagedStore, StateTensor
-from flare_core.ops.attention import ForwardContext, PagedAttention
-from flare_core.ops.delta_rule import DeltaRuleForServing, gated_delta_rule
-from flare_core.ops.mlp import FusedGatedMLP
-from flare_core.ops.routing import SoftmaxTopKRouter
-from flare_core.ops.model import DecoderForServing
-from flare_core.ops.weights import fused_linear
+from flare_core.api import (
+    CacheScheme, DecoderForServing, DeltaRuleForServing, ForwardContext, FusedGatedMLP, PagedAttention, PagedStore,
+    SoftmaxTopKRouter, StateTensor, fused_linear, gated_delta_rule,
+)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

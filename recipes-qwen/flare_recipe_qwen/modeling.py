@@ -17,10 +17,7 @@ import torch
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from flare_core.ops.gqa import FusedQKVAttention
-from flare_core.ops.mlp import FusedGatedMLP
-from flare_core.ops.model import DecoderForServing
-from flare_core.ops.routing import SoftmaxTopKRouter
+from flare_core.api import DecoderForServing, FusedGatedMLP, FusedQKVAttention, SoftmaxTopKRouter
 from flare_recipe_qwen import hybrid
 
 # Transformers classes per architecture: (causal LM, attention, dense MLPs, rotary embedding).

@@ -43,9 +43,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flare_core.contract import ToolCallFormat
-from flare_core.frontend.parsers import ParsedDelta, ToolCallDelta
-from flare_core.frontend.stops import partial_match_length
+from flare_core.api import ParsedDelta, ToolCallDelta, ToolCallFormat, partial_match_length
 
 BLOCK_BEGIN, BLOCK_END = "<tool_call>", "</tool_call>"
 FUNCTION_BEGIN, FUNCTION_END = "<function=", "</function>"

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from flare_core.contract import CacheSchemeFactory, Parser, Recipe, TemplatePatch
-from flare_core.plugins import hookimpl
+from flare_core.api import CacheSchemeFactory, Parser, Recipe, TemplatePatch, hookimpl
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
 from flare_recipe_qwen.parsers import QWEN_XML_CALLS, QwenXmlToolParser
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT

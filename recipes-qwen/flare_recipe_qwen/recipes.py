@@ -7,8 +7,8 @@ import dataclasses
 from importlib import resources
 from typing import Callable
 
-from flare_core.contract import (
-    SAMPLING_LIMITS, Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy, TensorParallelSpec,
+from flare_core.api import (
+    Alias, Capacities, FrontendSpec, Range, Recipe, SamplingPolicy, TensorParallelSpec, SAMPLING_LIMITS,
 )
 from flare_recipe_qwen.checks import (
     check_qwen3_5_config, check_qwen3_5_moe_config, check_qwen3_config, check_qwen3_moe_config, check_qwen3_next_config,

@@ -38,7 +38,7 @@ fixtures' SOURCES.md for their provenance), computed with
 
 from __future__ import annotations
 
-from flare_core.contract.template_patch import MARK_TAG, TemplatePatch
+from flare_core.api import TemplatePatch, MARK_TAG
 
 QWEN3_V1_TEMPLATE_PATCH = TemplatePatch(
     # The first Qwen3 template (Qwen/Qwen3-0.6B, May 2025).

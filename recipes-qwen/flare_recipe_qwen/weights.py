@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flare_core.ops.weights import checkpoint_reader, prepare_weights
+from flare_core.api import checkpoint_reader, prepare_weights
 from flare_recipe_qwen.modeling import build_model
 
 

@@ -28,7 +28,7 @@ from flare_core.executor.eager import EagerExecutor
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
-from flare_core.testing import assert_logits_parity
+from flare_testing.parity import assert_logits_parity
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
 from flare_recipe_qwen.modeling import build_model
 from flare_recipe_qwen.weights import map_weights

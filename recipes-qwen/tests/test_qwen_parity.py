@@ -17,7 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from flare_core.contract import ContractError
 from flare_core.ops.loading import load_prepared_weights
-from flare_core.testing import assert_logits_parity, serve_paged
+from flare_testing.parity import assert_logits_parity, serve_paged
 from flare_core.plugins import load_registry
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
 

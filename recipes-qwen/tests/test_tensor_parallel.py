@@ -16,7 +16,7 @@ from test_qwen_parity import qwen3_config, qwen3_moe_config
 from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 from flare_core.parallel import Ranks, rank_checkpoint, rank_config
-from flare_core.testing import assert_logits_parity
+from flare_testing.parity import assert_logits_parity
 from flare_recipe_qwen.recipes import QWEN3, QWEN3_MOE
 
 CASES = {"qwen3": (QWEN3, Qwen3ForCausalLM, qwen3_config),

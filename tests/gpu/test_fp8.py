@@ -245,8 +245,8 @@ def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
     from flare_core.ops.fp8 import Fp8BlockLinear
     from flare_core.plugins import load_registry
     from flare_core.engine.load import load_core
-    from flare_core.testing import serve_paged
-    from flare_recipe_deepseek.testing import (dequantized_reference, export_checkpoint, quantize_fp8_checkpoint,
+    from flare_testing.parity import serve_paged
+    from flare_testing.deepseek import (dequantized_reference, export_checkpoint, quantize_fp8_checkpoint,
                                                random_model, save_model, write_frontend)
     from test_engine_frames import REQUESTS, make_engine, run_requests
     from test_mla_graph import ROUTED_EXPERT_SCALE, deepseek_v3_config

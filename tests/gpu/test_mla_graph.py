@@ -211,7 +211,7 @@ def per_expert_checkpoint(state_dict: dict[str, torch.Tensor]) -> dict[str, torc
 def build_deepseek_models(device):
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
-    from flare_recipe_deepseek.testing import random_model
+    from flare_testing.deepseek import random_model
 
     config = deepseek_v3_config()
     DEEPSEEK_V3.check_config(config)

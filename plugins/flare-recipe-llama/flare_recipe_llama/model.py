@@ -19,10 +19,7 @@ from typing import Any
 import torch
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from flare_core.contract import ContractError
-from flare_core.ops.gqa import FusedQKVAttention
-from flare_core.ops.mlp import FusedGatedMLP
-from flare_core.ops.model import DecoderForServing, check_rope_type
+from flare_core.api import ContractError, DecoderForServing, FusedGatedMLP, FusedQKVAttention, check_rope_type
 
 
 def check_config(config: Any) -> None:

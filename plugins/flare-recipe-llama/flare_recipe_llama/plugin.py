@@ -8,8 +8,7 @@ the tokens each recipe requires, so a checkpoint's tokenizer picks its recipe.""
 
 from __future__ import annotations
 
-from flare_core.contract import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy, TemplatePatch
-from flare_core.plugins import hookimpl
+from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy, TemplatePatch, hookimpl
 from flare_recipe_llama.model import build_model, check_config
 from flare_recipe_llama.weights import map_weights
 

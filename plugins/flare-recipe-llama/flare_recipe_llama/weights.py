@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor
 
-from flare_core.ops.weights import checkpoint_reader, prepare_weights
+from flare_core.api import checkpoint_reader, prepare_weights
 from flare_recipe_llama.model import build_model
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flare_core.contract import ContractError
-from flare_core.testing import assert_logits_parity
+from flare_testing.parity import assert_logits_parity
 from flare_core.plugins import load_registry
 from flare_recipe_llama.plugin import LLAMA
 

@@ -1,5 +1,5 @@
 """Rendering a telemetry snapshot into the dashboard's text lines: a pure function, so it is
-testable without a terminal. The terminal side (flare_core.dashboard.terminal) only positions
+testable without a terminal. The terminal side (flare_core.observability.terminal) only positions
 these lines on the screen."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from flare_core.dashboard.telemetry import FINISHED, TelemetrySnapshot
+from flare_core.observability.telemetry import FINISHED, TelemetrySnapshot
 
 KEY_HINT = "Tab/←/→ switch pane · q or Ctrl-C quit"
 _LOG_TITLE = "── log "

@@ -22,9 +22,9 @@ from typing import TextIO
 
 import structlog
 
-from flare_core.dashboard.logsink import LogSink
-from flare_core.dashboard.screen import Pane, render_lines
-from flare_core.dashboard.telemetry import Telemetry
+from flare_core.observability.logsink import LogSink
+from flare_core.observability.screen import Pane, render_lines
+from flare_core.observability.telemetry import Telemetry
 
 REFRESH_S = 0.25
 FINAL_LOG_LINES = 20

@@ -222,7 +222,7 @@ def assert_core_matches(core: Path, config_path: Path, reference: torch.nn.Modul
     from flare_core.config import load_config
     from flare_core.plugins import load_registry
     from flare_core.engine.load import load_core
-    from flare_core.testing import serve_paged
+    from flare_testing.parity import serve_paged
 
     loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
                        load_registry(), torch.device("cpu"))

@@ -1,0 +1,124 @@
+"""The protocols of what a recipe plugin hands the runtime, and the plain data they exchange:
+the serving model a recipe's `build_model` returns and the weight mapping its `map_weights` is;
+the streaming output parsers a `Parser` makes and what they produce; the conversation renderer
+a `PromptEncoder` makes and what it renders. Types only: the runtime's implementations live
+above the contract (flare_core.ops.model, flare_core.frontend)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from flare_core.ops.attention import ForwardContext
+
+
+@runtime_checkable
+class RuntimeModel(Protocol):
+    """A serving model (an `nn.Module`), called once per step as
+
+        logits = model(input_ids, positions, context)
+
+    `input_ids` int64 [T]: the new tokens of every request in the step, back to back in the order
+    of `context.batch.query_start`; `positions` int64 [T]: each token's position in its request;
+    `context` (flare_core.ops.attention.ForwardContext): the batch layout and the cache storage
+    the model appends its records to and reads. Returns float32 logits [R, vocab] for the rows
+    `context.batch.logits_indices`. The model keeps no per-request state of its own."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor: ...
+
+
+class BuildModel(Protocol):
+    """`build_model(config, dtype)`: the serving model with its parameters on the meta device, in
+    `dtype`, named as the recipe's `map_weights` yields them."""
+
+    def __call__(self, config: Any, dtype: torch.dtype) -> torch.nn.Module: ...
+
+
+class MapWeights(Protocol):
+    """`map_weights(config, checkpoint, dtype)`: (prepared name, tensor) for every tensor the
+    serving model loads, from the checkpoint's tensors (Transformers name -> tensor, each read on
+    access), each in the dtype the model keeps it in."""
+
+    def __call__(self, config: Any, checkpoint: Mapping[str, torch.Tensor],
+                 dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the tool call at `index` (0, 1, ... in output order). The first delta of an
+    index carries `id` and `name`; `arguments` pieces concatenate to the arguments JSON text;
+    the last delta of an index has `done` set."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class ParsedDelta:
+    """What one `feed`/`finish` produced. Within one delta there is no ordering between the
+    content text and the tool-call pieces."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def __add__(self, later: ParsedDelta) -> ParsedDelta:
+        return ParsedDelta(self.content + later.content, self.reasoning + later.reasoning,
+                           merge_tool_deltas(self.tool_calls + later.tool_calls))
+
+
+
+def merge_tool_deltas(deltas: tuple[ToolCallDelta, ...]) -> tuple[ToolCallDelta, ...]:
+    """Join consecutive pieces of the same call into one delta."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        if merged and merged[-1].index == delta.index:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(last.index, last.id or delta.id, last.name or delta.name,
+                                       last.arguments + delta.arguments, last.done or delta.done)
+        else:
+            merged.append(delta)
+    return tuple(merged)
+
+
+
+class StreamingParser(Protocol):
+    """One request's output parser: fed the detokenized output in pieces, it returns what became
+    certain with each; `finish` releases the rest. Whatever the split into pieces, the
+    concatenated results are the same."""
+
+    def feed(self, text: str) -> ParsedDelta: ...
+
+    def finish(self) -> ParsedDelta: ...
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """Rendered chat text and the UTF-8 byte offsets into it where `{% mark %}` tags ran (ascending, distinct)."""
+
+    text: str
+    marks: tuple[int, ...]
+
+
+class ConversationRenderer(Protocol):
+    """What renders a core's conversations: a chat template (flare_core.frontend.ChatTemplate), or
+    the object a recipe's `PromptEncoder` makes (models whose prompt format is code)."""
+
+    source: str  # the template's text; "" for an encoder, whose format is its code
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = False, **options: Any) -> RenderedPrompt: ...
+
+
+__all__ = ["BuildModel", "ConversationRenderer", "MapWeights", "ParsedDelta", "RenderedPrompt", "RuntimeModel",
+           "StreamingParser", "ToolCallDelta"]

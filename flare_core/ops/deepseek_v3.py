@@ -1,0 +1,284 @@
+"""The DeepSeek-V3 architecture (DeepSeek-V3, V3-0324, V3.1, Kimi K2, and the MLA layers of Kimi
+Linear) for serving: the model, its weight mapping, its structural checks and tensor-parallel
+split. Part of the model kit (flare_core.api) because two recipe families build on it: the
+DeepSeek recipes and the Kimi recipes (Kimi K2's checkpoints are `DeepseekV3ForCausalLM`).
+
+The model. The Transformers `DeepseekV3ForCausalLM` is built on the meta device from the config; its embeddings, decoder
+layers, RMSNorms, rotary embedding (YaRN included: Transformers folds YaRN's mscale into cos/sin
+and into the softmax scale) and MoE blocks (shared + routed experts) are reused unchanged.
+Replaced:
+
+* attention -> `AbsorbedMLA`: the same q / kv_a projections and norms, then absorbed multi-head
+  latent attention over the paged latent cache (flare_core.ops.mla, cache scheme "mla-latent");
+* dense MLPs (the first `first_k_dense_replace` layers and each MoE block's shared experts) ->
+  flare_core.ops.mlp.FusedGatedMLP with one `gate_up_proj`;
+* each MoE block's router -> flare_core.ops.routing.SigmoidTopKRouter (the same routing, as a
+  logits matmul and one kernel; same weight and bias).
+
+Absorption. `kv_b_proj` [H * (nope + v), kv_lora_rank] holds, per head h, `W_UK_h` [nope,
+kv_lora_rank] (rows 0..nope) and `W_UV_h` [v, kv_lora_rank] (the next v rows). Transformers
+expands every cached latent into per-head keys `W_UK_h c` and values `W_UV_h c`; here the latent
+stays compressed and the matrices move to the query and output sides (equal up to float
+rounding, since q·(W c) = (W^T q)·c):
+
+    q_latent[t, h] = q_nope[t, h] @ w_uk[h]          w_uk = W_UK as [H, nope, kv_lora_rank]
+    o_latent[t, h] = sum_s p[t, h, s] * c[s]          (flare_core.ops.mla)
+    out[t, h]      = o_latent[t, h] @ w_uv[h]         w_uv = W_UV^T as [H, kv_lora_rank, v]
+    output         = o_proj(out[t].flatten())
+
+Prepared tensor names are the Transformers names, except:
+* `self_attn.w_uk` [H, qk_nope_head_dim, kv_lora_rank] and `self_attn.w_uv` [H, kv_lora_rank,
+  v_head_dim] in place of `self_attn.kv_b_proj.weight`;
+* `mlp.gate_up_proj.weight` / `mlp.shared_experts.gate_up_proj.weight` in place of gate + up;
+* `mlp.experts.gate_up_proj` [E, 2I, hidden] and `mlp.experts.down_proj` [E, hidden, I], the
+  Transformers packed-expert parameters.
+The router's `e_score_correction_bias` stays float32 whatever the model dtype, as Transformers
+keeps it (`_keep_in_fp32_modules_strict`): expert choice compares biased sigmoid scores.
+Keeping W_UK and W_UV apart from q_b_proj / o_proj (rather than folding them in) is deliberate:
+folded matrices would cost kv_lora_rank / nope (4x for DeepSeek-V3) the multiply-adds per token.
+
+Weights: checkpoint tensors -> the prepared layout. Real DeepSeek-V3 / Kimi K2 checkpoints name tensors as Transformers' `save_pretrained` writes
+them: `self_attn.kv_b_proj.weight`, separate `gate_proj`/`up_proj`, one set of matrices per
+routed expert (`mlp.experts.{i}.gate_proj.weight`, ...). DeepSeek's checkpoints also carry the
+multi-token-prediction module as layer `model.layers.{num_hidden_layers}.*`; the serving model
+has no such layer, so nothing asks for those tensors and they are never read. The prepared layout:
+
+* `self_attn.w_uk` = kv_b_proj rows of the no-rope key part, per head: [H, nope, kv_lora_rank]
+* `self_attn.w_uv` = kv_b_proj rows of the value part, per head, transposed: [H, kv_lora_rank, v]
+* the fused and packed tensors `flare_core.ops.weights` declares: `gate_up_proj` (dense layers
+  and shared experts), `mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj`
+  [E, hidden, I];
+* everything else keeps its name.
+
+fp8 block-quantized checkpoints (the published DeepSeek-V3 / V3.1 / Kimi K2 weights) are
+dequantized tensor by tensor (flare_core.prepare.fp8_checkpoint): each float8_e4m3fn `X.weight` is
+read with its `X.weight_scale_inv`, turned into float32 and cast to the model dtype before the next
+tensor is read; only one checkpoint tensor is ever held in float32. Routed experts are written into
+one preallocated [E, ...] tensor of the model dtype, expert by expert.
+
+The split of kv_b_proj is done in float32 and cast once at the end; every other tensor is cast as
+it is read (concatenation and stacking do not round, so this equals casting the fused tensor). The
+prepared names, shapes and dtypes come from the serving model itself, so the mapping and the model
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+
+from flare_core.contract import ContractError, DerivedShard, TensorParallelSpec
+from flare_core.ops.attention import ForwardContext
+from flare_core.ops.mla import MLAPagedAttention
+from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.model import DecoderForServing, check_rope_type
+from flare_core.ops.routing import SigmoidTopKRouter
+from flare_core.ops.weights import Reader, prepare_weights
+from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
+
+DEEPSEEK_V3_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+# The cache scheme of its absorbed MLA: one latent record per token (flare_core.ops.mla).
+DEEPSEEK_V3_CACHE_SCHEME = "mla-latent"
+
+class AbsorbedMLA(nn.Module):
+    """DeepSeek-V3 multi-head latent attention over the paged latent cache. Called by the
+    Transformers decoder layer, which passes the forward context through its keyword arguments."""
+
+    def __init__(self, original: ds.DeepseekV3Attention, config: Any, layer_idx: int, rotary: bool = True):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        # q: one projection, or the q_a -> RMSNorm -> q_b low-rank path when q_lora_rank is set.
+        self.q_proj = original.q_proj
+        self.q_a_proj = original.q_a_proj
+        self.q_a_layernorm = original.q_a_layernorm
+        self.q_b_proj = original.q_b_proj
+        self.kv_a_proj_with_mqa = original.kv_a_proj_with_mqa
+        self.kv_a_layernorm = original.kv_a_layernorm
+        self.o_proj = original.o_proj
+        self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank))
+        self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.kv_lora_rank, self.v_dim))
+        # rotary=False: no position encoding at all (Kimi Linear's MLA layers keep the shared key
+        # part, unrotated).
+        self.rotate = None if not rotary else \
+            ds.apply_rotary_pos_emb_interleave if config.rope_interleave else ds.apply_rotary_pos_emb
+        # original.scaling is Transformers' softmax scale, YaRN mscale included.
+        self.attn = MLAPagedAttention(self.num_heads, self.kv_lora_rank, self.rope_dim, original.scaling, layer_idx)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None,
+                context: ForwardContext, **_: Any) -> tuple[Tensor, None]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rope = k_rope[:, None, :]
+        if self.rotate is not None:
+            cos, sin = position_embeddings
+            q_rope, k_rope = self.rotate(q_rope, k_rope, cos, sin, unsqueeze_dim=1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        out_latent = self.attn(q_latent, q_rope, latent, k_rope[:, 0, :], context)
+        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
+        return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
+
+
+def keep_router_bias_float32(causal_lm: nn.Module) -> None:
+    """The MoE routers' score correction bias (DeepSeek-V3's, Kimi's) back in float32 after the
+    model was cast to its dtype: the routers add it to float32 scores."""
+    for module in causal_lm.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, Tensor):
+            module.e_score_correction_bias = torch.empty_like(bias, dtype=torch.float32)
+
+
+def build_deepseek_v3(config: Any, dtype: torch.dtype) -> DecoderForServing:
+    """Serving model with parameters on the meta device in `dtype` (the router bias in float32)
+    and the rotary embedding's buffers built on the CPU (see flare_core.ops.loading)."""
+    if not isinstance(config, ds.DeepseekV3Config):
+        raise ValueError(f"config: {type(config).__name__} (model_type {config.model_type!r}) is not a "
+                         "DeepseekV3Config")
+    with torch.device("meta"):
+        causal_lm = ds.DeepseekV3ForCausalLM(config)
+        for layer_idx, layer in enumerate(causal_lm.model.layers):
+            layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx)
+            if isinstance(layer.mlp, ds.DeepseekV3MoE):
+                layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
+                layer.mlp.gate = SigmoidTopKRouter.like(layer.mlp.gate)
+            else:
+                layer.mlp = FusedGatedMLP.like(layer.mlp)
+    causal_lm.to(dtype)
+    keep_router_bias_float32(causal_lm)
+    with torch.device("cpu"):
+        rotary_emb = ds.DeepseekV3RotaryEmbedding(config)
+    return DecoderForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
+
+
+def map_deepseek_v3_weights(config: Any, checkpoint: Mapping[str, Tensor],
+                             dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """Yield (prepared name, tensor) for every tensor the serving model loads, in the model's dtype
+    for it (`dtype`; float32 for the router bias). fp8 block-quantized weights are dequantized.
+    Raises ValueError naming the checkpoint tensor when one is missing or stored in a form the
+    recipes cannot read, and naming the config field when quantization_config is unsupported."""
+    try:
+        blocks = fp8_blocks(config)
+    except Fp8ConfigError as exc:
+        raise ValueError(f"config.json {exc}") from exc
+    source = DequantizedCheckpoint(checkpoint, blocks)
+
+    def read(name: str, target: str, dtype: torch.dtype) -> Tensor:
+        if name not in source:
+            raise ValueError(f"checkpoint lacks tensor {name!r} (needed for prepared tensor {target!r})")
+        return source[name].to(dtype)
+
+    yield from prepare_weights(build_deepseek_v3(config, dtype), read, num_experts=config.n_routed_experts,
+                               special=lambda name, dtype: absorbed_mla(name, read, config, dtype))
+
+
+def absorbed_mla(name: str, read: Reader, config: Any, dtype: torch.dtype) -> Tensor | None:
+    """Prepared tensor `name` if it is one of MLA's absorbed up-projections (`self_attn.w_uk` /
+    `w_uv`), split from the checkpoint's kv_b_proj read through `read`; None for every other tensor."""
+    if not (name.endswith(".self_attn.w_uk") or name.endswith(".self_attn.w_uv")):
+        return None
+    kv_b_proj = read(name.rpartition(".")[0] + ".kv_b_proj.weight", name, torch.float32)
+    w_uk, w_uv = split_kv_b_proj(kv_b_proj, config)
+    return (w_uk if name.endswith("w_uk") else w_uv).to(dtype)
+
+
+def split_kv_b_proj(kv_b_proj: Tensor, config: Any) -> tuple[Tensor, Tensor]:
+    """kv_b_proj [H * (nope + v), kv_lora_rank] -> (w_uk [H, nope, kv_lora_rank],
+    w_uv [H, kv_lora_rank, v]), in float32."""
+    heads, nope, v = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim
+    expected = (heads * (nope + v), config.kv_lora_rank)
+    if tuple(kv_b_proj.shape) != expected:
+        raise ValueError(f"kv_b_proj.weight has shape {tuple(kv_b_proj.shape)}, the config needs {expected} "
+                         f"(num_attention_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)")
+    per_head = kv_b_proj.float().view(heads, nope + v, config.kv_lora_rank)
+    return per_head[:, :nope, :].contiguous(), per_head[:, nope:, :].transpose(1, 2).contiguous()
+
+
+# The static rope types (flare_core.ops.model.STATIC_ROPE_TYPES) DeepSeek's MLA rope implements.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+# Routing the original checkpoints declare and Transformers implements: sigmoid expert scores,
+# selection biased by e_score_correction_bias ("noaux_tc"), an expert layer in every layer after
+# the first `first_k_dense_replace`.
+ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+
+
+def check_deepseek_v3_config(config: Any) -> None:
+    obj = type(config).__name__
+    if not isinstance(config, DeepseekV3Config):
+        raise ContractError(obj, "model_type", f"is {config.model_type!r}; the DeepSeek-V3 recipes need a "
+                            "DeepseekV3Config")
+    try:
+        fp8_blocks(config)  # fp8 block-quantized weights are dequantized at export (flare_core.prepare.fp8_checkpoint)
+    except Fp8ConfigError as exc:
+        raise ContractError(obj, f"quantization_config.{exc.field}", exc.problem) from exc
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise ContractError(obj, "num_key_value_heads", f"{config.num_key_value_heads} differs from "
+                            f"num_attention_heads {config.num_attention_heads}; multi-head latent attention "
+                            "derives one key and value per query head from the latent")
+    check_rope_type(config, SUPPORTED_ROPE_TYPES)
+    for field_name, expected in ROUTING.items():
+        value = getattr(config, field_name, expected)
+        if value != expected:
+            raise ContractError(obj, field_name, f"is {value!r}; the DeepSeek-V3 recipes implement {expected!r} "
+                                "(the routing Transformers' DeepseekV3MoE defines)")
+    _check_routing_groups(config, obj)
+
+
+def _check_routing_groups(config: Any, obj: str) -> None:
+    experts, groups = config.n_routed_experts, config.n_group
+    if experts % groups != 0:
+        raise ContractError(obj, "n_group", f"{groups} does not divide n_routed_experts {experts}")
+    per_group = experts // groups
+    if per_group < 2:
+        raise ContractError(obj, "n_group", f"{groups} groups of {per_group} expert leave no two experts per "
+                            "group to score the group by")
+    if not 1 <= config.topk_group <= groups:
+        raise ContractError(obj, "topk_group", f"{config.topk_group} is outside 1..n_group ({groups})")
+    if config.num_experts_per_tok > config.topk_group * per_group:
+        raise ContractError(obj, "num_experts_per_tok", f"{config.num_experts_per_tok} exceeds the "
+                            f"{config.topk_group * per_group} experts of the topk_group selected groups")
+
+
+def deepseek_v3_plan_notes(config: Any) -> tuple[str, ...]:
+    """What the export plan says about the parts of the checkpoint that are not loaded (export
+    itself says how fp8 weights are read)."""
+    return _mtp_notes(config)
+
+
+def _mtp_notes(config: Any) -> tuple[str, ...]:
+    mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+    if mtp <= 0:
+        return ()
+    first = config.num_hidden_layers
+    layers = f"model.layers.{first}" if mtp == 1 else f"model.layers.{first}-{first + mtp - 1}"
+    return (f"multi-token prediction (MTP) layers are not loaded: {layers} ({mtp} module"
+            f"{'s' if mtp > 1 else ''}) stay in the checkpoint; the core serves the {first} decoder layers "
+            "without speculative decoding",)
+
+
+# Attention heads split over tensor-parallel ranks (q_b_proj rows, the absorbed w_uk / w_uv, o_proj
+# columns), the latent KV path (kv_a_proj_with_mqa, its norm, the paged latent cache) replicated:
+# every rank's heads attend over the whole latent (num_key_value_heads, nominal for MLA, divides
+# with the heads so a rank's config passes the same checks). Dense-layer and expert intermediate features
+# split too (the shared experts' size is moe_intermediate_size * n_shared_experts); the router
+# stays whole. kv_b_proj's rows are per head ([H * (nope + v), kv_lora_rank]), so a rank's w_uk and
+# w_uv come from its slice of rows.
+DEEPSEEK_V3_TENSOR_PARALLEL = TensorParallelSpec(
+    divided=("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"),
+    partial_sums=("self_attn", "mlp"),
+    derived=(DerivedShard("self_attn.w_uk", "self_attn.kv_b_proj.weight", 0),
+             DerivedShard("self_attn.w_uv", "self_attn.kv_b_proj.weight", 0)),
+)
