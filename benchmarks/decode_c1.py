@@ -56,7 +56,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     input token read on the device from the step before, its sampled token copied back to the
     host and read one step later."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.ops.sampling import StepSampling
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
@@ -68,7 +68,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     page_tokens, total = 64, context + steps + 48
     num_pages = -(-total // page_tokens) + 4
     started = time.perf_counter()
-    executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=1,
+    executor = cuda_runner(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=1,
                              num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size, device=device,
                              decode_capacities=(1,), context_length=total, compile_model=compile_model,
                              gemv=gemv, triton_attention=triton_attention)
@@ -117,7 +117,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
             run(context + 8 + steps, 20)
         profile.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
     return {"decode_c1_tok_s": steps / seconds, "decode_c1_ms_per_token": 1000 * seconds / steps,
-            "weight_bytes": weight_bytes, "compile_and_capture_s": startup_s, "compile_s": executor.compile_s,
+            "weight_bytes": weight_bytes, "compile_and_capture_s": startup_s, "compile_s": executor.graphs.compile_s,
             "prefill_ttft_ms": 1000 * ttft, "first_tokens": [first_token, *tokens[:8]]}
 
 
@@ -125,7 +125,7 @@ def eager_greedy(model, device, context: int, steps: int) -> list[int]:
     """The first greedy tokens through the eager reference executor on the same weights: the
     graph paths above must produce the same ones (bf16 ties aside)."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.runner import eager_runner
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
 
@@ -133,7 +133,7 @@ def eager_greedy(model, device, context: int, steps: int) -> list[int]:
     scheme = CacheScheme("attention-kv", (PagedStore("k", (8, 128), "bfloat16", layers),
                                           PagedStore("v", (8, 128), "bfloat16", layers)))
     num_pages = -(-(context + steps + 1) // 64)
-    executor = EagerExecutor(model, scheme, num_pages=num_pages, page_tokens=64, num_rows=1, num_snapshot_rows=0,
+    executor = eager_runner(model, scheme, num_pages=num_pages, page_tokens=64, num_rows=1, num_snapshot_rows=0,
                              num_logits_rows=0, vocab_size=model.model.embed_tokens.weight.shape[0], device=device)
     handle, pages = RequestHandle("reference", 0, 1), tuple(range(num_pages))
     prompt = torch.randint(1000, 100000, (context,), generator=torch.Generator().manual_seed(0)).tolist()

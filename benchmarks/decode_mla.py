@@ -68,7 +68,7 @@ def random_serving_model(config, device: torch.device, recipe=None) -> torch.nn.
 
 
 def flare_decode(config, model, device, concurrency: list[int], context: int, steps: int) -> dict:
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.plugins import load_registry
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
@@ -79,7 +79,7 @@ def flare_decode(config, model, device, concurrency: list[int], context: int, st
     pages_per_request = -(-total // PAGE_TOKENS)
     rows = max(concurrency)
     started = time.perf_counter()
-    executor = GraphExecutor(model, scheme, num_pages=rows * pages_per_request, page_tokens=PAGE_TOKENS,
+    executor = cuda_runner(model, scheme, num_pages=rows * pages_per_request, page_tokens=PAGE_TOKENS,
                              num_rows=rows, num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size,
                              device=device, decode_capacities=tuple(sorted(set(concurrency))), context_length=total)
     results = {"graph_capture_s": time.perf_counter() - started}
@@ -117,7 +117,7 @@ def flare_decode(config, model, device, concurrency: list[int], context: int, st
                            "prefill_s": prefill_s}
         print(f"concurrency {c:3d}: {c * steps / seconds:9.1f} tok/s, {1000 * seconds / steps:7.2f} ms/step "
               f"(prefill of {c} x {context} tokens: {prefill_s:.2f} s)", flush=True)
-    replays = {capacity: g.replays for capacity, g in executor.decode_graphs.items()}
+    replays = {capacity: g.replays for capacity, g in executor.graphs.decode_graphs.items()}
     if not all(replays.values()):
         raise RuntimeError(f"decode steps did not all replay graphs: {replays}")
     return results

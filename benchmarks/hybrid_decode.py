@@ -53,7 +53,7 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
     (with `profile`, a second restoring prompt under the profiler: its kernels and host time)."""
     from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.contract import Capacities
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.plugins import load_registry
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
 
@@ -63,7 +63,7 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2 * total)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
     # As `flare run` builds it (flare_core.engine.build): prefill graphs of the catalog's capacities.
-    executor = GraphExecutor(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
+    executor = cuda_runner(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
                              num_snapshot_rows=snapshots, num_logits_rows=8, vocab_size=config.vocab_size,
                              device=device, decode_capacities=(1,), prefill_capacities=catalog.prefill,
                              context_length=capacities.context_length, compile_model=compile_model,
@@ -103,7 +103,7 @@ def first_token(config, model, recipe, device, prefix: int, suffix: int, chunk: 
     if profile is not None:
         write_profile(profile, lambda: seconds_to_first_token("warm-profiled", shared + prompt(suffix)))
     return {"prefix_tokens": prefix, "suffix_tokens": suffix, "chunk_tokens": chunk,
-            "prefill_graph_replays": sum(g.replays for g in executor.prefill_graphs.values()),
+            "prefill_graph_replays": sum(g.replays for g in executor.graphs.prefill_graphs.values()),
             "cold_ms": round(1000 * cold, 1), "warm_ms": round(1000 * warm, 1),
             "warm_over_cold": round(warm / cold, 3)}
 

@@ -81,7 +81,7 @@ def roofline_tok_s(config, moe_layers: int, weight_bytes: int, batch: int, bandw
 
 def decode(config, model, recipe, device, batches: list[int], context: int, steps: int,
            profile: Path | None = None, compile_model: bool = True) -> dict:
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.ops.sampling import StepSampling
     from flare_core.plugins import load_registry
     from flare_core.requests import SamplingParams
@@ -93,7 +93,7 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
     per_request = -(-total // PAGE_TOKENS)
     rows = max(batches)
     started = time.perf_counter()
-    executor = GraphExecutor(model, scheme, num_pages=rows * per_request, page_tokens=PAGE_TOKENS, num_rows=rows,
+    executor = cuda_runner(model, scheme, num_pages=rows * per_request, page_tokens=PAGE_TOKENS, num_rows=rows,
                              num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size, device=device,
                              decode_capacities=tuple(sorted(set(batches))), context_length=total, compile_model=compile_model)
     results: dict = {"compile_and_capture_s": round(time.perf_counter() - started, 1)}
@@ -149,7 +149,7 @@ def decode(config, model, recipe, device, batches: list[int], context: int, step
         results[str(batch)] = {"decode_tok_s": round(batch * steps / seconds, 1),
                                "ms_per_step": round(1000 * seconds / steps, 3),
                                "prefill_ms_median": round(sorted(prefill_ms)[len(prefill_ms) // 2], 2)}
-    replays = {capacity: g.replays for capacity, g in executor.decode_graphs.items()}
+    replays = {capacity: g.replays for capacity, g in executor.graphs.decode_graphs.items()}
     if not all(replays.values()):
         raise RuntimeError(f"decode steps did not all replay graphs: {replays}")
     return results

@@ -146,7 +146,7 @@ def test_each_group_structure_gets_its_own_recompile_budget(monkeypatch):
 
 
 def test_any_pool_size_reuses_the_compiled_layers():
-    """The CUDA executor compiles over a one-page pool and then sizes it (GraphExecutor.
+    """The CUDA executor compiles over a one-page pool and then sizes it (ModelRunner.
     resize_cache): the page count must be no guard of the compiled code. A backed size would be
     (torch specialises a size of 1, and Inductor guards 32-bit indexing on it), so a one-page pool
     after a three-page one would compile again; unbacked, every pool size runs the first code."""

@@ -20,7 +20,7 @@ import torch
 
 from flare_core.kv import KvCacheManager, PageAllocator
 from flare_core.contract import Capacities
-from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.runner import ModelRunner, eager_runner
 from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs
 from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.loading import load_prepared_weights
@@ -56,25 +56,26 @@ def executors(family: str):
         reference.get_input_embeddings().weight.normal_(0.0, 1.0)
     prepared = dict(recipe.map_weights(config, reference.state_dict(), torch.float32))
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
-    pair = [EagerExecutor(load_prepared_weights(recipe.build_model(config, torch.float32), prepared, "cpu"), scheme,
+    pair = [eager_runner(load_prepared_weights(recipe.build_model(config, torch.float32), prepared, "cpu"), scheme,
                           num_pages=PAGES + 1, page_tokens=PAGE_TOKENS, num_rows=ROWS, num_snapshot_rows=0,
                           num_logits_rows=0, vocab_size=config.vocab_size, device=torch.device("cpu"))
             for _ in range(2)]
     return config, pair
 
 
-def run_as_prefill_graph(executor: EagerExecutor, plan: StepPlan, capacity: int) -> torch.Tensor:
+def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -> torch.Tensor:
     """The logits rows of `plan` (plan.samples order) computed from a prefill graph's inputs."""
-    state = bool(executor.scheme.state)
+    device_state = executor.state
+    state = bool(device_state.scheme.state)
     requests = prefill_graph_requests(capacity, ROWS, state)
     step = prefill_step_inputs(plan.decodes, plan.prefills, capacity, requests, PAGE_TOKENS, PAGES, ROWS)
-    executor.restore(plan)
-    executor.start_chunks(plan)
+    device_state.restore(plan)
+    device_state.start_chunks(plan)
     # The graph's token inputs, the decode rows' resolved as its forward resolves them.
     head = min(capacity, requests)
     ids = torch.tensor(step.tokens["ids"])
     from_device = torch.tensor(step.rows["from_device"][:head]) != 0
-    ids[:head] = torch.where(from_device, executor.last_sampled[torch.tensor(step.rows["state_rows"][:head])],
+    ids[:head] = torch.where(from_device, device_state.last_sampled[torch.tensor(step.rows["state_rows"][:head])],
                              ids[:head])
     # The requests that hold tokens, from the attention layout (FlashInfer's plan), each with the
     # cached tokens and pages the kernels read; the empty ones after them hold none.
@@ -101,8 +102,8 @@ def run_as_prefill_graph(executor: EagerExecutor, plan: StepPlan, capacity: int)
     batch = dataclasses.replace(built, slot_mapping=torch.tensor(step.tokens["cache_indices"]),
                                 logits_indices=torch.tensor(step.rows["last_token_index"][:rows]))
     logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
-                            ForwardContext(batch, executor.storage, layer_map=executor.layer_map))
-    sampling = executor.finish_chunks(plan, logits)
+                            ForwardContext(batch, device_state.storage, layer_map=device_state.layer_map))
+    sampling = device_state.finish_chunks(plan, logits)
     return logits[sampling]
 
 

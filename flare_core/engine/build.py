@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
-from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.runner import eager_runner
 from flare_core.frontend import Frontend
 from flare_core.plugins import Registry
 from flare_core.engine.core import EngineCore
@@ -67,11 +67,11 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
         raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
                          f"path (--device cpu) serves such cores so far")
     if loaded.device.type == "cuda":
-        from flare_core.executor.graphs import GraphExecutor
+        from flare_core.executor.graphs import cuda_runner
 
         # Decode graphs up to the smallest one that holds every live request of this server.
         covering = catalog.covering(StepKind.DECODE, max_concurrency)
-        executor = GraphExecutor(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
+        executor = cuda_runner(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
                                  decode_capacities=tuple(c for c in catalog.decode if c <= covering),
                                  prefill_capacities=catalog.prefill, context_length=capacities.context_length,
                                  compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
@@ -80,7 +80,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
         executor.resize_cache(kv.num_pages)
     else:
         kv = plan_kv()
-        executor = EagerExecutor(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args)
+        executor = eager_runner(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args)
         if leader is not None:
             executor = leader.lead(executor, dict(num_pages=kv.num_pages, **executor_args))
 

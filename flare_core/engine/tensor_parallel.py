@@ -172,7 +172,7 @@ def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands,
 
 def _build_executor(core_path: str, rank: int, ranks: int, commands):
     from flare_core.core import open_core
-    from flare_core.executor.eager import EagerExecutor
+    from flare_core.executor.runner import eager_runner
     from flare_core.parallel import Ranks, join_group, spec_of
     from flare_core.plugins import load_registry
     from flare_core.engine.load import load_core
@@ -184,7 +184,7 @@ def _build_executor(core_path: str, rank: int, ranks: int, commands):
     kind, executor_args = _next(commands)
     if kind != "build":
         raise RuntimeError(f"expected the executor's geometry from rank 0, got {kind!r}")
-    return EagerExecutor(loaded.model, loaded.cache_scheme, **executor_args)
+    return eager_runner(loaded.model, loaded.cache_scheme, **executor_args)
 
 
 def _follow(executor, commands) -> None:

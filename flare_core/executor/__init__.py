@@ -1,5 +1,8 @@
-"""Executors run a scheduler's StepPlans on a device: `EagerExecutor` (the plain-torch
-reference, `--device cpu`) and `GraphExecutor` (CUDA graphs over FlashInfer attention)."""
+"""Executors run a scheduler's StepPlans on a device. `ModelRunner` (flare_core.executor.runner)
+is the one that runs a model: its `DeviceState`, an `EagerRunner` (every step; with plain-torch
+attention the reference and all of `--device cpu`) and on CUDA a `GraphRunner` (captured graphs
+over FlashInfer attention, flare_core.executor.graphs). Rank 0 of a tensor-parallel server wraps
+one in a `LeadingExecutor` (flare_core.engine.tensor_parallel)."""
 
 from __future__ import annotations
 

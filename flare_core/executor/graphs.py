@@ -1,4 +1,4 @@
-"""The CUDA executor: steps replay CUDA graphs captured at load, one per capacity of the core's
+"""The CUDA runner: steps replay CUDA graphs captured at load, one per capacity of the core's
 graph catalog, all sharing one memory pool: decode batch capacities (rows) and prefill token
 capacities (prompt chunks of several requests; a mixed step's decode rows join its chunks as
 one-token requests). Matmuls of one token (the capacity-1 decode graph: a single request
@@ -16,7 +16,7 @@ graphs (padding rows: the scratch row); a prefill graph's `_ChunkLayout` tells t
 request's tokens start. Steps that restore prefix resume points without stored logits replay
 graphs too: the restores are copies made before the replay. Sampling runs in graphs as well,
 over the forward graph's logits (`_Samplers`): every request parameter, per-request seeds, and
-penalties read from the executor's history book.
+penalties read from the device state's history book.
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
@@ -37,15 +37,17 @@ import structlog
 import torch
 
 from flare_core.contract import CacheScheme
-from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.eager import EagerRunner, Sequences, scores_prompt
+from flare_core.executor.runner import HostCopies, ModelRunner
+from flare_core.executor.state import DeviceState
 from flare_core.executor.storage import TORCH_DTYPES
 from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, AttentionBatch, ForwardContext, cache_index, linear_chunks
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import compile_layers
-from flare_core.ops.sampling import (PromptScores, SampleOutput, StepSampling, constrain, penalise, row_columns,
-                                     sample_rows, window)
+from flare_core.ops.sampling import (FLOAT_COLUMNS, INT_COLUMNS, SampleOutput, Sampler, StepSampling, constrain,
+                                     penalise, row_columns, sample_rows, window)
 from flare_core.ops.transfer import to_device, upload
 from flare_core.scheduler import StepPlan
 
@@ -112,12 +114,12 @@ class _Inputs:
 # continuation state): each request's state row, which its recurrent layers continue; `positions`
 # and `cache_indices` (decode); then the sampling columns and the unseeded key (column 0).
 INT_INPUTS = ("ids", "from_device", "last_token_index", "state_rows", "chunk_state_rows", "positions",
-              "cache_indices", "top_k", "seeds", "steps", "seeded", "key")
-SAMPLING_INTS = ("top_k", "seeds", "steps", "seeded")  # the order of row_columns' ints
-# The float inputs (sampling and penalties, in row_columns' order) and their values on rows that
-# sample without them (padding, greedy steps).
+              "cache_indices", *INT_COLUMNS, "key")
+# The float inputs (the sampling columns of those names) and their values on rows that sample
+# without them (padding, greedy steps).
 FLOAT_INPUTS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition": 1.0, "frequency": 0.0,
                 "presence": 0.0}
+assert tuple(FLOAT_INPUTS) == FLOAT_COLUMNS
 # A prefill graph's inputs per token: token ids, positions, cache indices.
 TOKEN_INPUTS = ("ids", "positions", "cache_indices")
 
@@ -265,111 +267,106 @@ class _Graph:
         return self.ints.width
 
 
-class GraphExecutor:
-    """Replays a captured graph where one covers the step (decode-only or prefill-only, no
-    stored logits restored, no prompt scores), and otherwise runs the step on its eager executor
-    with FlashInfer attention (`eager`): one explicit choice per step, in `_graph_for`. Both
-    share the eager executor's cache storage, token and penalty histories and sampler."""
+class CudaAttention:
+    """The attention kernels of one model on CUDA (FlashInfer paged GQA or MLA, chosen from the
+    model's attention modules; the Triton one-row decode kernels where the shape allows): the
+    kernel factory the graphs' attention is made from, and the prefill planned per step for the
+    steps that run eagerly (`plan_prefill`)."""
 
-    frames_in_flight = 2
-
-    def __init__(self, model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int,
-                 num_rows: int, num_snapshot_rows: int, num_logits_rows: int, vocab_size: int,
-                 device: torch.device, decode_capacities: tuple[int, ...], context_length: int,
-                 prefill_capacities: tuple[int, ...] = (), compile_model: bool = False, gemv: bool = True,
-                 triton_attention: bool = True, prefill_chunk_size: int = 0, seed: int = 0,
-                 dtype: torch.dtype | None = None):
-        self.model, self.device, self.page_tokens, self.vocab_size = model, device, page_tokens, vocab_size
-        # One page beyond the scheduler's pool is the scratch page padding rows write to.
-        self.eager = EagerExecutor(model, scheme, num_pages=num_pages + 1, page_tokens=page_tokens,
-                                   num_rows=num_rows, num_snapshot_rows=num_snapshot_rows,
-                                   num_logits_rows=num_logits_rows, vocab_size=vocab_size, device=device,
-                                   seed=seed, plan_attention=self._plan_prefill)
-        self.penalties = self.eager.penalties
-        # The attention kernels take queries of the model's activation dtype (`dtype`; None: that
-        # of its first parameter that is no FP8 weight) over pages of the paged stores' dtype.
+    def __init__(self, model: torch.nn.Module, scheme: CacheScheme, page_tokens: int, dtype: torch.dtype | None,
+                 device: torch.device):
+        # The kernels take queries of the model's activation dtype (`dtype`; None: that of its
+        # first parameter that is no FP8 weight) over pages of the paged stores' dtype.
         cache_dtypes = {TORCH_DTYPES[store.dtype] for store in scheme.paged}
         if len(cache_dtypes) != 1:
-            raise ValueError(f"GraphExecutor: the paged stores of cache scheme {scheme.name!r} must share one dtype "
-                             f"for the attention kernels, got {sorted(store.dtype for store in scheme.paged)}")
+            raise ValueError(f"the paged stores of cache scheme {scheme.name!r} must share one dtype for the "
+                             f"attention kernels, got {sorted(store.dtype for store in scheme.paged)}")
         if dtype is None:
             dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.dtype.itemsize > 1)
+        self.page_tokens = page_tokens
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.kernels = kernels_for(model, self.workspace, page_tokens, dtype, cache_dtypes.pop())
         self.scale = self.kernels.scale
-        self.prefill_attention = _FencedPlan(self.kernels.prefill())
-        self.scratch_page = num_pages
-        self.scratch_row = num_rows  # the extra row of `last_sampled` and state tensors padding rows write to
-        self._pages_per_context = -(-context_length // page_tokens)
+        self._prefill = _FencedPlan(self.kernels.prefill())
+
+    def plan_prefill(self, sequences: Sequences) -> _FencedPlan:
+        """FlashInfer paged prefill planned for an eager step's rows (decodes are one-token rows)."""
+        layout = PagedLayout.from_requests([c + n for n, c, _ in sequences], [n for n, _, _ in sequences],
+                                           [pages for _, _, pages in sequences], self.page_tokens)
+        self._prefill.plan(layout, self.scale)
+        return self._prefill
+
+
+class GraphRunner:
+    """Captures one graph per catalog capacity over the device state and replays the smallest
+    that covers a step (`can_run`: decode-only or with prompt chunks, no stored logits restored,
+    no prompt scores). The steps it cannot run go to the eager runner (flare_core.executor.runner);
+    both read and write the same `DeviceState`."""
+
+    def __init__(self, model: torch.nn.Module, state: DeviceState, attention: CudaAttention, sampler: Sampler,
+                 copies: HostCopies, *, decode_capacities: tuple[int, ...], prefill_capacities: tuple[int, ...],
+                 context_length: int, compiled: bool, prefill_chunk_size: int, triton_attention: bool = True):
+        assert state.scratch_page is not None, "graphs pad onto a scratch page: DeviceState(scratch_page=True)"
+        self.model, self.state, self.attention, self.sampler, self.copies = model, state, attention, sampler, copies
+        self.device, self.page_tokens = state.device, state.page_tokens
+        self.vocab_size = state.logits_store.shape[1]
+        self.kernels, self.scale = attention.kernels, attention.scale
+        self._pages_per_context = -(-context_length // self.page_tokens)
         # The capacity-1 decode graph (one request decoding) attends through the Triton kernels of
         # flare_core.ops.decode_attention where the model's shape allows, unless `triton_attention`
         # is off; wider batches keep FlashInfer's decode.
         self._triton_rows = 1 if triton_attention and self.kernels.triton_decode else 0
-        self.compile_s = 0.0
+        self._compiled = compiled
+        self._prefill_chunk_size = prefill_chunk_size
         # Inside the graphs, Inductor fuses the windowed sampler's passes over the [rows, vocab]
         # logits. The full-vocabulary samplers are dominated by their sort and run as they are.
-        self._sample_rows = torch.compile(sample_rows, dynamic=True) if compile_model else sample_rows
-        reserved = torch.cuda.memory_reserved(device)
-        if gemv:  # one-token matmuls through the GEMV kernel (flare_core.ops.gemv), before compiling
-            use_gemv(self.model)
-        self._compiled = compile_model
-        self._prefill_chunk_size = prefill_chunk_size
-        if compile_model:
-            compile_layers(self.model)
-        self._warm_eager()
+        self._sample_rows = torch.compile(sample_rows, dynamic=True) if compiled else sample_rows
         self.decode_graphs: dict[int, _Graph] = {}  # by batch capacity (rows)
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
-        self.capture_s = 0.0
         self._decode_capacities = decode_capacities
         self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
-        # Completions go to the host on their own stream (`to_host`), so the compute stream never
-        # holds a step behind a device-to-host copy; `_copied` marks the last such copy.
-        self._copy_stream = torch.cuda.Stream(device)
-        self._copied: torch.cuda.Event | None = None
-        self._capture()
-        # What compilation, warm-up and the graphs' memory pool took beyond the cache storage.
-        self.graph_bytes = torch.cuda.memory_reserved(device) - reserved
+        self.compile_s = self.capture_s = 0.0
+        self.graph_bytes = 0  # what the first warm-up and capture took beyond the state (compilation, the pool)
+        self._warmed = False
 
     @property
-    def storage(self) -> dict[str, list[torch.Tensor]]:
-        return self.eager.storage
+    def scratch_page(self) -> int:
+        assert self.state.scratch_page is not None
+        return self.state.scratch_page
+
+    @property
+    def scratch_row(self) -> int:
+        return self.state.scratch_row
 
     def summary(self) -> str:
-        """How this executor runs steps and what it compiled and captured, for the startup log."""
+        """How steps run and what was compiled and captured, for the startup log."""
         compiled = f"torch.compile {self.compile_s:.1f} s, " if self.compile_s else "not compiled, "
         prefill = (f"prompt chunks (with decode rows beside them) of {sorted(self.prefill_graphs)} tokens"
                    if self.prefill_graphs else "no prompt-chunk graphs (eager FlashInfer prefill)")
         return (f"CUDA graphs for decode batches {sorted(self.decode_graphs)} and {prefill}, sampling inside "
                 f"({compiled}captured in {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB)")
 
-    def resize_cache(self, num_pages: int) -> None:
-        """Replace the cache storage by one of `num_pages` pages (plus the scratch page) and
-        capture the graphs again over it: they read the storage's addresses. Compiled code is
-        kept: the page count is unbacked (flare_core.executor.storage), so no guard of the
-        compiled layers depends on it. Meant for start-up: the executor is first built over a
-        small cache, so that the pool can be sized from the memory that compilation, the graphs
-        and the largest prompt chunk leave free."""
-        self.decode_graphs.clear()  # frees the graphs' pool: the plan counted it, the new capture takes it again
-        self.prefill_graphs.clear()
-        self.eager.replace_storage(num_pages + 1)
-        self.scratch_page = num_pages
-        if self._compiled:
-            # Warmed again over the new storage: should a guard of the compiled layers fail on it
-            # after all, they compile here and not in the first requests (a compilation inside
-            # serving once stalled the first eager steps of the 12-layer Qwen3-30B-A3B shape 20 s
-            # each on the H200). The expected cost is three eager steps.
+    def prepare(self) -> None:
+        """Warm (compile) and capture over the device state's current storage: at construction,
+        and again after `release` and a resize of the state. Compiled code is kept over a resize:
+        the page count is unbacked (flare_core.executor.storage), so no guard of the compiled
+        layers depends on it; it is warmed again all the same, so that should a guard fail it
+        compiles here and not in the first requests (a compilation inside serving once stalled
+        the first eager steps of the 12-layer Qwen3-30B-A3B shape 20 s each on the H200; the
+        expected cost is three eager steps)."""
+        first = not self._warmed
+        reserved = torch.cuda.memory_reserved(self.device)
+        if self._compiled or first:
             self._warm_eager()
+            self._warmed = True
         self._capture()
+        if first:  # later captures reuse what the allocator keeps reserved
+            self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
-    def record_sampled(self, state_rows: list[int], tokens: torch.Tensor, penalised: bool = False) -> None:
-        self.eager.record_sampled(state_rows, tokens, penalised)
-
-    def _plan_prefill(self, sequences) -> _FencedPlan:
-        """FlashInfer paged prefill planned for an eager step's rows (decodes are one-token rows)."""
-        layout = PagedLayout.from_requests([c + n for n, c, _ in sequences], [n for n, _, _ in sequences],
-                                           [pages for _, _, pages in sequences], self.page_tokens)
-        self.prefill_attention.plan(layout, self.scale)
-        return self.prefill_attention
+    def release(self) -> None:
+        """Drop the captured graphs (and the memory pool they share)."""
+        self.decode_graphs.clear()
+        self.prefill_graphs.clear()
 
     # ---- compile and capture ---------------------------------------------------------------
 
@@ -401,9 +398,10 @@ class GraphExecutor:
         state goes to the scratch row)."""
         sequences = [(n, 0, [self.scratch_page] * -(-n // self.page_tokens))
                      for n in [tokens - requests + 1] + [1] * (requests - 1)]
-        state_rows = [self.scratch_row] * requests if self.eager.scheme.state else ()
+        state_rows = [self.scratch_row] * requests if self.state.scheme.state else ()
         batch = AttentionBatch.build(sequences, self.page_tokens, self.device, state_rows=state_rows)
-        context = ForwardContext(batch, self.storage, self._plan_prefill(sequences), layer_map=self.eager.layer_map)
+        context = ForwardContext(batch, self.state.storage, self.attention.plan_prefill(sequences),
+                                 layer_map=self.state.layer_map)
         self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
 
     def _scratch_layout(self, rows: int) -> PagedLayout:
@@ -445,10 +443,10 @@ class GraphExecutor:
             page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
             slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
-            kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.eager.scheme.state else None)
-        context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
+            kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.state.scheme.state else None)
+        context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._scratch_layout(capacity), self.scale)
-        last_sampled = self.eager.last_sampled
+        last_sampled = self.state.last_sampled
 
         def forward() -> torch.Tensor:
             ids = torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ints["ids"])
@@ -460,7 +458,7 @@ class GraphExecutor:
 
     def _capture_prefill(self, capacity: int, pool) -> _Graph:
         device = self.device
-        state = bool(self.eager.scheme.state)
+        state = bool(self.state.scheme.state)
         requests = prefill_graph_requests(capacity, self.scratch_row, state)
         pad_pages = -(-capacity // self.page_tokens)
         attention = _FencedPlan(self.kernels.prefill(
@@ -484,9 +482,9 @@ class GraphExecutor:
             query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1),
             state_rows=ints["chunk_state_rows"] if state else None,
             chunk_indices=chunks.chunk_indices if state else None)
-        context = ForwardContext(batch, self.storage, attention, layer_map=self.eager.layer_map)
+        context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._prefill_step((), (), capacity, requests).attention, self.scale)
-        last_sampled, head = self.eager.last_sampled, min(capacity, requests)
+        last_sampled, head = self.state.last_sampled, min(capacity, requests)
 
         def forward() -> torch.Tensor:
             # Decode rows (the first requests, one token each) may read their token on the device.
@@ -503,7 +501,7 @@ class GraphExecutor:
     def _capture_samplers(self, logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool) -> _Samplers:
         rows = ints["state_rows"]
         vocab = logits.shape[-1]
-        penalties, last_sampled = self.penalties, self.eager.last_sampled
+        penalties, last_sampled = self.state.penalties, self.state.last_sampled
         # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
         # the tokens must survive the replays of other graphs until the engine has read them.
         tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device)
@@ -550,13 +548,16 @@ class GraphExecutor:
 
     # ---- steps -----------------------------------------------------------------------------
 
+    def can_run(self, plan: StepPlan) -> bool:
+        return self._graph_for(plan) is not None
+
     def _graph_for(self, plan: StepPlan) -> _Graph | None:
         """The smallest captured graph that covers the step, or None: the step runs eagerly.
         Decode graphs cover decode-only steps; prefill graphs cover steps with prompt chunks,
         with decode rows beside them (mixed steps: each decode row is a one-token request);
         both after restoring resume points. Steps that sample a prompt's stored logits or score
         prompts (logits at every token of some chunks) run eagerly."""
-        if any(r.logits_row is not None for r in plan.restores) or EagerExecutor.scores_prompt(plan):
+        if any(r.logits_row is not None for r in plan.restores) or scores_prompt(plan):
             return None
         if plan.prefills:
             tokens = len(plan.decodes) + sum(c.end - c.start for c in plan.prefills)
@@ -566,17 +567,16 @@ class GraphExecutor:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
-        """Run `plan` and sample it (see EagerExecutor.step), replaying graphs where one covers it."""
+        """Replay the graph that covers `plan` (`can_run`) and sample it (see EagerRunner.step)."""
         graph = self._graph_for(plan)
-        if graph is None:
-            return self.eager.step(plan, sampling)
+        assert graph is not None, "GraphRunner.step takes the steps it can run"
         rows = self._replay(graph, plan, sampling)
         if sampling is None:  # the step samples nothing: prompt chunks that do not end their prompts
             return None
-        if self._copied is not None:
+        if self.copies.last is not None:
             # The samplers rewrite the tokens buffer the copy stream may still be reading for an
             # earlier step of this graph; the forward is already queued ahead of this wait.
-            torch.cuda.current_stream().wait_event(self._copied)
+            torch.cuda.current_stream().wait_event(self.copies.last)
         # Logit biases and grammar masks go into the graph's logits, which every sampler and the
         # logprobs read.
         constrain(graph.logits, sampling.token_masks(), sampling.logit_bias, rows)
@@ -584,19 +584,15 @@ class GraphExecutor:
         # Views of the graph's buffers: valid until this graph's next replay, which is enqueued
         # after everything the engine enqueues on them (host copies, logprobs).
         logits, tokens = self._rows(graph.logits, rows), self._rows(graph.samplers.tokens, rows)
-        return self.eager.sampler.with_logprobs(logits, tokens, sampling.logprobs, sampling.top_logprobs)
-
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [len(plan.samples), vocab] of `plan` in `plan.samples` order (see EagerExecutor.run)."""
-        return self.run_scored(plan)[0]
+        return self.sampler.with_logprobs(logits, tokens, sampling.logprobs, sampling.top_logprobs)
 
     @torch.inference_mode()
-    def run_scored(self, plan: StepPlan) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
-        """`run`, and the prompt scores of the chunks that carry prompt targets (always eager)."""
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """Replay the graph that covers `plan` without sampling; its logits rows in
+        `plan.samples` order (valid until that graph's next replay)."""
         graph = self._graph_for(plan)
-        if graph is None:
-            return self.eager.run_scored(plan)
-        return self._rows(graph.logits, self._replay(graph, plan, None)), ()
+        assert graph is not None, "GraphRunner.logits takes the steps it can run"
+        return self._rows(graph.logits, self._replay(graph, plan, None))
 
     def _rows(self, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(len(rows))):
@@ -605,28 +601,11 @@ class GraphExecutor:
         # host list would copy it synchronously (the host would wait for the step).
         return values.index_select(0, to_device(rows, torch.int64, self.device))
 
-    def to_host(self, output: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event]:
-        """Host copies of a step's output, made on the copy stream once the step has produced it;
-        the returned event marks them complete."""
-        ready = torch.cuda.Event()
-        ready.record()
-        self._copy_stream.wait_event(ready)
-        with torch.cuda.stream(self._copy_stream):
-            host, _ = self.eager.to_host(output)
-            copied = torch.cuda.Event()
-            copied.record()
-        scored = [t for s in output.prompt_scores for t in (s.logprobs, s.top_ids, s.top_logprobs)]
-        for t in (output.token_ids, output.logprobs, output.top_ids, output.top_logprobs, *scored):
-            if t is not None:  # the allocator must not hand their memory out before the copy has read it
-                t.record_stream(self._copy_stream)
-        self._copied = copied
-        return host, copied
-
     def _replay(self, graph: _Graph, plan: StepPlan, sampling: StepSampling | None) -> list[int]:
         """Upload the step's inputs, plan its attention and replay the forward graph; take the
-        resume points its chunks save. Returns the rows that sample (EagerExecutor.finish_chunks)."""
-        self.eager.restore(plan)  # no stored logits here (`_graph_for`): pages and state rows only
-        self.eager.start_chunks(plan)
+        resume points its chunks save. Returns the rows that sample (DeviceState.finish_chunks)."""
+        self.state.restore(plan)  # no stored logits here (`_graph_for`): pages and state rows only
+        self.state.start_chunks(plan)
         ints = self._decode_inputs(graph, plan) if graph.kind == "decode" else self._prefill_inputs(graph, plan)
         floats = {}
         if sampling is not None and not (sampling.greedy and not sampling.penalised):
@@ -635,18 +614,17 @@ class GraphExecutor:
             decodes = len(plan.decodes)
             where = list(range(decodes)) + [decodes + i for i, chunk in enumerate(plan.prefills) if chunk.samples]
             width = graph.requests
-            sampling_ints, sampling_floats = row_columns(sampling.params, sampling.steps)
-            ints.update((name, self._scatter(column, where, width, 0))
-                        for name, column in zip(SAMPLING_INTS, sampling_ints))
-            ints["key"] = [self.eager.sampler.unseeded_seed()] + [0] * (width - 1)
-            floats = {name: self._scatter(column, where, width, default)
-                      for (name, default), column in zip(FLOAT_INPUTS.items(), sampling_floats)}
+            columns = row_columns(sampling.params, sampling.steps)
+            ints.update((name, self._scatter(columns[name], where, width, 0)) for name in INT_COLUMNS)
+            ints["key"] = [self.sampler.unseeded_seed()] + [0] * (width - 1)
+            floats = {name: self._scatter(columns[name], where, width, default)
+                      for name, default in FLOAT_INPUTS.items()}
         graph.ints.upload(ints)
         graph.floats.upload(floats)
         graph.forward.replay()
         graph.replays += 1
         graph.mixed_replays += bool(plan.decodes and plan.prefills)
-        return self.eager.finish_chunks(plan, graph.logits)
+        return self.state.finish_chunks(plan, graph.logits)
 
     @staticmethod
     def _scatter(values: list, where, rows: int, default) -> list:
@@ -689,3 +667,30 @@ class GraphExecutor:
             graph.chunks.upload(step.lengths)
             inputs["chunk_state_rows"] = step.rows["chunk_state_rows"]
         return inputs
+
+
+def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int, num_rows: int,
+                num_snapshot_rows: int, num_logits_rows: int, vocab_size: int, device: torch.device,
+                decode_capacities: tuple[int, ...], context_length: int, prefill_capacities: tuple[int, ...] = (),
+                compile_model: bool = False, gemv: bool = True, triton_attention: bool = True,
+                prefill_chunk_size: int = 0, seed: int = 0, dtype: torch.dtype | None = None) -> ModelRunner:
+    """The CUDA runner over `num_pages` pages: the model made ready for graphs (one-token matmuls
+    through the GEMV kernel unless `gemv=False`, the decoder layers compiled with `compile_model`),
+    warmed and captured. `dtype`: the model's activation dtype (the attention queries')."""
+    state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
+                        num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
+                        device=device, scratch_page=True)
+    sampler = Sampler(seed=seed, device=device)
+    attention = CudaAttention(model, scheme, page_tokens, dtype, device)
+    if gemv:  # one-token matmuls through the GEMV kernel (flare_core.ops.gemv), before compiling
+        use_gemv(model)
+    if compile_model:
+        compile_layers(model)
+    copies = HostCopies(device)
+    graphs = GraphRunner(model, state, attention, sampler, copies, decode_capacities=decode_capacities,
+                         prefill_capacities=prefill_capacities, context_length=context_length,
+                         compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
+                         triton_attention=triton_attention)
+    runner = ModelRunner(state, sampler, EagerRunner(model, state, sampler, attention.plan_prefill), copies, graphs)
+    graphs.prepare()
+    return runner

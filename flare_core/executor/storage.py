@@ -25,7 +25,7 @@ def allocate_cache_storage(scheme: CacheScheme, num_pages: int, page_tokens: int
 
     A paged layer's page count is unbacked for torch.compile: compiled code takes any pool size
     without a guard on it. The CUDA executor compiles over a one-page pool and then sizes the
-    pool (GraphExecutor.resize_cache); with a backed size Inductor chose 32-bit indexing from
+    pool (ModelRunner.resize_cache); with a backed size Inductor chose 32-bit indexing from
     the small pool and compiled every layer again once a store reached 2**31 elements (35.7 s
     of a cold start-up of the 12-layer Qwen3-30B-A3B shape on the H200, 4.1 s of a warm one).
     Unbacked, the kernels that write pages index in 64 bits from the first compile.

@@ -371,16 +371,27 @@ class StepSampling:
         return any(p.penalised for p in self.params)
 
 
-def row_columns(params: Sequence[SamplingParams], steps: Sequence[int]) -> tuple[list[list[int]], list[list[float]]]:
-    """Per-row sampling parameters as host columns: `sample_rows`' ints (top_k, seeds, steps,
-    seeded) and floats (temperature, top_p, min_p), then the penalties (repetition, frequency,
-    presence) `penalise` takes."""
-    ints = [[p.top_k for p in params], [_as_int64(p.seed) if p.seed is not None else 0 for p in params],
-            list(steps), [int(p.seed is not None) for p in params]]
-    floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params],
-              [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-              [p.presence_penalty for p in params]]
-    return ints, floats
+# The per-row sampling values by name: `sample_rows`' integer and float parameters, then the
+# penalties `penalise` takes. Each name is a column the samplers read, on the CPU path from the
+# step's parameters and inside the CUDA graphs from their input rows of the same names.
+INT_COLUMNS = ("top_k", "seeds", "steps", "seeded")
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
+
+
+def row_columns(params: Sequence[SamplingParams], steps: Sequence[int]) -> dict[str, list]:
+    """Per-row sampling values as host columns, by name (INT_COLUMNS, FLOAT_COLUMNS)."""
+    return {
+        "top_k": [p.top_k for p in params],
+        "seeds": [_as_int64(p.seed) if p.seed is not None else 0 for p in params],
+        "steps": list(steps),
+        "seeded": [int(p.seed is not None) for p in params],
+        "temperature": [p.temperature for p in params],
+        "top_p": [p.top_p for p in params],
+        "min_p": [p.min_p for p in params],
+        "repetition": [p.repetition_penalty for p in params],
+        "frequency": [p.frequency_penalty for p in params],
+        "presence": [p.presence_penalty for p in params],
+    }
 
 
 def window(params: Sequence[SamplingParams], vocab: int) -> int:
@@ -456,12 +467,13 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
         device = logits.device
-        ints, floats = row_columns(params, steps)
-        int_columns = to_device(ints, torch.int64, device)
-        float_columns = to_device(floats, torch.float32, device)
+        host = row_columns(params, steps)
+        ints = dict(zip(INT_COLUMNS, to_device([host[name] for name in INT_COLUMNS], torch.int64, device)))
+        floats = dict(zip(FLOAT_COLUMNS[:3], to_device([host[name] for name in FLOAT_COLUMNS[:3]], torch.float32,
+                                                       device)))
         return sample_rows(
-            logits, temperature=float_columns[0], top_k=int_columns[0], top_p=float_columns[1],
-            min_p=float_columns[2], seeds=int_columns[1], steps=int_columns[2], seeded=int_columns[3].bool(),
+            logits, temperature=floats["temperature"], top_k=ints["top_k"], top_p=floats["top_p"],
+            min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"].bool(),
             unseeded_seed=to_device(torch.tensor(self.unseeded_seed()), torch.int64, device),
             candidates=window(params, logits.shape[-1]))
 

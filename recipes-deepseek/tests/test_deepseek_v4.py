@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.contract import Capacities
-from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.runner import ModelRunner, eager_runner
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
@@ -78,13 +78,13 @@ def test_a_missing_tensor_is_named(reference):
         dict(map_weights(tiny_config(), partial, torch.float32))
 
 
-def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, EagerExecutor, PrefixCache]:
+def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, ModelRunner, PrefixCache]:
     """A scheduler with a prefix cache that snapshots continuation state, over an eager executor of
     the serving model (32-token pages, 64-token prompt chunks)."""
     serving = load_prepared_weights(build_model(config, torch.float32),
                                     dict(map_weights(config, checkpoint, torch.float32)), "cpu")
     page_tokens = 32
-    executor = EagerExecutor(serving, compressed_attention_scheme(config, "float32"), num_pages=num_pages,
+    executor = eager_runner(serving, compressed_attention_scheme(config, "float32"), num_pages=num_pages,
                              page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=2 * rows, num_logits_rows=8,
                              vocab_size=config.vocab_size, device=torch.device("cpu"))
     pages = PageAllocator(num_pages)
@@ -96,7 +96,7 @@ def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Sche
     return scheduler, executor, prefix
 
 
-def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tuple[dict[str, list], int]:
+def drive(scheduler: Scheduler, executor: ModelRunner, max_tokens: int) -> tuple[dict[str, list], int]:
     """Greedy to `max_tokens`; per request the logits rows it sampled from, and the restores made."""
     rows: dict[str, list[torch.Tensor]] = {}
     restores = 0

@@ -24,7 +24,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausa
 
 from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.contract import Capacities
-from flare_core.executor.eager import EagerExecutor
+from flare_core.executor.runner import ModelRunner, eager_runner
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
@@ -85,13 +85,13 @@ def test_qwen3_5_logits_match_transformers(tmp_path, family):
     assert_logits_parity(RECIPE, model, checkpoint, FAMILIES[family][1](), page_tokens=16, prompt_lens=(5, 70, 131, 1))
 
 
-def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, EagerExecutor, PrefixCache]:
+def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, ModelRunner, PrefixCache]:
     """A scheduler with a prefix cache that snapshots continuation state, over an eager executor
     of the serving model (16-token pages, 64-token prompt chunks)."""
     serving = load_prepared_weights(build_model(config, torch.float32),
                                     dict(map_weights(config, checkpoint, torch.float32)), "cpu")
     page_tokens = 16
-    executor = EagerExecutor(serving, gated_deltanet_hybrid_scheme(config, "float32"), num_pages=num_pages,
+    executor = eager_runner(serving, gated_deltanet_hybrid_scheme(config, "float32"), num_pages=num_pages,
                              page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=2 * rows, num_logits_rows=8,
                              vocab_size=config.vocab_size, device=torch.device("cpu"))
     pages = PageAllocator(num_pages)
@@ -103,7 +103,7 @@ def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Sche
     return scheduler, executor, prefix
 
 
-def drive(scheduler: Scheduler, executor: EagerExecutor, max_tokens: int) -> tuple[dict[str, list], int]:
+def drive(scheduler: Scheduler, executor: ModelRunner, max_tokens: int) -> tuple[dict[str, list], int]:
     """Run the scheduler's requests greedily to `max_tokens`; per request, the logits rows it sampled
     from, and how many restores the steps made."""
     rows: dict[str, list[torch.Tensor]] = {}

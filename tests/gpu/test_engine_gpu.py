@@ -44,7 +44,7 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     one = make_engine(session_flare, bf16_core, 1, "cuda", compile_model)
     reference = asyncio.run(run_requests(one, REQUESTS))
     two = make_engine(session_flare, bf16_core, 2, "cuda", compile_model)
-    assert two.frames_in_flight == 2 and two.executor.decode_graphs
+    assert two.core.frames_in_flight == 2 and two.core.executor.graphs.decode_graphs
     summary = two.executor_summary()
     assert summary.startswith("CUDA graphs for decode batches [1, 2, 4] and prompt chunks (with decode rows beside "
                               "them) of [64, 128] tokens")
@@ -61,9 +61,9 @@ def test_two_frames_on_cuda(session_flare, bf16_core, compile_model):
     assert results[1:4] == reference[1:4]
     resources = engine.resources()
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
-    replays = sum(g.replays for g in engine.core.executor.decode_graphs.values())
+    replays = sum(g.replays for g in engine.core.executor.graphs.decode_graphs.values())
     assert replays > 0
-    assert sum(g.replays for g in engine.core.executor.prefill_graphs.values()) > 0
+    assert sum(g.replays for g in engine.core.executor.graphs.prefill_graphs.values()) > 0
 
 
 def test_fp8_kv_core_on_cuda(session_flare, checkpoint, bf16_core):
@@ -81,8 +81,8 @@ def test_fp8_kv_core_on_cuda(session_flare, checkpoint, bf16_core):
     assert [len(tokens) for tokens, *_ in reference] == [r.max_tokens for r in REQUESTS]
     resources = two.resources()
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
-    assert sum(g.replays for g in two.executor.decode_graphs.values()) > 0
-    assert sum(g.replays for g in two.executor.prefill_graphs.values()) > 0
+    assert sum(g.replays for g in two.core.executor.graphs.decode_graphs.values()) > 0
+    assert sum(g.replays for g in two.core.executor.graphs.prefill_graphs.values()) > 0
 
 
 def test_steps_never_wait_for_the_device(session_flare, bf16_core):
@@ -135,7 +135,7 @@ def test_grammars_on_cuda(session_flare, bf16_core):
             torch.cuda.set_sync_debug_mode("default")
         syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
         assert not syncs, syncs[:3]
-        assert sum(g.replays for g in engine.core.executor.decode_graphs.values()) > 0
+        assert sum(g.replays for g in engine.core.executor.graphs.decode_graphs.values()) > 0
     assert runs[0] == runs[1]
     constrained, [forced_result] = runs[0][:-len(REQUESTS) - 1], runs[0][-len(REQUESTS) - 1:-len(REQUESTS)]
     [_, _, first_top] = forced_result[1][0]

@@ -193,8 +193,8 @@ def test_fp8_model_on_the_graph_path_tracks_the_dequantized_reference():
     the cuBLAS GEMMs of prompt chunks and decode batches (<= 2^-4 relative per input, most less):
     we allow 8% of the logits' range, and the measured worst is printed."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.ops.fp8 import Fp8BlockLinear
     from flare_core.plugins import load_registry
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
@@ -219,12 +219,12 @@ def test_fp8_model_on_the_graph_path_tracks_the_dequantized_reference():
         num_pages = 256
         common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                       vocab_size=config.vocab_size, device=device)
-        reference = EagerExecutor(reference_model, schemes[name], **common)
-        graphs = GraphExecutor(fp8_model, schemes[name], **common, decode_capacities=(1, 2, 4, 8),
+        reference = eager_runner(reference_model, schemes[name], **common)
+        graphs = cuda_runner(fp8_model, schemes[name], **common, decode_capacities=(1, 2, 4, 8),
                                prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
         result = run_lockstep(reference, graphs, [make_scheduler(num_pages), make_scheduler(num_pages)],
                               lockstep_prompts(), tolerance=0.08)
-        assert result.compared > 100 and sum(g.replays for g in graphs.decode_graphs.values()) > 0
+        assert result.compared > 100 and sum(g.replays for g in graphs.graphs.decode_graphs.values()) > 0
         print(f"{name}: compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}")
 
 
@@ -293,4 +293,4 @@ def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
     engine = make_engine(SimpleNamespace(config_path=config_path), core, 2, "cuda")
     results = asyncio.run(run_requests(engine, REQUESTS))
     assert [len(r[0]) for r in results] == [r.max_tokens for r in REQUESTS]
-    assert sum(g.replays for g in engine.core.executor.decode_graphs.values()) > 0
+    assert sum(g.replays for g in engine.core.executor.graphs.decode_graphs.values()) > 0

@@ -139,8 +139,8 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128, held_pages=0):
                          ids=["graphs", "flashinfer-eager", "graphs-smollm2-shape"])
 def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacities, shape):
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
@@ -151,20 +151,20 @@ def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacitie
     num_pages = 256
     common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                   vocab_size=config.vocab_size, device=device)
-    reference = EagerExecutor(ref_model, scheme, **common)
-    graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities,
+    reference = eager_runner(ref_model, scheme, **common)
+    graphs = cuda_runner(gpu_model, scheme, **common, decode_capacities=decode_capacities,
                            prefill_capacities=prefill_capacities, context_length=2048)
     schedulers = [make_scheduler(num_pages), make_scheduler(num_pages)]
 
     result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
     compared, worst = result.compared, result.worst
-    replays = sum(g.replays for g in graphs.decode_graphs.values())
+    replays = sum(g.replays for g in graphs.graphs.decode_graphs.values())
     if decode_capacities:
-        assert replays > 0 and len({c for c, g in graphs.decode_graphs.items() if g.replays}) >= 2, \
+        assert replays > 0 and len({c for c, g in graphs.graphs.decode_graphs.items() if g.replays}) >= 2, \
             "decode graphs of several batch sizes must have been replayed"
-        assert len({c for c, g in graphs.prefill_graphs.items() if g.replays}) == 2, \
+        assert len({c for c, g in graphs.graphs.prefill_graphs.items() if g.replays}) == 2, \
             "prefill graphs of both token capacities must have been replayed"
-        assert sum(g.mixed_replays for g in graphs.prefill_graphs.values()) > 0, \
+        assert sum(g.mixed_replays for g in graphs.graphs.prefill_graphs.values()) > 0, \
             "steps of decode rows beside prompt chunks must have replayed prefill graphs"
     assert compared > 100
     print(f"compared {compared} logits rows, worst max|diff|/range {worst:.4f}, replays {replays}")
@@ -179,8 +179,8 @@ def test_a_pool_past_32_bit_indexing_reuses_the_compiled_layers():
     from torch._dynamo.utils import counters
 
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
@@ -193,18 +193,18 @@ def test_a_pool_past_32_bit_indexing_reuses_the_compiled_layers():
     num_pages = low_pages + 512
     common = dict(page_tokens=page_tokens, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                   vocab_size=config.vocab_size, device=device)
-    graphs = GraphExecutor(gpu_model, scheme, num_pages=1, **common, decode_capacities=(1, 2, 4, 8),
+    graphs = cuda_runner(gpu_model, scheme, num_pages=1, **common, decode_capacities=(1, 2, 4, 8),
                            prefill_capacities=(64, 128), context_length=2048, compile_model=True,
                            prefill_chunk_size=128)
     compiled = counters["stats"]["unique_graphs"]
     graphs.resize_cache(num_pages)
     assert graphs.storage["k"][0].numel() > 2**31
     assert counters["stats"]["unique_graphs"] == compiled, "resizing the pool compiled the layers again"
-    reference = EagerExecutor(ref_model, scheme, num_pages=num_pages, **common)
+    reference = eager_runner(ref_model, scheme, num_pages=num_pages, **common)
     schedulers = [make_scheduler(num_pages, held_pages=low_pages) for _ in range(2)]
     result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
     assert result.compared > 100
-    assert sum(g.replays for g in graphs.decode_graphs.values()) > 0
+    assert sum(g.replays for g in graphs.graphs.decode_graphs.values()) > 0
     print(f"compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}")
 
 
@@ -217,8 +217,8 @@ def test_fp8_pages_on_the_graph_path_match_the_eager_reference(compile_model):
     differ (the 2 % bound of the bf16 lockstep). Then against a bf16-page reference: the measured
     distance is the FP8 records' rounding, printed and bounded at 10 % of the logits' range."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
@@ -232,15 +232,15 @@ def test_fp8_pages_on_the_graph_path_match_the_eager_reference(compile_model):
     common = dict(num_pages=num_pages, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                   vocab_size=config.vocab_size, device=device)
     for reference_pages, tolerance in (("float8_e4m3fn", 0.02), ("bfloat16", 0.10)):
-        _, (ref_model, gpu_model) = build_models(device)  # fresh: GraphExecutor compiles and patches its model
-        reference = EagerExecutor(ref_model, scheme(reference_pages), **common)
-        graphs = GraphExecutor(gpu_model, scheme("float8_e4m3fn"), **common, decode_capacities=(1, 2, 4, 8),
+        _, (ref_model, gpu_model) = build_models(device)  # fresh: cuda_runner compiles and patches its model
+        reference = eager_runner(ref_model, scheme(reference_pages), **common)
+        graphs = cuda_runner(gpu_model, scheme("float8_e4m3fn"), **common, decode_capacities=(1, 2, 4, 8),
                                prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
         assert graphs.storage["k"][0].dtype == torch.float8_e4m3fn
         result = run_lockstep(reference, graphs, [make_scheduler(num_pages), make_scheduler(num_pages)],
                               lockstep_prompts(), tolerance=tolerance)
-        assert result.compared > 100 and any(g.replays for g in graphs.prefill_graphs.values())
-        assert len({c for c, g in graphs.decode_graphs.items() if g.replays}) >= 2
+        assert result.compared > 100 and any(g.replays for g in graphs.graphs.prefill_graphs.values())
+        assert len({c for c, g in graphs.graphs.decode_graphs.items() if g.replays}) >= 2
         print(f"FP8 pages vs a {reference_pages} reference: compared {result.compared} logits rows, worst "
               f"max|diff|/range {result.worst:.4f}")
 
@@ -254,7 +254,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     the chunks that end their prompts, skipping one that does not; a mixed step samples its
     decode rows, then its chunks, in the prefill graph."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.ops.sampling import PenaltyState, Sampler, StepSampling
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
@@ -264,7 +264,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     config, (_, model) = build_models(device)
     scheme = CacheScheme("attention-kv", (PagedStore("k", (2, 128), "bfloat16", 4),
                                           PagedStore("v", (2, 128), "bfloat16", 4)))
-    graphs = GraphExecutor(model, scheme, num_pages=64, page_tokens=64, num_rows=8, num_snapshot_rows=0,
+    graphs = cuda_runner(model, scheme, num_pages=64, page_tokens=64, num_rows=8, num_snapshot_rows=0,
                            num_logits_rows=0, vocab_size=config.vocab_size, device=device,
                            decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 256), context_length=512,
                            compile_model=compile_model)
@@ -272,12 +272,12 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     pages = [tuple(range(8 * i, 8 * i + 8)) for i in range(8)]
     prompts = [list(range(10 + i, 40 + 7 * i)) for i in range(8)]
     eager_calls = []
-    real_sample = graphs.eager.sampler.sample
-    graphs.eager.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
+    real_sample = graphs.sampler.sample
+    graphs.sampler.sample = lambda *a, **k: eager_calls.append(1) or real_sample(*a, **k)
     graphs.run(StepPlan(0, StepKind.PREFILL, 0, (), (), tuple(
         PrefillChunk(h, 0, len(p), tuple(p), pg, True, None)
         for h, p, pg in zip(handles[:5], prompts[:5], pages[:5])), 0.0))
-    assert graphs.prefill_graphs[256].replays == 1
+    assert graphs.graphs.prefill_graphs[256].replays == 1
 
     def decode(seq: int, tokens) -> StepPlan:
         return StepPlan(seq, StepKind.DECODE, 8, (), tuple(
@@ -291,18 +291,18 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
 
     # Step outputs are views of the graph's buffers until its next replay: read them at once.
     out = graphs.step(decode(1, [7, 8, 9, 10, 11]), StepSampling(params, steps, [None] * 5, logprobs=True))
-    logits = graphs.decode_graphs[8].logits[:5].clone()
+    logits = graphs.graphs.decode_graphs[8].logits[:5].clone()
     first = out.token_ids.tolist()
     expected = Sampler(device=device).sample(logits, params, steps, logprobs=True)
     assert first[:4] == expected.token_ids[:4].tolist()
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
-    assert graphs.eager.last_sampled[:5].tolist() == first
+    assert graphs.state.last_sampled[:5].tolist() == first
 
     # The next step reads those tokens on the device (inputs unknown to the host); a replay of
     # another capacity in between leaves them alone.
     greedy = [SamplingParams(temperature=0.0)] * 5
     graphs.step(decode(2, first[:1]), StepSampling(greedy[:1], [1], [None]))
-    inputs = graphs.eager.last_sampled[:5].tolist()  # row 0 now holds the capacity-1 step's token
+    inputs = graphs.state.last_sampled[:5].tolist()  # row 0 now holds the capacity-1 step's token
     assert inputs[1:] == first[1:]
     following = graphs.step(decode(2, [None] * 5), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
     reference = graphs.step(decode(2, inputs), StepSampling(greedy, [1] * 5, [None] * 5)).token_ids.tolist()
@@ -316,7 +316,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     history = PenaltyState(config.vocab_size, prompts[0], device)
     history.extend([unpenalised] * 50)
     out = graphs.step(decode(2, first), StepSampling(penalised, [1] * 5, [state] + [None] * 4))
-    logits = graphs.decode_graphs[8].logits[:5].clone()
+    logits = graphs.graphs.decode_graphs[8].logits[:5].clone()
     token = out.token_ids[0].item()
     want = Sampler(device=device).sample(logits, penalised, [1] * 5, [history] + [None] * 4).token_ids
     assert token == want[0].item() and token != unpenalised
@@ -325,18 +325,18 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     # Penalties beside a top-k window (Qwen3.5's card: presence_penalty 1.5, top_k 20) sample
     # through the windowed graph with penalties, seeded rows as the eager sampler does.
     windowed = [SamplingParams(temperature=0.8, top_k=20, presence_penalty=1.5, seed=5)] + greedy[1:]
-    samplers = graphs.decode_graphs[8].samplers
+    samplers = graphs.graphs.decode_graphs[8].samplers
     assert samplers.for_step(StepSampling(windowed, [1] * 5, [None] * 5), config.vocab_size) \
         is samplers.penalised_windowed
     state = graphs.penalties.start(handles[0].state_row, prompts[0], generated=[unpenalised] * 50)
     out = graphs.step(decode(2, first), StepSampling(windowed, [1] * 5, [state] + [None] * 4))
-    logits = graphs.decode_graphs[8].logits[:5].clone()
+    logits = graphs.graphs.decode_graphs[8].logits[:5].clone()
     want = Sampler(device=device).sample(logits, windowed, [1] * 5, [history] + [None] * 4).token_ids
     assert out.token_ids.tolist() == want.tolist()
 
     top_p_only = [SamplingParams(temperature=0.9, top_p=0.9, seed=4)] + greedy[1:]
     out = graphs.step(decode(2, first), StepSampling(top_p_only, [1] * 5, [None] * 5))
-    logits = graphs.decode_graphs[8].logits[:5].clone()
+    logits = graphs.graphs.decode_graphs[8].logits[:5].clone()
     assert out.token_ids.tolist() == Sampler(device=device).sample(logits, top_p_only, [1] * 5).token_ids.tolist()
 
     # A prefill step of three new requests; the middle chunk does not end its prompt.
@@ -346,16 +346,16 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     chunk_params = [SamplingParams(temperature=1.0, top_p=0.8, seed=9), SamplingParams(temperature=0.0)]
     out = graphs.step(StepPlan(3, StepKind.PREFILL, 256, (), (), chunks, 0.0),
                       StepSampling(chunk_params, [0, 0], [None, None], logprobs=True))
-    logits = graphs.prefill_graphs[256].logits[[0, 2]].clone()
+    logits = graphs.graphs.prefill_graphs[256].logits[[0, 2]].clone()
     tokens = out.token_ids.tolist()
     assert tokens == Sampler(device=device).sample(logits, chunk_params, [0, 0]).token_ids.tolist()
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
-    assert graphs.eager.last_sampled[[5, 7]].tolist() == tokens
-    assert graphs.prefill_graphs[256].replays == 2
+    assert graphs.state.last_sampled[[5, 7]].tolist() == tokens
+    assert graphs.graphs.prefill_graphs[256].replays == 2
 
     # A mixed step in the same prefill graph: the five decode rows, their tokens read on the device,
     # beside the rest of the middle prompt; rows follow plan.samples (the decode rows, then the chunk).
-    inputs = graphs.eager.last_sampled[:5].tolist()
+    inputs = graphs.state.last_sampled[:5].tolist()
 
     def mixed(seq: int, tokens) -> StepPlan:
         rest = PrefillChunk(handles[6], 20, len(prompts[6]), tuple(prompts[6][20:]), pages[6], True, None)
@@ -364,13 +364,13 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
 
     mixed_params = params[:4] + [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=30, seed=11)]
     out = graphs.step(mixed(4, [None] * 5), StepSampling(mixed_params, [4] * 5 + [0], [None] * 6, logprobs=True))
-    logits = graphs.prefill_graphs[256].logits[:6].clone()
+    logits = graphs.graphs.prefill_graphs[256].logits[:6].clone()
     tokens = out.token_ids.tolist()
-    assert graphs.prefill_graphs[256].replays == 3 and graphs.prefill_graphs[256].mixed_replays == 1
+    assert graphs.graphs.prefill_graphs[256].replays == 3 and graphs.graphs.prefill_graphs[256].mixed_replays == 1
     want = Sampler(device=device).sample(logits, mixed_params, [4] * 5 + [0]).token_ids.tolist()
     assert tokens[:5] == want[:5] and tokens[5] == want[5]  # greedy and seeded rows
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
-    assert graphs.eager.last_sampled[[0, 1, 2, 3, 4, 6]].tolist() == tokens
+    assert graphs.state.last_sampled[[0, 1, 2, 3, 4, 6]].tolist() == tokens
     # The decode rows read the tokens the previous step had sampled: given from the host, the
     # same step (its records written again, unchanged) computes the same logits.
     assert torch.equal(graphs.run(mixed(5, inputs)).float(), logits.float())
@@ -382,8 +382,8 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
     logits at every token; its scores match the eager reference's, and requests decoding beside
     it are unaffected."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.scheduler import StepResult
 
     device = torch.device("cuda")
@@ -392,8 +392,8 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
                                           PagedStore("v", (2, 128), "bfloat16", 4)))
     common = dict(num_pages=64, page_tokens=64, num_rows=8, num_snapshot_rows=0, num_logits_rows=16,
                   vocab_size=config.vocab_size, device=device)
-    reference = EagerExecutor(ref_model, scheme, **common)
-    graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 128),
+    reference = eager_runner(ref_model, scheme, **common)
+    graphs = cuda_runner(gpu_model, scheme, **common, decode_capacities=(1, 2, 4, 8), prefill_capacities=(64, 128),
                            context_length=2048)
     schedulers = [make_scheduler(64), make_scheduler(64)]
     generator = torch.Generator().manual_seed(3)
@@ -427,4 +427,4 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
                 if counts[sched, rid] == (1 if rid == "scored" else 30):
                     sched.finish(rid, "length")
     assert targets == list(range(1, 300)) and scored_rows == 299
-    assert sum(g.replays for g in graphs.decode_graphs.values()) > 0  # "other" decoded in graphs meanwhile
+    assert sum(g.replays for g in graphs.graphs.decode_graphs.values()) > 0  # "other" decoded in graphs meanwhile

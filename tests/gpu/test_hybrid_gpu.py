@@ -181,14 +181,14 @@ def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
 def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = False):
     """(the CPU reference over models[0], the CUDA executor over models[1], a scheduler for each)
     with 8 state rows, 16 snapshot rows and 256 pages of 64 tokens."""
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
 
     rows, snapshots, num_pages = 8, 16, 256
     common = dict(num_pages=num_pages, page_tokens=64, num_rows=rows, num_snapshot_rows=snapshots,
                   num_logits_rows=16, vocab_size=vocab_size)
-    reference = EagerExecutor(models[0], scheme, **common, device=torch.device("cpu"))
-    graphs = GraphExecutor(models[1], scheme, **common, device=torch.device("cuda"), decode_capacities=(1, 2, 4, 8),
+    reference = eager_runner(models[0], scheme, **common, device=torch.device("cpu"))
+    graphs = cuda_runner(models[1], scheme, **common, device=torch.device("cuda"), decode_capacities=(1, 2, 4, 8),
                            prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
     return reference, graphs, [make_scheduler(num_pages, rows, snapshots) for _ in range(2)]
 
@@ -214,7 +214,7 @@ def two_waves(reference, graphs, schedulers):
     for prompts, cancel in ((first, {}), (second, dict(cancel="s3", cancel_at_seq=0))):
         waves.append(run_lockstep(reference, graphs, schedulers, prompts, tolerance=0.03,
                                   message_ends=shared_prefix_ends(prompts, shared), **cancel))
-        prefill_replays.append(sum(g.replays for g in graphs.prefill_graphs.values()))
+        prefill_replays.append(sum(g.replays for g in graphs.graphs.prefill_graphs.values()))
     return waves, prefill_replays
 
 
@@ -239,14 +239,14 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
     reference, graphs, schedulers = lockstep_executors(models, gated_deltanet_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size, compile_model)
-    assert sorted(graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
+    assert sorted(graphs.graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
     waves, prefill_replays = two_waves(reference, graphs, schedulers)
-    replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
+    replayed = {c for c, g in graphs.graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
     assert waves[1].restored_snapshots >= 2, "the second wave must restore the snapshot at the shared boundary"
     # The second wave's prompts start by restoring the snapshot, in steps that replay prefill graphs.
     assert prefill_replays[0] > 0 and prefill_replays[1] > prefill_replays[0], prefill_replays
-    assert sum(g.mixed_replays for g in graphs.prefill_graphs.values()) > 0, "no mixed step replayed a prefill graph"
+    assert sum(g.mixed_replays for g in graphs.graphs.prefill_graphs.values()) > 0, "no mixed step replayed a prefill graph"
     assert sum(w.compared for w in waves) > 100
     print(f"compared {[w.compared for w in waves]} logits rows, worst max|diff|/range "
           f"{max(w.worst for w in waves):.4f}, snapshots restored {waves[1].restored_snapshots}, "
@@ -282,9 +282,9 @@ def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
     models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
     reference, graphs, schedulers = lockstep_executors(models, kda_mla_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size)
-    assert not graphs.prefill_graphs, "MLA models run their prompt chunks eagerly"
+    assert not graphs.graphs.prefill_graphs, "MLA models run their prompt chunks eagerly"
     waves, _ = two_waves(reference, graphs, schedulers)
-    replayed = {c for c, g in graphs.decode_graphs.items() if g.replays}
+    replayed = {c for c, g in graphs.graphs.decode_graphs.items() if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
     assert waves[1].restored_snapshots >= 2, "the second wave must restore the snapshot at the shared boundary"
     assert sum(w.compared for w in waves) > 100

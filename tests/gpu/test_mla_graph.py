@@ -229,8 +229,8 @@ def build_deepseek_models(device):
 
 @pytest.mark.parametrize("decode_capacities", [(1, 2, 4, 8), ()], ids=["graphs", "flashinfer-eager"])
 def test_mla_graph_path_matches_eager_reference(decode_capacities):
-    from flare_core.executor.eager import EagerExecutor
-    from flare_core.executor.graphs import GraphExecutor
+    from flare_core.executor.runner import eager_runner
+    from flare_core.executor.graphs import cuda_runner
     from flare_core.ops.mla import MLAPagedAttention
     from flare_core.plugins import load_registry
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
@@ -246,14 +246,14 @@ def test_mla_graph_path_matches_eager_reference(decode_capacities):
     num_pages = 256
     common = dict(num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=8, num_snapshot_rows=0,
                   num_logits_rows=16, vocab_size=config.vocab_size, device=device)
-    reference = EagerExecutor(ref_model, scheme, **common)
-    graphs = GraphExecutor(gpu_model, scheme, **common, decode_capacities=decode_capacities, context_length=2048)
+    reference = eager_runner(ref_model, scheme, **common)
+    graphs = cuda_runner(gpu_model, scheme, **common, decode_capacities=decode_capacities, context_length=2048)
     schedulers = [make_scheduler(num_pages), make_scheduler(num_pages)]
 
     result = run_lockstep(reference, graphs, schedulers, lockstep_prompts())
-    replays = sum(g.replays for g in graphs.decode_graphs.values())
+    replays = sum(g.replays for g in graphs.graphs.decode_graphs.values())
     if decode_capacities:
-        assert replays > 0 and len({c for c, g in graphs.decode_graphs.items() if g.replays}) >= 2, \
+        assert replays > 0 and len({c for c, g in graphs.graphs.decode_graphs.items() if g.replays}) >= 2, \
             "decode graphs of several batch sizes must have been replayed"
     assert result.compared > 100
     print(f"compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}, replays {replays}")
