@@ -237,6 +237,49 @@ def prefill_step_inputs(decodes, chunks, capacity: int, requests: int, page_toke
             + [[scratch_page] * -(-max(pad, 1) // page_tokens)] + [[scratch_page]] * empty, page_tokens))
 
 
+def decode_step_inputs(decodes, capacity: int, page_tokens: int, scratch_page: int,
+                       scratch_row: int) -> tuple[dict[str, list[int]], PagedLayout]:
+    """The inputs of a decode graph of `capacity` rows for a step of `decodes` (DecodeEntry),
+    by name, and the rows' attention layout; padding rows read and write the scratch page and
+    row."""
+    pad = capacity - len(decodes)
+    positions = [e.position for e in decodes]
+    layout = PagedLayout.from_requests(
+        [p + 1 for p in positions] + [1] * pad, [1] * capacity,
+        [e.page_table for e in decodes] + [[scratch_page]] * pad, page_tokens)
+    return {
+        "ids": [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
+        "from_device": [int(e.input_token is None) for e in decodes] + [0] * pad,
+        "state_rows": [e.handle.state_row for e in decodes] + [scratch_row] * pad,
+        "positions": positions + [0] * pad,
+        "cache_indices": [cache_index(e.page_table, e.position, page_tokens) for e in decodes]
+        + [scratch_page * page_tokens] * pad,
+    }, layout
+
+
+def scatter(values: list, where: list[int], rows: int, default) -> list:
+    """A column of `rows` entries: `values` at the indices `where`, `default` elsewhere."""
+    column = [default] * rows
+    for index, value in zip(where, values):
+        column[index] = value
+    return column
+
+
+def captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`fn` run twice on a side stream (warming kernels, compilation and the allocator outside
+    the capture), then captured as a CUDA graph in `pool`; the graph and `fn`'s output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
+
+
 @dataclass
 class _Graph:
     """The graphs of one capacity of the catalog: the forward (inputs -> logits) and its
@@ -452,7 +495,7 @@ class GraphRunner:
             ids = torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ints["ids"])
             return self.model(ids, ints["positions"], context)
 
-        forward_graph, logits = self._captured(forward, pool)
+        forward_graph, logits = captured(forward, pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
         return _Graph("decode", capacity, forward_graph, samplers, ints, floats, logits, attention, context)
 
@@ -493,7 +536,7 @@ class GraphRunner:
             ids = torch.cat([torch.where(ints["from_device"][:head] != 0, sampled, ids[:head]), ids[head:]])
             return self.model(ids, tokens_in["positions"], context)
 
-        forward_graph, logits = self._captured(forward, pool)
+        forward_graph, logits = captured(forward, pool)
         samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
         return _Graph("prefill", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
                       tokens_in, chunks)
@@ -525,26 +568,13 @@ class GraphRunner:
             return chosen
 
         windowed = min(GRAPH_SAMPLING_WINDOW, vocab)
-        graphs = [self._captured(fn, pool)[0] for fn in (
+        graphs = [captured(fn, pool)[0] for fn in (
             lambda: recorded(logits.argmax(dim=-1)),
             lambda: sampled(logits, self._sample_rows, windowed),
             lambda: sampled(logits, sample_rows, vocab),
             lambda: penalised(self._sample_rows, windowed),
             lambda: penalised(sample_rows, vocab))]
         return _Samplers(*graphs, tokens)
-
-    @staticmethod
-    def _captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels, compilation and the allocator outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            output = fn()
-        return graph, output
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -615,9 +645,9 @@ class GraphRunner:
             where = list(range(decodes)) + [decodes + i for i, chunk in enumerate(plan.prefills) if chunk.samples]
             width = graph.requests
             columns = row_columns(sampling.params, sampling.steps)
-            ints.update((name, self._scatter(columns[name], where, width, 0)) for name in INT_COLUMNS)
+            ints.update((name, scatter(columns[name], where, width, 0)) for name in INT_COLUMNS)
             ints["key"] = [self.sampler.unseeded_seed()] + [0] * (width - 1)
-            floats = {name: self._scatter(columns[name], where, width, default)
+            floats = {name: scatter(columns[name], where, width, default)
                       for name, default in FLOAT_INPUTS.items()}
         graph.ints.upload(ints)
         graph.floats.upload(floats)
@@ -626,31 +656,12 @@ class GraphRunner:
         graph.mixed_replays += bool(plan.decodes and plan.prefills)
         return self.state.finish_chunks(plan, graph.logits)
 
-    @staticmethod
-    def _scatter(values: list, where, rows: int, default) -> list:
-        column = [default] * rows
-        for index, value in zip(where, values):
-            column[index] = value
-        return column
-
     def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
         """Plan the decode rows' attention; return their token and cache inputs by name."""
-        rows, capacity, page_tokens = len(plan.decodes), graph.capacity, self.page_tokens
-        pad = capacity - rows
-        decodes = plan.decodes
-        positions = [e.position for e in decodes]
-        layout = PagedLayout.from_requests(
-            [p + 1 for p in positions] + [1] * pad, [1] * capacity,
-            [e.page_table for e in decodes] + [[self.scratch_page]] * pad, page_tokens)
+        inputs, layout = decode_step_inputs(plan.decodes, graph.capacity, self.page_tokens, self.scratch_page,
+                                            self.scratch_row)
         graph.attention.plan(layout, self.scale)
-        return {
-            "ids": [0 if e.input_token is None else e.input_token for e in decodes] + [0] * pad,
-            "from_device": [int(e.input_token is None) for e in decodes] + [0] * pad,
-            "state_rows": [e.handle.state_row for e in decodes] + [self.scratch_row] * pad,
-            "positions": positions + [0] * pad,
-            "cache_indices": [cache_index(e.page_table, e.position, page_tokens) for e in decodes]
-            + [self.scratch_page * page_tokens] * pad,
-        }
+        return inputs
 
     def _prefill_step(self, decodes, chunks, capacity: int, requests: int) -> PrefillStepInputs:
         return prefill_step_inputs(decodes, chunks, capacity, requests, self.page_tokens, self.scratch_page,

@@ -434,51 +434,9 @@ class PrefixCache:
         """How many pages, up to `wanted`, `evict_pages` would free now; nothing changes (a dry
         run of the same order). `released`: references on pages and `unpinned`: pins on resume
         points to count as given back first (the hits of blocked waiting requests)."""
-        released, unpinned = released or {}, unpinned or {}
-        blocks, resume_points = list(self._block_lru.entries), list(self._resume_point_lru.entries)
-        serial = itertools.count(2**62)  # entries pushed here follow every earlier one of equal last_used
-        gone: set[int] = set()  # ids of the blocks and resume points the dry run evicts
-        lost_children: dict[int, int] = {}  # block id -> its children or resume points the dry run evicts
-
-        def leaf(block: _Block) -> bool:
-            return block.children + len(block.resume_points) - lost_children.get(id(block), 0) == 0
-
-        def current(entries: list, test) -> Any:
-            while entries:
-                stamp, _, item = entries[0]
-                if stamp == item.last_used and not item.evicted and id(item) not in gone and test(item):
-                    return item
-                heapq.heappop(entries)
-            return None
-
-        def drop(holder: _Block) -> None:
-            lost_children[id(holder)] = lost_children.get(id(holder), 0) + 1
-            if holder is not self._root and leaf(holder):
-                heapq.heappush(blocks, (holder.last_used, next(serial), holder))
-
-        freed = 0
-        while freed < wanted:
-            block = current(blocks, leaf)
-            if block is not None and self._pages.refcount(block.page) - released.get(block.page, 0) > 1:
-                heapq.heappop(blocks)  # pinned: evict_pages sets it aside for this call
-                continue
-            resume_point = current(resume_points, lambda c: True)
-            if resume_point is not None and resume_point.pins - unpinned.get(resume_point, 0):
-                heapq.heappop(resume_points)
-                continue
-            if block is None and resume_point is None:
-                break
-            if resume_point is not None and (block is None or resume_point.last_used <= block.last_used):
-                heapq.heappop(resume_points)
-                gone.add(id(resume_point))
-                freed += resume_point.tail_page is not None
-                drop(resume_point.holder)
-            else:
-                heapq.heappop(blocks)
-                gone.add(id(block))
-                freed += 1
-                drop(block.parent)
-        return freed
+        return _dry_run_eviction(self._block_lru.entries, self._resume_point_lru.entries, self._root,
+                                 lambda page: self._pages.refcount(page) - (released or {}).get(page, 0),
+                                 lambda point: point.pins - (unpinned or {}).get(point, 0), wanted)
 
     def _take_row(self, rows: StateRowAllocator, slot_field: str) -> int | None:
         """A free row of `rows`, evicting the least recently used unpinned resume point holding
@@ -553,3 +511,56 @@ class PrefixCache:
         if len(self._resume_point_lru) > 2 * self._num_resume_points + 64:
             self._resume_point_lru.rebuild(c for b in [self._root, *self._blocks.values()]
                                          for c in b.resume_points.values())
+
+
+def _dry_run_eviction(block_entries: list, resume_point_entries: list, root: _Block, refcount: Callable[[int], int],
+                      pins: Callable[[ResumePoint], int], wanted: int) -> int:
+    """The pages, up to `wanted`, `PrefixCache.evict_pages` frees from heaps of these entries,
+    counted over copies of them: the same order (least recently used first, a resume point
+    before a block of equal age, pinned items set aside, a parent becoming a leaf joining the
+    heap), nothing evicted. `refcount(page)`, `pins(resume point)`: as eviction would see them."""
+    blocks, resume_points = list(block_entries), list(resume_point_entries)
+    serial = itertools.count(2**62)  # entries pushed here follow every earlier one of equal last_used
+    gone: set[int] = set()  # ids of the blocks and resume points the dry run evicts
+    lost_children: dict[int, int] = {}  # block id -> its children or resume points the dry run evicts
+
+    def leaf(block: _Block) -> bool:
+        return block.children + len(block.resume_points) - lost_children.get(id(block), 0) == 0
+
+    def current(entries: list, test: Callable[[Any], bool]) -> Any:
+        while entries:
+            stamp, _, item = entries[0]
+            if stamp == item.last_used and not item.evicted and id(item) not in gone and test(item):
+                return item
+            heapq.heappop(entries)
+        return None
+
+    def drop(holder: _Block) -> None:
+        lost_children[id(holder)] = lost_children.get(id(holder), 0) + 1
+        if holder is not root and leaf(holder):
+            heapq.heappush(blocks, (holder.last_used, next(serial), holder))
+
+    freed = 0
+    while freed < wanted:
+        block = current(blocks, leaf)
+        if block is not None and refcount(block.page) > 1:
+            heapq.heappop(blocks)  # pinned: evict_pages sets it aside for this call
+            continue
+        resume_point = current(resume_points, lambda c: True)
+        if resume_point is not None and pins(resume_point):
+            heapq.heappop(resume_points)
+            continue
+        if block is None and resume_point is None:
+            break
+        if resume_point is not None and (block is None or resume_point.last_used <= block.last_used):
+            heapq.heappop(resume_points)
+            gone.add(id(resume_point))
+            freed += resume_point.tail_page is not None
+            drop(resume_point.holder)
+        else:
+            assert block is not None and block.parent is not None
+            heapq.heappop(blocks)
+            gone.add(id(block))
+            freed += 1
+            drop(block.parent)
+    return freed

@@ -19,15 +19,16 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flare_core.kv.manager import KvCacheManager
-from flare_core.kv.pages import pages_for_tokens, request_page_need
+from flare_core.kv.pages import request_page_need
 from flare_core.kv.prefix import NO_HIT, ResumeStorage
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
-from flare_core.scheduler.policy import Candidate, FairnessLimits, GraphCapacities, chunk_end, rank
+from flare_core.scheduler.policy import FairnessLimits, GraphCapacities, chunk_end, rank
 from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
+from flare_core.scheduler.steps import Reservation, StepBuilder
 
 
 @dataclass(frozen=True)
@@ -106,38 +107,6 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Prompt positions [start, end) of one request, proposed for the next step."""
-
-    request: Request
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class CandidateStep(Candidate):
-    """A candidate step with its work: the requests that decode and the chunks that prefill."""
-
-    decoders: tuple[Request, ...] = ()
-    chunks: tuple[Chunk, ...] = ()
-
-
-@dataclass(eq=False)
-class Reservation:
-    """What committing a candidate would do: the entries that got pages (chunks possibly
-    shortened), the new pages each request would take, and the requests it preempts."""
-
-    decoders: list[Request] = field(default_factory=list)
-    chunks: list[Chunk] = field(default_factory=list)
-    pages: dict[str, int] = field(default_factory=dict)
-    victims: list[Request] = field(default_factory=list)
-
-    @property
-    def runs(self) -> bool:
-        return bool(self.decoders or self.chunks)
-
-
-@dataclass(frozen=True)
 class StepResult:
     tokens: Sequence[int]   # one sampled token per plan.samples entry, in that order
     duration_s: float       # measured wall time of the step
@@ -178,6 +147,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.estimator = estimator or StepCostEstimator()
+        self._steps = StepBuilder(config.capacities, config.prefill_chunk_size, config.page_tokens, config.fairness, kv)
         self._requests: dict[str, Request] = {}
         self._waiting: list[tuple[int, Request]] = []   # heap by submission order
         self._live: list[Request] = []                  # holding a state row, sorted by order
@@ -289,10 +259,10 @@ class Scheduler:
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan
         while True:
-            candidates = self._candidates(seq)
+            candidates = self._steps.candidates(self._live, seq)
             blocked: Reservation | None = None
             for index in rank(candidates, self.estimator):
-                reservation = self._reserve(candidates[index], protected)
+                reservation = self._steps.reserve(candidates[index], protected, self._live)
                 if reservation.runs:
                     return self._commit(seq, restoring, reservation)
                 blocked = blocked or (reservation if reservation.victims else None)
@@ -301,119 +271,6 @@ class Scheduler:
             for victim in blocked.victims:  # their pages return now, or at their fence
                 self._preempt(victim)
         return self._commit(seq, restoring, Reservation()) if restoring else None   # restores alone
-
-    def _candidates(self, seq: int) -> list[CandidateStep]:
-        """The possible next steps over the running requests: all decodes, prompt chunks up to
-        the chunk size, and (with a mixed catalog) all decodes plus the chunks that fill each
-        mixed capacity beside them (the smaller ones pad less, the larger carry more prompt)."""
-        running = [r for r in self._live if r.status is RequestStatus.RUNNING]
-        starving = {r.request_id for r in running
-                    if self.config.fairness.starving(seq - r.last_served_seq - 1, r.waited_s)}
-        decoders = tuple(r for r in running if r.can_decode())
-        prefillers = [r for r in running if r.can_prefill()]
-        candidates = []
-        if decoders:
-            candidates.append(self._candidate(decoders, (), starving))
-        chunks = self._pack(prefillers, self.config.prefill_chunk_size)
-        if chunks:
-            candidates.append(self._candidate((), chunks, starving, deferred=len(decoders)))
-        mixed: set[tuple[tuple[int, int], ...]] = set()
-        for capacity in self.config.capacities.of(StepKind.MIXED) if decoders and prefillers else ():
-            room = min(capacity - len(decoders), self.config.prefill_chunk_size)
-            mixed_chunks = self._pack(prefillers, room) if room > 0 else ()
-            spans = tuple((c.start, c.end) for c in mixed_chunks)
-            if mixed_chunks and spans not in mixed:
-                mixed.add(spans)
-                candidates.append(self._candidate(decoders, mixed_chunks, starving))
-        return candidates
-
-    def _candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
-                   starving: Collection[str] = frozenset(), deferred: int = 0) -> CandidateStep:
-        """The step over `decoders` and `chunks`, leaving `deferred` ready decode rows out: its
-        kind, the graph capacity that covers it, its useful tokens and the starving requests it
-        serves, each computed here once."""
-        tokens = len(decoders) + sum(c.end - c.start for c in chunks)
-        kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
-                else StepKind.PREFILL if chunks else StepKind.RESTORE)
-        capacity = 0 if kind is StepKind.RESTORE else self.config.capacities.covering(kind, tokens)
-        assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
-        served = sum(r.request_id in starving for r in decoders) + sum(c.request.request_id in starving
-                                                                       for c in chunks)
-        deferred_capacity = self.config.capacities.covering(StepKind.DECODE, deferred) or 0 if deferred else 0
-        return CandidateStep(kind, capacity, tokens, served, deferred, deferred_capacity, decoders, chunks)
-
-    def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
-        """Prompt chunks in submission order, filling `budget` tokens."""
-        chunks = []
-        for request in prefillers:
-            if budget <= 0:
-                break
-            end = chunk_end(request.num_computed, request.target, budget, self.config.page_tokens,
-                            request.boundaries)
-            if end is not None:
-                chunks.append(Chunk(request, request.num_computed, end))
-                budget -= end - request.num_computed
-        return tuple(chunks)
-
-    def _reserve(self, candidate: CandidateStep, protected: set[str]) -> Reservation:
-        """The pages `candidate`'s entries would take, oldest request first, changing nothing: a
-        decode runs only with the page for its position, a chunk is shortened to the pages it
-        would get. An entry short of pages names younger running requests outside the step as
-        victims (preempted only if this reservation is committed), unless pages enough return at
-        the fences of steps in flight."""
-        reservation = Reservation()
-        page_tokens = self.config.page_tokens
-        entries = [(r, r.num_computed + 1) for r in candidate.decoders] + [(c.request, c.end) for c in candidate.chunks]
-        available = self.kv.obtainable(sum(max(pages_for_tokens(end, page_tokens) - len(r.kv.page_table), 0)
-                                           for r, end in entries))
-        granted = set(protected)
-        victims: dict[str, Request] = {}
-        deficit = 0
-
-        def take(request: Request, tokens: int) -> int:
-            """Pages toward covering [0, tokens) for `request`; returns the positions covered."""
-            nonlocal available, deficit
-            held = len(request.kv.page_table)
-            need = pages_for_tokens(tokens, page_tokens) - held
-            got = min(max(need, 0), available)
-            available -= got
-            if got:
-                reservation.pages[request.request_id] = got
-            if got < need:
-                deficit += need - got
-                self._choose_victims(request, deficit, granted, victims)
-            return (held + got) * page_tokens
-
-        for request in candidate.decoders:
-            if request.request_id in victims:
-                continue
-            position = request.num_computed
-            if take(request, position + 1) > position:
-                reservation.decoders.append(request)
-                granted.add(request.request_id)
-        for chunk in candidate.chunks:
-            if chunk.request.request_id in victims:
-                continue
-            end = min(chunk.end, take(chunk.request, chunk.end))
-            if end > chunk.start:
-                reservation.chunks.append(Chunk(chunk.request, chunk.start, end))
-                granted.add(chunk.request.request_id)
-        reservation.victims = list(victims.values())
-        return reservation
-
-    def _choose_victims(self, request: Request, deficit: int, granted: set[str],
-                        victims: dict[str, Request]) -> None:
-        """Add younger running requests (youngest first, not in the step) to `victims` until
-        their pages, with those returning at in-flight fences, cover `deficit`."""
-        returning = self._pages_awaiting_fence() + sum(len(v.kv.page_table) for v in victims.values())
-        for victim in reversed(self._live):
-            if returning >= deficit:
-                return
-            if (victim.status is RequestStatus.RUNNING and victim.order > request.order
-                    and victim.request_id not in granted and victim.request_id not in victims
-                    and victim.num_planned_samples < victim.max_tokens):
-                victims[victim.request_id] = victim
-                returning += len(victim.kv.page_table)
 
     def _commit(self, seq: int, restoring: list[Request], reservation: Reservation) -> StepPlan:
         """Issue `reservation` as plan `seq`: preempt its victims, append its pages, advance its
@@ -447,7 +304,7 @@ class Scheduler:
                 request.num_planned_samples += 1
             request.restore = None
 
-        step = self._candidate(tuple(reservation.decoders), tuple(reservation.chunks))
+        step = self._steps.candidate(tuple(reservation.decoders), tuple(reservation.chunks))
         plan = StepPlan(seq, step.kind, step.capacity, tuple(restores), tuple(decodes), tuple(prefills),
                         self.estimator.estimate(step.kind, step.capacity))
         members = {r.request_id: r for r in [*restoring, *reservation.decoders,
@@ -556,10 +413,6 @@ class Scheduler:
         if not prompt_end and end not in request.boundaries:
             return None
         return self.kv.reserve_resume_point(request.request_id, request.prompt, end, prompt_end)
-
-    def _pages_awaiting_fence(self) -> int:
-        return sum(len(r.kv.page_table) for r in self._live
-                   if r.status is not RequestStatus.RUNNING and r.in_flight > 0)
 
     def _preempt(self, request: Request) -> None:
         request.status = RequestStatus.PREEMPTED

@@ -1,0 +1,185 @@
+"""Candidate steps and their reservations: what the scheduler could run next, and the pages and
+victims each would take.
+
+`StepBuilder.candidates` proposes the possible next steps over the running requests (all decodes;
+prompt chunks up to the chunk size; with a mixed catalog, all decodes plus the chunks that fill
+each mixed capacity beside them). `StepBuilder.reserve` works out what committing one would
+take, changing nothing: the pages its entries would get from the KV-cache manager, oldest
+request first, and the younger running requests it would preempt where pages are short. The
+scheduler ranks the candidates, reserves them in rank order and commits the first that runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from flare_core.kv.manager import KvCacheManager
+from flare_core.kv.pages import pages_for_tokens
+from flare_core.scheduler.estimates import StepKind
+from flare_core.scheduler.policy import Candidate, FairnessLimits, GraphCapacities, chunk_end
+from flare_core.scheduler.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt positions [start, end) of one request, proposed for the next step."""
+
+    request: Request
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class CandidateStep(Candidate):
+    """A candidate step with its work: the requests that decode and the chunks that prefill."""
+
+    decoders: tuple[Request, ...] = ()
+    chunks: tuple[Chunk, ...] = ()
+
+
+@dataclass(eq=False)
+class Reservation:
+    """What committing a candidate would do: the entries that got pages (chunks possibly
+    shortened), the new pages each request would take, and the requests it preempts."""
+
+    decoders: list[Request] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    pages: dict[str, int] = field(default_factory=dict)
+    victims: list[Request] = field(default_factory=list)
+
+    @property
+    def runs(self) -> bool:
+        return bool(self.decoders or self.chunks)
+
+
+class StepBuilder:
+    """Builds and reserves candidate steps for one scheduler (its catalog, chunk size, page size
+    and fairness limits, its KV-cache manager)."""
+
+    def __init__(self, capacities: GraphCapacities, prefill_chunk_size: int, page_tokens: int,
+                 fairness: FairnessLimits, kv: KvCacheManager):
+        self.capacities = capacities
+        self.prefill_chunk_size = prefill_chunk_size
+        self.page_tokens = page_tokens
+        self.fairness = fairness
+        self.kv = kv
+
+    def candidates(self, live: Sequence[Request], seq: int) -> list[CandidateStep]:
+        """The possible next steps over the running requests: all decodes, prompt chunks up to
+        the chunk size, and (with a mixed catalog) all decodes plus the chunks that fill each
+        mixed capacity beside them (the smaller ones pad less, the larger carry more prompt)."""
+        running = [r for r in live if r.status is RequestStatus.RUNNING]
+        starving = {r.request_id for r in running
+                    if self.fairness.starving(seq - r.last_served_seq - 1, r.waited_s)}
+        decoders = tuple(r for r in running if r.can_decode())
+        prefillers = [r for r in running if r.can_prefill()]
+        candidates = []
+        if decoders:
+            candidates.append(self.candidate(decoders, (), starving))
+        chunks = self._pack(prefillers, self.prefill_chunk_size)
+        if chunks:
+            candidates.append(self.candidate((), chunks, starving, deferred=len(decoders)))
+        mixed: set[tuple[tuple[int, int], ...]] = set()
+        for capacity in self.capacities.of(StepKind.MIXED) if decoders and prefillers else ():
+            room = min(capacity - len(decoders), self.prefill_chunk_size)
+            mixed_chunks = self._pack(prefillers, room) if room > 0 else ()
+            spans = tuple((c.start, c.end) for c in mixed_chunks)
+            if mixed_chunks and spans not in mixed:
+                mixed.add(spans)
+                candidates.append(self.candidate(decoders, mixed_chunks, starving))
+        return candidates
+
+    def candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
+                   starving: Collection[str] = frozenset(), deferred: int = 0) -> CandidateStep:
+        """The step over `decoders` and `chunks`, leaving `deferred` ready decode rows out: its
+        kind, the graph capacity that covers it, its useful tokens and the starving requests it
+        serves, each computed here once."""
+        tokens = len(decoders) + sum(c.end - c.start for c in chunks)
+        kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
+                else StepKind.PREFILL if chunks else StepKind.RESTORE)
+        capacity = 0 if kind is StepKind.RESTORE else self.capacities.covering(kind, tokens)
+        assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
+        served = sum(r.request_id in starving for r in decoders) + sum(c.request.request_id in starving
+                                                                       for c in chunks)
+        deferred_capacity = self.capacities.covering(StepKind.DECODE, deferred) or 0 if deferred else 0
+        return CandidateStep(kind, capacity, tokens, served, deferred, deferred_capacity, decoders, chunks)
+
+    def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
+        """Prompt chunks in submission order, filling `budget` tokens."""
+        chunks = []
+        for request in prefillers:
+            if budget <= 0:
+                break
+            end = chunk_end(request.num_computed, request.target, budget, self.page_tokens,
+                            request.boundaries)
+            if end is not None:
+                chunks.append(Chunk(request, request.num_computed, end))
+                budget -= end - request.num_computed
+        return tuple(chunks)
+
+    def reserve(self, candidate: CandidateStep, protected: set[str], live: Sequence[Request]) -> Reservation:
+        """The pages `candidate`'s entries would take, oldest request first, changing nothing: a
+        decode runs only with the page for its position, a chunk is shortened to the pages it
+        would get. An entry short of pages names younger running requests outside the step as
+        victims (preempted only if this reservation is committed), unless pages enough return at
+        the fences of steps in flight."""
+        reservation = Reservation()
+        page_tokens = self.page_tokens
+        entries = [(r, r.num_computed + 1) for r in candidate.decoders] + [(c.request, c.end) for c in candidate.chunks]
+        available = self.kv.obtainable(sum(max(pages_for_tokens(end, page_tokens) - len(r.kv.page_table), 0)
+                                           for r, end in entries))
+        granted = set(protected)
+        victims: dict[str, Request] = {}
+        deficit = 0
+
+        def take(request: Request, tokens: int) -> int:
+            """Pages toward covering [0, tokens) for `request`; returns the positions covered."""
+            nonlocal available, deficit
+            held = len(request.kv.page_table)
+            need = pages_for_tokens(tokens, page_tokens) - held
+            got = min(max(need, 0), available)
+            available -= got
+            if got:
+                reservation.pages[request.request_id] = got
+            if got < need:
+                deficit += need - got
+                self._choose_victims(request, deficit, granted, victims, live)
+            return (held + got) * page_tokens
+
+        for request in candidate.decoders:
+            if request.request_id in victims:
+                continue
+            position = request.num_computed
+            if take(request, position + 1) > position:
+                reservation.decoders.append(request)
+                granted.add(request.request_id)
+        for chunk in candidate.chunks:
+            if chunk.request.request_id in victims:
+                continue
+            end = min(chunk.end, take(chunk.request, chunk.end))
+            if end > chunk.start:
+                reservation.chunks.append(Chunk(chunk.request, chunk.start, end))
+                granted.add(chunk.request.request_id)
+        reservation.victims = list(victims.values())
+        return reservation
+
+    @staticmethod
+    def _choose_victims(request: Request, deficit: int, granted: set[str], victims: dict[str, Request],
+                        live: Sequence[Request]) -> None:
+        """Add younger running requests (youngest first, not in the step) to `victims` until
+        their pages, with those returning at in-flight fences, cover `deficit`."""
+        returning = pages_awaiting_fence(live) + sum(len(v.kv.page_table) for v in victims.values())
+        for victim in reversed(live):
+            if returning >= deficit:
+                return
+            if (victim.status is RequestStatus.RUNNING and victim.order > request.order
+                    and victim.request_id not in granted and victim.request_id not in victims
+                    and victim.num_planned_samples < victim.max_tokens):
+                victims[victim.request_id] = victim
+                returning += len(victim.kv.page_table)
+
+
+def pages_awaiting_fence(live: Sequence[Request]) -> int:
+    """Pages of requests no longer running that return at the fence of a step in flight."""
+    return sum(len(r.kv.page_table) for r in live if r.status is not RequestStatus.RUNNING and r.in_flight > 0)
