@@ -42,7 +42,7 @@ from flare_core.contract import (
 )
 from flare_core.contract.template_patch import MARK_TAG
 from flare_core.frontend.stops import partial_match_length
-from flare_core.frontend.tool_calls import MarkedToolCallParser, ToolCallMarkers, function_name, new_call_id
+from flare_core.frontend.tool_calls import MarkedToolCallParser, ToolCallMarkers, ToolCallStream, function_name
 from flare_core.ops.attention import ForwardContext, PagedAttention, write_paged
 from flare_core.ops.deepseek_v3 import (
     DEEPSEEK_V3_ARCHITECTURES,
@@ -76,8 +76,8 @@ __all__ = [
     "ToolCallDelta", "RenderedPrompt",
     # The hook marker of the `flare` entry-point group.
     "hookimpl",
-    # Text: stop-string holdback, marked tool calls.
-    "partial_match_length", "MarkedToolCallParser", "ToolCallMarkers", "function_name", "new_call_id",
+    # Text: stop-string holdback, the streaming tool-call parser base, marked tool calls.
+    "partial_match_length", "ToolCallStream", "MarkedToolCallParser", "ToolCallMarkers", "function_name",
     # The model kit: the layers serving models are made of.
     "DecoderForServing", "STATIC_ROPE_TYPES", "check_rope_type", "ForwardContext",
     "PagedAttention", "write_paged", "FusedQKVAttention", "MLAPagedAttention", "AbsorbedMLA", "FusedGatedMLP",

@@ -26,7 +26,8 @@ from flare_core.server.anthropic_messages import (
     parse_messages_request,
 )
 from flare_core.server.errors import ApiError, Flavor, error_body
-from flare_core.server.generation import INTERRUPTED, Outcome, Piece, output_parser, unfinished_error
+from flare_core.server.generation import (INTERRUPTED, Outcome, Piece, anthropic_call_id, openai_call_id, output_parser,
+                                          unfinished_error, with_call_ids)
 from flare_core.server.ollama import parse_chat_request as ollama_chat_call
 from flare_core.server.ollama import parse_generate_request as ollama_generate_call
 from flare_core.server.openai_chat import parse_chat_request
@@ -398,12 +399,13 @@ def run_builder(builder, pieces, outcome, start: bool = False) -> dict:
     return asyncio.run(run())
 
 
-def parsed_pieces(state, text: str, chunk: int = 3) -> list[Piece]:
-    """The real parsers fed a model output in small pieces, as the engine's text deltas arrive."""
+def parsed_pieces(state, text: str, chunk: int = 3, call_ids=openai_call_id) -> list[Piece]:
+    """The real parsers fed a model output in small pieces, as the engine's text deltas arrive,
+    with the call ids a route's generation gives them."""
     parser = output_parser(state.frontend, "<|im_start|>assistant\n", tools=TOOLS)
     assert isinstance(parser, OutputParser)
     deltas = [parser.feed(text[start:start + chunk]) for start in range(0, len(text), chunk)] + [parser.finish()]
-    return [Piece(delta) for delta in deltas if delta]
+    return [Piece(with_call_ids(delta, call_ids)) for delta in deltas if delta]
 
 
 MODEL_OUTPUT = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
@@ -418,7 +420,8 @@ def test_anthropic_stream_events_accumulate_to_the_returned_message(state):
         events.append(json.loads(json.dumps(event)))
 
     outcome = Outcome("stop", Usage(prompt_tokens=40, completion_tokens=30, cached_tokens=32), stop=151645)
-    message = run_builder(MessageBuilder(call, "msg_1", sink), parsed_pieces(state, MODEL_OUTPUT), outcome, start=True)
+    message = run_builder(MessageBuilder(call, "msg_1", sink), parsed_pieces(state, MODEL_OUTPUT, call_ids=anthropic_call_id),
+                          outcome, start=True)
     assert [block["type"] for block in message["content"]] == ["thinking", "text", "tool_use"]
     assert message["content"][0]["thinking"] == "The user wants weather."
     assert message["content"][1]["text"] == "Let me check."

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flare_core.contract.protocols import ParsedDelta, ToolCallDelta, merge_tool_deltas
+from flare_core.contract.protocols import ParsedDelta, ToolCallDelta  # noqa: F401 - the parsers' output types, re-exported
+from flare_core.frontend.tool_calls import ToolCallStream
 from flare_core.frontend.stops import partial_match_length
 
 
@@ -274,7 +275,7 @@ class _JsonObjectScanner:
                 self.completed_key = self._key
 
 
-class HermesToolParser:
+class HermesToolParser(ToolCallStream):
     """Tool calls in the Hermes / Qwen format, streamed:
 
         <tool_call>
@@ -293,87 +294,37 @@ class HermesToolParser:
 
     START_TAG = "<tool_call>"
     END_TAG = "</tool_call>"
+    block_begin = START_TAG
 
     def __init__(self) -> None:
-        self._state = "content"  # content | json | after_json | broken (announced call, invalid JSON)
-        self._pending = ""
-        self._after_call = False  # whitespace that follows a tool call is dropped
-        self._calls_done = 0
-        self._out_content: list[str] = []
-        self._out_calls: list[ToolCallDelta] = []
-        self._new_block("")
+        super().__init__()  # states: content | json | after_json | broken (announced call, invalid JSON)
+        self.open_block("")
+        self.state = "content"
 
-    def _new_block(self, whitespace_before: str) -> None:
+    def block_states(self) -> dict[str, Callable[[bool], bool]]:
+        return {"json": self._advance_json, "after_json": self._advance_after_json, "broken": self._advance_broken}
+
+    def open_block(self, whitespace_before: str) -> None:
+        self.state = "json"
         self._scanner = _JsonObjectScanner()
         self._whitespace_before = whitespace_before
         self._announced = False
         self._arguments_sent = 0  # scanner text offset up to which arguments were sent
         self._sent_any_arguments = False
 
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        self._advance(final=False)
-        return self._take_output()
-
-    def finish(self) -> ParsedDelta:
-        self._advance(final=True)
-        if self._state == "json":
+    def end_block(self) -> None:
+        if self.state == "json":
             if self._announced:
                 self._complete_call()  # output ended inside the call (e.g. max_tokens)
             else:
-                self._emit_content(self._whitespace_before + self.START_TAG + self._scanner.text)
-        elif self._state == "broken":
-            self._emit_content(self._pending.strip())
+                self.emit_content(self._whitespace_before + self.START_TAG + self._scanner.text)
+        elif self.state == "broken":
+            self.emit_content(self.pending.strip())
             self._complete_call()
-        elif self._state == "content":
-            self._emit_content(self._pending.lstrip() if self._after_call else self._pending)
-        self._pending = ""
-        self._state = "content"
-        return self._take_output()
-
-    def _take_output(self) -> ParsedDelta:
-        delta = ParsedDelta(content="".join(self._out_content),
-                            tool_calls=merge_tool_deltas(tuple(self._out_calls)))
-        self._out_content, self._out_calls = [], []
-        return delta
-
-    def _emit_content(self, text: str) -> None:
-        if text:
-            self._out_content.append(text)
-
-    def _advance(self, final: bool) -> None:
-        steps = {"content": self._advance_content, "json": self._advance_json,
-                 "after_json": self._advance_after_json, "broken": self._advance_broken}
-        while self._pending and steps[self._state](final):
-            pass
-
-    def _advance_content(self, final: bool) -> bool:
-        if self._after_call:
-            self._pending = self._pending.lstrip()
-            if not self._pending:
-                return False
-            self._after_call = False
-        start = self._pending.find(self.START_TAG)
-        if start >= 0:
-            before = self._pending[:start]
-            kept = before.rstrip()
-            self._emit_content(kept)
-            self._new_block(before[len(kept):])
-            self._pending = self._pending[start + len(self.START_TAG):]
-            self._state = "json"
-            return True
-        if final:
-            return False
-        held = partial_match_length(self._pending, (self.START_TAG,))
-        # Trailing whitespace may turn out to precede a tool call (and be dropped): hold it too.
-        ready = self._pending[:len(self._pending) - held].rstrip()
-        self._emit_content(ready)
-        self._pending = self._pending[len(ready):]
-        return False
 
     def _advance_json(self, final: bool) -> bool:
         scanner = self._scanner
-        for consumed, char in enumerate(self._pending, 1):
+        for consumed, char in enumerate(self.pending, 1):
             scanner.feed_char(char)
             if scanner.error or (scanner.completed_key == "name" and not self._announce()):
                 self._leave_json(consumed, len(scanner.text) - 1)
@@ -381,7 +332,7 @@ class HermesToolParser:
             if scanner.done:
                 self._leave_json(consumed, len(scanner.text))
                 return True
-        self._pending = ""
+        self.pending = ""
         self._send_arguments()
         return False
 
@@ -389,40 +340,38 @@ class HermesToolParser:
         """The block's JSON ended (valid_end = its length) or failed (valid_end = the offending
         character); text from valid_end on is handed back to the next state."""
         scanner = self._scanner
-        self._pending = scanner.text[valid_end:] + self._pending[consumed:]
+        self.pending = scanner.text[valid_end:] + self.pending[consumed:]
         scanner.text = scanner.text[:valid_end]
         if not self._announced:
-            self._emit_content(self._whitespace_before + self.START_TAG + scanner.text)
-            self._state = "content"
+            self.emit_content(self._whitespace_before + self.START_TAG + scanner.text)
+            self.state = "content"
             return
         self._send_arguments()
         if scanner.done:
             self._complete_call()
-            self._state = "after_json"
+            self.state = "after_json"
         else:
-            self._state = "broken"
+            self.state = "broken"
 
     def _advance_after_json(self, final: bool) -> bool:
-        rest = self._pending.lstrip()
+        rest = self.pending.lstrip()
         if rest.startswith(self.END_TAG):
-            self._pending = rest[len(self.END_TAG):]
+            self.pending = rest[len(self.END_TAG):]
         elif self.END_TAG.startswith(rest) and not final:
             return False
         else:
-            self._pending = rest  # the model left the block without its closing tag
-        self._state = "content"
-        self._after_call = True
+            self.pending = rest  # the model left the block without its closing tag
+        self.close_block()
         return True
 
     def _advance_broken(self, final: bool) -> bool:
-        end = self._pending.find(self.END_TAG)
+        end = self.pending.find(self.END_TAG)
         if end < 0:
             return False
-        self._emit_content(self._pending[:end].strip())
+        self.emit_content(self.pending[:end].strip())
         self._complete_call()
-        self._pending = self._pending[end + len(self.END_TAG):]
-        self._state = "content"
-        self._after_call = True
+        self.pending = self.pending[end + len(self.END_TAG):]
+        self.close_block()
         return True
 
     def _announce(self) -> bool:
@@ -430,7 +379,7 @@ class HermesToolParser:
         name = json.loads(self._scanner.text[start:end])
         if not isinstance(name, str) or not name:
             return False
-        self._out_calls.append(ToolCallDelta(self._calls_done, "call_" + secrets.token_hex(12), name))
+        self.announce(name)
         self._announced = True
         self._send_arguments()
         return True
@@ -443,14 +392,12 @@ class HermesToolParser:
         end = len(self._scanner.text) if span[1] is None else span[1]
         start = max(self._arguments_sent, span[0])
         if end > start:
-            self._out_calls.append(ToolCallDelta(self._calls_done, arguments=self._scanner.text[start:end]))
+            self.send_arguments(self._scanner.text[start:end])
             self._arguments_sent = end
             self._sent_any_arguments = True
 
     def _complete_call(self) -> None:
-        arguments = "" if self._sent_any_arguments else self._whole_arguments()
-        self._out_calls.append(ToolCallDelta(self._calls_done, arguments=arguments, done=True))
-        self._calls_done += 1
+        self.end_call("" if self._sent_any_arguments else self._whole_arguments())
 
     def _whole_arguments(self) -> str:
         """Arguments text for a call whose arguments were not an object streamed in place."""

@@ -16,8 +16,8 @@ from typing import Any
 from aiohttp import web
 
 from flare_core.requests import GenerationRequest, Usage
-from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Outcome, Piece, answer, execution_error,
-                                          no_events, read_call)
+from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Outcome, Piece, answer, anthropic_call_id,
+                                          execution_error, no_events, read_call)
 from flare_core.server.models import resolve_model
 from flare_core.server.prompts import (Prompt, chat_prompt, fit_max_tokens, template_options, template_tool_call,
                                        text_of_parts, tool_function, tool_name)
@@ -291,10 +291,9 @@ class MessageBuilder:
             self.content[-1]["text"] += delta.content
             await self._delta({"type": "text_delta", "text": delta.content})
         for call in delta.tool_calls:
-            if call.id is not None:
-                tool_id = "toolu_" + call.id.removeprefix("call_")
+            if call.name is not None:  # a call's first piece: its name and (anthropic_call_id) its id
                 await self._switch(("tool_use", call.index),
-                                   {"type": "tool_use", "id": tool_id, "name": call.name, "input": {}})
+                                   {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
             if call.arguments:
                 index = len(self.content) - 1
                 self._tool_arguments[index] = self._tool_arguments.get(index, "") + call.arguments
@@ -347,7 +346,8 @@ def _error_event(message: str, error_type: str = "api_error") -> dict[str, Any]:
 async def messages(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_messages_request)
     message_id = f"msg_{request[RECORD].request_id}"
-    return await answer(request, call, lambda sink: [MessageBuilder(call, message_id, sink)])
+    return await answer(request, call, lambda sink: [MessageBuilder(call, message_id, sink)],
+                        call_ids=anthropic_call_id)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

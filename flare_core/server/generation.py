@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -125,10 +126,36 @@ def output_parser(frontend: Frontend, prompt_text: str | None,
     return OutputParser(reasoning=reasoning, tool=tool)
 
 
+def openai_call_id(written: str | None) -> str:
+    """A tool call's id in OpenAI's form: the one the model wrote (Kimi K2's `functions.NAME:0`,
+    which its template shows back to it), else `call_` and 24 hex digits."""
+    return written or "call_" + secrets.token_hex(12)
+
+
+def anthropic_call_id(written: str | None) -> str:
+    """A tool_use block's id in Anthropic's form: `toolu_` and the model's id or 24 hex digits."""
+    return "toolu_" + (written or secrets.token_hex(12))
+
+
+# A protocol's tool call ids: from the id the model wrote (None: it wrote none).
+CallIds = Callable[[str | None], str]
+
+
+def with_call_ids(delta: ParsedDelta, call_ids: CallIds) -> ParsedDelta:
+    """`delta` with each call's first piece (the one that names it) given its id in the
+    protocol's form."""
+    if not any(call.name is not None for call in delta.tool_calls):
+        return delta
+    return replace(delta, tool_calls=tuple(replace(call, id=call_ids(call.id)) if call.name is not None else call
+                                           for call in delta.tool_calls))
+
+
 class Generation:
     def __init__(self, state: ServerState, record: RequestRecord, request: GenerationRequest,
-                 parser: OutputParser | None = None, leader: Generation | None = None):
+                 parser: OutputParser | None = None, leader: Generation | None = None,
+                 call_ids: CallIds = openai_call_id):
         self._state = state
+        self._call_ids = call_ids  # parsers report the ids models write; the protocol mints the rest
         self._leader = leader  # another choice of the same prompt, entered first: this one reuses its prefill
         self._record = record
         self._parser = parser or OutputParser()
@@ -179,6 +206,7 @@ class Generation:
                 self.outcome = Outcome(event.finish_reason, usage, event.stop, event.error)
                 self._record.finish_reason = event.finish_reason
                 self._record.record_usage(usage)
+            delta = with_call_ids(delta, self._call_ids)
             if delta or event.logprobs or event.prompt_logprobs:
                 yield Piece(delta, event.logprobs, event.prompt_logprobs)
             if self.outcome is not None:
@@ -235,9 +263,10 @@ Combine = Callable[[Sequence[dict[str, Any]], Sequence[Outcome]], dict[str, Any]
 
 async def answer(request: web.Request, call: Call, new_builders: NewBuilders, *,
                  framing: Framing = Framing.NAMED_SSE, parsed: bool = True,
-                 combine: Combine | None = None) -> web.StreamResponse:
+                 combine: Combine | None = None, call_ids: CallIds = openai_call_id) -> web.StreamResponse:
     """Run `call` and answer it through its route's builders. With `parsed`, the output goes
-    through the core's reasoning parser and (when the call asked for it) its tool parser. A call
+    through the core's reasoning parser and (when the call asked for it) its tool parser; tool
+    calls get ids in the protocol's form (`call_ids`). A call
     of several choices runs one generation each: the first is submitted first and the others
     wait for its prefill (see Engine.submit); `combine` makes their one response object."""
     state, record = request.app[STATE], request[RECORD]
@@ -246,7 +275,8 @@ async def answer(request: web.Request, call: Call, new_builders: NewBuilders, *,
         generations: list[Generation] = []
         for choice in choice_requests(call.request, call.choices):
             parser = output_parser(state.frontend, call.prompt.text, call.tools) if parsed else None
-            generation = Generation(state, record, choice, parser, leader=generations[0] if generations else None)
+            generation = Generation(state, record, choice, parser, leader=generations[0] if generations else None,
+                                    call_ids=call_ids)
             generations.append(await entered.enter_async_context(generation))
         response = await builder_response(request, generations, new_builders, stream=call.stream,
                                           headers=call.sampling.headers(), framing=framing, combine=combine)

@@ -98,7 +98,7 @@ def tool_call_deltas_json(deltas: tuple[ToolCallDelta, ...]) -> list[dict[str, A
     carry argument text only (the shape the openai SDK accumulates)."""
     pieces = []
     for delta in deltas:
-        if delta.id is not None:
+        if delta.name is not None:  # a call's first piece: its name and (openai_call_id) its id
             pieces.append({"index": delta.index, "id": delta.id, "type": "function",
                            "function": {"name": delta.name, "arguments": delta.arguments}})
         elif delta.arguments:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
+from collections.abc import Callable
 
-from flare_core.api import ParsedDelta, ToolCallDelta, partial_match_length
+from flare_core.api import ToolCallStream, partial_match_length
 
 DSML = "｜DSML｜"
 BLOCK_BEGIN = f"<{DSML}tool_calls>"
@@ -44,59 +44,40 @@ _PARAMETER_HEADER = re.compile(r'(.+?)" string="(true|false)', re.DOTALL)
 _WHITESPACE = " \t\r\n"
 
 
-class DsmlToolParser:
+class DsmlToolParser(ToolCallStream):
     """Streams DSML tool calls (see the module docstring)."""
 
+    block_begin = BLOCK_BEGIN
+    whitespace = _WHITESPACE
+
     def __init__(self) -> None:
-        self._state = "content"  # content | block | invoke_header | invoke | parameter_header | value
-        self._pending = ""
-        self._after_block = False  # whitespace that follows a block is dropped
+        super().__init__()  # states: content | block | invoke_header | invoke | parameter_header | value
         self._block_calls = 0  # calls announced in the current block
-        self._calls_done = 0
         self._parameters = 0  # parameters of the current call so far
         self._string_value = False
-        self._output = ParsedDelta()
 
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        self._advance(final=False)
-        return self._take_output()
+    def block_states(self) -> dict[str, Callable[[bool], bool]]:
+        return {"block": self._advance_block, "invoke_header": self._advance_invoke_header,
+                "invoke": self._advance_invoke, "parameter_header": self._advance_parameter_header,
+                "value": self._advance_value}
 
-    def finish(self) -> ParsedDelta:
-        self._advance(final=True)
-        if self._state == "value":
-            self._send(self._value_text(self._pending) + ('"' if self._string_value else ""))
+    def open_block(self, whitespace_before: str) -> None:
+        self.state, self._block_calls = "block", 0
+
+    def end_block(self) -> None:
+        if self.state == "value":
+            self.send_arguments(self._value_text(self.pending) + ('"' if self._string_value else ""))
             self._end_call()
-        elif self._state in ("invoke", "parameter_header"):
+        elif self.state in ("invoke", "parameter_header"):
             self._end_call()
-        elif self._state == "invoke_header":
-            self._emit_content(self._block_prefix() + INVOKE_BEGIN + self._pending)
-        elif self._state == "block" and self._block_calls == 0:
-            self._emit_content(BLOCK_BEGIN)  # an opening tag with nothing after it
-        self._pending = ""
-        self._state = "content"
-        return self._take_output()
-
-    # ---- output ------------------------------------------------------------------------
-
-    def _take_output(self) -> ParsedDelta:
-        output, self._output = self._output, ParsedDelta()
-        return output
-
-    def _emit_content(self, text: str) -> None:
-        if text:
-            self._output = self._output + ParsedDelta(content=text)
-
-    def _send(self, arguments: str, **announce) -> None:
-        if arguments or announce:
-            self._output = self._output + ParsedDelta(tool_calls=(ToolCallDelta(self._calls_done, arguments=arguments,
-                                                                                **announce),))
+        elif self.state == "invoke_header":
+            self.emit_content(self._block_prefix() + INVOKE_BEGIN + self.pending)
+        elif self.state == "block" and self._block_calls == 0:
+            self.emit_content(BLOCK_BEGIN)  # an opening tag with nothing after it
 
     def _end_call(self) -> None:
-        self._output = self._output + ParsedDelta(tool_calls=(ToolCallDelta(
-            self._calls_done, arguments="}" if self._parameters else "{}", done=True),))
-        self._calls_done += 1
-        self._state = "block"
+        self.end_call("}" if self._parameters else "{}")
+        self.state = "block"
 
     def _block_prefix(self) -> str:
         """The block's opening tag, when malformed text is the first thing to leave the block."""
@@ -106,36 +87,6 @@ class DsmlToolParser:
         return json.dumps(text, ensure_ascii=False)[1:-1] if self._string_value else text
 
     # ---- states ------------------------------------------------------------------------
-
-    def _advance(self, final: bool) -> None:
-        steps = {"content": self._advance_content, "block": self._advance_block,
-                 "invoke_header": self._advance_invoke_header, "invoke": self._advance_invoke,
-                 "parameter_header": self._advance_parameter_header, "value": self._advance_value}
-        while self._pending and steps[self._state](final):
-            pass
-
-    def _advance_content(self, final: bool) -> bool:
-        if self._after_block:
-            self._pending = self._pending.lstrip(_WHITESPACE)
-            if not self._pending:
-                return False
-            self._after_block = False
-        start = self._pending.find(BLOCK_BEGIN)
-        if start >= 0:
-            self._emit_content(self._pending[:start].rstrip(_WHITESPACE))
-            self._pending = self._pending[start + len(BLOCK_BEGIN):]
-            self._state, self._block_calls = "block", 0
-            return True
-        if final:
-            self._emit_content(self._pending)
-            self._pending = ""
-            return False
-        held = partial_match_length(self._pending, (BLOCK_BEGIN,))
-        # Trailing whitespace may turn out to precede a block (and be dropped): hold it too.
-        ready = self._pending[:len(self._pending) - held].rstrip(_WHITESPACE)
-        self._emit_content(ready)
-        self._pending = self._pending[len(ready):]
-        return False
 
     def _expect(self, rest: str, tags: tuple[str, ...], final: bool) -> str | None:
         """The tag among `tags` that `rest` starts with; "" while `rest` may still become one."""
@@ -147,82 +98,83 @@ class DsmlToolParser:
         return None
 
     def _advance_block(self, final: bool) -> bool:
-        rest = self._pending.lstrip(_WHITESPACE)
+        rest = self.pending.lstrip(_WHITESPACE)
         tag = self._expect(rest, (INVOKE_BEGIN, BLOCK_END), final)
         if tag == "":
             return False
         if tag == INVOKE_BEGIN:
-            self._pending, self._state = rest[len(tag):], "invoke_header"
+            self.pending, self.state = rest[len(tag):], "invoke_header"
         elif tag == BLOCK_END:
-            self._pending, self._state, self._after_block = rest[len(tag):], "content", True
+            self.pending = rest[len(tag):]
+            self.close_block()
         else:  # not a call: the block ends here, and its text is content (verbatim if it held no call)
-            self._emit_content(self._block_prefix())
-            self._pending = self._pending if self._block_calls == 0 else rest
-            self._state = "content"
+            self.emit_content(self._block_prefix())
+            self.pending = self.pending if self._block_calls == 0 else rest
+            self.state = "content"
         return True
 
     def _advance_invoke_header(self, final: bool) -> bool:
-        end = self._pending.find(HEADER_END)
-        name = self._pending[:end] if end >= 0 else ""
+        end = self.pending.find(HEADER_END)
+        name = self.pending[:end] if end >= 0 else ""
         if end >= 0 and name and not any(char in _WHITESPACE + '"<>' for char in name):
-            self._send("", id="call_" + secrets.token_hex(12), name=name)
-            self._pending = self._pending[end + len(HEADER_END):]
-            self._state, self._parameters = "invoke", 0
+            self.announce(name)
+            self.pending = self.pending[end + len(HEADER_END):]
+            self.state, self._parameters = "invoke", 0
             self._block_calls += 1
             return True
-        broken_at = self._pending.find(INVOKE_END)
+        broken_at = self.pending.find(INVOKE_END)
         if end >= 0 or broken_at >= 0:  # no call header: the call's text up to its end is content
-            stop = broken_at + len(INVOKE_END) if broken_at >= 0 else len(self._pending)
-            self._emit_content(self._block_prefix() + INVOKE_BEGIN + self._pending[:stop])
+            stop = broken_at + len(INVOKE_END) if broken_at >= 0 else len(self.pending)
+            self.emit_content(self._block_prefix() + INVOKE_BEGIN + self.pending[:stop])
             self._block_calls += 1  # the block's opening tag went out with it
-            self._pending, self._state = self._pending[stop:], "block" if broken_at >= 0 else "content"
+            self.pending, self.state = self.pending[stop:], "block" if broken_at >= 0 else "content"
             return True
         return False
 
     def _advance_invoke(self, final: bool) -> bool:
-        rest = self._pending.lstrip(_WHITESPACE)
+        rest = self.pending.lstrip(_WHITESPACE)
         tag = self._expect(rest, (PARAMETER_BEGIN, INVOKE_END), final)
         if tag == "":
             return False
         if tag == PARAMETER_BEGIN:
-            self._pending, self._state = rest[len(tag):], "parameter_header"
+            self.pending, self.state = rest[len(tag):], "parameter_header"
         elif tag == INVOKE_END:
-            self._pending = rest[len(tag):]
+            self.pending = rest[len(tag):]
             self._end_call()
         else:  # text that is no parameter ends the call, and the block; it is content
             self._end_call()
-            self._pending, self._state = rest, "content"
+            self.pending, self.state = rest, "content"
         return True
 
     def _advance_parameter_header(self, final: bool) -> bool:
-        end = self._pending.find(HEADER_END)
+        end = self.pending.find(HEADER_END)
         if end < 0:
-            if any(marker in self._pending for marker in MARKERS):  # a tag before the header ended
+            if any(marker in self.pending for marker in MARKERS):  # a tag before the header ended
                 self._end_call()
-                self._state = "content"
+                self.state = "content"
                 return True
             return False
-        header = _PARAMETER_HEADER.fullmatch(self._pending[:end])
+        header = _PARAMETER_HEADER.fullmatch(self.pending[:end])
         if header is None:
             self._end_call()
-            self._pending, self._state = PARAMETER_BEGIN + self._pending, "content"
+            self.pending, self.state = PARAMETER_BEGIN + self.pending, "content"
             return True
         name, string = header.groups()
         self._string_value = string == "true"
-        self._send(("{" if self._parameters == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
-                   + ('"' if self._string_value else ""))
+        self.send_arguments(("{" if self._parameters == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
+                            + ('"' if self._string_value else ""))
         self._parameters += 1
-        self._pending, self._state = self._pending[end + len(HEADER_END):], "value"
+        self.pending, self.state = self.pending[end + len(HEADER_END):], "value"
         return True
 
     def _advance_value(self, final: bool) -> bool:
-        end = self._pending.find(PARAMETER_END)
+        end = self.pending.find(PARAMETER_END)
         if end >= 0:
-            self._send(self._value_text(self._pending[:end]) + ('"' if self._string_value else ""))
-            self._pending, self._state = self._pending[end + len(PARAMETER_END):], "invoke"
+            self.send_arguments(self._value_text(self.pending[:end]) + ('"' if self._string_value else ""))
+            self.pending, self.state = self.pending[end + len(PARAMETER_END):], "invoke"
             return True
-        held = 0 if final else partial_match_length(self._pending, (PARAMETER_END,))
-        ready = self._pending[:len(self._pending) - held]
-        self._send(self._value_text(ready))
-        self._pending = self._pending[len(ready):]
+        held = 0 if final else partial_match_length(self.pending, (PARAMETER_END,))
+        ready = self.pending[:len(self.pending) - held]
+        self.send_arguments(self._value_text(ready))
+        self.pending = self.pending[len(ready):]
         return False

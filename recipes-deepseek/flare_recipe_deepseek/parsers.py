@@ -25,7 +25,7 @@ flare_core.frontend.tool_calls).
 
 from __future__ import annotations
 
-from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers, function_name, new_call_id
+from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers, function_name
 from flare_recipe_deepseek.dsml import DsmlToolParser
 
 
@@ -42,12 +42,12 @@ class DeepSeekV3ToolParser(MarkedToolCallParser):
         fenced_arguments=True,
     )
 
-    def parse_header(self, header: str) -> tuple[str, str] | None:
+    def parse_header(self, header: str) -> tuple[str | None, str] | None:
         call_type, separator, name_text = header.partition(self.markers.header_separator)
         name = function_name(name_text)
         if not separator or not call_type.strip() or name is None:
             return None
-        return new_call_id(), name
+        return None, name
 
 
 class DeepSeekV31ToolParser(MarkedToolCallParser):
@@ -61,9 +61,9 @@ class DeepSeekV31ToolParser(MarkedToolCallParser):
         header_end="<｜tool▁sep｜>",
     )
 
-    def parse_header(self, header: str) -> tuple[str, str] | None:
+    def parse_header(self, header: str) -> tuple[str | None, str] | None:
         name = function_name(header)
-        return None if name is None else (new_call_id(), name)
+        return None if name is None else (None, name)
 
 
 # The forms the parsers read (and the chat templates render): what a forced call is written as.

@@ -133,7 +133,7 @@ def test_call_is_announced_with_its_header_then_arguments_stream() -> None:
     assert before.content == "Sure." and not before.tool_calls
     (first,) = parser.feed("ther" + SEP).tool_calls
     assert (first.index, first.name, first.arguments, first.done) == (0, "get_weather", "", False)
-    assert first.id.startswith("call_")
+    assert first.id is None  # DeepSeek writes no call ids: the protocol adapter mints them
     pieces = [parser.feed(piece).tool_calls for piece in ('{"city": ', '"Oslo"}', CALL_END[:3], CALL_END[3:])]
     # Trailing whitespace waits for the next piece: it could be the formatting before the end marker.
     assert [piece[0].arguments for piece in pieces[:2]] == ['{"city":', ' "Oslo"}']

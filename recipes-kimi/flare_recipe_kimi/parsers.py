@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers, new_call_id
+from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers
 
 # Kimi K2 writes `functions.NAME:INDEX` (the form its template renders); the prefix and index are
 # accepted as optional so a call written as plain `NAME` is not lost.
@@ -25,7 +25,7 @@ class KimiK2ToolParser(MarkedToolCallParser):
 
     The call id is the model's own `functions.NAME:INDEX` when it wrote one: the template shows a
     tool result to the model as "## Return of {tool_call_id}", so handing that id back keeps the
-    form it was trained on. Other headers get a generated id.
+    form it was trained on. Other headers leave the id to the protocol adapter.
     """
 
     markers = ToolCallMarkers(
@@ -36,13 +36,13 @@ class KimiK2ToolParser(MarkedToolCallParser):
         header_end="<|tool_call_argument_begin|>",
     )
 
-    def parse_header(self, header: str) -> tuple[str, str] | None:
+    def parse_header(self, header: str) -> tuple[str | None, str] | None:
         text = header.strip()
         match = _HEADER.fullmatch(text)
         if match is None:
             return None
         own_id = match.group("prefix") and match.group("index")
-        return (text if own_id else new_call_id()), match.group("name")
+        return (text if own_id else None), match.group("name")
 
 
 # The form the template renders, `functions.NAME:INDEX`, the index numbered by the model.

@@ -35,8 +35,7 @@ def parse(deltas: list[str]) -> ParsedOutput:
 
 
 def summary(out: ParsedOutput) -> tuple:
-    return out.content, [(c.id if not c.id.startswith("call_") else "generated", c.name, c.arguments)
-                         for c in out.tool_calls]
+    return out.content, [(c.id or "generated", c.name, c.arguments) for c in out.tool_calls]
 
 
 def assert_split_independent(text: str, expected: tuple) -> None:

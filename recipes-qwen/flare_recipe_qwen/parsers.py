@@ -39,11 +39,10 @@ their arguments constrained by xgrammar's qwen_xml style of the tool's JSON sche
 from __future__ import annotations
 
 import json
-import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from flare_core.api import ParsedDelta, ToolCallDelta, ToolCallFormat, partial_match_length
+from flare_core.api import ToolCallFormat, ToolCallStream
 
 BLOCK_BEGIN, BLOCK_END = "<tool_call>", "</tool_call>"
 FUNCTION_BEGIN, FUNCTION_END = "<function=", "</function>"
@@ -113,170 +112,125 @@ def _fits(value: Any, kind: str) -> bool:
     return isinstance(value, expected)
 
 
-class QwenXmlToolParser:
+class QwenXmlToolParser(ToolCallStream):
     """Streams Qwen's XML tool calls (see the module docstring); `tools` are the request's tools,
     whose schemas type the argument values."""
+
+    block_begin = BLOCK_BEGIN
+    whitespace = _WHITESPACE
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = ()) -> None:
         self._types = parameter_types(tools)
         # content | block (after <tool_call>) | name (after <function=) | function | parameter_name | value
         # | after_function (before </tool_call>) | broken (a call ended early; skipping to </tool_call>)
-        self._state = "content"
-        self._pending = ""
-        self._after_block = False  # whitespace that follows a block is dropped
-        self._calls_done = 0
+        super().__init__()
         self._opening = ""  # a block's text up to its function name, as written (for malformed output)
         self._function = ""
         self._parameter = ""
         self._members = 0
-        self._output = ParsedDelta()
 
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        self._advance(final=False)
-        return self._take_output()
+    def block_states(self) -> dict[str, Callable[[bool], bool]]:
+        return {"block": self._block, "name": self._name, "function": self._in_function,
+                "parameter_name": self._parameter_name, "value": self._value, "after_function": self._after_function,
+                "broken": self._broken}
 
-    def finish(self) -> ParsedDelta:
-        self._advance(final=True)
-        if self._state == "value":
-            self._add_member(self._value_text(self._pending))
+    def open_block(self, whitespace_before: str) -> None:
+        self.state = "block"
+
+    def end_block(self) -> None:
+        if self.state == "value":
+            self._add_member(self._value_text(self.pending))
             self._end_call()
-        elif self._state in ("function", "parameter_name"):
+        elif self.state in ("function", "parameter_name"):
             self._end_call()
-        elif self._state == "block":
-            self._emit_content(BLOCK_BEGIN + self._pending)
-        elif self._state == "name":
-            self._emit_content(self._opening + self._pending)
-        elif self._state == "content":
-            self._emit_content(self._pending.lstrip(_WHITESPACE) if self._after_block else self._pending)
-        self._pending = ""
-        self._state = "content"
-        return self._take_output()
-
-    def _take_output(self) -> ParsedDelta:
-        output, self._output = self._output, ParsedDelta()
-        return output
-
-    def _emit_content(self, text: str) -> None:
-        if text:
-            self._output += ParsedDelta(content=text)
-
-    def _send(self, delta: ToolCallDelta) -> None:
-        self._output += ParsedDelta(tool_calls=(delta,))
-
-    def _advance(self, final: bool) -> None:
-        steps = {"content": self._content, "block": self._block, "name": self._name, "function": self._in_function,
-                 "parameter_name": self._parameter_name, "value": self._value, "after_function": self._after_function,
-                 "broken": self._broken}
-        while self._pending and steps[self._state](final):
-            pass
-
-    def _content(self, final: bool) -> bool:
-        if self._after_block:
-            self._pending = self._pending.lstrip(_WHITESPACE)
-            if not self._pending:
-                return False
-            self._after_block = False
-        start = self._pending.find(BLOCK_BEGIN)
-        if start >= 0:
-            self._emit_content(self._pending[:start].rstrip(_WHITESPACE))
-            self._pending = self._pending[start + len(BLOCK_BEGIN):]
-            self._state = "block"
-            return True
-        if final:
-            return False
-        held = partial_match_length(self._pending, (BLOCK_BEGIN,))
-        # Trailing whitespace may turn out to precede a block (and be dropped): hold it too.
-        ready = self._pending[:len(self._pending) - held].rstrip(_WHITESPACE)
-        self._emit_content(ready)
-        self._pending = self._pending[len(ready):]
-        return False
+        elif self.state == "block":
+            self.emit_content(BLOCK_BEGIN + self.pending)
+        elif self.state == "name":
+            self.emit_content(self._opening + self.pending)
 
     def _block(self, final: bool) -> bool:
-        head = self._pending.lstrip(_WHITESPACE)
+        head = self.pending.lstrip(_WHITESPACE)
         if head.startswith(FUNCTION_BEGIN):
-            self._opening = BLOCK_BEGIN + self._pending[:len(self._pending) - len(head)] + FUNCTION_BEGIN
-            self._pending = head[len(FUNCTION_BEGIN):]
-            self._state = "name"
+            self._opening = BLOCK_BEGIN + self.pending[:len(self.pending) - len(head)] + FUNCTION_BEGIN
+            self.pending = head[len(FUNCTION_BEGIN):]
+            self.state = "name"
             return True
         if not final and FUNCTION_BEGIN.startswith(head):
             return False
-        self._emit_content(BLOCK_BEGIN)  # not a call: the text as written, read on as content
-        self._state = "content"
+        self.emit_content(BLOCK_BEGIN)  # not a call: the text as written, read on as content
+        self.state = "content"
         return True
 
     def _name(self, final: bool) -> bool:
-        end = self._pending.find(">")
+        end = self.pending.find(">")
         if end < 0:
             return False
-        name = self._pending[:end].strip()
+        name = self.pending[:end].strip()
         if not name or "\n" in name or "<" in name:
-            self._emit_content(self._opening + self._pending[:end + 1])
-            self._pending = self._pending[end + 1:]
-            self._state = "content"
+            self.emit_content(self._opening + self.pending[:end + 1])
+            self.pending = self.pending[end + 1:]
+            self.state = "content"
             return True
         self._function, self._members = name, 0
-        self._send(ToolCallDelta(self._calls_done, "call_" + secrets.token_hex(12), name))
-        self._pending = self._pending[end + 1:]
-        self._state = "function"
+        self.announce(name)
+        self.pending = self.pending[end + 1:]
+        self.state = "function"
         return True
 
     def _in_function(self, final: bool) -> bool:
-        head = self._pending.lstrip(_WHITESPACE)
+        head = self.pending.lstrip(_WHITESPACE)
         for tag, state in ((PARAMETER_BEGIN, "parameter_name"), (FUNCTION_END, "after_function")):
             if head.startswith(tag):
-                self._pending = head[len(tag):]
+                self.pending = head[len(tag):]
                 if state == "after_function":
                     self._end_call()
-                self._state = state
+                self.state = state
                 return True
         if not final and (not head or PARAMETER_BEGIN.startswith(head) or FUNCTION_END.startswith(head)):
             return False
         self._end_call()  # text that is neither a parameter nor the function's end
-        self._state = "broken"
+        self.state = "broken"
         return True
 
     def _parameter_name(self, final: bool) -> bool:
-        end = self._pending.find(">")
+        end = self.pending.find(">")
         if end < 0:
             return False
-        self._parameter = self._pending[:end].strip()
-        self._pending = self._pending[end + 1:]
-        self._state = "value"
+        self._parameter = self.pending[:end].strip()
+        self.pending = self.pending[end + 1:]
+        self.state = "value"
         return True
 
     def _value(self, final: bool) -> bool:
-        end = self._pending.find(PARAMETER_END)
+        end = self.pending.find(PARAMETER_END)
         if end < 0:
             return False  # a value becomes a member only whole (its type decides its JSON)
-        self._add_member(self._value_text(self._pending[:end]))
-        self._pending = self._pending[end + len(PARAMETER_END):]
-        self._state = "function"
+        self._add_member(self._value_text(self.pending[:end]))
+        self.pending = self.pending[end + len(PARAMETER_END):]
+        self.state = "function"
         return True
 
     def _after_function(self, final: bool) -> bool:
-        head = self._pending.lstrip(_WHITESPACE)
+        head = self.pending.lstrip(_WHITESPACE)
         if head.startswith(BLOCK_END):
-            self._pending = head[len(BLOCK_END):]
+            self.pending = head[len(BLOCK_END):]
         elif not final and BLOCK_END.startswith(head):
             return False
         else:
-            self._pending = head  # the model left the block without its closing tag
-        self._state = "content"
-        self._after_block = True
+            self.pending = head  # the model left the block without its closing tag
+        self.close_block()
         return True
 
     def _broken(self, final: bool) -> bool:
-        end = self._pending.find(BLOCK_END)
+        end = self.pending.find(BLOCK_END)
         if end < 0:
             if final:
-                self._emit_content(self._pending.strip(_WHITESPACE))
-                self._pending = ""
+                self.emit_content(self.pending.strip(_WHITESPACE))
+                self.pending = ""
             return False
-        self._emit_content(self._pending[:end].strip(_WHITESPACE))
-        self._pending = self._pending[end + len(BLOCK_END):]
-        self._state = "content"
-        self._after_block = True
+        self.emit_content(self.pending[:end].strip(_WHITESPACE))
+        self.pending = self.pending[end + len(BLOCK_END):]
+        self.close_block()
         return True
 
     @staticmethod
@@ -289,9 +243,8 @@ class QwenXmlToolParser:
     def _add_member(self, text: str) -> None:
         declared = self._types.get(self._function, {}).get(self._parameter)
         member = json.dumps(self._parameter, ensure_ascii=False) + ": " + argument_json(text, declared)
-        self._send(ToolCallDelta(self._calls_done, arguments=("{" if self._members == 0 else ", ") + member))
+        self.send_arguments(("{" if self._members == 0 else ", ") + member)
         self._members += 1
 
     def _end_call(self) -> None:
-        self._send(ToolCallDelta(self._calls_done, arguments="{}" if self._members == 0 else "}", done=True))
-        self._calls_done += 1
+        self.end_call("{}" if self._members == 0 else "}")

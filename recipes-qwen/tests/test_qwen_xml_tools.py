@@ -65,7 +65,7 @@ def test_the_templates_calls_come_back_typed_by_the_schemas():
     output = parse(text)
     assert output.content == "Let me look that up."
     assert [(c.name, json.loads(c.arguments)) for c in output.tool_calls] == CALLS
-    assert len({c.id for c in output.tool_calls}) == 2 and all(c.id.startswith("call_") for c in output.tool_calls)
+    assert all(not c.id for c in output.tool_calls)  # Qwen writes no call ids: the protocol adapter mints them
 
 
 @pytest.mark.parametrize("seed", range(12))
