@@ -17,16 +17,12 @@ bash benchmarks/h200_serving.sh $moe --prepare-only
 name=$( [ -n "$moe" ] && echo qwen3-moe-12l-random || echo qwen3-8b-random )
 work=/tmp/flare-bench
 core=$(cat "$work/$name.core")
-site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-finders=$(ls "$site"/__editable__*flare_core*.pth 2>/dev/null || true)
-restore() { for f in $finders; do [ -f "$f.off" ] && mv "$f.off" "$f"; done; return 0; }
-trap restore EXIT
-for f in $finders; do mv "$f" "$f.off"; done
-extra=${PYTHONPATH:-}
+source benchmarks/flare_server.sh
+tree_code_only
 for round in $(seq 1 "$rounds"); do
   for tree in "$@"; do
     tree=$(cd "$tree" && pwd); label=$(basename "$tree"); run="$out/$label-$round"; mkdir -p "$run"
-    (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra:+:$extra}" &&
+    (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra_path:+:$extra_path}" &&
      flare="python3 -m flare_core.cli --config $work/config.toml" &&
      python3 -c "import flare_core; assert flare_core.__file__.startswith('$tree'), flare_core.__file__" &&
      source benchmarks/flare_server.sh &&

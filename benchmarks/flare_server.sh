@@ -1,6 +1,9 @@
 # Sourced by the H200 serving scripts (set $flare first): start `flare run` on port 8000 and wait
 # for /health.  start_server CORE LOG [flare run flags...]
 # sets $server (the server's pid) and $startup_s (seconds from start to healthy).
+# tree_code_only: switch off the editable install's finder for flare_core until the script exits,
+# so that each source tree of an A/B (h200_ab.sh, ab_steady.sh) runs as its own code from
+# PYTHONPATH; sets $extra_path (the PYTHONPATH that was set before).
 # check_slots_free ROWS OUT: after a load, the server's request state rows are all free again
 # (/metrics: flare_slots_live 0, flare_slots_free ROWS, nothing waiting); the gauges go to OUT,
 # with the steps the server ran so far and their tokens by kind (decode, prefill, mixed, restore).
@@ -31,4 +34,14 @@ print("after the load:", gauges, steps)
 if gauges != {"flare_slots_live": 0, "flare_slots_free": rows, "flare_requests_waiting": 0}:
     sys.exit(f"request state rows not all free after the load: {gauges}")
 EOF
+}
+
+tree_code_only() {
+  local site
+  site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  finders=$(ls "$site"/__editable__*flare_core*.pth 2>/dev/null || true)
+  restore_finders() { for f in $finders; do [ -f "$f.off" ] && mv "$f.off" "$f"; done; return 0; }
+  trap restore_finders EXIT
+  for f in $finders; do mv "$f" "$f.off"; done
+  extra_path=${PYTHONPATH:-}
 }

@@ -9,16 +9,12 @@
 # install's finder for flare_core switched off while it runs (restored on exit).
 set -euo pipefail
 out=${1:?usage: h200_ab.sh OUTDIR ROUNDS TREE...}; rounds=${2:?rounds}; shift 2
-site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
-finders=$(ls "$site"/__editable__*flare_core*.pth 2>/dev/null || true)
-restore() { for f in $finders; do [ -f "$f.off" ] && mv "$f.off" "$f"; done; return 0; }
-trap restore EXIT
-for f in $finders; do mv "$f" "$f.off"; done
-extra=${PYTHONPATH:-}
+source benchmarks/flare_server.sh
+tree_code_only
 for round in $(seq 1 "$rounds"); do
   for tree in "$@"; do
     tree=$(cd "$tree" && pwd); name=$(basename "$tree")
-    (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra:+:$extra}" &&
+    (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra_path:+:$extra_path}" &&
      python3 -c "import flare_core, flare_recipe_qwen; assert flare_core.__file__.startswith('$tree'), flare_core.__file__; print('$name round $round:', flare_core.__file__)" &&
      { bash benchmarks/h200_serving.sh "$out/$name-$round" 2>&1 | grep -E "startup_|Output token|Median TTFT|Median TPOT" || true; })
   done

@@ -55,6 +55,7 @@ from flare_core.ops.deepseek_v3 import (
     deepseek_v3_plan_notes,
     keep_router_bias_float32,
     map_deepseek_v3_weights,
+    serve_sigmoid_moe_mlp,
 )
 from flare_core.ops.delta_rule import DeltaRuleForServing, gated_delta_rule, kimi_delta_rule, kimi_delta_rule_step
 from flare_core.ops.gqa import FusedQKVAttention
@@ -81,7 +82,7 @@ __all__ = [
     # The model kit: the layers serving models are made of.
     "DecoderForServing", "STATIC_ROPE_TYPES", "check_rope_type", "ForwardContext",
     "PagedAttention", "write_paged", "FusedQKVAttention", "MLAPagedAttention", "AbsorbedMLA", "FusedGatedMLP",
-    "SigmoidTopKRouter", "SoftmaxTopKRouter", "keep_router_bias_float32", "DeltaRuleForServing",
+    "SigmoidTopKRouter", "SoftmaxTopKRouter", "keep_router_bias_float32", "serve_sigmoid_moe_mlp", "DeltaRuleForServing",
     "gated_delta_rule", "kimi_delta_rule", "kimi_delta_rule_step",
     # Weight mapping: checkpoint tensors -> the prepared layout; fp8 / fp4 checkpoints read through their scales.
     "Reader", "checkpoint_reader", "fused_linear", "prepare_weights", "absorbed_mla", "DequantizedCheckpoint",

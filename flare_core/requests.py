@@ -6,26 +6,50 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from flare_core.contract import NEUTRAL_SAMPLING, SAMPLING_PARAMETERS, sampling_problem
+
 if TYPE_CHECKING:
     from flare_core.frontend.grammar import Grammar
 
-# A signed 64-bit integer: seeds and counts from clients are checked against it.
-_INT64 = (-2**63, 2**63 - 1)
+
+# A signed 64-bit integer: seeds are keyed by their 64 bits.
+INT64 = (-2**63, 2**63 - 1)
+
+
+class SamplingError(ValueError):
+    """A sampling value no sampler can use: its parameter, the value and what is wrong with it."""
+
+    def __init__(self, parameter: str, value: object, problem: str):
+        super().__init__(f"{parameter} {problem}, got {value!r}")
+        self.parameter, self.value, self.problem = parameter, value, problem
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Effective per-request sampling values (recipe defaults applied, clamped to its ranges).
-    temperature 0 means greedy; top_k 0 means no top-k cut."""
+    """Effective per-request sampling values (recipe defaults applied, clamped to its ranges); left
+    out, a parameter is neutral (NEUTRAL_SAMPLING). Each value is checked when it is made
+    (SamplingError otherwise). temperature 0 means greedy; top_k 0 means no top-k cut."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float = float(NEUTRAL_SAMPLING["temperature"])
+    top_p: float = float(NEUTRAL_SAMPLING["top_p"])
+    top_k: int = int(NEUTRAL_SAMPLING["top_k"])
+    min_p: float = float(NEUTRAL_SAMPLING["min_p"])
+    presence_penalty: float = float(NEUTRAL_SAMPLING["presence_penalty"])
+    frequency_penalty: float = float(NEUTRAL_SAMPLING["frequency_penalty"])
+    repetition_penalty: float = float(NEUTRAL_SAMPLING["repetition_penalty"])
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        """The one check of sampling values (the rules of the contract's SAMPLING_DOMAINS): a
+        SamplingParams that exists can be sampled with."""
+        for name in SAMPLING_PARAMETERS:
+            value = getattr(self, name)
+            problem = sampling_problem(name, value)
+            if problem is not None:
+                raise SamplingError(name, value, problem)
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not INT64[0] <= seed <= INT64[1]):
+            raise SamplingError("seed", seed, "must be a 64-bit integer")
 
     @property
     def greedy(self) -> bool:
@@ -34,26 +58,6 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def check(self, where: str = "SamplingParams") -> None:
-        """ValueError naming the first value no sampler can use (not finite, out of its domain)."""
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{where}.{name} must be a finite number, got {value!r}")
-        if self.temperature < 0.0:
-            raise ValueError(f"{where}.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"{where}.top_p must be in [0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"{where}.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"{where}.min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"{where}.repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not _INT64[0] <= self.seed <= _INT64[1]):
-            raise ValueError(f"{where}.seed must be a 64-bit integer, got {self.seed!r}")
 
 
 # Tokens per int32 word of a token bitmask row (a grammar's allowed next tokens, xgrammar's layout:
@@ -113,7 +117,6 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
         raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.prompt_logprobs}")
     if request.max_tokens < (0 if request.prompt_logprobs is not None else 1):
         raise ValueError(f"max_tokens must be at least 1 (0 only when scoring the prompt), got {request.max_tokens}")
-    request.sampling.check("sampling")
 
 
 @dataclass(frozen=True)

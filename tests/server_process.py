@@ -195,6 +195,18 @@ class ServerProcess:
         assert code == 0, f"flare run exited with {code}:\n{self.log()}"
 
 
+def stop_all(servers) -> None:
+    """Stop every server (SIGTERM, a clean exit required of each), then fail naming each that did
+    not exit cleanly."""
+    failures = []
+    for server in servers:
+        try:
+            server.stop()
+        except AssertionError as error:
+            failures.append(str(error))
+    assert not failures, "\n\n".join(failures)
+
+
 @contextmanager
 def with_and_without_prefix_cache(config: Path, core: Path, root: Path, served_name: str):
     """Two `flare run` servers of `core` named `served_name`, ready: (with the prefix cache,
@@ -208,3 +220,25 @@ def with_and_without_prefix_cache(config: Path, core: Path, root: Path, served_n
     finally:
         for server in servers:
             server.stop()
+
+
+def second_turn_restores_the_first(cached, uncached, model: str, turn1: list[dict], follow_up: str,
+                                   max_tokens: int = 12, **fields):
+    """A chat of two turns, greedy, through the openai clients of a server with the prefix cache
+    (`cached`) and one without: both answer the first turn alike; the second turn reuses cached
+    prompt tokens on the first server only, and both answer it alike, to the token. Returns the
+    cached server's answers to the two turns."""
+    def chat(client, messages):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                              **fields)
+
+    first = chat(cached, turn1)
+    assert first.choices[0].message == chat(uncached, turn1).choices[0].message
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
+                     {"role": "user", "content": follow_up}]
+    second, reference = chat(cached, turn2), chat(uncached, turn2)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert reference.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message == reference.choices[0].message
+    assert second.usage.completion_tokens == reference.usage.completion_tokens
+    return first, second

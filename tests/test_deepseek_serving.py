@@ -22,7 +22,7 @@ from transformers import DeepseekV3Config, PreTrainedTokenizerFast
 from conftest import FIXTURES, Flare, write_config
 from flare_core.core import open_core
 from flare_testing.deepseek import ascii_tokenizer_json, random_model, save_model, write_frontend
-from server_process import ServerProcess
+from server_process import ServerProcess, stop_all
 
 MAX_TOKENS = 12
 PREFILL_CHUNK = 128
@@ -125,13 +125,7 @@ def served(tmp_path_factory) -> dict[str, Served]:
                                   tokenizer.token_to_id(family.stop), root / family.name, plan)
         yield result
     finally:
-        failures = []
-        for process in processes.values():
-            try:
-                process.stop()
-            except AssertionError as error:
-                failures.append(str(error))
-        assert not failures, "\n".join(failures)
+        stop_all(processes.values())
 
 
 def test_export_plans_and_manifests(served):

@@ -16,7 +16,7 @@ import pytest
 import openai
 
 from conftest import write_checkpoint
-from server_process import with_and_without_prefix_cache
+from server_process import second_turn_restores_the_first, with_and_without_prefix_cache
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
 
@@ -79,17 +79,6 @@ def chat_servers(tmp_path_factory, session_flare, qwen3_next_core):
 def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_servers):
     cached, uncached = chat_servers
 
-    def chat(client, messages):
-        return client.chat.completions.create(model="next", messages=messages, max_tokens=12, temperature=0)
-
     turn1 = [{"role": "system", "content": "You answer questions about mountain weather in two sentences."},
              {"role": "user", "content": "What is the forecast for Davos tomorrow morning?"}]
-    first = chat(cached, turn1)
-    assert first.choices[0].message == chat(uncached, turn1).choices[0].message
-    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                     {"role": "user", "content": "And for Zermatt in the afternoon?"}]
-    second, reference = chat(cached, turn2), chat(uncached, turn2)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
-    assert reference.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.choices[0].message == reference.choices[0].message
-    assert second.usage.completion_tokens == reference.usage.completion_tokens
+    second_turn_restores_the_first(cached, uncached, "next", turn1, "And for Zermatt in the afternoon?")

@@ -30,7 +30,7 @@ from conftest import FIXTURES
 from flare_core.contract.types import NEUTRAL_SAMPLING
 from flare_core.core import open_core
 from flare_testing.deepseek import ascii_tokenizer_json, scale_random_weights, write_frontend
-from server_process import with_and_without_prefix_cache
+from server_process import second_turn_restores_the_first, with_and_without_prefix_cache
 
 SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
 VOCAB = len(Tokenizer.from_str(ascii_tokenizer_json(SPECIAL_TOKENS)).get_vocab())
@@ -115,16 +115,6 @@ def test_greedy_completions_match_transformers(served):
 def test_turn_two_restores_turn_one_and_answers_as_without_cache(served):
     *_, (cached, uncached) = served
 
-    def chat(client, messages):
-        return client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-
     turn1 = [{"role": "system", "content": "You answer questions about geography, briefly and precisely."},
              {"role": "user", "content": "Which rivers flow through Vienna, Budapest and Belgrade?"}]
-    first = chat(cached, turn1)
-    assert first.choices[0].message == chat(uncached, turn1).choices[0].message
-    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content or "The Danube."},
-                     {"role": "user", "content": "And which sea does it reach?"}]
-    second, without = chat(cached, turn2), chat(uncached, turn2)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
-    assert without.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.choices[0].message == without.choices[0].message
+    second_turn_restores_the_first(cached, uncached, NAME, turn1, "And which sea does it reach?", max_tokens=MAX_TOKENS)

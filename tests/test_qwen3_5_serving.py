@@ -23,7 +23,7 @@ import torch
 
 from conftest import FIXTURES
 from flare_core.frontend import build_tokenizer_json
-from server_process import with_and_without_prefix_cache
+from server_process import second_turn_restores_the_first, with_and_without_prefix_cache
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "recipes-qwen" / "tests" / "fixtures" / "qwen3.5" / "chat_template.jinja"
 TEXT = dict(vocab_size=151669, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -120,21 +120,12 @@ def chat_servers(tmp_path_factory, session_flare):
 def test_turn_two_restores_turn_one_and_answers_as_without_cache(chat_servers):
     cached, uncached = chat_servers
 
-    def chat(client, messages, **fields):
-        return client.chat.completions.create(model="q35", messages=messages, max_tokens=12, temperature=0, **fields)
-
     turn1 = [{"role": "system", "content": "You answer questions about mountain weather in two sentences."},
              {"role": "user", "content": "What is the forecast for Davos tomorrow morning?"}]
-    first = chat(cached, turn1)
-    assert first.choices[0].message == chat(uncached, turn1).choices[0].message
-    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
-                     {"role": "user", "content": "And for Zermatt in the afternoon?"}]
-    second, reference = chat(cached, turn2), chat(uncached, turn2)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
-    assert reference.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.choices[0].message == reference.choices[0].message
+    first, _ = second_turn_restores_the_first(cached, uncached, "q35", turn1, "And for Zermatt in the afternoon?")
     # Thinking off: the template writes an empty reasoning block into the prompt.
-    quick = chat(cached, turn1, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    quick = cached.chat.completions.create(model="q35", messages=turn1, max_tokens=12, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     # "<think>\n" becomes "<think>\n\n</think>\n\n": tokens "\n" -> "\n\n", "</think>", "\n\n".
     assert quick.usage.prompt_tokens == first.usage.prompt_tokens + 2
 

@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from conftest import write_server_config
-from server_process import ServerProcess, SseReader, wait_until
+from server_process import ServerProcess, SseReader, stop_all, wait_until
 
 SERVED = "flare-e2e"
 ALIAS = "org/flare-e2e"  # served names may hold "/" (Hugging Face repo ids)
@@ -72,13 +72,7 @@ def servers(tmp_path_factory, qwen3_moe_core) -> Servers:
             server.wait_ready()
         yield Servers(main, guarded, draining, guarded.metrics()["flare_kv_pages_free"])
     finally:
-        failures = []
-        for server in started:
-            try:
-                server.stop()
-            except AssertionError as error:
-                failures.append(str(error))
-        assert not failures, "\n\n".join(failures)
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

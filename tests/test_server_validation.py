@@ -649,8 +649,6 @@ def test_choice_seeds_count_up_from_the_request_seed_within_64_bits(state):
     choices = choice_requests(call.request, call.choices)
     assert [c.sampling.seed for c in choices] == [2**63 - 1, -2**63, -2**63 + 1]
     assert [c.request_id for c in choices] == ["rid", "rid.1", "rid.2"]
-    for choice in choices:
-        choice.sampling.check("sampling")  # what the engine checks again at admission
     unseeded = choice_requests(parse_chat_request(state, chat_body(n=2), "rid").request, 2)
     assert [c.sampling.seed for c in unseeded] == [None, None]
 

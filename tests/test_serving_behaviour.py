@@ -26,7 +26,7 @@ import openai
 import pytest
 import torch
 
-from server_process import ServerProcess
+from server_process import ServerProcess, stop_all
 
 STOP_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: the cores' stop tokens (generation_config eos)
 MAX_TOKENS = 16
@@ -90,13 +90,7 @@ def servers(tmp_path_factory, session_flare, qwen3_core, qwen3_moe_core) -> Serv
         yield Servers(Served(qwen3, "tiny-qwen3", "qwen3"), Served(moe, "tiny-qwen3-moe", "moe"),
                       Served(moe_uncached, "tiny-qwen3-moe", "moe"))
     finally:
-        failures = []
-        for server in started:
-            try:
-                server.stop()
-            except AssertionError as error:
-                failures.append(str(error))
-        assert not failures, "\n".join(failures)
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")

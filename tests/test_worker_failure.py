@@ -21,7 +21,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from flare_core.config import ServerConfig
-from flare_core.requests import GenerationRequest, SamplingParams
+from flare_core.requests import GenerationRequest, SamplingError, SamplingParams
 from flare_core.server.app import build_app
 from flare_core.server.state import STATE
 from server_process import ServerProcess
@@ -57,14 +57,21 @@ async def _events(response) -> list:
     return events
 
 
-def test_a_request_with_unusable_sampling_values_fails_alone(session_flare, qwen3_core):
+def test_unusable_sampling_values_cannot_be_made_and_an_unusable_request_fails_alone(session_flare, qwen3_core):
+    """Sampling values are checked where they are made: no SamplingParams with a value no sampler
+    can use exists to reach the engine. What the engine admits and cannot serve (a token id
+    beyond the vocabulary) fails that request alone."""
+    for values, parameter in (({"top_p": float("nan")}, "top_p"), ({"temperature": -1.0}, "temperature"),
+                              ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"top_k": 2.5}, "top_k"),
+                              ({"seed": 2**64}, "seed")):
+        with pytest.raises(SamplingError, match=parameter):
+            SamplingParams(**values)
     engine = make_engine(session_flare, qwen3_core, frames=1)
 
     async def run():
         engine.start()
         try:
-            bad = engine.submit(GenerationRequest(prompt_ids=(5, 6, 7), max_tokens=4,
-                                                  sampling=SamplingParams(top_p=float("nan"))))
+            bad = engine.submit(GenerationRequest(prompt_ids=(5, 6, 10**9), max_tokens=4))
             good = engine.submit(GenerationRequest(prompt_ids=(8, 9, 10), max_tokens=4, ignore_eos=True))
             bad_events = [event async for event in bad]
             good_events = [event async for event in good]
@@ -74,7 +81,7 @@ def test_a_request_with_unusable_sampling_values_fails_alone(session_flare, qwen
             await engine.aclose()
 
     bad, good, later = asyncio.run(run())
-    assert bad[-1].finish_reason == "error" and "top_p" in bad[-1].error
+    assert bad[-1].finish_reason == "error" and "prompt_ids" in bad[-1].error
     assert good[-1].finish_reason == "length" and good[-1].usage.completion_tokens == 4
     assert later[-1].finish_reason == "length" and later[-1].usage.completion_tokens == 3
     assert engine.failure is None

@@ -90,6 +90,37 @@ SAMPLING_LIMITS: Mapping[str, Range] = {
     "repetition_penalty": Range(0.01, 10.0),
 }
 
+# The values each sampling parameter can mean at all (inclusive minimum / maximum, exclusive
+# `above`); within them a recipe's ranges clamp. Checked in one place, `sampling_problem`, which
+# every SamplingParams runs when it is made (flare_core.requests): a request's values are refused
+# there, naming the field and the limit, and no unusable SamplingParams exists downstream.
+SAMPLING_DOMAINS: Mapping[str, Mapping[str, float]] = {
+    "temperature": {"minimum": 0.0},
+    "top_p": {"minimum": 0.0, "maximum": 1.0},
+    "top_k": {"minimum": 0},
+    "min_p": {"minimum": 0.0, "maximum": 1.0},
+    "repetition_penalty": {"above": 0.0},
+}
+
+
+def sampling_problem(name: str, value: Any) -> str | None:
+    """What makes `value` meaningless for sampling parameter `name` (None: nothing): not a finite
+    number (top_k: not a whole number), or outside SAMPLING_DOMAINS."""
+    integral = name == "top_k"
+    if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+        return "must be a whole number" if integral else "must be a number"
+    if not math.isfinite(value):
+        return "must be a finite number"
+    domain = SAMPLING_DOMAINS.get(name, {})
+    if "minimum" in domain and value < domain["minimum"]:
+        return f"must be at least {domain['minimum']}"
+    if "maximum" in domain and value > domain["maximum"]:
+        return f"must be at most {domain['maximum']}"
+    if "above" in domain and not value > domain["above"]:
+        return f"must be greater than {domain['above']}"
+    return None
+
+# The sampler with no effect: what a parameter is when neither a request nor a recipe sets it.
 NEUTRAL_SAMPLING: Mapping[str, float] = {
     "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
@@ -571,7 +602,7 @@ class Recipe:
 ASSET_NAMES = ("tokenizer.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer_config.json")
 
 __all__ = [
-    "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "CacheScheme", "CacheSchemeFactory", "Capacities",
+    "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
     "DerivedShard", "TensorParallelSpec", "ToolCallFormat",

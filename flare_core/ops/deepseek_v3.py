@@ -132,6 +132,17 @@ class AbsorbedMLA(nn.Module):
         return self.o_proj(out.reshape(tokens, -1)).reshape(shape), None
 
 
+def serve_sigmoid_moe_mlp(layer: nn.Module, moe_class: type) -> None:
+    """A decoder layer's MLP as the DeepSeek-V3 family serves it: in a MoE block (`moe_class`) the
+    shared experts with one fused gate/up and the router as SigmoidTopKRouter (same weight and
+    bias); a dense MLP with one fused gate/up."""
+    if isinstance(layer.mlp, moe_class):
+        layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
+        layer.mlp.gate = SigmoidTopKRouter.like(layer.mlp.gate)
+    else:
+        layer.mlp = FusedGatedMLP.like(layer.mlp)
+
+
 def keep_router_bias_float32(causal_lm: nn.Module) -> None:
     """The MoE routers' score correction bias (DeepSeek-V3's, Kimi's) back in float32 after the
     model was cast to its dtype: the routers add it to float32 scores."""
@@ -151,11 +162,7 @@ def build_deepseek_v3(config: Any, dtype: torch.dtype) -> DecoderForServing:
         causal_lm = ds.DeepseekV3ForCausalLM(config)
         for layer_idx, layer in enumerate(causal_lm.model.layers):
             layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx)
-            if isinstance(layer.mlp, ds.DeepseekV3MoE):
-                layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
-                layer.mlp.gate = SigmoidTopKRouter.like(layer.mlp.gate)
-            else:
-                layer.mlp = FusedGatedMLP.like(layer.mlp)
+            serve_sigmoid_moe_mlp(layer, ds.DeepseekV3MoE)
     causal_lm.to(dtype)
     keep_router_bias_float32(causal_lm)
     with torch.device("cpu"):

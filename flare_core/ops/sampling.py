@@ -278,10 +278,6 @@ class PromptScores:
                                                            for t in (self.logprobs, self.top_ids, self.top_logprobs)))
 
 
-def _check_params(row: int, params: SamplingParams) -> None:
-    params.check(f"SamplingParams (batch row {row})")
-
-
 def penalise(logits: torch.Tensor, in_prompt: torch.Tensor, output_counts: torch.Tensor, repetition: torch.Tensor,
              frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
     """Penalised copy of `logits` [B, V] given each row's history (in_prompt bool [B, V],
@@ -491,8 +487,7 @@ class Sampler:
             raise ValueError(f"Sampler.sample: {batch} logits rows but {len(penalties)} penalty states")
         if not 0 <= top_logprobs <= vocab:
             raise ValueError(f"Sampler.sample: top_logprobs must be in [0, {vocab}], got {top_logprobs}")
-        for row, row_params in enumerate(params):
-            _check_params(row, row_params)
+        for row, row_params in enumerate(params):  # their values were checked where the request was read
             if steps[row] < 0:
                 raise ValueError(f"Sampler.sample: steps[{row}] must be >= 0, got {steps[row]}")
             if row_params.penalised:

@@ -14,7 +14,7 @@ from typing import Any
 
 from flare_core.contract import SamplingPolicy
 from flare_core.frontend.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_automaton
-from flare_core.requests import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_TOKENS, SamplingParams
+from flare_core.requests import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_TOKENS, SamplingError, SamplingParams
 from flare_core.server.validation import get_int, get_number, invalid, json_type
 
 CLAMPED_HEADER = "x-flare-clamped"
@@ -25,16 +25,6 @@ OPENAI_SAMPLING_FIELDS: Mapping[str, str] = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
-}
-
-
-# The values each sampling parameter can mean at all; outside them a request is a 400 naming the
-# field and the limit. Inside them the recipe's ranges clamp (reported, see above).
-_DOMAINS: Mapping[str, Mapping[str, float]] = {
-    "temperature": {"minimum": 0.0},
-    "top_p": {"minimum": 0.0, "maximum": 1.0},
-    "min_p": {"minimum": 0.0, "maximum": 1.0},
-    "repetition_penalty": {"above": 0.0},
 }
 
 
@@ -62,9 +52,13 @@ def read_sampling(policy: SamplingPolicy, body: Mapping[str, Any], fields: Mappi
             # -1 is the common "no top-k cut" spelling (vLLM); the runtime spells it 0.
             requested["top_k"] = None if top_k is None else max(top_k, 0)
         else:
-            requested[parameter] = get_number(body, field_name, where=where + field_name,
-                                              **_DOMAINS.get(parameter, {}))
+            requested[parameter] = get_number(body, field_name, where=where + field_name)
     seed = get_int(body, seed_field, where=where + seed_field) if seed_field else None
+    try:  # what the request asks for, checked once (SamplingParams), before the recipe's clamp
+        SamplingParams(**{name: value for name, value in requested.items() if value is not None}, seed=seed)
+    except SamplingError as error:
+        field_name = seed_field if error.parameter == "seed" else fields[error.parameter]
+        raise invalid(where + field_name, f"{error.problem}, got {body[field_name]!r}") from None
     values, clamped = policy.resolve(requested)
     return Sampling(SamplingParams(**values, seed=seed),
                     {name: (value, values[name]) for name, value in clamped.items()})

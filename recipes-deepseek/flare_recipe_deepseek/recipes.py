@@ -8,6 +8,7 @@ aliases name their recipe.
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 from typing import Callable
 
@@ -60,6 +61,7 @@ def _asset(file_name: str) -> Callable[[], bytes]:
         return resources.files("flare_recipe_deepseek").joinpath("assets", file_name).read_bytes()
     return load
 
+
 DEEPSEEK_V3 = Recipe(
     name="deepseek-v3",
     version=RECIPE_VERSION,
@@ -80,22 +82,14 @@ DEEPSEEK_V3 = Recipe(
     tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )
 
-DEEPSEEK_V3_1 = Recipe(
+# The same model code and checkpoints; V3.1's text side, defaults and aliases.
+DEEPSEEK_V3_1 = dataclasses.replace(
+    DEEPSEEK_V3,
     name="deepseek-v3.1",
-    version=RECIPE_VERSION,
-    architectures=DEEPSEEK_V3_ARCHITECTURES,
-    model_types=MODEL_TYPES,
     aliases=(Alias("deepseek-v3.1", "deepseek-ai/DeepSeek-V3.1"),
              Alias("deepseek-v3.1-terminus", "deepseek-ai/DeepSeek-V3.1-Terminus")),
     sampling=DEEPSEEK_V3_1_SAMPLING,
     frontend=DEEPSEEK_V3_1_FRONTEND,
-    cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
-    capacities=Capacities(),
-    build_model=build_deepseek_v3,
-    map_weights=map_deepseek_v3_weights,
     description="DeepSeek-V3.1 hybrid thinking model (same model code as deepseek-v3)",
     assets={"chat_template.jinja": _asset("deepseek-v3.1.jinja")},
-    check_config=check_deepseek_v3_config,
-    plan_notes=deepseek_v3_plan_notes,
-    tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )

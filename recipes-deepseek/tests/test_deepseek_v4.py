@@ -26,8 +26,8 @@ from flare_core.contract import Capacities
 from flare_core.executor.runner import ModelRunner, eager_runner
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
-from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
-from flare_testing.parity import assert_logits_parity
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
+from flare_testing.parity import assert_logits_parity, drive_greedy
 from flare_testing.deepseek import CSA_RATE, HCA_RATE, assert_core_matches, export_checkpoint, \
     random_v4_model, save_v4_as_published, tiny_v4_config as tiny_config, write_v4_checkpoint
 from flare_recipe_deepseek.v4 import build_model, compressed_attention_scheme, map_weights
@@ -96,26 +96,6 @@ def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Sche
     return scheduler, executor, prefix
 
 
-def drive(scheduler: Scheduler, executor: ModelRunner, max_tokens: int) -> tuple[dict[str, list], int]:
-    """Greedy to `max_tokens`; per request the logits rows it sampled from, and the restores made."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    restores = 0
-    while not scheduler.is_idle():
-        plan = scheduler.schedule()
-        if plan is None:
-            break
-        restores += len(plan.restores)
-        logits = executor.run(plan)
-        tokens = logits.argmax(-1)
-        executor.record_sampled([h.state_row for h in plan.samples], tokens)
-        for handle, row in zip(plan.samples, logits):
-            rows.setdefault(handle.request_id, []).append(row)
-        for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
-            if len(rows[sampled.handle.request_id]) == max_tokens:
-                scheduler.finish(sampled.handle.request_id, "length")
-    return rows, restores
-
-
 def assert_greedy_matches(model, prompt: list[int], logits: list[torch.Tensor]) -> None:
     sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
     with torch.no_grad():
@@ -137,9 +117,9 @@ def test_a_restored_snapshot_continues_exactly(reference):
     second = shared + torch.randint(2, config.vocab_size, (50,), generator=generator).tolist()
     max_tokens = 10
     scheduler.submit("first", first, max_tokens, message_ends=(len(shared),))
-    done, _ = drive(scheduler, executor, max_tokens)
+    done, _ = drive_greedy(scheduler, executor, max_tokens)
     scheduler.submit("second", second, max_tokens, message_ends=(len(shared),))
-    again, restores = drive(scheduler, executor, max_tokens)
+    again, restores = drive_greedy(scheduler, executor, max_tokens)
     assert restores == 1
     assert_greedy_matches(model, first, done["first"])
     assert_greedy_matches(model, second, again["second"])
@@ -157,7 +137,7 @@ def test_preempted_requests_resume_exactly(reference):
     max_tokens = 40
     for request_id, prompt in prompts.items():
         scheduler.submit(request_id, prompt, max_tokens)
-    sampled, _ = drive(scheduler, executor, max_tokens)
+    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
     assert scheduler.preemptions > 0
     for request_id, prompt in prompts.items():
         assert_greedy_matches(model, prompt, sampled[request_id])

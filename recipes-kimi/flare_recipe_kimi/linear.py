@@ -35,9 +35,9 @@ from torch import Tensor
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
 from flare_core.api import (AbsorbedMLA, CacheScheme, ContractError, DecoderForServing, DeltaRuleForServing,
-                            FusedGatedMLP, PagedStore, SigmoidTopKRouter, StateTensor, absorbed_mla, checkpoint_reader,
-                            fused_linear, keep_router_bias_float32, kimi_delta_rule, kimi_delta_rule_step,
-                            prepare_weights)
+                            PagedStore, StateTensor, absorbed_mla, checkpoint_reader, fused_linear,
+                            keep_router_bias_float32, kimi_delta_rule, kimi_delta_rule_step, prepare_weights,
+                            serve_sigmoid_moe_mlp)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -144,11 +144,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DecoderForServing:
                 layer.self_attn = KimiDeltaAttentionForServing(layer.self_attn)
             else:
                 layer.self_attn = AbsorbedMLA(layer.self_attn, config, layer_idx, rotary=False)
-            if isinstance(layer.mlp, kl.KimiLinearMoE):
-                layer.mlp.shared_experts = FusedGatedMLP.like(layer.mlp.shared_experts)
-                layer.mlp.gate = SigmoidTopKRouter.like(layer.mlp.gate)
-            else:
-                layer.mlp = FusedGatedMLP.like(layer.mlp)
+            serve_sigmoid_moe_mlp(layer, kl.KimiLinearMoE)
     causal_lm.to(dtype)
     keep_router_bias_float32(causal_lm)
     return DecoderForServing(causal_lm, None, bool(config.tie_word_embeddings))

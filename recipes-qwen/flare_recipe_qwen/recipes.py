@@ -85,20 +85,15 @@ QWEN3 = Recipe(
     tensor_parallel=QWEN3_TENSOR_PARALLEL,
 )
 
-QWEN3_MOE = Recipe(
+# Qwen3's text side, defaults and model code; its own architecture, aliases, checks and split.
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
     name="qwen3-moe",
-    version=RECIPE_VERSION,
     architectures=("Qwen3MoeForCausalLM",),
     aliases=(Alias("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"), Alias("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B")),
-    sampling=QWEN3_SAMPLING,
-    frontend=QWEN3_FRONTEND,
-    cache_scheme="attention-kv",
-    capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_weights,
     description="Qwen3 mixture-of-experts models (Transformers Qwen3MoeForCausalLM with paged attention)",
-    assets=QWEN3_ASSETS,
     check_config=check_qwen3_moe_config,
+    demo_checkpoint=None,
     tensor_parallel=QWEN3_MOE_TENSOR_PARALLEL,
 )
 
@@ -106,19 +101,11 @@ QWEN3_NEXT_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct
 
 # The Instruct model card's "Best Practices": Temperature=0.7, TopP=0.8, TopK=20, MinP=0; it too
 # suggests presence_penalty between 0 and 2 against endless repetition.
-QWEN3_NEXT_SAMPLING = SamplingPolicy(
-    defaults={"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0},
-    ranges={**SAMPLING_LIMITS, "presence_penalty": Range(0.0, 2.0)},
-    source=QWEN3_NEXT_MODEL_CARD,
-)
+QWEN3_NEXT_SAMPLING = dataclasses.replace(
+    QWEN3_SAMPLING, defaults={"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}, source=QWEN3_NEXT_MODEL_CARD)
 
 # Qwen3-Next-80B-A3B-Instruct writes no reasoning section; the rest is Qwen3's chat format.
-QWEN3_NEXT_FRONTEND = FrontendSpec(
-    tool_parser="hermes",
-    template_patches=tuple(patch.id for patch in QWEN_TEMPLATE_PATCHES),
-    required_tokens=("<|im_start|>", "<|im_end|>"),
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
-)
+QWEN3_NEXT_FRONTEND = dataclasses.replace(QWEN3_FRONTEND, reasoning_parser=None, template_options={})
 
 
 # What every Gated DeltaNet hybrid's export plan says about where it runs.
@@ -132,22 +119,20 @@ def qwen3_next_plan_notes(config) -> tuple[str, ...]:
             "reasoning parser")
 
 
-QWEN3_NEXT = Recipe(
+QWEN3_NEXT = dataclasses.replace(
+    QWEN3,
     name="qwen3-next",
-    version=RECIPE_VERSION,
     architectures=("Qwen3NextForCausalLM",),
     aliases=(Alias("qwen3-next-80b-a3b-instruct", "Qwen/Qwen3-Next-80B-A3B-Instruct"),),
     sampling=QWEN3_NEXT_SAMPLING,
     frontend=QWEN3_NEXT_FRONTEND,
     cache_scheme="gated-deltanet-hybrid",
-    capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_weights,
     description="Qwen3-Next (Gated DeltaNet + gated attention, MoE; Transformers Qwen3NextForCausalLM), "
                 "CPU reference path",
-    assets=QWEN3_ASSETS,
     check_config=check_qwen3_next_config,
+    demo_checkpoint=None,
     plan_notes=qwen3_next_plan_notes,
+    tensor_parallel=None,
 )
 
 
@@ -158,22 +143,14 @@ QWEN3_5_MODEL_CARD = "https://huggingface.co/Qwen/Qwen3.5-35B-A3B#best-practices
 # The model card's "Best Practices", thinking mode (the default) for general tasks: temperature=1.0,
 # top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5, repetition_penalty=1.0. Read in a serving
 # guide that quotes the card's table verbatim (the card itself was not reachable from here).
-QWEN3_5_SAMPLING = SamplingPolicy(
-    defaults={"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
-    ranges={**SAMPLING_LIMITS, "presence_penalty": Range(0.0, 2.0)},
-    source=QWEN3_5_MODEL_CARD,
-)
+QWEN3_5_SAMPLING = dataclasses.replace(
+    QWEN3_SAMPLING, defaults={"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
+    source=QWEN3_5_MODEL_CARD)
 
 # Qwen3.5's template opens the reasoning block in the generation prompt (thinking on unless
 # enable_thinking is false) and writes tool calls in Qwen's XML format.
-QWEN3_5_FRONTEND = FrontendSpec(
-    reasoning_parser="think",
-    tool_parser="qwen3-xml",
-    template_patches=(QWEN3_5_TEMPLATE_PATCH.id,),
-    required_tokens=("<|im_start|>", "<|im_end|>"),
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
-    template_options={"enable_thinking": True},
-)
+QWEN3_5_FRONTEND = dataclasses.replace(QWEN3_FRONTEND, tool_parser="qwen3-xml",
+                                       template_patches=(QWEN3_5_TEMPLATE_PATCH.id,))
 
 VISION_LANGUAGE_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
@@ -195,20 +172,18 @@ def qwen3_5_plan_notes(config) -> tuple[str, ...]:
             "the checkpoint; image and video content is refused")
 
 
-QWEN3_5 = Recipe(
+QWEN3_5 = dataclasses.replace(
+    QWEN3_NEXT,
     name="qwen3.5",
-    version=RECIPE_VERSION,
     architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     model_types=("qwen3_5", "qwen3_5_text"),
     aliases=(Alias("qwen3.5-27b", "Qwen/Qwen3.5-27B"),),
     sampling=QWEN3_5_SAMPLING,
     frontend=QWEN3_5_FRONTEND,
-    cache_scheme="gated-deltanet-hybrid",
-    capacities=Capacities(),
-    build_model=build_model,
     map_weights=map_text_model_weights,
     description="Qwen3.5 dense models, text (Gated DeltaNet + gated attention; Transformers Qwen3_5ForCausalLM), "
                 "CPU reference path",
+    assets={},
     check_config=check_qwen3_5_config,
     plan_notes=qwen3_5_plan_notes,
     served_config=text_model_config,

@@ -27,8 +27,8 @@ from flare_core.contract import Capacities
 from flare_core.executor.runner import ModelRunner, eager_runner
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
-from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepResult
-from flare_testing.parity import assert_logits_parity
+from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
+from flare_testing.parity import assert_logits_parity, drive_greedy
 from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
 from flare_recipe_qwen.modeling import build_model
 from flare_recipe_qwen.weights import map_weights
@@ -103,27 +103,6 @@ def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Sche
     return scheduler, executor, prefix
 
 
-def drive(scheduler: Scheduler, executor: ModelRunner, max_tokens: int) -> tuple[dict[str, list], int]:
-    """Run the scheduler's requests greedily to `max_tokens`; per request, the logits rows it sampled
-    from, and how many restores the steps made."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    restores = 0
-    while not scheduler.is_idle():
-        plan = scheduler.schedule()
-        if plan is None:
-            break
-        restores += len(plan.restores)
-        logits = executor.run(plan)
-        tokens = logits.argmax(-1)
-        executor.record_sampled([h.state_row for h in plan.samples], tokens)
-        for handle, row in zip(plan.samples, logits):
-            rows.setdefault(handle.request_id, []).append(row)
-        for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
-            if len(rows[sampled.handle.request_id]) == max_tokens:
-                scheduler.finish(sampled.handle.request_id, "length")
-    return rows, restores
-
-
 def test_a_restored_state_snapshot_continues_exactly(reference):
     model, checkpoint = reference
     config = FAMILIES["qwen3-next"][1]()
@@ -135,9 +114,9 @@ def test_a_restored_state_snapshot_continues_exactly(reference):
     second = shared + torch.randint(0, config.vocab_size, (45,), generator=generator).tolist()
     max_tokens = 3
     scheduler.submit("first", first, max_tokens, message_ends=(len(shared),))
-    done, _ = drive(scheduler, executor, max_tokens)
+    done, _ = drive_greedy(scheduler, executor, max_tokens)
     scheduler.submit("second", second, max_tokens, message_ends=(len(shared),))
-    again, restores = drive(scheduler, executor, max_tokens)
+    again, restores = drive_greedy(scheduler, executor, max_tokens)
     assert restores == 1  # the second request resumed at the end of the shared messages
     with torch.no_grad():
         for prompt, logits in ((first, done["first"]), (second, again["second"])):
@@ -161,7 +140,7 @@ def test_preempted_requests_resume_from_their_snapshots_exactly(reference):
     max_tokens = 40
     for request_id, prompt in prompts.items():
         scheduler.submit(request_id, prompt, max_tokens)
-    sampled, _ = drive(scheduler, executor, max_tokens)
+    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
     assert scheduler.preemptions > 0
     with torch.no_grad():
         for request_id, prompt in prompts.items():

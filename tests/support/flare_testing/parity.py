@@ -93,3 +93,27 @@ def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config,
         rows += 1
     if rows < len(prompt_lens) * (decode_steps + 1):
         raise AssertionError(f"only {rows} logits rows were produced for {len(prompt_lens)} requests")
+
+
+def drive_greedy(scheduler, executor, max_tokens: int) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Run a scheduler's requests on `executor` greedily to `max_tokens` each, one step at a time
+    with the step's logits read back (what the parity tests compare): per request, the logits
+    rows it sampled from, and how many restores the steps made."""
+    from flare_core.scheduler import StepResult
+
+    rows: dict[str, list[torch.Tensor]] = {}
+    restores = 0
+    while not scheduler.is_idle():
+        plan = scheduler.schedule()
+        if plan is None:
+            break
+        restores += len(plan.restores)
+        logits = executor.run(plan)
+        tokens = logits.argmax(-1)
+        executor.record_sampled([h.state_row for h in plan.samples], tokens)
+        for handle, row in zip(plan.samples, logits):
+            rows.setdefault(handle.request_id, []).append(row)
+        for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
+            if len(rows[sampled.handle.request_id]) == max_tokens:
+                scheduler.finish(sampled.handle.request_id, "length")
+    return rows, restores
