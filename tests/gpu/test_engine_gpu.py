@@ -72,7 +72,7 @@ def test_fp8_kv_core_on_cuda(session_flare, checkpoint, bf16_core):
     budget, the same tokens with two steps in flight as with one, every page back at the end."""
     fp8_core = session_flare.export(checkpoint, *EXPORT, "--kv-dtype", "fp8_e4m3")
     one = make_engine(session_flare, fp8_core, 1, "cuda", True)
-    assert one.executor.storage["k"][0].dtype == torch.float8_e4m3fn
+    assert one.core.executor.storage["k"][0].dtype == torch.float8_e4m3fn
     reference = asyncio.run(run_requests(one, REQUESTS))
     two = make_engine(session_flare, fp8_core, 2, "cuda", True)
     bf16_pages = make_engine(session_flare, bf16_core, 1, "cuda", False).resources().pages

@@ -353,8 +353,9 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     assert graphs.state.last_sampled[[5, 7]].tolist() == tokens
     assert graphs.graphs.prefill_graphs[256].replays == 2
 
-    # A mixed step in the same prefill graph: the five decode rows, their tokens read on the device,
-    # beside the rest of the middle prompt; rows follow plan.samples (the decode rows, then the chunk).
+    # A mixed step in a prefill graph: the five decode rows, their tokens read on the device, beside
+    # the rest of the middle prompt (46 tokens; 51 in all, so the 64-token graph covers it); rows
+    # follow plan.samples (the decode rows, then the chunk).
     inputs = graphs.state.last_sampled[:5].tolist()
 
     def mixed(seq: int, tokens) -> StepPlan:
@@ -364,9 +365,11 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
 
     mixed_params = params[:4] + [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=30, seed=11)]
     out = graphs.step(mixed(4, [None] * 5), StepSampling(mixed_params, [4] * 5 + [0], [None] * 6, logprobs=True))
-    logits = graphs.graphs.prefill_graphs[256].logits[:6].clone()
+    covering = graphs.graphs.prefill_graphs[64]
+    logits = covering.logits[:6].clone()
     tokens = out.token_ids.tolist()
-    assert graphs.graphs.prefill_graphs[256].replays == 3 and graphs.graphs.prefill_graphs[256].mixed_replays == 1
+    assert covering.replays == 1 and covering.mixed_replays == 1
+    assert graphs.graphs.prefill_graphs[256].replays == 2 and graphs.graphs.prefill_graphs[256].mixed_replays == 0
     want = Sampler(device=device).sample(logits, mixed_params, [4] * 5 + [0]).token_ids.tolist()
     assert tokens[:5] == want[:5] and tokens[5] == want[5]  # greedy and seeded rows
     torch.testing.assert_close(out.logprobs, logits.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
