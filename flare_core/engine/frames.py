@@ -20,6 +20,9 @@ from flare_core.ops.sampling import LogitBias, SampleOutput, StepSampling
 from flare_core.requests import SamplingParams
 from flare_core.scheduler import Scheduler, StepPlan
 
+# How a row samples whose request finished meanwhile: greedily, for nothing.
+_FINISHED_ROW = SamplingParams(temperature=0.0)
+
 
 @dataclass(eq=False)
 class Frame:
@@ -87,7 +90,7 @@ def step_sampling(plan: StepPlan, lives: Sequence[LiveRequest | None], scheduler
             live.penalty_handle = handle
     asking = [live for live in lives if live is not None and live.request.logprobs]
     return StepSampling(
-        params=[live.request.sampling if live else SamplingParams(temperature=0.0) for live in lives],
+        params=[live.request.sampling if live else _FINISHED_ROW for live in lives],
         steps=[state.num_planned_samples - 1 for state in states],
         penalties=[live.penalties if live else None for live in lives],
         logprobs=bool(asking),

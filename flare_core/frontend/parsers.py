@@ -298,14 +298,16 @@ class HermesToolParser(ToolCallStream):
 
     def __init__(self) -> None:
         super().__init__()  # states: content | json | after_json | broken (announced call, invalid JSON)
-        self.open_block("")
-        self.state = "content"
+        self._new_block("")
 
     def block_states(self) -> dict[str, Callable[[bool], bool]]:
         return {"json": self._advance_json, "after_json": self._advance_after_json, "broken": self._advance_broken}
 
     def open_block(self, whitespace_before: str) -> None:
         self.state = "json"
+        self._new_block(whitespace_before)
+
+    def _new_block(self, whitespace_before: str) -> None:
         self._scanner = _JsonObjectScanner()
         self._whitespace_before = whitespace_before
         self._announced = False

@@ -434,9 +434,10 @@ class PrefixCache:
         """How many pages, up to `wanted`, `evict_pages` would free now; nothing changes (a dry
         run of the same order). `released`: references on pages and `unpinned`: pins on resume
         points to count as given back first (the hits of blocked waiting requests)."""
+        released, unpinned = released or {}, unpinned or {}
         return _dry_run_eviction(self._block_lru.entries, self._resume_point_lru.entries, self._root,
-                                 lambda page: self._pages.refcount(page) - (released or {}).get(page, 0),
-                                 lambda point: point.pins - (unpinned or {}).get(point, 0), wanted)
+                                 lambda page: self._pages.refcount(page) - released.get(page, 0),
+                                 lambda point: point.pins - unpinned.get(point, 0), wanted)
 
     def _take_row(self, rows: StateRowAllocator, slot_field: str) -> int | None:
         """A free row of `rows`, evicting the least recently used unpinned resume point holding

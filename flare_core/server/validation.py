@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from flare_core.requests import INT64
 from flare_core.server.errors import ApiError
 
 # Deepest nesting of arrays and objects a request body may have. Real requests (tool schemas
@@ -24,7 +25,7 @@ MAX_NESTING = 64
 # Python refuses to convert more than 4,300 digits anyway.
 MAX_INTEGER_DIGITS = 20
 # Integers every integer field is checked against (a signed 64-bit value), besides its own range.
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+INT64_MIN, INT64_MAX = INT64
 
 
 # bool comes before int: Python's True is an int, JSON's true is not a number.
