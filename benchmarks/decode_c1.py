@@ -51,7 +51,7 @@ def copy_bandwidth(device: torch.device, gib: int = 4, repeats: int = 10) -> flo
 
 
 def flare_decode(config, model, weight_bytes: int, device, context: int, steps: int, compile_model: bool,
-                 gemv: bool, triton_attention: bool, profile: Path | None = None) -> dict:
+                 triton_attention: bool, profile: Path | None = None) -> dict:
     """Decode at concurrency 1 the way the engine runs it: two steps in flight, each step's
     input token read on the device from the step before, its sampled token copied back to the
     host and read one step later."""
@@ -71,7 +71,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     executor = cuda_runner(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=1,
                              num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size, device=device,
                              decode_capacities=(1,), context_length=total, compile_model=compile_model,
-                             gemv=gemv, triton_attention=triton_attention)
+                             triton_attention=triton_attention)
     startup_s = time.perf_counter() - started
     handle = RequestHandle("bench", 0, 1)
     pages = tuple(range(num_pages))
@@ -146,22 +146,19 @@ def eager_greedy(model, device, context: int, steps: int) -> list[int]:
     return tokens
 
 
-def serving_model(config, hf_model, device, fp8: bool = False):
+def serving_model(config, hf_model, device, fp8: bool = False, gemv: bool = True):
+    from flare_core.ops import serving
+    from flare_core.ops.fp8 import quantizable_linears, quantize_blocks
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_qwen.recipes import QWEN3
 
     prepared = dict(QWEN3.map_weights(config, hf_model.state_dict(), torch.bfloat16))
-    model = QWEN3.build_model(config, torch.bfloat16)
-    if fp8:
-        from flare_core.ops.fp8 import quantizable_linears, quantize_blocks, use_fp8_blocks
-
-        paths = quantizable_linears(model)
-        for path in paths:
-            weight, scale_inv = quantize_blocks(prepared[path + ".weight"].to(device))
-            prepared[path + ".weight"], prepared[path + ".weight_scale_inv"] = weight, scale_inv
-        use_fp8_blocks(model, paths)
-    load_prepared_weights(model, prepared, device)
-    return model
+    paths = quantizable_linears(QWEN3.build_model(config, torch.bfloat16)) if fp8 else []
+    for path in paths:
+        weight, scale_inv = quantize_blocks(prepared[path + ".weight"].to(device))
+        prepared[path + ".weight"], prepared[path + ".weight_scale_inv"] = weight, scale_inv
+    options = serving.ServingOptions(gemv=gemv, fp8_linears=tuple(paths))
+    return load_prepared_weights(serving.serving_model(QWEN3, config, torch.bfloat16, options), prepared, device)
 
 
 def hf_generate(hf_model, device, context: int, new_tokens: int) -> float:
@@ -198,14 +195,14 @@ def main() -> None:
     hf_tok_s = hf_generate(hf_model, device, args.context, args.hf_new_tokens)
     reference_tokens: list[int] = []
     variants: dict[str, dict] = {}
-    # Each variant on its own copy of the weights: compiling and the GEMV switch change a model in place.
+    # Each variant on its own model, built with or without the GEMV kernel.
     for name, compile_model, gemv, triton_attention, fp8 in chosen:
-        model = serving_model(config, hf_model, device, fp8)
+        model = serving_model(config, hf_model, device, fp8, gemv)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         if not reference_tokens:
             reference_tokens = eager_greedy(model, device, args.context, 9)
         variants[name] = flare_decode(config, model, weight_bytes, device, args.context, args.steps,
-                                      compile_model=compile_model, gemv=gemv, triton_attention=triton_attention,
+                                      compile_model=compile_model, triton_attention=triton_attention,
                                       profile=args.profile if name == chosen[-1][0] else None)
         variants[name]["fp8"] = fp8
         print(name, round(variants[name]["decode_c1_tok_s"], 1), "tok/s", flush=True)

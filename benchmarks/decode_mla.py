@@ -48,11 +48,14 @@ def deepseek_v3_config(layers: int):
 
 
 def random_serving_model(config, device: torch.device, recipe=None) -> torch.nn.Module:
-    """`recipe`'s serving model (default DeepSeek-V3's) with random weights drawn on `device`."""
+    """`recipe`'s serving model (default DeepSeek-V3's) with random weights drawn on `device`, built
+    as `flare run` builds it on CUDA (one-token matmuls on the GEMV kernel)."""
     from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
 
-    model = (recipe or DEEPSEEK_V3).build_model(config, torch.bfloat16)  # on the meta device: names, shapes, dtypes
+    # On the meta device: names, shapes, dtypes.
+    model = serving_model(recipe or DEEPSEEK_V3, config, torch.bfloat16, ServingOptions(gemv=True))
     generator = torch.Generator(device=device).manual_seed(0)
     tensors = {}
     for name, meta in model.state_dict().items():

@@ -362,10 +362,6 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                 loaded = load_core(runtime_core, registry, torch_device)
         except CoreLoadError as exc:
             raise FlareCommandError(str(exc)) from exc
-        if leader is not None:
-            from flare_core.parallel import Ranks, join_group, spec_of
-
-            join_group(loaded.model, spec_of(registry.recipes[loaded.recipe_name]), Ranks(0, ranks))
         capacities = loaded.capacities
         concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
         memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)

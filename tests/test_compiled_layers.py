@@ -1,4 +1,4 @@
-"""Decoder layers compiled as the CUDA executor compiles them (`compile_layers`): each layer is
+"""Decoder layers compiled as the CUDA executor compiles them (`CompiledDecoder`): each layer is
 one graph with attention as an opaque custom op and the cache writes traced. On the CPU the
 op runs the plain-torch reference; the compiled model must give the eager model's logits and
 leave the same cache contents, over prompt chunks and decode steps of several requests."""
@@ -11,10 +11,12 @@ from torch._dynamo.utils import counters
 from transformers import Qwen3ForCausalLM
 
 from flare_core.ops.attention import AttentionBatch, ForwardContext
-from flare_core.ops.gemv import use_gemv
+from flare_core.ops.gemv import GemvLinear
+from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.loading import load_prepared_weights
-from flare_core.ops.model import compile_layers
+from flare_core.ops.model import CompiledDecoder
 from flare_core.ops.opaque import bound
+from flare_core.ops.serving import ServingOptions, serving_model
 from flare_core.plugins import load_registry
 from flare_testing.parity import serve_paged
 from flare_recipe_qwen.recipes import QWEN3
@@ -22,11 +24,12 @@ from flare_recipe_qwen.recipes import QWEN3
 from conftest import tiny_qwen3_config
 
 
-def serving_model(config, seed: int = 0):
+def loaded_model(config, seed: int = 0, gemv: bool = False):
     torch.manual_seed(seed)
     reference = Qwen3ForCausalLM(config).eval()
     prepared = dict(QWEN3.map_weights(config, reference.state_dict(), torch.float32))
-    return load_prepared_weights(QWEN3.build_model(config, torch.float32), prepared, "cpu")
+    return load_prepared_weights(serving_model(QWEN3, config, torch.float32, ServingOptions(gemv=gemv)), prepared,
+                                 "cpu")
 
 
 def served(model, scheme, sequences, prompt_lens):
@@ -38,7 +41,7 @@ def served(model, scheme, sequences, prompt_lens):
 
 @pytest.mark.parametrize("gemv", [False, True], ids=["linear", "gemv-ops"])
 def test_compiled_layers_match_eager_logits_and_share_one_compilation(gemv):
-    """With `use_gemv` the matmuls are the flare::linear / flare::gated_linear ops (on the CPU
+    """Built with the GEMV option the matmuls are the flare::linear / flare::gated_linear ops (on the CPU
     they compute F.linear): they must trace into the same single graph per group of layers."""
     config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)
     scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
@@ -46,20 +49,15 @@ def test_compiled_layers_match_eager_logits_and_share_one_compilation(gemv):
     prompt_lens = (5, 30, 17)
     sequences = [torch.randint(0, 512, (n + 3,), generator=generator).tolist() for n in prompt_lens]
 
-    eager = served(serving_model(config), scheme, sequences, prompt_lens)
-    compiled_model = serving_model(config)
-    if gemv:
-        # Per layer: qkv_proj, o_proj, gate_up_proj, down_proj, and the MLP itself (gated
-        # kernel); then the output head.
-        assert use_gemv(compiled_model) == 5 * config.num_hidden_layers + 1
-    compile_layers(compiled_model)
+    eager = served(loaded_model(config), scheme, sequences, prompt_lens)
+    compiled_model = CompiledDecoder(loaded_model(config, gemv=gemv))
     torch._dynamo.reset()
     counters.clear()
     compiled = served(compiled_model, scheme, sequences, prompt_lens)
     # All groups of layers share a code (their weights and cache layers are inputs); steps of one
     # token compile separately from steps of several (torch specialises sizes 0 and 1). So does
     # the code after the layers (logits): at most 2 graphs each.
-    assert len(compiled_model.compiled_groups) == 2  # 8 layers, LAYERS_PER_GRAPH = 4
+    assert len(compiled_model.groups) == 2  # 8 layers, LAYERS_PER_GRAPH = 4
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
 
@@ -77,9 +75,9 @@ def test_cache_writes_land_in_place():
 
     results = []
     for compiled in (False, True):
-        model = serving_model(config)
+        model = loaded_model(config)
         if compiled:
-            compile_layers(model)
+            model = CompiledDecoder(model)
         storage = allocate_cache_storage(scheme, 4, 16, "cpu")
         batch = AttentionBatch.build([(7, 0, [2]), (3, 0, [1])], 16, "cpu")
         with torch.no_grad():
@@ -101,9 +99,26 @@ def test_attention_op_outside_a_bound_context_says_so():
         assert torch.ops.flare.paged_attention(q, layer, layer, 0.25).shape == q.shape
 
 
-def test_compile_layers_needs_a_serving_decoder():
+def test_compiled_decoder_needs_a_serving_decoder():
     with pytest.raises(ValueError, match="DecoderForServing"):
-        compile_layers(torch.nn.Linear(2, 2))
+        CompiledDecoder(torch.nn.Linear(2, 2))
+
+
+def test_the_gemv_option_builds_gemv_layers_over_the_same_tensors():
+    """Built with the GEMV option, every bias-free linear layer is a GemvLinear, the gated MLPs and
+    the head take the kernel, and the state dict keeps its names, shapes and tensors."""
+    config = tiny_qwen3_config(vocab_size=512)
+    plain, gemv = (serving_model(QWEN3, config, torch.float32, ServingOptions(gemv=g)) for g in (False, True))
+    assert {k: v.shape for k, v in gemv.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    assert not any(type(m) is torch.nn.Linear for m in gemv.modules())
+    linears = [m for m in gemv.modules() if isinstance(m, GemvLinear)]
+    assert len(linears) == sum(type(m) is torch.nn.Linear for m in plain.modules()) >= 4 * config.num_hidden_layers
+    assert gemv.gemv_head and all(m.gated_kernel for m in gemv.modules() if isinstance(m, FusedGatedMLP))
+    assert not plain.gemv_head
+
+    loaded = loaded_model(config, gemv=True)
+    qkv = loaded.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GemvLinear) and qkv.weight.abs().sum() > 0  # the loaded tensor, not a fresh one
 
 
 def _flare_ops_called(model, scheme, tokens_per_request: list[int]) -> set[str]:
@@ -120,15 +135,14 @@ def _flare_ops_called(model, scheme, tokens_per_request: list[int]) -> set[str]:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gemv_ops_serve_one_token_steps_only(compiled):
-    """After `use_gemv`, a step of one token runs its matmuls (the gated MLP and the head
+    """Built with the GEMV option, a step of one token runs its matmuls (the gated MLP and the head
     included) through the GEMV ops; a step of several tokens and logits rows keeps plain
     matmuls, which Inductor fuses with the code around them."""
     config = tiny_qwen3_config(vocab_size=512)
     scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
-    model = serving_model(config)
-    use_gemv(model)
+    model = loaded_model(config, gemv=True)
     if compiled:
-        compile_layers(model)
+        model = CompiledDecoder(model)
     assert _flare_ops_called(model, scheme, [1]) == {"flare::linear", "flare::gated_linear"}
     assert _flare_ops_called(model, scheme, [2, 1]) == set()
 
@@ -139,9 +153,9 @@ def test_each_group_structure_gets_its_own_recompile_budget(monkeypatch):
     from flare_core.ops.model import RECOMPILES_PER_STRUCTURE
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", RECOMPILES_PER_STRUCTURE)
-    compile_layers(serving_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=10)))
+    CompiledDecoder(loaded_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=10)))
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE
-    compile_layers(serving_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)))  # one structure
+    CompiledDecoder(loaded_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)))  # one structure
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE  # never lowered
 
 
@@ -154,8 +168,7 @@ def test_any_pool_size_reuses_the_compiled_layers():
 
     config = tiny_qwen3_config(vocab_size=512)
     scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
-    model = serving_model(config)
-    compile_layers(model)
+    model = CompiledDecoder(loaded_model(config))
     torch._dynamo.reset()
     counters.clear()
     graphs = []

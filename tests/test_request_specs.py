@@ -9,14 +9,14 @@ import pytest
 
 from flare_core.server import anthropic_messages, ollama, openai_chat, openai_completions
 from flare_core.server.errors import ApiError
-from flare_core.server.spec import all_specs, render
+from flare_core.server.field_docs import all_specs, render
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "api-fields.md"
 
 
 def test_the_field_reference_is_generated_from_the_specs():
     assert DOCS.read_text() == render(), (
-        "docs/api-fields.md is stale: python -c \"from flare_core.server.spec import render; "
+        "docs/api-fields.md is stale: python -c \"from flare_core.server.field_docs import render; "
         "print(render(), end='')\" > docs/api-fields.md")
     assert len(all_specs()) == 8
 

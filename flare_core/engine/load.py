@@ -15,7 +15,10 @@ from flare_core.contract import CONTRACT_VERSION, CacheScheme, Capacities, Paged
 from flare_core.core import RuntimeCore
 from flare_core.frontend import ChatTemplate, ConversationRenderer, Tokenizer
 from flare_core.ops.loading import load_prepared_weights
+from flare_core.ops.fp8 import quantized_experts, quantized_paths
 from flare_core.ops.mla import MLAPagedAttention
+from flare_core.ops.serving import ServingOptions, serving_model
+from flare_core.parallel import Ranks, rank_tensor_name
 from flare_core.plugins import Registry
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -56,8 +59,6 @@ class LoadedCore:
         bias among them, which are no parameters)."""
         if self.tensor_parallel == 1:
             return sum(p.numel() for p in self.model.parameters())
-        from flare_core.parallel import rank_tensor_name
-
         stored = self.core.locations
         total = 0
         for name, _ in self.model.named_parameters():
@@ -130,22 +131,29 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
+    tensor_names = core.tensor_names()
+    options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
+                             fp8_experts=tuple(quantized_experts(tensor_names)),
+                             ranks=Ranks(rank, ranks) if ranks > 1 else None)
+    if ranks > 1 and recipe.tensor_parallel is None:
+        raise CoreLoadError(f"core is split over {ranks} tensor-parallel ranks, but the installed recipe "
+                            f"{recipe.name} declares no tensor parallelism")
+    model = serving_model(recipe, model_config, dtype, options)
+    if fp8_stores and device.type == "cuda" and any(isinstance(m, MLAPagedAttention) for m in model.modules()):
+        # FlashInfer's MLA kernels take FP8 latent pages only with FP8 queries (and on
+        # Blackwell); its paged attention widens FP8 K/V pages under 16-bit queries.
+        raise CoreLoadError(f"core keeps its latent KV cache ({', '.join(fp8_stores)}) as float8_e4m3fn, which "
+                            f"the CUDA path does not serve (FlashInfer's MLA kernels read latent pages of the "
+                            f"queries' dtype): serve it with --device cpu, or export the model without --kv-dtype")
     if ranks == 1:
-        model = recipe.build_model(model_config, dtype)
-        if fp8_stores and device.type == "cuda" and any(isinstance(m, MLAPagedAttention) for m in model.modules()):
-            # FlashInfer's MLA kernels take FP8 latent pages only with FP8 queries (and on
-            # Blackwell); its paged attention widens FP8 K/V pages under 16-bit queries.
-            raise CoreLoadError(f"core keeps its latent KV cache ({', '.join(fp8_stores)}) as float8_e4m3fn, which "
-                                f"the CUDA path does not serve (FlashInfer's MLA kernels read latent pages of the "
-                                f"queries' dtype): serve it with --device cpu, or export the model without --kv-dtype")
-        if quantization is not None:
-            from flare_core.ops.fp8 import quantized_experts, quantized_paths, use_fp8_blocks, use_fp8_experts
-
-            use_fp8_blocks(model, quantized_paths(core.tensor_names()))
-            use_fp8_experts(model, quantized_experts(core.tensor_names()))
-        load_prepared_weights(model, core.load_tensors(device="cpu"), device)
-    else:
-        model = _rank_model(core, recipe, model_config, dtype, rank, ranks, device)
+        tensors = core.load_tensors(device="cpu")
+    else:  # a rank's model reads its slices of the sharded tensors and the replicated ones
+        stored = set(tensor_names)
+        names = {name: rank_tensor_name(rank, name) if rank_tensor_name(rank, name) in stored else name
+                 for name in model.state_dict()}
+        loaded = core.load_tensors(device="cpu", names=names.values())
+        tensors = {name: loaded[stored_name] for name, stored_name in names.items()}
+    load_prepared_weights(model, tensors, device)
 
     frontend = manifest["frontend"]
     tokenizer = Tokenizer.from_str(core.asset(frontend["tokenizer"]).decode("utf-8"))
@@ -166,19 +174,3 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         identity=hashlib.sha256(core.manifest_bytes).digest(), tensor_parallel=ranks,
     )
 
-
-def _rank_model(core: RuntimeCore, recipe, model_config, dtype: torch.dtype, rank: int, ranks: int,
-                device: torch.device) -> torch.nn.Module:
-    """Rank `rank`'s model: built from the divided config, loaded with the rank's slices of the
-    sharded tensors and the replicated ones."""
-    from flare_core.parallel import build_rank_model, rank_tensor_name
-
-    if recipe.tensor_parallel is None:
-        raise CoreLoadError(f"core is split over {ranks} tensor-parallel ranks, but the installed recipe "
-                            f"{recipe.name} declares no tensor parallelism")
-    model = build_rank_model(recipe, model_config, dtype, ranks)
-    stored = set(core.tensor_names())
-    names = {name: rank_tensor_name(rank, name) if rank_tensor_name(rank, name) in stored else name
-             for name in model.state_dict()}
-    tensors = core.load_tensors(device="cpu", names=names.values())
-    return load_prepared_weights(model, {name: tensors[stored_name] for name, stored_name in names.items()}, device)

@@ -173,14 +173,12 @@ def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands,
 def _build_executor(core_path: str, rank: int, ranks: int, commands):
     from flare_core.core import open_core
     from flare_core.executor.runner import eager_runner
-    from flare_core.parallel import Ranks, join_group, spec_of
     from flare_core.plugins import load_registry
     from flare_core.engine.load import load_core
 
     registry = load_registry()
     # The signature is checked on opening; rank 0 verified the payload hashes and the publisher.
     loaded = load_core(open_core(Path(core_path)), registry, torch.device("cpu"), rank)
-    join_group(loaded.model, spec_of(registry.recipes[loaded.recipe_name]), Ranks(rank, ranks))
     kind, executor_args = _next(commands)
     if kind != "build":
         raise RuntimeError(f"expected the executor's geometry from rank 0, got {kind!r}")

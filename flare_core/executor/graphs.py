@@ -2,7 +2,8 @@
 graph catalog, all sharing one memory pool: decode batch capacities (rows) and prefill token
 capacities (prompt chunks of several requests; a mixed step's decode rows join its chunks as
 one-token requests). Matmuls of one token (the capacity-1 decode graph: a single request
-decoding) run a Triton GEMV kernel (flare_core.ops.gemv) unless `gemv=False`. Steps no graph
+decoding) run a Triton GEMV kernel (flare_core.ops.gemv) when the model was built with it
+(flare_core.ops.serving). Steps no graph
 covers (steps that restore a prompt's stored logits or score prompts, prompt chunks of kernels
 without prefill graphs) run the same model eagerly over FlashInfer paged prefill.
 
@@ -20,7 +21,7 @@ penalties read from the device state's history book.
 
 Nothing in a step waits for the device: host data goes up through pinned memory, so the engine
 can issue step N+1 while the GPU still runs step N (`frames_in_flight`). With `compile_model`,
-the model's decoder layers run through torch.compile in groups (flare_core.ops.model.compile_layers:
+the model's decoder layers run through torch.compile in groups (flare_core.ops.model.CompiledDecoder:
 Inductor fuses the norms, rotary, cache writes, activation code and residual adds between the
 matmuls; attention is one opaque op, see flare_core.ops.opaque) before the graphs are captured
 over them.
@@ -43,9 +44,8 @@ from flare_core.executor.state import DeviceState
 from flare_core.executor.storage import TORCH_DTYPES
 from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, AttentionBatch, ForwardContext, cache_index, linear_chunks
 from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
-from flare_core.ops.gemv import use_gemv
 from flare_core.ops.kernels import kernels_for
-from flare_core.ops.model import compile_layers
+from flare_core.ops.model import CompiledDecoder
 from flare_core.ops.sampling import (FLOAT_COLUMNS, INT_COLUMNS, SampleOutput, Sampler, StepSampling, constrain,
                                      penalise, row_columns, sample_rows, window)
 from flare_core.ops.transfer import to_device, upload
@@ -683,25 +683,22 @@ class GraphRunner:
 def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int, num_rows: int,
                 num_snapshot_rows: int, num_logits_rows: int, vocab_size: int, device: torch.device,
                 decode_capacities: tuple[int, ...], context_length: int, prefill_capacities: tuple[int, ...] = (),
-                compile_model: bool = False, gemv: bool = True, triton_attention: bool = True,
-                prefill_chunk_size: int = 0, seed: int = 0, dtype: torch.dtype | None = None) -> ModelRunner:
-    """The CUDA runner over `num_pages` pages: the model made ready for graphs (one-token matmuls
-    through the GEMV kernel unless `gemv=False`, the decoder layers compiled with `compile_model`),
-    warmed and captured. `dtype`: the model's activation dtype (the attention queries')."""
+                compile_model: bool = False, triton_attention: bool = True, prefill_chunk_size: int = 0,
+                seed: int = 0, dtype: torch.dtype | None = None) -> ModelRunner:
+    """The CUDA runner over `num_pages` pages: `model` (built for serving: flare_core.ops.serving)
+    called as it is, or through `CompiledDecoder` with `compile_model`, warmed and captured.
+    `dtype`: the model's activation dtype (the attention queries')."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
                         device=device, scratch_page=True)
     sampler = Sampler(seed=seed, device=device)
     attention = CudaAttention(model, scheme, page_tokens, dtype, device)
-    if gemv:  # one-token matmuls through the GEMV kernel (flare_core.ops.gemv), before compiling
-        use_gemv(model)
-    if compile_model:
-        compile_layers(model)
+    forward = CompiledDecoder(model) if compile_model else model
     copies = HostCopies(device)
-    graphs = GraphRunner(model, state, attention, sampler, copies, decode_capacities=decode_capacities,
+    graphs = GraphRunner(forward, state, attention, sampler, copies, decode_capacities=decode_capacities,
                          prefill_capacities=prefill_capacities, context_length=context_length,
                          compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
                          triton_attention=triton_attention)
-    runner = ModelRunner(state, sampler, EagerRunner(model, state, sampler, attention.plan_prefill), copies, graphs)
+    runner = ModelRunner(state, sampler, EagerRunner(forward, state, sampler, attention.plan_prefill), copies, graphs)
     graphs.prepare()
     return runner

@@ -7,7 +7,7 @@ square ones); on the H200 that reads Qwen3-8B's attention and down projections a
 (benchmarks/gemv.py). The kernel here gives each program a few weight rows, reads them in long
 contiguous chunks and reduces in float32, with no second kernel.
 
-`use_gemv(model)` switches a model's bias-free linear layers to `GemvLinear`, whose one-token
+A model built for serving on CUDA (flare_core.ops.serving.gemv_layers) has its bias-free linear layers as `GemvLinear`, whose one-token
 calls go to the custom op `flare::linear`: this kernel on a CUDA device for the shapes it
 takes, `F.linear` otherwise. Being an op, it is one opaque node in compiled layers and a launch
 that CUDA graphs capture like any other. `FusedGatedMLP` calls `flare::gated_linear`, which
@@ -212,36 +212,3 @@ class GemvLinear(nn.Linear):
         if one_token(x):
             return torch.ops.flare.linear(x, self.weight)
         return F.linear(x, self.weight)
-
-
-def _is_silu(module: nn.Module) -> bool:
-    from transformers.activations import ACT2FN
-
-    return isinstance(module, (nn.SiLU, type(ACT2FN["silu"])))
-
-
-def use_gemv(model: nn.Module) -> int:
-    """Switch every bias-free nn.Linear of `model` to `GemvLinear`, every SiLU `FusedGatedMLP`
-    to the gated kernel, a `DecoderForServing`'s output head and MoE routers' logits
-    (`SoftmaxTopKRouter`, `SigmoidTopKRouter`) to `flare::linear` / `flare::linear_float32`, in place;
-    returns how many modules changed. Weights stay where they are. Without Triton or a CUDA
-    device the ops compute what the modules did."""
-    from flare_core.ops.mlp import FusedGatedMLP  # these call this module's ops
-    from flare_core.ops.model import DecoderForServing
-    from flare_core.ops.routing import SigmoidTopKRouter, SoftmaxTopKRouter
-
-    switched = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and module.bias is None:
-            module.__class__ = GemvLinear  # adds no state: only forward differs
-            switched += 1
-        elif isinstance(module, FusedGatedMLP) and _is_silu(module.act_fn):
-            module.gated_kernel = True
-            switched += 1
-        elif isinstance(module, DecoderForServing):
-            module.gemv_head = True
-            switched += 1
-        elif isinstance(module, (SoftmaxTopKRouter, SigmoidTopKRouter)):
-            module.gemv_logits = True
-            switched += 1
-    return switched

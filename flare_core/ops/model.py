@@ -69,38 +69,48 @@ class DecoderForServing(nn.Module):
         self.model.rotary_emb = rotary_emb
         # A tied head reads the embedding matrix in forward: prepared weights name each tensor once.
         self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
-        # Set by flare_core.ops.gemv.use_gemv: the head's matmul through flare::linear (a single
+        # Set by flare_core.ops.gemv.gemv_layers: the head's matmul through flare::linear (a single
         # row's logits then read the [vocab, hidden] matrix with the GEMV kernel).
         self.gemv_head = False
         # Set by flare_core.parallel.join_group when this rank's head holds a slice of the
         # vocabulary (HeadSlice): its logits are gathered from every rank's slice.
         self.gather_logits: Callable[[Tensor], Tensor] | None = None
-        self.compiled_groups: list[nn.Module] = []  # set by compile_layers
 
     def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        with bound(context):  # compiled layers (compile_layers) find the step's attention plan here
-            return self._forward(input_ids, positions, context)
+        return self.run(input_ids, positions, context, None, self.logits)
 
-    def _forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+    def run(self, input_ids: Tensor, positions: Tensor, context: ForwardContext,
+            groups: list[nn.Module] | None, logits: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        """The step's logits, the decoder layers called one by one, or through `groups` (each
+        called with the layers' contexts) and `logits` as compiled by `CompiledDecoder`."""
+        with bound(context):  # compiled layers (CompiledDecoder) find the step's attention plan here
+            hidden, arguments = self.layer_inputs(input_ids, positions)
+            if groups is not None:
+                first = 0
+                for group in groups:
+                    contexts = tuple(context.for_layer(first + i) for i in range(len(group.layers)))
+                    hidden = group(hidden, arguments, contexts)
+                    first += len(group.layers)
+            else:
+                for index, layer in enumerate(self.model.layers):
+                    hidden = layer(hidden, **arguments, context=context.for_layer(index))
+            return logits(hidden, context.batch.logits_indices)
+
+    def layer_inputs(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        """What enters the first decoder layer, and the keyword arguments every layer is called
+        with besides its context: here the rotary embedding's (cos, sin) of the positions (None
+        for models without position encoding, Kimi Linear). A family whose layers take more
+        (DeepSeek V4) says so here."""
         # The decoder layers expect [batch, tokens, hidden]. Embedding [1, T] ids (rather than
         # viewing [T, hidden] as [1, T, hidden]) hands every layer a tensor that is no view, so
         # compiled layers share one code: a view input would give the first layer its own.
         hidden = self.model.embed_tokens(input_ids[None])
-        position_embeddings = None  # models without position encoding (Kimi Linear) have no rotary module
+        position_embeddings = None
         if self.model.rotary_emb is not None:
             # [1, tokens] positions: older Transformers releases index position_ids as [batch, tokens].
             cos, sin = self.model.rotary_emb(hidden, positions[None])
             position_embeddings = (cos[0], sin[0])
-        if self.compiled_groups:
-            first = 0
-            for group in self.compiled_groups:
-                contexts = tuple(context.for_layer(first + i) for i in range(len(group.layers)))
-                hidden = group(hidden, position_embeddings, contexts)
-                first += len(group.layers)
-        else:
-            for index, layer in enumerate(self.model.layers):
-                hidden = layer(hidden, position_embeddings=position_embeddings, context=context.for_layer(index))
-        return self.logits(hidden, context.batch.logits_indices)
+        return hidden, {"position_embeddings": position_embeddings}
 
     def last_rows(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
         """The last layer's output [1, T, hidden] at the rows `logits_indices`, [R, hidden]."""
@@ -125,10 +135,9 @@ class _LayerGroup(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                contexts: tuple[ForwardContext, ...]) -> Tensor:
+    def forward(self, hidden: Tensor, arguments: dict[str, Any], contexts: tuple[ForwardContext, ...]) -> Tensor:
         for layer, context in zip(self.layers, contexts):
-            hidden = layer(hidden, position_embeddings=position_embeddings, context=context)
+            hidden = layer(hidden, **arguments, context=context)
         return hidden
 
 
@@ -141,26 +150,35 @@ LAYERS_PER_GRAPH = 4
 RECOMPILES_PER_STRUCTURE = 8
 
 
-def compile_layers(model: nn.Module) -> None:
-    """torch.compile a `DecoderForServing`'s decoder layers in groups of LAYERS_PER_GRAPH, and
-    the final norm and head (`logits`), in place: one compiled code shared by all groups (they
-    differ only in weights and cache layers, which are graph inputs), with symbolic token
-    counts. Attention is one opaque op inside it (flare_core.ops.opaque), so a group is one
-    graph; `fullgraph` makes a graph break an error at compile time instead of a silent split.
-    Compilation happens at the first calls of each shape kind (one token, several tokens)."""
-    if not isinstance(model, DecoderForServing):
-        raise ValueError(f"compile_layers needs a flare_core.ops.model.DecoderForServing, got {type(model).__name__}")
-    layers = list(model.model.layers)
-    groups = [_LayerGroup(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
-    for group in groups:
-        group.compile(dynamic=True, fullgraph=True)
-    # Dynamo counts the variants it compiles per code object, and all groups share
-    # _LayerGroup.forward: groups of another structure (a dense first MLP before MoE layers, a
-    # shorter last group, another mix of layer kinds: Kimi Linear has three) each need their own
-    # variants per shape kind. Each structure gets the default budget.
-    structures = {tuple(tuple(type(m).__name__ for m in layer.children()) for layer in g.layers) for g in groups}
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               RECOMPILES_PER_STRUCTURE * len(structures))
-    # A plain list: the groups hold the model's own layers and add no parameters of their own.
-    model.compiled_groups = groups
-    model.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
+class CompiledDecoder:
+    """A `DecoderForServing` called through torch.compile: its decoder layers in groups of
+    LAYERS_PER_GRAPH, and its final norm and head (`logits`). The model itself is not changed
+    (the groups hold its own layers and add no parameters); a runner calls this in its place.
+    One compiled code is shared by all groups (they differ only in weights and cache layers,
+    which are graph inputs), with symbolic token counts. Attention is one opaque op inside it
+    (flare_core.ops.opaque), so a group is one graph; `fullgraph` makes a graph break an error
+    at compile time instead of a silent split. Compilation happens at the first calls of each
+    shape kind (one token, several tokens)."""
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, DecoderForServing):
+            raise ValueError(f"CompiledDecoder needs a flare_core.ops.model.DecoderForServing, got "
+                             f"{type(model).__name__}")
+        self.model = model
+        layers = list(model.model.layers)
+        self.groups: list[nn.Module] = [_LayerGroup(layers[i:i + LAYERS_PER_GRAPH])
+                                        for i in range(0, len(layers), LAYERS_PER_GRAPH)]
+        for group in self.groups:
+            group.compile(dynamic=True, fullgraph=True)
+        # Dynamo counts the variants it compiles per code object, and all groups share
+        # _LayerGroup.forward: groups of another structure (a dense first MLP before MoE layers, a
+        # shorter last group, another mix of layer kinds: Kimi Linear has three) each need their own
+        # variants per shape kind. Each structure gets the default budget.
+        structures = {tuple(tuple(type(m).__name__ for m in layer.children()) for layer in g.layers)
+                      for g in self.groups}
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   RECOMPILES_PER_STRUCTURE * len(structures))
+        self.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+        return self.model.run(input_ids, positions, context, self.groups, self.logits)

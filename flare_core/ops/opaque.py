@@ -9,34 +9,38 @@ while compiling, and keeps its cache writes in traced code, where Inductor store
 record from the kernel that computes it (norms, rotary).
 
 An op's arguments can only be tensors and plain values, not the step's planned backend, so the
-op finds the step's `ForwardContext` bound by whoever runs compiled code, for the duration of
-the model call (`bound(context)`). Like a CUDA graph replaying plans made on the host before
-it, the compiled code never sees the plan itself.
+op reads the step's `ForwardContext` that the model call binds for its duration (`bound(context)`,
+in DecoderForServing.run). The binding is a context variable: it belongs to the call that made it
+(another thread, another model's call, sees its own or none), not to a shared module-level stack.
+Like a CUDA graph replaying plans made on the host before it, the compiled code never sees the
+plan itself.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from flare_core.ops.attention import ForwardContext
 
-_bound: list[ForwardContext] = []  # the contexts of the model calls in progress, innermost last
+_context: ContextVar[ForwardContext | None] = ContextVar("flare_forward_context", default=None)
 
 
 @contextmanager
 def bound(context: ForwardContext) -> Iterator[None]:
     """Make `context` the one the attention ops of compiled code read, for the block's duration."""
-    _bound.append(context)
+    token = _context.set(context)
     try:
         yield
     finally:
-        _bound.pop()
+        _context.reset(token)
 
 
 def bound_context(op: str) -> ForwardContext:
-    if not _bound:
+    context = _context.get()
+    if context is None:
         raise RuntimeError(f"flare::{op} ran outside flare_core.ops.opaque.bound(context); compiled models must be "
                            "called inside it (the CUDA executor does)")
-    return _bound[-1]
+    return context

@@ -7,7 +7,7 @@ Transformers computes it as a linear layer, a softmax, `torch.topk` and a divisi
 on the H200 those are five launches and ~16 us a layer (the cuBLAS GEMM ~5 us, top-k's radix
 select and bitonic sort ~9 us; benchmarks/moe_decode.py --profile, Qwen3-30B-A3B shape), more
 than a third of the routed experts' own time. `SoftmaxTopKRouter` computes the same with two:
-the logits through `flare::linear` (the GEMV kernel at one token, once `use_gemv` switched the
+the logits through `flare::linear` (the GEMV kernel at one token, once `gemv_layers` switched the
 model) and `flare::softmax_top_k`, one Triton program per token that keeps the row in registers
 and takes its k largest entries one after another (one warp up to 512 experts: each of the 2k
 reductions is then warp shuffles, with no round trip through shared memory). On the CPU, and
@@ -102,7 +102,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, hidden_size))
         self.top_k = top_k
         self.normalize = normalize
-        # Set by flare_core.ops.gemv.use_gemv: one token's logits through flare::linear.
+        # Set by flare_core.ops.gemv.gemv_layers: one token's logits through flare::linear.
         self.gemv_logits = False
 
     @classmethod
@@ -228,7 +228,7 @@ class SigmoidTopKRouter(nn.Module):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(experts))
         self.top_k, self.groups, self.top_groups = top_k, groups, top_groups
         self.normalize, self.scale = normalize, float(scale)
-        # Set by flare_core.ops.gemv.use_gemv: one token's logits through the GEMV kernel.
+        # Set by flare_core.ops.gemv.gemv_layers: one token's logits through the GEMV kernel.
         self.gemv_logits = False
 
     @classmethod

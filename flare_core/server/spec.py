@@ -8,8 +8,7 @@ API does not define) and returns the values, defaults applied. Fields with a str
 own (messages, tools, stop, the sampling parameters) are type-checked here and read by their
 readers (`server.prompts`, `server.sampling`), which the endpoint calls with those values.
 
-`render()` gives every endpoint's table: docs/api-fields.md is
-`python -c "from flare_core.server.spec import render; print(render(), end='')" > docs/api-fields.md`.
+Every endpoint's table, docs/api-fields.md, is rendered by flare_core.server.field_docs.
 """
 
 from __future__ import annotations
@@ -158,17 +157,3 @@ OPENAI_CHOICE_FIELDS = (
 )
 TOP_LOGPROBS_LIMIT = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
 
-
-def all_specs() -> list[RequestSpec]:
-    """Every endpoint's spec, in the order docs/api-fields.md lists them."""
-    from flare_core.server import anthropic_messages, ollama, openai_chat, openai_completions, openai_responses
-
-    return [openai_chat.SPEC, openai_completions.SPEC, openai_responses.SPEC, anthropic_messages.SPEC,
-            anthropic_messages.COUNT_TOKENS_SPEC, ollama.CHAT_SPEC, ollama.GENERATE_SPEC, ollama.OPTIONS_SPEC]
-
-
-def render() -> str:
-    header = ("# Request fields\n\nEvery field each generating endpoint accepts, generated from the endpoints' "
-              "`RequestSpec`s (`flare_core.server.spec.render`). A value of the wrong type, outside its limits, "
-              "or set on a refused field is a 400 naming the field.\n")
-    return header + "\n\n" + "\n\n".join(spec.table() for spec in all_specs()) + "\n"

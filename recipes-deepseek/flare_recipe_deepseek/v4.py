@@ -275,7 +275,7 @@ class DeepseekV4ForServing(DecoderForServing):
     `hc_mult` streams, the decoder layers with the token ids (hash routing), both rope types and
     the positions in their keyword arguments, the streams collapsed by `hc_head` before the norm."""
 
-    def _forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
+    def layer_inputs(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, dict[str, Any]]:
         embedded = self.model.embed_tokens(input_ids[None])
         hidden = embedded.unsqueeze(2).expand(-1, -1, self.model.config.hc_mult, -1).contiguous()
 
@@ -284,10 +284,8 @@ class DeepseekV4ForServing(DecoderForServing):
             return cos[0], sin[0]
 
         position_embeddings = {kind: rope_at(positions, kind) for kind in ("main", "compress")}
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, input_ids=input_ids[None], position_embeddings=position_embeddings,
-                           positions=positions, rope_at=rope_at, context=context.for_layer(index))
-        return self.logits(hidden, context.batch.logits_indices)
+        return hidden, {"input_ids": input_ids[None], "position_embeddings": position_embeddings,
+                        "positions": positions, "rope_at": rope_at}
 
     def last_rows(self, hidden: Tensor, logits_indices: Tensor) -> Tensor:
         return self.model.hc_head(hidden.index_select(1, logits_indices))[0]

@@ -193,7 +193,7 @@ def test_recipes_are_declared_and_discovered():
 def test_compiled_layers_match_eager(tmp_path):
     """The layers as the CUDA executor compiles them (MLA as an opaque op, latent cache writes
     traced, grouped experts) give the eager model's logits."""
-    from flare_core.ops.model import compile_layers
+    from flare_core.ops.model import CompiledDecoder
 
     config = v3_config()
     _, checkpoint = saved_checkpoint(config, tmp_path)
@@ -204,9 +204,7 @@ def test_compiled_layers_match_eager(tmp_path):
         return [(r, c, row) for r, c, row in serve_paged(model, scheme, sequences, (9, 21), 16, step_tokens=16)]
 
     eager = serve(prepared_model(DEEPSEEK_V3, config, checkpoint))
-    model = prepared_model(DEEPSEEK_V3, config, checkpoint)
-    compile_layers(model)
-    compiled = serve(model)
+    compiled = serve(CompiledDecoder(prepared_model(DEEPSEEK_V3, config, checkpoint)))
     assert [(r, c) for r, c, _ in compiled] == [(r, c) for r, c, _ in eager]
     for (r, consumed, expected), (_, _, got) in zip(eager, compiled):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4,

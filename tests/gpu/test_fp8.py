@@ -163,8 +163,9 @@ def _quantized_pair(config, recipe, prepared, device):
     """(reference, fp8): the recipe's model with the quantizable weights quantized and dequantized
     back to bf16 (the FP8 model's values, rounded to bf16), and the model holding them as FP8."""
     from flare_core.ops.fp8 import (dequantize_blocks, quantizable_experts, quantizable_linears, quantize_blocks,
-                                    quantize_experts, use_fp8_blocks, use_fp8_experts)
+                                    quantize_experts)
     from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
 
     model = recipe.build_model(config, torch.bfloat16)
     linears, experts = quantizable_linears(model), quantizable_experts(model)
@@ -179,9 +180,9 @@ def _quantized_pair(config, recipe, prepared, device):
         fp8[name], fp8[name + "_scale_inv"] = weight, scale_inv
         exact[name] = torch.stack([dequantize_blocks(w, s) for w, s in zip(weight, scale_inv)]).bfloat16()
     assert linears, "the model must have FP8 linear layers"
-    quantized = recipe.build_model(config, torch.bfloat16)
-    use_fp8_blocks(quantized, linears)
-    use_fp8_experts(quantized, expert_names)
+    # As served: FP8 linears and experts, the other one-token matmuls on the GEMV kernel.
+    quantized = serving_model(recipe, config, torch.bfloat16,
+                              ServingOptions(gemv=True, fp8_linears=tuple(linears), fp8_experts=tuple(expert_names)))
     return load_prepared_weights(model, exact, device), load_prepared_weights(quantized, fp8, device)
 
 

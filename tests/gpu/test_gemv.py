@@ -61,15 +61,16 @@ def test_several_tokens_and_odd_shapes_take_f_linear_exactly():
     assert torch.equal(torch.ops.flare.linear(three, square), F.linear(three, square))
 
 
-def test_use_gemv_switches_linears_and_keeps_outputs_and_state_dict():
-    from flare_core.ops.gemv import GemvLinear, use_gemv
+def test_gemv_layers_switches_linears_and_keeps_outputs_and_state_dict():
+    from flare_core.ops.gemv import GemvLinear
+    from flare_core.ops.serving import gemv_layers
     from flare_core.ops.mlp import FusedGatedMLP
 
     torch.manual_seed(3)
     model = nn.Sequential(FusedGatedMLP(256, 512, nn.SiLU()), nn.Linear(256, 128, bias=True)).cuda().bfloat16()
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     expected, keys = model(x), list(model.state_dict())
-    assert use_gemv(model) == 3  # gate_up_proj, down_proj, the gated MLP; the biased Linear stays
+    assert gemv_layers(model) == 3  # gate_up_proj, down_proj, the gated MLP; the biased Linear stays
     assert isinstance(model[0].down_proj, GemvLinear) and model[0].gated_kernel
     assert type(model[1]) is nn.Linear
     assert list(model.state_dict()) == keys

@@ -41,6 +41,7 @@ def build_models(device, shape="qwen3"):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
 
     common = dict(vocab_size=4096, num_hidden_layers=4, max_position_embeddings=4096, **SHAPES[shape])
     if shape == "qwen3":
@@ -57,11 +58,9 @@ def build_models(device, shape="qwen3"):
         reference.model.embed_tokens.weight.normal_(0.0, 1.0)
     checkpoint = {k: v.contiguous() for k, v in reference.state_dict().items()}
     prepared = dict(recipe.map_weights(config, checkpoint, torch.bfloat16))
-    models = []
-    for _ in range(2):
-        model = recipe.build_model(config, torch.bfloat16)
-        load_prepared_weights(model, prepared, device)
-        models.append(model)
+    # The eager reference, and the model the CUDA runner serves (one-token matmuls on the GEMV kernel).
+    models = [load_prepared_weights(serving_model(recipe, config, torch.bfloat16, ServingOptions(gemv=gemv)),
+                                    prepared, device) for gemv in (False, True)]
     return config, models
 
 

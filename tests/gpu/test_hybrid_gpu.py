@@ -224,8 +224,9 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
     from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
     from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
-    from flare_recipe_qwen.modeling import build_model
+    from flare_recipe_qwen.recipes import QWEN3_5
     from flare_recipe_qwen.weights import map_weights
 
     device = torch.device("cuda")
@@ -236,7 +237,10 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
         original.model.embed_tokens.weight.normal_(0.0, 1.0)
     prepared = dict(map_weights(config, {k: v.contiguous() for k, v in original.state_dict().items()},
                                 torch.bfloat16))
-    models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
+    # The CPU reference, and the model the CUDA runner serves (one-token matmuls on the GEMV kernel).
+    models = [load_prepared_weights(serving_model(QWEN3_5, config, torch.bfloat16,
+                                                  ServingOptions(gemv=where.type == "cuda")), prepared, where)
+              for where in (torch.device("cpu"), device)]
     reference, graphs, schedulers = lockstep_executors(models, gated_deltanet_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size, compile_model)
     assert sorted(graphs.graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
@@ -272,14 +276,18 @@ def test_kimi_linear_graph_path_matches_cpu_reference(tmp_path):
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
     from flare_core.ops.loading import load_prepared_weights
-    from flare_recipe_kimi.linear import build_model, kda_mla_hybrid_scheme, map_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
+    from flare_recipe_kimi.linear import kda_mla_hybrid_scheme, map_weights
+    from flare_recipe_kimi.recipes import KIMI_LINEAR
 
     device = torch.device("cuda")
     config = KimiLinearConfig(**KIMI_SHAPE)
     torch.manual_seed(0)
     KimiLinearForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)  # Kimi Linear's own names
     prepared = dict(map_weights(config, load_file(tmp_path / "model.safetensors"), torch.bfloat16))
-    models = [load_prepared_weights(build_model(config, torch.bfloat16), prepared, where) for where in ("cpu", device)]
+    models = [load_prepared_weights(serving_model(KIMI_LINEAR, config, torch.bfloat16,
+                                                  ServingOptions(gemv=where.type == "cuda")), prepared, where)
+              for where in (torch.device("cpu"), device)]
     reference, graphs, schedulers = lockstep_executors(models, kda_mla_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size)
     assert not graphs.graphs.prefill_graphs, "MLA models run their prompt chunks eagerly"

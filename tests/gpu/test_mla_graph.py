@@ -210,6 +210,7 @@ def per_expert_checkpoint(state_dict: dict[str, torch.Tensor]) -> dict[str, torc
 
 def build_deepseek_models(device):
     from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
     from flare_testing.deepseek import random_model
 
@@ -219,11 +220,9 @@ def build_deepseek_models(device):
     for name in [n for n in checkpoint if ".mlp.experts." in n and n.endswith(".down_proj.weight")]:
         checkpoint[name] = checkpoint[name] * ROUTED_EXPERT_SCALE
     prepared = dict(DEEPSEEK_V3.map_weights(config, checkpoint, torch.bfloat16))
-    models = []
-    for _ in range(2):
-        model = DEEPSEEK_V3.build_model(config, torch.bfloat16)
-        load_prepared_weights(model, prepared, device)
-        models.append(model)
+    # The eager reference, and the model the CUDA runner serves (one-token matmuls on the GEMV kernel).
+    models = [load_prepared_weights(serving_model(DEEPSEEK_V3, config, torch.bfloat16, ServingOptions(gemv=gemv)),
+                                    prepared, device) for gemv in (False, True)]
     return config, models
 
 

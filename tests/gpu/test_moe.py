@@ -128,7 +128,7 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
-    from flare_core.ops.gemv import use_gemv
+    from flare_core.ops.serving import gemv_layers
     from flare_core.ops.moe import use_fused_experts
     from flare_core.ops.routing import SoftmaxTopKRouter
 
@@ -144,7 +144,7 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     router.load_state_dict(block.gate.state_dict())
     block.gate = router
     assert use_fused_experts(model)
-    use_gemv(model)  # one token's router logits through the GEMV kernel, as served
+    gemv_layers(model)  # one token's router logits through the GEMV kernel, as served
     assert router.gemv_logits
     for h, e in zip(hidden, expected):
         assert_close(block(h), e)
@@ -197,7 +197,7 @@ def test_deepseek_v3_moe_block_with_the_serving_router_matches_transformers():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
-    from flare_core.ops.gemv import use_gemv
+    from flare_core.ops.serving import gemv_layers
     from flare_core.ops.moe import use_fused_experts
     from flare_core.ops.routing import SigmoidTopKRouter
 
@@ -218,7 +218,7 @@ def test_deepseek_v3_moe_block_with_the_serving_router_matches_transformers():
     router.load_state_dict(block.gate.state_dict())
     block.gate = router
     assert use_fused_experts(model)
-    use_gemv(model)
+    gemv_layers(model)
     assert router.gemv_logits
     for h, e in zip(hidden, expected):
         assert_close(block(h), e)

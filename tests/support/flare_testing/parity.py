@@ -65,21 +65,18 @@ def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config,
     torch.distributed group), this process's tensor-parallel share of the model, its cache and
     its all-reduces; every rank must produce the full model's logits."""
     from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
     from flare_core.plugins import load_registry
 
     if recipe.check_config is not None:
         recipe.check_config(config)
+    model = serving_model(recipe, config, torch.float32, ServingOptions(ranks=ranks))
     if ranks is not None:
-        from flare_core.parallel import build_rank_model, join_group, rank_checkpoint, rank_config, spec_of
+        from flare_core.parallel import rank_checkpoint, rank_config, spec_of
 
-        model = build_rank_model(recipe, config, torch.float32, ranks.size)
         checkpoint = rank_checkpoint(recipe, config, checkpoint, ranks)
         config = rank_config(config, spec_of(recipe), ranks.size)
-    else:
-        model = recipe.build_model(config, torch.float32)
     model = load_prepared_weights(model, dict(recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
-    if ranks is not None:
-        join_group(model, spec_of(recipe), ranks)
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(0, config.vocab_size, (n + decode_steps,), generator=generator).tolist()
