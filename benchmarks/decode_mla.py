@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from provenance import commit_and_date, report
+from random_qwen3 import draw
 
 # DeepSeek-V3's config.json rope scaling.
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -57,16 +58,8 @@ def random_serving_model(config, device: torch.device, recipe=None) -> torch.nn.
     # On the meta device: names, shapes, dtypes.
     model = serving_model(recipe or DEEPSEEK_V3, config, torch.bfloat16, ServingOptions(gemv=True))
     generator = torch.Generator(device=device).manual_seed(0)
-    tensors = {}
-    for name, meta in model.state_dict().items():
-        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
-        elif name.endswith("e_score_correction_bias"):
-            tensor.zero_()
-        else:
-            tensor.normal_(0.0, 0.02, generator=generator)
-        tensors[name] = tensor
+    tensors = {name: draw(name, torch.empty(meta.shape, dtype=meta.dtype, device=device), generator)
+               for name, meta in model.state_dict().items()}
     return load_prepared_weights(model, tensors, device)
 
 

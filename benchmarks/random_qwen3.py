@@ -28,17 +28,21 @@ def qwen3_moe_config(layers: int = 12):
                           eos_token_id=151645, torch_dtype="bfloat16")
 
 
+def draw(name: str, tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill `tensor` (the model's tensor `name`) in place: norms 1, biases 0, the rest ~ N(0, 0.02)."""
+    if name.endswith("norm.weight"):
+        return tensor.fill_(1.0)
+    if name.endswith("bias"):
+        return tensor.zero_()
+    return tensor.normal_(0.0, 0.02, generator=generator)
+
+
 def fill_random(model, device: torch.device):
-    """`model` with its parameters drawn in place: norms 1, biases 0, the rest ~ N(0, 0.02)."""
+    """`model` with its parameters drawn in place (`draw`)."""
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            draw(name, param, generator)
     return model
 
 

@@ -93,6 +93,21 @@ class Flare:
         return Path(result.output.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_json() -> str:
+    """The real Qwen3 tokenizer (its vocabulary, merges and added tokens) as tokenizer.json text."""
+    from flare_core.frontend import build_tokenizer_json
+
+    return build_tokenizer_json(FIXTURES / "tokenizers" / "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_json):
+    from flare_core.frontend import Tokenizer
+
+    return Tokenizer.from_str(qwen3_tokenizer_json)
+
+
 @pytest.fixture
 def flare(tmp_path) -> Flare:
     return Flare(write_config(tmp_path / "flare"))

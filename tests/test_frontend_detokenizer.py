@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import tokenizers
 
-from flare_core.frontend import IncrementalDetokenizer, Tokenizer, build_tokenizer_json
+from flare_core.frontend import IncrementalDetokenizer, Tokenizer
 
-QWEN3 = Path(__file__).parent / "fixtures" / "tokenizers" / "qwen3"
 
 CORPUS = [
     "Plain English text, with punctuation; and numbers 1234567.",
@@ -34,46 +32,36 @@ class RecordingTokenizer(Tokenizer):
         return super().decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json() -> str:
-    return build_tokenizer_json(QWEN3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_json) -> Tokenizer:
-    return Tokenizer.from_str(tokenizer_json)
-
-
 def stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
     detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     return [detokenizer.push(token_id) for token_id in ids] + [detokenizer.flush()]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
-def test_chunks_concatenate_to_decode(tokenizer, skip_special_tokens):
+def test_chunks_concatenate_to_decode(qwen3_tokenizer, skip_special_tokens):
     for text in CORPUS:
-        ids = tokenizer.encode(text)
-        chunks = stream(tokenizer, ids, skip_special_tokens)
-        assert "".join(chunks) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), text
+        ids = qwen3_tokenizer.encode(text)
+        chunks = stream(qwen3_tokenizer, ids, skip_special_tokens)
+        assert "".join(chunks) == qwen3_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), text
         assert not any("\ufffd" in chunk for chunk in chunks), text
 
 
-def test_character_split_across_tokens_is_held_until_complete(tokenizer):
-    ids = tokenizer.encode("a𓀀")
+def test_character_split_across_tokens_is_held_until_complete(qwen3_tokenizer):
+    ids = qwen3_tokenizer.encode("a𓀀")
     assert len(ids) == 4  # "a" then three byte-level pieces of one character
-    assert stream(tokenizer, ids) == ["a", "", "", "𓀀", ""]
+    assert stream(qwen3_tokenizer, ids) == ["a", "", "", "𓀀", ""]
 
 
-def test_flush_emits_an_incomplete_character_as_decode_does(tokenizer):
-    ids = tokenizer.encode("ok𓀀")[:-1]
-    chunks = stream(tokenizer, ids)
+def test_flush_emits_an_incomplete_character_as_decode_does(qwen3_tokenizer):
+    ids = qwen3_tokenizer.encode("ok𓀀")[:-1]
+    chunks = stream(qwen3_tokenizer, ids)
     assert chunks[-1] == "\ufffd"
-    assert "".join(chunks) == tokenizer.decode(ids) == "ok\ufffd"
+    assert "".join(chunks) == qwen3_tokenizer.decode(ids) == "ok\ufffd"
 
 
-def test_each_push_decodes_a_short_window(tokenizer, tokenizer_json):
-    recording = RecordingTokenizer.from_str(tokenizer_json)
-    ids = tokenizer.encode(" ".join(CORPUS) * 20)
+def test_each_push_decodes_a_short_window(qwen3_tokenizer, qwen3_tokenizer_json):
+    recording = RecordingTokenizer.from_str(qwen3_tokenizer_json)
+    ids = qwen3_tokenizer.encode(" ".join(CORPUS) * 20)
     assert len(ids) > 2000
-    assert "".join(stream(recording, ids)) == tokenizer.decode(ids)
+    assert "".join(stream(recording, ids)) == qwen3_tokenizer.decode(ids)
     assert max(recording.decode_lengths) <= 8

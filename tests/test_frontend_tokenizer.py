@@ -33,60 +33,50 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer_json() -> str:
-    return build_tokenizer_json(QWEN3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_json) -> Tokenizer:
-    return Tokenizer.from_str(tokenizer_json)
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(QWEN3), local_files_only=True)
 
 
-def test_encodes_and_decodes_like_transformers(tokenizer, hf_tokenizer):
+def test_encodes_and_decodes_like_transformers(qwen3_tokenizer, hf_tokenizer):
     for text in CORPUS:
-        ids = tokenizer.encode(text)
+        ids = qwen3_tokenizer.encode(text)
         assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
-        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
-        assert tokenizer.decode(ids, skip_special_tokens=True) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert qwen3_tokenizer.decode(ids) == hf_tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
+        assert qwen3_tokenizer.decode(ids, skip_special_tokens=True) == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_ids_match_the_published_vocabulary(tokenizer):
+def test_ids_match_the_published_vocabulary(qwen3_tokenizer):
     vocab = json.loads((QWEN3 / "vocab.json").read_text(encoding="utf-8"))
     added = json.loads((QWEN3 / "tokenizer_config.json").read_text(encoding="utf-8"))["added_tokens_decoder"]
-    assert tokenizer.encode("<|im_start|>user\nHello") == [151644, vocab["user"], vocab["Ċ"], vocab["Hello"]]
-    assert tokenizer.encode("<think>") == [151667]
-    assert tokenizer.vocab_size == len(vocab) + len(added) == 151669
+    assert qwen3_tokenizer.encode("<|im_start|>user\nHello") == [151644, vocab["user"], vocab["Ċ"], vocab["Hello"]]
+    assert qwen3_tokenizer.encode("<think>") == [151667]
+    assert qwen3_tokenizer.vocab_size == len(vocab) + len(added) == 151669
     for token_id, entry in added.items():
-        assert tokenizer.token_to_id(entry["content"]) == int(token_id)
-        assert tokenizer.id_to_token(int(token_id)) == entry["content"]
-    assert dict(tokenizer.special_tokens) == {
+        assert qwen3_tokenizer.token_to_id(entry["content"]) == int(token_id)
+        assert qwen3_tokenizer.id_to_token(int(token_id)) == entry["content"]
+    assert dict(qwen3_tokenizer.special_tokens) == {
         entry["content"]: int(token_id) for token_id, entry in added.items() if entry["special"]
     }
-    assert "<think>" not in tokenizer.special_tokens  # added but not special: kept by skip_special_tokens
-    assert tokenizer.token_to_id("no such token at all") is None
+    assert "<think>" not in qwen3_tokenizer.special_tokens  # added but not special: kept by skip_special_tokens
+    assert qwen3_tokenizer.token_to_id("no such token at all") is None
 
 
-def test_skip_special_tokens_drops_only_special_tokens(tokenizer):
-    ids = tokenizer.encode("<|im_start|>assistant\n<think>\nok\n</think>\n\nHi<|im_end|>")
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<think>\nok\n</think>\n\nHi"
+def test_skip_special_tokens_drops_only_special_tokens(qwen3_tokenizer):
+    ids = qwen3_tokenizer.encode("<|im_start|>assistant\n<think>\nok\n</think>\n\nHi<|im_end|>")
+    assert qwen3_tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<think>\nok\n</think>\n\nHi"
 
 
-def test_add_special_tokens_adds_none_for_qwen(tokenizer):
-    assert tokenizer.encode("Hi", add_special_tokens=True) == tokenizer.encode("Hi")
+def test_add_special_tokens_adds_none_for_qwen(qwen3_tokenizer):
+    assert qwen3_tokenizer.encode("Hi", add_special_tokens=True) == qwen3_tokenizer.encode("Hi")
 
 
-def test_json_round_trip_and_file_loading(tokenizer, tokenizer_json, tmp_path):
-    path = tmp_path / "tokenizer.json"
-    path.write_text(tokenizer.to_json(), encoding="utf-8")
+def test_json_round_trip_and_file_loading(qwen3_tokenizer, qwen3_tokenizer_json, tmp_path):
+    path = tmp_path / "qwen3_tokenizer.json"
+    path.write_text(qwen3_tokenizer.to_json(), encoding="utf-8")
     from_file = Tokenizer.from_file(path)
-    assert json.loads(tokenizer.to_json()) == json.loads(tokenizer_json)
+    assert json.loads(qwen3_tokenizer.to_json()) == json.loads(qwen3_tokenizer_json)
     for text in CORPUS:
-        assert from_file.encode(text) == tokenizer.encode(text)
+        assert from_file.encode(text) == qwen3_tokenizer.encode(text)
 
 
 def test_qwen2_5_config_builds_its_own_added_tokens(tmp_path):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from flare_core.frontend.detokenizer import IncrementalDetokenizer
 from flare_core.frontend.parsers import (
     HermesToolParser,
     OutputParser,
@@ -20,8 +19,9 @@ from flare_core.frontend.parsers import (
     prompt_opens_reasoning,
 )
 from flare_core.frontend.template import ChatTemplate
-from flare_core.frontend.tokenizer import Tokenizer, build_tokenizer_json
+from flare_core.frontend.tokenizer import Tokenizer
 from flare_core.plugins.registry import load_registry
+from flare_testing.text import parse_token_ids
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -242,22 +242,11 @@ def test_parsers_are_registered_through_the_builtin_hook() -> None:
 # ---------------------------------------------------------------- real Qwen3 tokenizer
 
 
-@pytest.fixture(scope="module")
-def qwen3_tokenizer() -> Tokenizer:
-    return Tokenizer.from_str(build_tokenizer_json(FIXTURES / "tokenizers" / "qwen3"))
-
-
 def stream_tokens(tokenizer: Tokenizer, text: str, parser) -> tuple[ParsedOutput, list[int]]:
     """Encode a model output (+ <|im_end|>), then push it token by token through the detokenizer
     (special tokens skipped, as the server does) into the parser."""
     ids = tokenizer.encode(text) + [tokenizer.token_to_id("<|im_end|>")]
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
-    out = ParsedOutput()
-    for token_id in ids:
-        out.add(parser.feed(detokenizer.push(token_id)))
-    out.add(parser.feed(detokenizer.flush()))
-    out.add(parser.finish())
-    return out, ids
+    return parse_token_ids(parser, tokenizer, ids, skip_special_tokens=True), ids
 
 
 def test_real_qwen3_thinking_tool_call_token_by_token(qwen3_tokenizer: Tokenizer) -> None:

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from conftest import tiny_qwen3_config
 from server_process import ServerProcess
+from flare_testing.plugins import require_test_recipe
 
 SERVED = "scripted-v4"
 QUESTION = [{"role": "user", "content": "What is the weather in Zurich?"}]
@@ -40,13 +41,10 @@ SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, session_flare):
     from flare_core.frontend import Tokenizer
-    from flare_core.plugins import load_registry
     from flare_testing.deepseek import ascii_tokenizer_json
     from flare_recipe_deepseek.v4_encoder import render
 
-    if "scripted-deepseek-v4" not in load_registry().recipes:
-        pytest.fail("the test-only recipe plugin is not installed: pip install --no-deps --no-build-isolation "
-                    "-e tests/plugins/flare-recipe-scripted")
+    require_test_recipe("scripted-deepseek-v4")
     root = tmp_path_factory.mktemp("prompt-encoder")
     tokenizer_json = ascii_tokenizer_json(SPECIAL_TOKENS)
     tokenizer = Tokenizer.from_str(tokenizer_json)

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from conftest import add_qwen_frontend_files, tiny_qwen3_config
 from server_process import ServerProcess
+from flare_testing.plugins import require_test_recipe
 
 SERVED = "scripted-qwen-xml"
 QUESTION = [{"role": "user", "content": "Weather at Berlin 10115 for three days?"}]
@@ -35,11 +36,8 @@ ARGUMENTS = {"zip": "10115", "days": 3, "metric": True}
 def served(tmp_path_factory, session_flare, qwen3_checkpoint):
     from transformers import AutoTokenizer
 
-    from flare_core.plugins import load_registry
 
-    if SERVED not in load_registry().recipes:
-        pytest.fail("the test-only recipe plugin is not installed: pip install --no-deps --no-build-isolation -e "
-                    "tests/plugins/flare-recipe-scripted")
+    require_test_recipe(SERVED)
     tokenizer = AutoTokenizer.from_pretrained(qwen3_checkpoint)
     prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
                                            tokenize=True)["input_ids"]

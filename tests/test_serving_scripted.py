@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from conftest import add_qwen_frontend_files, tiny_qwen3_config
 from server_process import ServerProcess
+from flare_testing.plugins import require_test_recipe
 
 SERVED = "scripted"
 REASONING = "Let me check the weather in Zürich 🌦️ 🫠"
@@ -44,7 +45,6 @@ OPENAI_TOOLS = [{"type": "function",
                  "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMETERS}}]
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}]
 MAX_TOKENS = 200  # more than the script: generation ends at the script's end (<|im_end|>)
-INSTALL = "pip install --no-deps --no-build-isolation -e tests/plugins/flare-recipe-scripted"
 
 
 @dataclass
@@ -91,10 +91,8 @@ def tokenizer(qwen3_checkpoint):
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory, session_flare, tokenizer) -> Scripted:
-    from flare_core.plugins import load_registry
 
-    if "scripted" not in load_registry().recipes:
-        pytest.fail(f"the test-only recipe plugin is not installed: {INSTALL}")
+    require_test_recipe("scripted")
     root = tmp_path_factory.mktemp("scripted")
     prompt = tokenizer.apply_chat_template(QUESTION, tools=OPENAI_TOOLS, add_generation_prompt=True,
                                            tokenize=True)["input_ids"]

@@ -27,6 +27,7 @@ from flare_core.server.state import STATE
 from server_process import ServerProcess
 from test_engine_frames import make_engine
 from test_serving_scripted import write_scripted_checkpoint
+from flare_testing.plugins import require_test_recipe
 
 SERVED = "failing"
 FAIL_AT_STEP = 3  # the prompt's step, one decode step, then the raise
@@ -36,11 +37,8 @@ SCRIPT = [9707, 11, 1879, 0] * 40  # "Hello, world!" over and over: never the en
 
 @pytest.fixture(scope="module")
 def failing_core(tmp_path_factory, session_flare):
-    from flare_core.plugins import load_registry
 
-    if "scripted" not in load_registry().recipes:
-        pytest.fail("the test-only recipe plugin is not installed: pip install --no-deps tests/plugins/"
-                    "flare-recipe-scripted")
+    require_test_recipe("scripted")
     root = tmp_path_factory.mktemp("failing")
     checkpoint = write_scripted_checkpoint(root / "failing", PROMPT_LENGTH, SCRIPT, fail_at_step=FAIL_AT_STEP)
     return session_flare.export(checkpoint, "--dtype", "float32")

@@ -189,13 +189,8 @@ class PagedStore:
     layer_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_name(self.name, "PagedStore", "name")
-        _require(len(self.record_shape) > 0 and all(isinstance(d, int) and d > 0 for d in self.record_shape),
-                 f"PagedStore({self.name})", "record_shape", f"must be positive integers, got {self.record_shape!r}")
-        _require(self.dtype in DTYPES, f"PagedStore({self.name})", "dtype", f"must be one of {DTYPES}")
-        _check_positive_int(self.layers, f"PagedStore({self.name})", "layers")
+        _check_layered_tensor(self, "PagedStore", "record_shape", self.record_shape)
         _check_positive_int(self.tokens_per_record, f"PagedStore({self.name})", "tokens_per_record")
-        _check_layer_ids(self.layer_ids, self.layers, f"PagedStore({self.name})")
 
 
 @dataclass(frozen=True)
@@ -210,12 +205,18 @@ class StateTensor:
     layer_ids: tuple[int, ...] = ()  # as PagedStore.layer_ids: the model layers with this state
 
     def __post_init__(self) -> None:
-        _check_name(self.name, "StateTensor", "name")
-        _require(len(self.shape) > 0 and all(isinstance(d, int) and d > 0 for d in self.shape),
-                 f"StateTensor({self.name})", "shape", f"must be positive integers, got {self.shape!r}")
-        _require(self.dtype in DTYPES, f"StateTensor({self.name})", "dtype", f"must be one of {DTYPES}")
-        _check_positive_int(self.layers, f"StateTensor({self.name})", "layers")
-        _check_layer_ids(self.layer_ids, self.layers, f"StateTensor({self.name})")
+        _check_layered_tensor(self, "StateTensor", "shape", self.shape)
+
+
+def _check_layered_tensor(spec: PagedStore | StateTensor, kind: str, shape_field: str, shape: tuple[int, ...]) -> None:
+    """The checks a paged store and a state tensor share: name, per-layer shape, dtype, layers."""
+    _check_name(spec.name, kind, "name")
+    owner = f"{kind}({spec.name})"
+    _require(len(shape) > 0 and all(isinstance(d, int) and d > 0 for d in shape), owner, shape_field,
+             f"must be positive integers, got {shape!r}")
+    _require(spec.dtype in DTYPES, owner, "dtype", f"must be one of {DTYPES}")
+    _check_positive_int(spec.layers, owner, "layers")
+    _check_layer_ids(spec.layer_ids, spec.layers, owner)
 
 
 def _check_layer_ids(layer_ids: tuple[int, ...], layers: int, obj: str) -> None:

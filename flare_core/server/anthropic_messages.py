@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from aiohttp import web
 
@@ -105,23 +105,31 @@ def anthropic_messages(system: Any, raw: list | None) -> list[dict[str, Any]]:
     return messages
 
 
+def _other_blocks(blocks: list, where: str, texts: list[str]) -> Iterator[tuple[dict[str, Any], Any, str]]:
+    """The content blocks other than text, as (block, its type, its field path); the text blocks'
+    texts go to `texts`."""
+    for index, block in enumerate(blocks):
+        at = f"{where}.{index}"
+        block = as_object(block, at)
+        if block.get("type") == "text":
+            texts.append(get_str(block, "text", where=f"{at}.text", required=True))
+        else:
+            yield block, block.get("type"), at
+
+
 def _user_blocks(blocks: list, where: str) -> list[dict[str, Any]]:
     tool_messages: list[dict[str, Any]] = []
     texts: list[str] = []
-    for index, block in enumerate(blocks):
-        block = as_object(block, f"{where}.{index}")
-        block_type = block.get("type")
-        if block_type == "text":
-            texts.append(get_str(block, "text", where=f"{where}.{index}.text", required=True))
-        elif block_type == "tool_result":
+    for block, block_type, at in _other_blocks(blocks, where, texts):
+        if block_type == "tool_result":
             tool_messages.append({
                 "role": "tool",
-                "tool_call_id": get_str(block, "tool_use_id", where=f"{where}.{index}.tool_use_id", required=True),
-                "content": text_of_parts(block.get("content"), f"{where}.{index}.content"),
+                "tool_call_id": get_str(block, "tool_use_id", where=f"{at}.tool_use_id", required=True),
+                "content": text_of_parts(block.get("content"), f"{at}.content"),
             })
         else:
-            raise invalid(f"{where}.{index}.type", f"{block_type!r} blocks are not supported in user messages "
-                                                   f"(supported: text, tool_result)")
+            raise invalid(f"{at}.type", f"{block_type!r} blocks are not supported in user messages "
+                                        f"(supported: text, tool_result)")
     converted = list(tool_messages)
     if texts or not tool_messages:
         converted.append({"role": "user", "content": "\n".join(texts)})
@@ -131,24 +139,19 @@ def _user_blocks(blocks: list, where: str) -> list[dict[str, Any]]:
 def _assistant_blocks(blocks: list, where: str) -> list[dict[str, Any]]:
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     texts: list[str] = []
-    for index, block in enumerate(blocks):
-        block = as_object(block, f"{where}.{index}")
-        block_type = block.get("type")
-        if block_type == "text":
-            texts.append(get_str(block, "text", where=f"{where}.{index}.text", required=True))
-        elif block_type == "thinking":
-            message["reasoning_content"] = get_str(block, "thinking", where=f"{where}.{index}.thinking",
-                                                   required=True)
+    for block, block_type, at in _other_blocks(blocks, where, texts):
+        if block_type == "thinking":
+            message["reasoning_content"] = get_str(block, "thinking", where=f"{at}.thinking", required=True)
         elif block_type == "redacted_thinking":
             continue  # encrypted reasoning from another provider: nothing a template can render
         elif block_type == "tool_use":
-            tool_input = get_object(block, "input", where=f"{where}.{index}.input") or {}
+            tool_input = get_object(block, "input", where=f"{at}.input") or {}
             message.setdefault("tool_calls", []).append(template_tool_call(
-                get_str(block, "id", where=f"{where}.{index}.id", required=True),
-                tool_name(block, "name", f"{where}.{index}.name"), tool_input))
+                get_str(block, "id", where=f"{at}.id", required=True), tool_name(block, "name", f"{at}.name"),
+                tool_input))
         else:
-            raise invalid(f"{where}.{index}.type", f"{block_type!r} blocks are not supported in assistant "
-                                                   f"messages (supported: text, thinking, tool_use)")
+            raise invalid(f"{at}.type", f"{block_type!r} blocks are not supported in assistant "
+                                        f"messages (supported: text, thinking, tool_use)")
     message["content"] = "".join(texts)
     return [message]
 

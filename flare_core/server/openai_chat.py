@@ -10,12 +10,11 @@ from aiohttp import web
 
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
 from flare_core.requests import TokenLogprob
-from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
-                                          unfinished_error)
+from flare_core.server.generation import Call, Framing, Outcome, Piece, answer, read_call, unfinished_error
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, combine_choices, finish_reason,
-                                             generation_request, object_head, read_choices, read_stream_options,
-                                             read_tool_choice, thinking_switch, usage_json)
+from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, choice_builders, combine_choices,
+                                             finish_reason, generation_request, object_head, read_choices,
+                                             read_stream_options, read_tool_choice, thinking_switch, usage_json)
 from flare_core.server.prompts import chat_prompt, openai_messages, openai_tools, template_options
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
@@ -118,13 +117,6 @@ class ChatBuilder:
         self._output = ParsedOutput()
         self._logprobs: list[TokenLogprob] = []
 
-    @classmethod
-    def for_choices(cls, call: ChatCall, completion_id: str, created: int,
-                    sink: EventSink = no_events) -> list[ChatBuilder]:
-        chunks = ChoiceChunks(object_head(completion_id, "chat.completion.chunk", created, call.model), "delta",
-                              call.include_usage, sink, call.choices)
-        return [cls(call, completion_id, created, chunks, index) for index in range(call.choices)]
-
     async def start(self) -> None:
         await self._chunks.chunk({"role": "assistant", "content": ""}, index=self._index)
 
@@ -154,7 +146,8 @@ class ChatBuilder:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_chat_request)
     completion_id, created = f"chatcmpl-{request[RECORD].request_id}", int(time.time())
-    return await answer(request, call, lambda sink: ChatBuilder.for_choices(call, completion_id, created, sink),
+    return await answer(request, call, lambda sink: choice_builders(ChatBuilder, call, completion_id, created, sink,
+                                                                    "chat.completion.chunk", "delta"),
                         framing=Framing.SSE, combine=combine_choices)
 
 

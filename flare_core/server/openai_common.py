@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from flare_core.frontend import Frontend
 from flare_core.requests import GenerationRequest, TokenLogprob, Usage
@@ -16,6 +16,8 @@ from flare_core.server.structured import ForcedCalls, forced_calls
 from flare_core.server.state import ServerState
 from flare_core.server.validation import get_bool, get_object, invalid
 
+
+B = TypeVar("B")  # a choice builder
 
 def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
                        max_tokens_fields: tuple[str, ...], logprobs: bool = False,
@@ -84,6 +86,15 @@ def finish_reason(runtime_reason: str, tool_calls: bool) -> str:
 def object_head(object_id: str, object_type: str, created: int, model: str) -> dict[str, Any]:
     """The fields every (chat) completion object and chunk starts with."""
     return {"id": object_id, "object": object_type, "created": created, "model": model, "system_fingerprint": None}
+
+
+def choice_builders(builder: Callable[[Any, str, int, ChoiceChunks, int], B], call: Any, completion_id: str,
+                    created: int, sink: EventSink, chunk_object: str, content_key: str) -> list[B]:
+    """One `builder` per choice of `call` (a chat or legacy completion), streaming through one
+    ChoiceChunks of `chunk_object` chunks whose choices carry `content_key` ("delta" / "text")."""
+    chunks = ChoiceChunks(object_head(completion_id, chunk_object, created, call.model), content_key,
+                          call.include_usage, sink, call.choices)
+    return [builder(call, completion_id, created, chunks, index) for index in range(call.choices)]
 
 
 class ChoiceChunks:

@@ -15,12 +15,11 @@ from aiohttp import web
 
 from flare_core.frontend import Frontend
 from flare_core.requests import TokenLogprob
-from flare_core.server.generation import (Call, EventSink, Framing, Outcome, Piece, answer, no_events, read_call,
-                                          unfinished_error)
+from flare_core.server.generation import Call, Framing, Outcome, Piece, answer, read_call, unfinished_error
 from flare_core.server.models import resolve_model
-from flare_core.server.openai_common import (ChoiceChunks, combine_choices, completion_logprobs, finish_reason,
-                                             generation_request, object_head, read_choices, read_stream_options,
-                                             usage_json)
+from flare_core.server.openai_common import (ChoiceChunks, choice_builders, combine_choices, completion_logprobs,
+                                             finish_reason, generation_request, object_head, read_choices,
+                                             read_stream_options, usage_json)
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
@@ -122,13 +121,6 @@ class CompletionBuilder:
         self._offset = 0
         self._owed = len(call.request.prompt_ids) - 1 if call.first_token is not None else 0
 
-    @classmethod
-    def for_choices(cls, call: CompletionCall, completion_id: str, created: int,
-                    sink: EventSink = no_events) -> list[CompletionBuilder]:
-        chunks = ChoiceChunks(object_head(completion_id, "text_completion", created, call.model), "text",
-                              call.include_usage, sink, call.choices)
-        return [cls(call, completion_id, created, chunks, index) for index in range(call.choices)]
-
     async def start(self) -> None:
         call = self._call
         if call.echo and not self._owed:
@@ -169,7 +161,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     call = await read_call(request, parse_completion_request)
     completion_id, created = f"cmpl-{request[RECORD].request_id}", int(time.time())
     # A raw prompt: no chat template opened anything, so no parser reads the output.
-    return await answer(request, call, lambda sink: CompletionBuilder.for_choices(call, completion_id, created, sink),
+    return await answer(request, call, lambda sink: choice_builders(CompletionBuilder, call, completion_id, created,
+                                                                    sink, "text_completion", "text"),
                         framing=Framing.SSE, parsed=False, combine=combine_choices)
 
 

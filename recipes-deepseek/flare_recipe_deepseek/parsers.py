@@ -28,19 +28,16 @@ from __future__ import annotations
 from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers, function_name
 from flare_recipe_deepseek.dsml import DsmlToolParser
 
+# The special tokens of DeepSeek V3 and V3.1 tool calls (the same in both).
+SECTION_BEGIN, SECTION_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
 
 class DeepSeekV3ToolParser(MarkedToolCallParser):
     """DeepSeek V3: `<｜tool▁call▁begin｜>TYPE<｜tool▁sep｜>NAME` + newline + arguments in a ```json fence."""
 
-    markers = ToolCallMarkers(
-        section_begin="<｜tool▁calls▁begin｜>",
-        section_end="<｜tool▁calls▁end｜>",
-        call_begin="<｜tool▁call▁begin｜>",
-        call_end="<｜tool▁call▁end｜>",
-        header_end="\n",
-        header_separator="<｜tool▁sep｜>",
-        fenced_arguments=True,
-    )
+    markers = ToolCallMarkers(section_begin=SECTION_BEGIN, section_end=SECTION_END, call_begin=CALL_BEGIN,
+                              call_end=CALL_END, header_end="\n", header_separator=TOOL_SEP, fenced_arguments=True)
 
     def parse_header(self, header: str) -> tuple[str | None, str] | None:
         call_type, separator, name_text = header.partition(self.markers.header_separator)
@@ -53,13 +50,8 @@ class DeepSeekV3ToolParser(MarkedToolCallParser):
 class DeepSeekV31ToolParser(MarkedToolCallParser):
     """DeepSeek V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`."""
 
-    markers = ToolCallMarkers(
-        section_begin="<｜tool▁calls▁begin｜>",
-        section_end="<｜tool▁calls▁end｜>",
-        call_begin="<｜tool▁call▁begin｜>",
-        call_end="<｜tool▁call▁end｜>",
-        header_end="<｜tool▁sep｜>",
-    )
+    markers = ToolCallMarkers(section_begin=SECTION_BEGIN, section_end=SECTION_END, call_begin=CALL_BEGIN,
+                              call_end=CALL_END, header_end=TOOL_SEP)
 
     def parse_header(self, header: str) -> tuple[str | None, str] | None:
         name = function_name(header)
@@ -67,12 +59,11 @@ class DeepSeekV31ToolParser(MarkedToolCallParser):
 
 
 # The forms the parsers read (and the chat templates render): what a forced call is written as.
-DEEPSEEK_V3_CALLS = ToolCallFormat(call_begin="<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
-                                   call_end="\n```<｜tool▁call▁end｜>", separator="\n",
-                                   section_begin="<｜tool▁calls▁begin｜>", section_end="<｜tool▁calls▁end｜>")
-DEEPSEEK_V31_CALLS = ToolCallFormat(call_begin="<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
-                                    call_end="<｜tool▁call▁end｜>",
-                                    section_begin="<｜tool▁calls▁begin｜>", section_end="<｜tool▁calls▁end｜>")
+DEEPSEEK_V3_CALLS = ToolCallFormat(call_begin=f"{CALL_BEGIN}function{TOOL_SEP}{{name}}\n```json\n",
+                                   call_end=f"\n```{CALL_END}", separator="\n",
+                                   section_begin=SECTION_BEGIN, section_end=SECTION_END)
+DEEPSEEK_V31_CALLS = ToolCallFormat(call_begin=f"{CALL_BEGIN}{{name}}{TOOL_SEP}", call_end=CALL_END,
+                                    section_begin=SECTION_BEGIN, section_end=SECTION_END)
 
 DEEPSEEK_PARSERS: tuple[Parser, ...] = (
     Parser("deepseek-v3-tools", "tool", DeepSeekV3ToolParser, call_format=DEEPSEEK_V3_CALLS),

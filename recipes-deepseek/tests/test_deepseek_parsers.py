@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from flare_core.frontend import ChatTemplate, IncrementalDetokenizer, Tokenizer, build_tokenizer_json
+from flare_core.frontend import ChatTemplate, Tokenizer, build_tokenizer_json
 from flare_core.frontend.parsers import OutputParser, ParsedOutput, ThinkParser, prompt_opens_reasoning
+from flare_testing.text import parse_token_ids
 from flare_recipe_deepseek.dsml import DsmlToolParser
 from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS, DeepSeekV3ToolParser, DeepSeekV31ToolParser
 
@@ -228,14 +229,7 @@ def with_markers(bpe_json: str, special: bool) -> Tokenizer:
 
 
 def stream(tokenizer: Tokenizer, text: str, skip_special_tokens: bool) -> ParsedOutput:
-    ids = tokenizer.encode(text)
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-    parser, out = DeepSeekV31ToolParser(), ParsedOutput()
-    for token_id in ids:
-        out.add(parser.feed(detokenizer.push(token_id)))
-    out.add(parser.feed(detokenizer.flush()))
-    out.add(parser.finish())
-    return out
+    return parse_token_ids(DeepSeekV31ToolParser(), tokenizer, tokenizer.encode(text), skip_special_tokens)
 
 
 def test_real_tokens_streamed_one_by_one(qwen3_bpe: str) -> None:

@@ -16,6 +16,7 @@ from flare_recipe_deepseek.templates import (
     DEEPSEEK_V3_1_TEMPLATE_PATCH,
     DEEPSEEK_V3_TEMPLATE_PATCH,
 )
+from flare_testing.text import SHORT_CHAT
 
 ASSETS = resources.files("flare_recipe_deepseek") / "assets"
 CORE_FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
@@ -66,12 +67,7 @@ def call(name: str, arguments: str) -> dict:
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CONVERSATIONS = {
-    "chat": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi 👋"},
-        {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "Bye"},
-    ],
+    "chat": SHORT_CHAT,
     "two_system_messages_no_reply": [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "Answer in English."},

@@ -21,16 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
-from flare_core.contract import Capacities
-from flare_core.executor.runner import ModelRunner, eager_runner
-from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
-from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
-from flare_testing.parity import assert_logits_parity, drive_greedy
+from flare_testing.parity import (assert_logits_parity, check_preemption_resume, check_snapshot_resume,
+                                  snapshot_serving)
 from flare_testing.deepseek import CSA_RATE, HCA_RATE, assert_core_matches, export_checkpoint, \
     random_v4_model, save_v4_as_published, tiny_v4_config as tiny_config, write_v4_checkpoint
-from flare_recipe_deepseek.v4 import build_model, compressed_attention_scheme, map_weights
+from flare_recipe_deepseek.v4 import build_model, map_weights
 
 RECIPE = types.SimpleNamespace(check_config=None, build_model=build_model, map_weights=map_weights,
                                cache_scheme="compressed-attention")
@@ -78,29 +74,10 @@ def test_a_missing_tensor_is_named(reference):
         dict(map_weights(tiny_config(), partial, torch.float32))
 
 
-def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, ModelRunner, PrefixCache]:
+def serving_runtime(config, checkpoint, rows: int, num_pages: int):
     """A scheduler with a prefix cache that snapshots continuation state, over an eager executor of
-    the serving model (32-token pages, 64-token prompt chunks)."""
-    serving = load_prepared_weights(build_model(config, torch.float32),
-                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
-    page_tokens = 32
-    executor = eager_runner(serving, compressed_attention_scheme(config, "float32"), num_pages=num_pages,
-                             page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=2 * rows, num_logits_rows=8,
-                             vocab_size=config.vocab_size, device=torch.device("cpu"))
-    pages = PageAllocator(num_pages)
-    prefix = PrefixCache(b"\x04" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
-                         logits_rows=8)
-    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512, page_tokens=32)
-    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), KvCacheManager(pages, rows, page_tokens, prefix))
-    return scheduler, executor, prefix
-
-
-def assert_greedy_matches(model, prompt: list[int], logits: list[torch.Tensor]) -> None:
-    sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
-    with torch.no_grad():
-        expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
-    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+    the serving model (32-token pages)."""
+    return snapshot_serving(RECIPE, config, checkpoint, rows, num_pages, page_tokens=32)
 
 
 def test_a_restored_snapshot_continues_exactly(reference):
@@ -111,18 +88,7 @@ def test_a_restored_snapshot_continues_exactly(reference):
     config = tiny_config()
     rows = 3
     scheduler, executor, prefix = serving_runtime(config, checkpoint, rows, num_pages=48)
-    generator = torch.Generator().manual_seed(3)
-    shared = torch.randint(2, config.vocab_size, (45,), generator=generator).tolist()
-    first = shared + torch.randint(2, config.vocab_size, (20,), generator=generator).tolist()
-    second = shared + torch.randint(2, config.vocab_size, (50,), generator=generator).tolist()
-    max_tokens = 10
-    scheduler.submit("first", first, max_tokens, message_ends=(len(shared),))
-    done, _ = drive_greedy(scheduler, executor, max_tokens)
-    scheduler.submit("second", second, max_tokens, message_ends=(len(shared),))
-    again, restores = drive_greedy(scheduler, executor, max_tokens)
-    assert restores == 1
-    assert_greedy_matches(model, first, done["first"])
-    assert_greedy_matches(model, second, again["second"])
+    check_snapshot_resume(model, scheduler, executor, config.vocab_size, 45, (20, 50), lowest_id=2, max_tokens=10)
     assert scheduler.kv.free_state_rows == rows and prefix.free_snapshot_rows < 2 * rows
 
 
@@ -131,16 +97,8 @@ def test_preempted_requests_resume_exactly(reference):
     config = tiny_config()
     rows = 3
     scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=7)
-    generator = torch.Generator().manual_seed(4)
-    prompts = {f"r{i}": torch.randint(2, config.vocab_size, (30 + 9 * i,), generator=generator).tolist()
-               for i in range(rows)}
-    max_tokens = 40
-    for request_id, prompt in prompts.items():
-        scheduler.submit(request_id, prompt, max_tokens)
-    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
-    assert scheduler.preemptions > 0
-    for request_id, prompt in prompts.items():
-        assert_greedy_matches(model, prompt, sampled[request_id])
+    check_preemption_resume(model, scheduler, executor, config.vocab_size, [30 + 9 * i for i in range(rows)],
+                            lowest_id=2)
 
 
 def test_export_plans_whole_records_per_page_and_serves_the_core(tmp_path):

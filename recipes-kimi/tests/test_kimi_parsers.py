@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from flare_core.frontend import ChatTemplate, IncrementalDetokenizer, Tokenizer, build_tokenizer_json
+from flare_core.frontend import ChatTemplate, Tokenizer, build_tokenizer_json
 from flare_core.frontend.parsers import ParsedOutput
+from flare_testing.text import parse_token_ids
 from flare_recipe_kimi.parsers import KIMI_PARSERS, KimiK2ToolParser
 
 CORE_FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
@@ -128,10 +129,5 @@ def test_real_tokens_streamed_one_by_one(tokenizer: Tokenizer) -> None:
     text = "Ich schaue nach." + SECTION_BEGIN + call("functions.get_weather:0", arguments) + SECTION_END
     ids = tokenizer.encode(text)
     assert all(tokenizer.token_to_id(marker) in ids for marker in MARKERS)
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
-    parser, out = KimiK2ToolParser(), ParsedOutput()
-    for token_id in ids:
-        out.add(parser.feed(detokenizer.push(token_id)))
-    out.add(parser.feed(detokenizer.flush()))
-    out.add(parser.finish())
+    out = parse_token_ids(KimiK2ToolParser(), tokenizer, ids, skip_special_tokens=False)
     assert summary(out) == ("Ich schaue nach.", [("functions.get_weather:0", "get_weather", arguments)])

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from flare_core.contract.template_patch import MARK_TAG
 from flare_core.frontend import ChatTemplate, Tokenizer, apply_template_patch, mark_token_endpoints, strip_marks
 from flare_recipe_kimi.templates import KIMI_K2_TEMPLATE_PATCH, KIMI_TEMPLATE_PATCHES
+from flare_testing.text import SHORT_CHAT
 
 SOURCE = (resources.files("flare_recipe_kimi") / "assets" / "kimi-k2.jinja").read_bytes().decode("utf-8")
 CORE_FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
@@ -54,12 +55,7 @@ def call(name: str, arguments) -> dict:
 
 
 CONVERSATIONS = {
-    "chat": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi 👋"},
-        {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "Bye"},
-    ],
+    "chat": SHORT_CHAT,
     "no_system_text_parts": [
         {"role": "user", "content": [{"type": "text", "text": "中文?"}, {"type": "text", "text": " 好"}]},
         {"role": "assistant", "content": "是的。"},

@@ -22,14 +22,9 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
-from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
-from flare_core.contract import Capacities
-from flare_core.executor.runner import ModelRunner, eager_runner
-from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
-from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
-from flare_testing.parity import assert_logits_parity, drive_greedy
-from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
+from flare_testing.parity import (assert_logits_parity, check_preemption_resume, check_snapshot_resume,
+                                  snapshot_serving)
 from flare_recipe_qwen.modeling import build_model
 from flare_recipe_qwen.weights import map_weights
 
@@ -85,22 +80,10 @@ def test_qwen3_5_logits_match_transformers(tmp_path, family):
     assert_logits_parity(RECIPE, model, checkpoint, FAMILIES[family][1](), page_tokens=16, prompt_lens=(5, 70, 131, 1))
 
 
-def serving_runtime(config, checkpoint, rows: int, num_pages: int) -> tuple[Scheduler, ModelRunner, PrefixCache]:
-    """A scheduler with a prefix cache that snapshots continuation state, over an eager executor
-    of the serving model (16-token pages, 64-token prompt chunks)."""
-    serving = load_prepared_weights(build_model(config, torch.float32),
-                                    dict(map_weights(config, checkpoint, torch.float32)), "cpu")
-    page_tokens = 16
-    executor = eager_runner(serving, gated_deltanet_hybrid_scheme(config, "float32"), num_pages=num_pages,
-                             page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=2 * rows, num_logits_rows=8,
-                             vocab_size=config.vocab_size, device=torch.device("cpu"))
-    pages = PageAllocator(num_pages)
-    prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
-                         logits_rows=8)
-    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512)
-    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), KvCacheManager(pages, rows, page_tokens, prefix))
-    return scheduler, executor, prefix
+def serving_runtime(config, checkpoint, rows: int, num_pages: int):
+    """A scheduler with a prefix cache that snapshots continuation state, over an eager executor of
+    the serving model (16-token pages)."""
+    return snapshot_serving(RECIPE, config, checkpoint, rows, num_pages, page_tokens=16)
 
 
 def test_a_restored_state_snapshot_continues_exactly(reference):
@@ -108,21 +91,7 @@ def test_a_restored_state_snapshot_continues_exactly(reference):
     config = FAMILIES["qwen3-next"][1]()
     rows = 4
     scheduler, executor, prefix = serving_runtime(config, checkpoint, rows, num_pages=64)
-    generator = torch.Generator().manual_seed(3)
-    shared = torch.randint(0, config.vocab_size, (37,), generator=generator).tolist()  # ends mid-page
-    first = shared + torch.randint(0, config.vocab_size, (20,), generator=generator).tolist()
-    second = shared + torch.randint(0, config.vocab_size, (45,), generator=generator).tolist()
-    max_tokens = 3
-    scheduler.submit("first", first, max_tokens, message_ends=(len(shared),))
-    done, _ = drive_greedy(scheduler, executor, max_tokens)
-    scheduler.submit("second", second, max_tokens, message_ends=(len(shared),))
-    again, restores = drive_greedy(scheduler, executor, max_tokens)
-    assert restores == 1  # the second request resumed at the end of the shared messages
-    with torch.no_grad():
-        for prompt, logits in ((first, done["first"]), (second, again["second"])):
-            sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
-            expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
-            torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+    check_snapshot_resume(model, scheduler, executor, config.vocab_size, 37, (20, 45))  # 37: ends mid-page
     assert scheduler.kv.free_state_rows == rows and prefix.free_snapshot_rows < 2 * rows  # snapshots kept
 
 
@@ -134,20 +103,7 @@ def test_preempted_requests_resume_from_their_snapshots_exactly(reference):
     config = FAMILIES["qwen3-next"][1]()
     rows = 3
     scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=9)
-    generator = torch.Generator().manual_seed(4)
-    prompts = {f"r{i}": torch.randint(0, config.vocab_size, (30 + 7 * i,), generator=generator).tolist()
-               for i in range(rows)}
-    max_tokens = 40
-    for request_id, prompt in prompts.items():
-        scheduler.submit(request_id, prompt, max_tokens)
-    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
-    assert scheduler.preemptions > 0
-    with torch.no_grad():
-        for request_id, prompt in prompts.items():
-            logits = sampled[request_id]
-            sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
-            expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
-            torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+    check_preemption_resume(model, scheduler, executor, config.vocab_size, [30 + 7 * i for i in range(rows)])
 
 
 def test_qwen3_5_recipes_serve_the_text_model_of_the_published_config():

@@ -64,6 +64,16 @@ def build_models(device, shape="qwen3"):
     return config, models
 
 
+
+def page_tables(page_ids: list[int], kv_lens: list[int], page_tokens: int) -> list[list[int]]:
+    """Each request's pages for `kv_lens` tokens, taken in turn from `page_ids`."""
+    tables, start = [], 0
+    for n in kv_lens:
+        count = -(-n // page_tokens)
+        tables.append(page_ids[start:start + count])
+        start += count
+    return tables
+
 @pytest.mark.parametrize("pages_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
     """The kernels alone, on a random paged cache with non-contiguous pages; bf16 queries over
@@ -81,11 +91,7 @@ def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     page_ids = torch.randperm(pages).tolist()
     kv_lens, new = [1, 65, 130, 700], [1, 1, 1, 1]
-    tables, start = [], 0
-    for n in kv_lens:
-        count = -(-n // page_tokens)
-        tables.append(page_ids[start:start + count])
-        start += count
+    tables = page_tables(page_ids, kv_lens, page_tokens)
     layout = PagedLayout.from_requests(kv_lens, new, tables, page_tokens)
     batch = AttentionBatch.build([(1, n - 1, t) for n, t in zip(kv_lens, tables)], page_tokens, device)
     q = torch.randn(4, heads, dim, device=device, dtype=torch.bfloat16)
@@ -104,11 +110,7 @@ def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
     new = [700, 30, 1, 130]
     cached = [0, 100, 64, 0]
     kv_lens = [c + n for c, n in zip(cached, new)]
-    tables, start = [], 0
-    for n in kv_lens:
-        count = -(-n // page_tokens)
-        tables.append(page_ids[start:start + count])
-        start += count
+    tables = page_tables(page_ids, kv_lens, page_tokens)
     layout = PagedLayout.from_requests(kv_lens, new, tables, page_tokens)
     batch = AttentionBatch.build([(n, c, t) for n, c, t in zip(new, cached, tables)], page_tokens, device)
     q = torch.randn(sum(new), heads, dim, device=device, dtype=torch.bfloat16)

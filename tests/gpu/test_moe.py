@@ -33,6 +33,18 @@ def routed(tokens: int, hidden: int, count: int, top_k: int, seed: int = 1):
     return x, index, (weights / weights.sum(-1, keepdim=True)).bfloat16()
 
 
+
+def qwen3_moe_layer(num_experts: int):
+    """A one-layer Transformers Qwen3-MoE model (8 of `num_experts` experts per token), bf16 on CUDA."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, moe_intermediate_size=192,
+                            num_experts=num_experts, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).cuda().bfloat16()
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     error = (actual.float() - expected.float()).abs().max().item()
     assert error <= 0.02 * expected.float().abs().max().item(), error
@@ -78,16 +90,9 @@ def test_qwen3_moe_block_through_the_op_matches_grouped_mm():
     """A Qwen3-MoE sparse block (Transformers' router, softmax top-k) with its experts switched to
     the op gives what Transformers' grouped_mm gives: one token (per pair), a decode batch
     (sorted pairs) and a prompt chunk (which takes grouped_mm itself)."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
-
     from flare_core.ops.moe import use_fused_experts
 
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, moe_intermediate_size=192,
-                            num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=128)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).cuda().bfloat16()
+    model = qwen3_moe_layer(64)
     block = model.model.layers[0].mlp
     assert use_fused_experts(model)
     for tokens in (1, 100, 300):
@@ -125,18 +130,11 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     """The sparse block with its router swapped for SoftmaxTopKRouter and its experts through the
     op gives what Transformers' router and grouped_mm give: one token (the GEMV logits) and a
     decode batch."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
-
     from flare_core.ops.serving import gemv_layers
     from flare_core.ops.moe import use_fused_experts
     from flare_core.ops.routing import SoftmaxTopKRouter
 
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, moe_intermediate_size=192,
-                            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=128)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).cuda().bfloat16()
+    model = qwen3_moe_layer(128)
     block = model.model.layers[0].mlp
     hidden = [torch.randn(1, tokens, 512, device="cuda").bfloat16() for tokens in (1, 16)]
     expected = [block(h) for h in hidden]

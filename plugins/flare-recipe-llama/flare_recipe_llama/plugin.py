@@ -8,6 +8,8 @@ the tokens each recipe requires, so a checkpoint's tokenizer picks its recipe.""
 
 from __future__ import annotations
 
+import dataclasses
+
 from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy, TemplatePatch, hookimpl
 from flare_recipe_llama.model import build_model, check_config
 from flare_recipe_llama.weights import map_weights
@@ -52,10 +54,10 @@ SMOLLM2_TEMPLATE_PATCH = TemplatePatch(
     insertions=((201, "{% mark %}"), (285, "{% mark %}")),
 )
 
-SMOLLM2 = Recipe(
+# The same architecture and model code as Llama 3.x; its own text side, defaults and aliases.
+SMOLLM2 = dataclasses.replace(
+    LLAMA,
     name="smollm2",
-    version="0.1.0",
-    architectures=("LlamaForCausalLM",),
     aliases=(
         Alias("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
         Alias("smollm2-360m-instruct", "HuggingFaceTB/SmolLM2-360M-Instruct"),
@@ -72,12 +74,7 @@ SMOLLM2 = Recipe(
         # <|im_end|> closes each turn (the tokenizer's EOS); <|endoftext|> separates documents.
         stop_tokens=("<|im_end|>", "<|endoftext|>"),
     ),
-    cache_scheme="attention-kv",
-    capacities=Capacities(),
-    build_model=build_model,
-    map_weights=map_weights,
     description="SmolLM2 (Llama architecture, ChatML template)",
-    check_config=check_config,
 )
 
 

@@ -114,3 +114,71 @@ def drive_greedy(scheduler, executor, max_tokens: int) -> tuple[dict[str, list[t
             if len(rows[sampled.handle.request_id]) == max_tokens:
                 scheduler.finish(sampled.handle.request_id, "length")
     return rows, restores
+
+
+def assert_greedy_matches(model: torch.nn.Module, prompt: list[int], logits: list[torch.Tensor]) -> None:
+    """The logits rows a request sampled from greedily after `prompt` match the Transformers
+    `model`'s forward of the whole sequence."""
+    sequence = prompt + [int(row.argmax()) for row in logits[:-1]]
+    with torch.no_grad():
+        expected = model(torch.tensor([sequence])).logits[0, len(prompt) - 1:]
+    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def check_snapshot_resume(model: torch.nn.Module, scheduler, executor, vocab_size: int, shared: int,
+                          tails: tuple[int, int], lowest_id: int = 0, seed: int = 3, max_tokens: int = 3) -> None:
+    """Two requests share their first `shared` tokens, a message boundary there. The first runs
+    alone; the second then resumes from the resume point the first left at that boundary (one
+    restore), and both sample what the reference `model` computes for their whole sequences."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randint(lowest_id, vocab_size, (shared,), generator=generator).tolist()
+    first, second = (common + torch.randint(lowest_id, vocab_size, (n,), generator=generator).tolist()
+                     for n in tails)
+    scheduler.submit("first", first, max_tokens, message_ends=(shared,))
+    done, _ = drive_greedy(scheduler, executor, max_tokens)
+    scheduler.submit("second", second, max_tokens, message_ends=(shared,))
+    again, restores = drive_greedy(scheduler, executor, max_tokens)
+    assert restores == 1  # the second request resumed at the end of the shared messages
+    assert_greedy_matches(model, first, done["first"])
+    assert_greedy_matches(model, second, again["second"])
+
+
+def check_preemption_resume(model: torch.nn.Module, scheduler, executor, vocab_size: int, lengths: Sequence[int],
+                            lowest_id: int = 0, seed: int = 4, max_tokens: int = 40) -> None:
+    """Requests of `lengths` prompt tokens, too many for the scheduler's pages at once: some are
+    preempted mid-decode, come back, and every row each samples from matches the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = {f"r{i}": torch.randint(lowest_id, vocab_size, (n,), generator=generator).tolist()
+               for i, n in enumerate(lengths)}
+    for request_id, prompt in prompts.items():
+        scheduler.submit(request_id, prompt, max_tokens)
+    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
+    assert scheduler.preemptions > 0
+    for request_id, prompt in prompts.items():
+        assert_greedy_matches(model, prompt, sampled[request_id])
+
+
+def snapshot_serving(recipe, config, checkpoint, rows: int, num_pages: int, page_tokens: int):
+    """(scheduler, executor, prefix cache): `recipe`'s float32 model of `checkpoint` on an eager
+    CPU runner, under a scheduler (64-token prompt chunks) whose prefix cache snapshots
+    continuation state (two snapshot rows per request row, 8 logits rows)."""
+    from flare_core.contract import Capacities
+    from flare_core.executor.runner import eager_runner
+    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_core.plugins import load_registry
+    from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
+
+    model = load_prepared_weights(recipe.build_model(config, torch.float32),
+                                  dict(recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
+    scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
+    executor = eager_runner(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=rows,
+                            num_snapshot_rows=2 * rows, num_logits_rows=8, vocab_size=config.vocab_size,
+                            device=torch.device("cpu"))
+    pages = PageAllocator(num_pages)
+    prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
+                         logits_rows=8)
+    capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512, page_tokens=page_tokens)
+    scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
+                                          page_tokens), KvCacheManager(pages, rows, page_tokens, prefix))
+    return scheduler, executor, prefix

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from flare_core.contract import Capacities, FrontendSpec, Recipe, SamplingPolicy
 from flare_core.plugins import hookimpl
 from flare_recipe_scripted.model import build_model, check_config, map_weights
@@ -27,13 +29,14 @@ def scripted_recipe(name: str, architecture: str, frontend: FrontendSpec, text_s
 
 
 # The Qwen3 text side: the checkpoints carry the Qwen3 tokenizer and chat template.
-SCRIPTED = scripted_recipe("scripted", "ScriptedForCausalLM", FrontendSpec(
+QWEN3_TEXT = FrontendSpec(
     reasoning_parser="think",
     tool_parser="hermes",
     required_tokens=("<|im_start|>", "<|im_end|>"),
     stop_tokens=("<|im_end|>", "<|endoftext|>"),
     template_options={"enable_thinking": True},
-), "Qwen3 text side")
+)
+SCRIPTED = scripted_recipe("scripted", "ScriptedForCausalLM", QWEN3_TEXT, "Qwen3 text side")
 
 # The DeepSeek V4 text side (flare-recipe-deepseek): its prompt encoder instead of a chat template,
 # DSML tool calls; the checkpoints carry a small byte-level tokenizer with V4's special tokens.
@@ -48,13 +51,8 @@ SCRIPTED_DEEPSEEK_V4 = scripted_recipe("scripted-deepseek-v4", "ScriptedDeepseek
 
 # The Qwen3 text side with Qwen's XML tool calls (Qwen3-Coder, Qwen3.5; flare-recipe-qwen's
 # `qwen3-xml` parser, which types argument values by the request's tool schemas).
-SCRIPTED_QWEN_XML = scripted_recipe("scripted-qwen-xml", "ScriptedQwenXmlForCausalLM", FrontendSpec(
-    reasoning_parser="think",
-    tool_parser="qwen3-xml",
-    required_tokens=("<|im_start|>", "<|im_end|>"),
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
-    template_options={"enable_thinking": True},
-), "Qwen XML tool calls")
+SCRIPTED_QWEN_XML = scripted_recipe("scripted-qwen-xml", "ScriptedQwenXmlForCausalLM",
+                                    dataclasses.replace(QWEN3_TEXT, tool_parser="qwen3-xml"), "Qwen XML tool calls")
 
 
 @hookimpl
