@@ -53,6 +53,7 @@ from flare_core.ops.deepseek_v3 import (
     build_deepseek_v3,
     check_deepseek_v3_config,
     deepseek_v3_plan_notes,
+    deepseek_v3_recipe,
     keep_router_bias_float32,
     map_deepseek_v3_weights,
     serve_sigmoid_moe_mlp,
@@ -89,5 +90,5 @@ __all__ = [
     "Fp8ConfigError", "fp8_blocks",
     # The DeepSeek-V3 architecture, which the DeepSeek and Kimi families share.
     "DEEPSEEK_V3_ARCHITECTURES", "DEEPSEEK_V3_CACHE_SCHEME", "DEEPSEEK_V3_TENSOR_PARALLEL", "build_deepseek_v3",
-    "check_deepseek_v3_config", "deepseek_v3_plan_notes", "map_deepseek_v3_weights",
+    "check_deepseek_v3_config", "deepseek_v3_plan_notes", "map_deepseek_v3_weights", "deepseek_v3_recipe",
 ]

@@ -209,17 +209,24 @@ def stop_all(servers) -> None:
 
 @contextmanager
 def with_and_without_prefix_cache(config: Path, core: Path, root: Path, served_name: str):
-    """Two `flare run` servers of `core` named `served_name`, ready: (with the prefix cache,
-    with --no-prefix-cache); both stopped on exit."""
+    """Official openai clients of two `flare run` servers of `core` named `served_name`, ready:
+    (with the prefix cache, with --no-prefix-cache); both servers stopped on exit."""
+    import openai
+
     servers = (ServerProcess(config, core, root / "cached.log", "--served-name", served_name),
                ServerProcess(config, core, root / "uncached.log", "--served-name", served_name, "--no-prefix-cache"))
     try:
         for server in servers:
             server.wait_ready()
-        yield servers
+        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120) for s in servers]
     finally:
         for server in servers:
             server.stop()
+
+
+# The first turn of the two-turn chats the prefix-cache tests hold.
+WEATHER_TURN = [{"role": "system", "content": "You answer questions about mountain weather in two sentences."},
+                {"role": "user", "content": "What is the forecast for Davos tomorrow morning?"}]
 
 
 def second_turn_restores_the_first(cached, uncached, model: str, turn1: list[dict], follow_up: str,

@@ -4,14 +4,8 @@ import random
 
 import pytest
 
-from flare_core.kv import (
-    PageAllocator,
-    PagesExhausted,
-    RowsExhausted,
-    StateRowAllocator,
-    pages_for_tokens,
-    request_page_need,
-)
+from flare_core.kv import (PageAllocator, PagesExhausted, RowsExhausted, StateRowAllocator, pages_for_tokens,
+                           request_page_need)
 
 
 def test_allocate_release_restores_free_count():

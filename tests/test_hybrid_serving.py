@@ -13,10 +13,8 @@ import asyncio
 
 import pytest
 
-import openai
-
 from conftest import write_checkpoint
-from server_process import second_turn_restores_the_first, with_and_without_prefix_cache
+from server_process import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
 
@@ -72,13 +70,10 @@ def test_a_request_sharing_messages_restores_the_state_snapshot_exactly(session_
 @pytest.fixture(scope="module")
 def chat_servers(tmp_path_factory, session_flare, qwen3_next_core):
     root = tmp_path_factory.mktemp("hybrid-servers")
-    with with_and_without_prefix_cache(session_flare.config_path, qwen3_next_core, root, "next") as servers:
-        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120) for s in servers]
+    with with_and_without_prefix_cache(session_flare.config_path, qwen3_next_core, root, "next") as clients:
+        yield clients
 
 
 def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_servers):
     cached, uncached = chat_servers
-
-    turn1 = [{"role": "system", "content": "You answer questions about mountain weather in two sentences."},
-             {"role": "user", "content": "What is the forecast for Davos tomorrow morning?"}]
-    second_turn_restores_the_first(cached, uncached, "next", turn1, "And for Zermatt in the afternoon?")
+    second_turn_restores_the_first(cached, uncached, "next", WEATHER_TURN, "And for Zermatt in the afternoon?")

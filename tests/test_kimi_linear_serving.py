@@ -19,7 +19,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -67,9 +66,7 @@ def served(tmp_path_factory, session_flare):
                            "1024", "--prefill-chunk-size", str(PREFILL_CHUNK), "--no-progress")
     core = Path(result.output.strip().splitlines()[-1])
     root = tmp_path_factory.mktemp("kimi-linear-servers")
-    with with_and_without_prefix_cache(session_flare.config_path, core, root, NAME) as servers:
-        clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-                   for s in servers]
+    with with_and_without_prefix_cache(session_flare.config_path, core, root, NAME) as clients:
         yield reference, Tokenizer.from_file(str(directory / "tokenizer.json")), result.output, core, clients
 
 

@@ -23,7 +23,7 @@ import torch
 
 from conftest import FIXTURES
 from flare_core.frontend import build_tokenizer_json
-from server_process import second_turn_restores_the_first, with_and_without_prefix_cache
+from server_process import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "recipes-qwen" / "tests" / "fixtures" / "qwen3.5" / "chat_template.jinja"
 TEXT = dict(vocab_size=151669, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -113,15 +113,13 @@ def chat_servers(tmp_path_factory, session_flare):
     core = session_flare.export(directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
                                 "--prefill-chunk-size", "128")
     root = tmp_path_factory.mktemp("qwen3.5-servers")
-    with with_and_without_prefix_cache(session_flare.config_path, core, root, "q35") as servers:
-        yield [openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120) for s in servers]
+    with with_and_without_prefix_cache(session_flare.config_path, core, root, "q35") as clients:
+        yield clients
 
 
 def test_turn_two_restores_turn_one_and_answers_as_without_cache(chat_servers):
     cached, uncached = chat_servers
-
-    turn1 = [{"role": "system", "content": "You answer questions about mountain weather in two sentences."},
-             {"role": "user", "content": "What is the forecast for Davos tomorrow morning?"}]
+    turn1 = WEATHER_TURN
     first, _ = second_turn_restores_the_first(cached, uncached, "q35", turn1, "And for Zermatt in the afternoon?")
     # Thinking off: the template writes an empty reasoning block into the prompt.
     quick = cached.chat.completions.create(model="q35", messages=turn1, max_tokens=12, temperature=0,

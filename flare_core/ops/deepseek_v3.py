@@ -71,7 +71,7 @@ from torch import Tensor, nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
-from flare_core.contract import ContractError, DerivedShard, TensorParallelSpec
+from flare_core.contract import Capacities, ContractError, DerivedShard, Recipe, TensorParallelSpec
 from flare_core.ops.attention import ForwardContext
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
@@ -289,3 +289,14 @@ DEEPSEEK_V3_TENSOR_PARALLEL = TensorParallelSpec(
     derived=(DerivedShard("self_attn.w_uk", "self_attn.kv_b_proj.weight", 0),
              DerivedShard("self_attn.w_uv", "self_attn.kv_b_proj.weight", 0)),
 )
+
+
+def deepseek_v3_recipe(**fields: Any) -> Recipe:
+    """A recipe of the DeepSeek-V3 architecture (the DeepSeek V3 / V3.1 and Kimi K2 families): its
+    architectures, latent cache scheme, model, weight mapping, config checks, plan notes and
+    tensor parallelism, with the family's own `fields` (name, version, model types, aliases,
+    sampling, frontend, description, assets, ...)."""
+    return Recipe(architectures=DEEPSEEK_V3_ARCHITECTURES, cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
+                  capacities=Capacities(), build_model=build_deepseek_v3, map_weights=map_deepseek_v3_weights,
+                  check_config=check_deepseek_v3_config, plan_notes=deepseek_v3_plan_notes,
+                  tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL, **fields)

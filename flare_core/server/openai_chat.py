@@ -11,10 +11,9 @@ from aiohttp import web
 from flare_core.frontend.parsers import ParsedOutput, ToolCallDelta
 from flare_core.requests import TokenLogprob
 from flare_core.server.generation import Call, Framing, Outcome, Piece, answer, read_call, unfinished_error
-from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, chat_logprobs, choice_builders, combine_choices,
-                                             finish_reason, generation_request, object_head, read_choices,
-                                             read_stream_options, read_tool_choice, thinking_switch, usage_json)
+                                             finish_reason, generation_request, object_head, read_choices, read_head,
+                                             read_tool_choice, thinking_switch, usage_json)
 from flare_core.server.prompts import chat_prompt, openai_messages, openai_tools, template_options
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
@@ -61,10 +60,8 @@ class ChatCall(Call):
 def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str) -> ChatCall:
     """Validate a chat completions body and build its prompt and generation request."""
     frontend = state.frontend
-    values = SPEC.read(body)
-    model = resolve_model(state, values["model"])
-    stream = values["stream"]
-    include_usage = read_stream_options(body, stream)
+    head = read_head(state, SPEC, body)
+    values = head.values
     messages = openai_messages(values["messages"])
     tools = openai_tools(values["tools"])
     parsed_tools, forced = read_tool_choice(body, tools)
@@ -81,8 +78,8 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
                                            max_tokens_fields=("max_completion_tokens", "max_tokens"),
                                            logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=True)
     request = constrained(frontend, request, grammar, prompt.text)
-    return ChatCall(model, stream, prompt, request, sampling, parsed_tools, read_choices(state, values["n"]),
-                    include_usage=include_usage)
+    return ChatCall(head.model, head.stream, prompt, request, sampling, parsed_tools,
+                    read_choices(state, values["n"]), include_usage=head.include_usage)
 
 
 def tool_calls_json(output: ParsedOutput) -> list[dict[str, Any]] | None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from flare_core.frontend import Frontend
 from flare_core.requests import GenerationRequest, TokenLogprob, Usage
 from flare_core.server.generation import INTERRUPTED, EventSink, Outcome, choices_usage, execution_error
+from flare_core.server.models import resolve_model
 from flare_core.server.prompts import Prompt, fit_max_tokens
 from flare_core.server.sampling import (OPENAI_SAMPLING_FIELDS, Sampling, read_logit_bias, read_max_tokens,
                                         read_sampling, read_stop, read_token_ids)
+from flare_core.server.spec import RequestSpec
 from flare_core.server.structured import ForcedCalls, forced_calls
 from flare_core.server.state import ServerState
 from flare_core.server.validation import get_bool, get_object, invalid
@@ -56,6 +59,24 @@ def read_choices(state: ServerState, n: int | None) -> int:
         raise invalid("n", f"must be at most {room} here (max_concurrency {info.max_concurrency} + queue_capacity "
                            f"{info.queue_capacity}: every choice is admitted at once), got {n}")
     return n
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    """What every OpenAI chat or legacy completion body starts with: its fields as `spec` read
+    them (each checked once, defaults applied), the served model it names, whether it streams and
+    whether its stream ends with a usage chunk."""
+
+    values: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def read_head(state: ServerState, spec: RequestSpec, body: dict[str, Any]) -> RequestHead:
+    values = spec.read(body)
+    stream = values["stream"]
+    return RequestHead(values, resolve_model(state, values["model"]), stream, read_stream_options(body, stream))
 
 
 def read_stream_options(body: Mapping[str, Any], stream: bool) -> bool:

@@ -16,10 +16,9 @@ from aiohttp import web
 from flare_core.frontend import Frontend
 from flare_core.requests import TokenLogprob
 from flare_core.server.generation import Call, Framing, Outcome, Piece, answer, read_call, unfinished_error
-from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import (ChoiceChunks, choice_builders, combine_choices, completion_logprobs,
-                                             finish_reason, generation_request, object_head, read_choices,
-                                             read_stream_options, usage_json)
+                                             finish_reason, generation_request, object_head, read_choices, read_head,
+                                             usage_json)
 from flare_core.server.prompts import Prompt, text_prompt, token_prompt
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
@@ -75,10 +74,8 @@ def read_prompt(frontend: Frontend, value: Any) -> Prompt:
 
 def parse_completion_request(state: ServerState, body: dict[str, Any], request_id: str) -> CompletionCall:
     frontend = state.frontend
-    values = SPEC.read(body)
-    model = resolve_model(state, values["model"])
-    stream = values["stream"]
-    include_usage = read_stream_options(body, stream)
+    head = read_head(state, SPEC, body)
+    values = head.values
     prompt = read_prompt(frontend, values["prompt"])
     grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body))
     top_logprobs = values["logprobs"]
@@ -99,8 +96,8 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
         echo = prompt.text or frontend.tokenizer.decode(prompt.ids)
         if top_logprobs is not None:
             first_token = frontend.tokenizer.decode([prompt.ids[0]])
-    return CompletionCall(model, stream, prompt, request, sampling, choices=read_choices(state, values["n"]),
-                          include_usage=include_usage, echo=echo, first_token=first_token)
+    return CompletionCall(head.model, head.stream, prompt, request, sampling, choices=read_choices(state, values["n"]),
+                          include_usage=head.include_usage, echo=echo, first_token=first_token)
 
 
 class CompletionBuilder:

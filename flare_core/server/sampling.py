@@ -88,14 +88,23 @@ def read_stop(body: Mapping[str, Any], name: str, *, where: str | None = None) -
     return stops
 
 
-def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple[int, ...]:
+def _sized(body: Mapping[str, Any], name: str, kind: type, shape: str, limit: int, what: str) -> Any:
+    """Field `name` of `body` (None when absent): a `kind` ("must be `shape`") of at most `limit`
+    entries ("may hold at most `limit` `what`")."""
     value = body.get(name)
     if value is None:
+        return None
+    if not isinstance(value, kind):
+        raise invalid(name, f"must be {shape}, got {json_type(value)}")
+    if len(value) > limit:
+        raise invalid(name, f"may hold at most {limit} {what}, got {len(value)}")
+    return value
+
+
+def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple[int, ...]:
+    value = _sized(body, name, list, "an array of token ids", MAX_STOP_TOKEN_IDS, "token ids")
+    if value is None:
         return ()
-    if not isinstance(value, list):
-        raise invalid(name, f"must be an array of token ids, got {json_type(value)}")
-    if len(value) > MAX_STOP_TOKEN_IDS:
-        raise invalid(name, f"may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}")
     for index, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
             raise invalid(f"{name}[{index}]", f"must be a token id in [0, {vocab_size}), got {item!r}")
@@ -105,13 +114,10 @@ def read_token_ids(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple
 def read_logit_bias(body: Mapping[str, Any], name: str, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias`: an object mapping token ids (as decimal strings) to values in
     [-100, 100] added to those tokens' logits before sampling."""
-    value = body.get(name)
+    value = _sized(body, name, Mapping, "an object mapping token ids to biases", MAX_LOGIT_BIAS_TOKENS,
+                   "biased tokens")
     if value is None:
         return ()
-    if not isinstance(value, Mapping):
-        raise invalid(name, f"must be an object mapping token ids to biases, got {json_type(value)}")
-    if len(value) > MAX_LOGIT_BIAS_TOKENS:
-        raise invalid(name, f"may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}")
     biases = []
     for key, bias in value.items():
         field = f"{name}.{key}"

@@ -12,9 +12,7 @@ import dataclasses
 from importlib import resources
 from typing import Callable
 
-from flare_core.api import (DEEPSEEK_V3_ARCHITECTURES, DEEPSEEK_V3_CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL, Alias,
-                            Capacities, FrontendSpec, Recipe, SamplingPolicy, build_deepseek_v3,
-                            check_deepseek_v3_config, deepseek_v3_plan_notes, map_deepseek_v3_weights)
+from flare_core.api import Alias, FrontendSpec, SamplingPolicy, deepseek_v3_recipe
 from flare_recipe_deepseek.templates import DEEPSEEK_V3_1_TEMPLATE_PATCH, DEEPSEEK_V3_TEMPLATE_PATCH
 
 RECIPE_VERSION = "0.1.0"
@@ -62,24 +60,16 @@ def _asset(file_name: str) -> Callable[[], bytes]:
     return load
 
 
-DEEPSEEK_V3 = Recipe(
+DEEPSEEK_V3 = deepseek_v3_recipe(
     name="deepseek-v3",
     version=RECIPE_VERSION,
-    architectures=DEEPSEEK_V3_ARCHITECTURES,
     model_types=MODEL_TYPES,
     aliases=(Alias("deepseek-v3", "deepseek-ai/DeepSeek-V3"),
              Alias("deepseek-v3-0324", "deepseek-ai/DeepSeek-V3-0324")),
     sampling=DEEPSEEK_V3_SAMPLING,
     frontend=DEEPSEEK_V3_FRONTEND,
-    cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
-    capacities=Capacities(),
-    build_model=build_deepseek_v3,
-    map_weights=map_deepseek_v3_weights,
     description="DeepSeek-V3 (Transformers DeepseekV3ForCausalLM, absorbed MLA over a paged latent cache, MoE)",
     assets={"chat_template.jinja": _asset("deepseek-v3.jinja")},
-    check_config=check_deepseek_v3_config,
-    plan_notes=deepseek_v3_plan_notes,
-    tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )
 
 # The same model code and checkpoints; V3.1's text side, defaults and aliases.

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from flare_core.api import (DEEPSEEK_V3_ARCHITECTURES, DEEPSEEK_V3_CACHE_SCHEME, DEEPSEEK_V3_TENSOR_PARALLEL, Alias,
-                            Capacities, FrontendSpec, Recipe, SamplingPolicy, build_deepseek_v3,
-                            check_deepseek_v3_config, deepseek_v3_plan_notes, map_deepseek_v3_weights)
+from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy, deepseek_v3_recipe
 from flare_recipe_kimi import linear
 from flare_recipe_kimi.config import KIMI_K2_MODEL_TYPE
 from flare_recipe_kimi.templates import KIMI_K2_TEMPLATE_PATCH
@@ -45,25 +43,17 @@ def _template() -> bytes:
     return resources.files("flare_recipe_kimi").joinpath("assets", "kimi-k2.jinja").read_bytes()
 
 
-KIMI_K2 = Recipe(
+KIMI_K2 = deepseek_v3_recipe(
     name="kimi-k2",
     version=RECIPE_VERSION,
-    architectures=DEEPSEEK_V3_ARCHITECTURES,
     model_types=(KIMI_K2_MODEL_TYPE,),
     aliases=(Alias("kimi-k2-instruct", "moonshotai/Kimi-K2-Instruct"),
              Alias("kimi-k2-instruct-0905", "moonshotai/Kimi-K2-Instruct-0905")),
     sampling=KIMI_K2_SAMPLING,
     frontend=KIMI_K2_FRONTEND,
-    cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
-    capacities=Capacities(),
-    build_model=build_deepseek_v3,
-    map_weights=map_deepseek_v3_weights,
     description="Kimi K2 text models (the DeepSeek-V3 architecture of the model kit)",
     assets={"chat_template.jinja": _template},
-    check_config=check_deepseek_v3_config,
-    plan_notes=deepseek_v3_plan_notes,
     tokenizer_builder=convert_tiktoken_checkpoint,
-    tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL,
 )
 
 

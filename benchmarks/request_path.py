@@ -1,0 +1,102 @@
+"""Which Flare modules one chat request runs code in, and on which thread.
+
+Serves CORE in this process (the CPU path, the server app of `flare run` over aiohttp's test
+server), sends one warm-up chat completion, then traces a second one: every Python function
+call on every thread (sys.setprofile / threading.setprofile) is recorded by its module, kept
+when the module is `flare_core`'s. Prints the modules per thread and the total; with --out, the
+same as JSON.
+
+    python benchmarks/request_path.py CORE [--out FILE]
+
+The model's forward runs (the request is real), so its layers' modules count: the list says
+which are the model's (`flare_core.ops`) and which are the request path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import re
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+BODY = {"model": "bench", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "system", "content": "Answer briefly."},
+                     {"role": "user", "content": "What is the capital of France?"}]}
+
+
+def build(core: Path):
+    import torch
+
+    from flare_core.config import ServerConfig
+    from flare_core.core import open_core
+    from flare_core.engine.build import build_engine
+    from flare_core.engine.load import load_core
+    from flare_core.engine.memory import plan_kv
+    from flare_core.plugins import load_registry
+    from flare_core.server.app import build_app
+
+    registry = load_registry()
+    loaded = load_core(open_core(core), registry, torch.device("cpu"))
+    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device("cpu"), "0.9", "64M")
+    engine = build_engine(loaded, kv, registry, max_concurrency=4, queue_capacity=8, served_names=("bench",))
+    return engine, build_app(engine, ServerConfig())
+
+
+async def traced_request(core: Path) -> dict[str, set[str]]:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    engine, app = build(core)
+    engine.start()
+    seen: dict[str, set[str]] = defaultdict(set)
+    recording = threading.Event()
+
+    def profile(frame, event, arg):
+        if recording.is_set() and event == "call":
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("flare_core"):
+                seen[threading.current_thread().name].add(module)
+
+    try:
+        async with TestClient(TestServer(app)) as client:
+            (await client.post("/v1/chat/completions", json=BODY)).raise_for_status()  # warm-up
+            threading.setprofile(profile)
+            sys.setprofile(profile)
+            recording.set()
+            response = await client.post("/v1/chat/completions", json=BODY)
+            await response.read()
+            recording.clear()
+            sys.setprofile(None)
+            threading.setprofile(None)
+            response.raise_for_status()
+    finally:
+        await engine.aclose()
+    return seen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("core", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    seen = asyncio.run(traced_request(args.core))
+    threads: dict[str, set[str]] = defaultdict(set)
+    for name, modules in seen.items():  # pool threads by their pool's name
+        threads[re.sub(r"[_-]\d+$", "", name)] |= modules
+    every = sorted({m for modules in seen.values() for m in modules})
+    path = [m for m in every if not m.startswith("flare_core.ops")]
+    for name, modules in sorted(threads.items()):
+        print(f"{name}: {len(modules)}")
+        for module in sorted(modules):
+            print(f"    {module}")
+    print(f"modules: {len(every)} ({len(path)} outside flare_core.ops, the model's layers)")
+    if args.out:
+        args.out.write_text(json.dumps({"threads": {k: sorted(v) for k, v in threads.items()}, "modules": every, "outside_ops": path}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
