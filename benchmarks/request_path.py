@@ -3,8 +3,7 @@
 Serves CORE in this process (the CPU path, the server app of `flare run` over aiohttp's test
 server), sends one warm-up chat completion, then traces a second one: every Python function
 call on every thread (sys.setprofile / threading.setprofile) is recorded by its module, kept
-when the module is `flare_core`'s. Prints the modules per thread and the total; with --out, the
-same as JSON.
+when the module is `flare_core`'s. Prints (and with --out writes) the modules per thread and the count.
 
     python benchmarks/request_path.py CORE [--out FILE]
 
@@ -17,12 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import re
 import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
+
+from provenance import commit_and_date, report
 
 BODY = {"model": "bench", "max_tokens": 8, "temperature": 0,
         "messages": [{"role": "system", "content": "Answer briefly."},
@@ -50,8 +50,6 @@ def build(core: Path):
 async def traced_request(core: Path) -> dict[str, set[str]]:
     from aiohttp.test_utils import TestClient, TestServer
 
-    engine, app = build(core)
-    engine.start()
     seen: dict[str, set[str]] = defaultdict(set)
     recording = threading.Event()
 
@@ -61,10 +59,14 @@ async def traced_request(core: Path) -> dict[str, set[str]]:
             if module.startswith("flare_core"):
                 seen[threading.current_thread().name].add(module)
 
+    # Set before the engine's model thread and the frontend pool start: a thread takes the
+    # profile function when it starts (Python 3.11 has no setprofile_all_threads).
+    threading.setprofile(profile)
+    engine, app = build(core)
+    engine.start()
     try:
         async with TestClient(TestServer(app)) as client:
             (await client.post("/v1/chat/completions", json=BODY)).raise_for_status()  # warm-up
-            threading.setprofile(profile)
             sys.setprofile(profile)
             recording.set()
             response = await client.post("/v1/chat/completions", json=BODY)
@@ -89,13 +91,9 @@ def main() -> None:
         threads[re.sub(r"[_-]\d+$", "", name)] |= modules
     every = sorted({m for modules in seen.values() for m in modules})
     path = [m for m in every if not m.startswith("flare_core.ops")]
-    for name, modules in sorted(threads.items()):
-        print(f"{name}: {len(modules)}")
-        for module in sorted(modules):
-            print(f"    {module}")
-    print(f"modules: {len(every)} ({len(path)} outside flare_core.ops, the model's layers)")
-    if args.out:
-        args.out.write_text(json.dumps({"threads": {k: sorted(v) for k, v in threads.items()}, "modules": every, "outside_ops": path}, indent=1) + "\n")
+    report({**commit_and_date(), "command": "python benchmarks/request_path.py CORE", "core": args.core.name,
+            "device": "cpu", "modules": len(every), "modules_outside_ops": len(path),
+            "threads": {name: sorted(modules) for name, modules in sorted(threads.items())}}, args.out)
 
 
 if __name__ == "__main__":
