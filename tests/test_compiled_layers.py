@@ -147,12 +147,13 @@ def test_gemv_ops_serve_one_token_steps_only(compiled):
     assert _flare_ops_called(model, scheme, [2, 1]) == set()
 
 
-def test_each_group_structure_gets_its_own_recompile_budget(monkeypatch):
+def test_each_group_structure_gets_its_own_recompile_budget():
     """All groups share one code object, whose compiled variants Dynamo caps: 10 layers give
-    groups of 4, 4 and 2, two structures, so twice the default budget."""
+    groups of 4, 4 and 2, two structures, so twice the default budget. (The limit is restored
+    after every test: flare_testing.pytest_plugin.)"""
     from flare_core.ops.model import RECOMPILES_PER_STRUCTURE
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", RECOMPILES_PER_STRUCTURE)
+    torch._dynamo.config.recompile_limit = RECOMPILES_PER_STRUCTURE
     CompiledDecoder(loaded_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=10)))
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE
     CompiledDecoder(loaded_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)))  # one structure
