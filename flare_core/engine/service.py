@@ -16,7 +16,7 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -238,16 +238,22 @@ class Engine:
         leader = message.leader
         if leader is not None and self.core.generated(leader) == 0:
             self._parked.setdefault(leader, []).append(message)
-        elif message.stream.cancelled:  # cancelled while parked, its cancel read after it was released
+        else:
+            self._add(message)
+
+    def _add(self, message: _Submit) -> None:
+        if message.stream.cancelled:  # its cancel message, still in the inbox, then finds nothing to do
             self.core.refuse(message.request_id, message.request, "cancelled")
         else:
             self.core.add(message.request_id, message.request, message.submitted)
 
-    def _release_parked(self, leader: str) -> None:
-        """Admit the requests that waited for `leader`'s prefill (through the inbox: they then
-        follow the messages already posted)."""
-        for message in self._parked.pop(leader, ()):
-            self._inbox.put(replace(message, leader=None))
+    def _release_parked(self, leader: str) -> bool:
+        """Admit the requests that waited for `leader`'s prefill, now: a choice cancelled while it
+        waited ends without running. Whether any waited."""
+        released = self._parked.pop(leader, ())
+        for message in released:
+            self._add(message)
+        return bool(released)
 
     def _unpark(self, request_id: str) -> None:
         """A parked request cancelled before admission ends, having held nothing."""
@@ -275,12 +281,13 @@ class Engine:
 
     def _publish(self, activity: Activity) -> None:
         """Hand `activity`'s events to the event loop in one call (each call_soon_threadsafe wakes
-        the loop through a socket write: once per step instead of once per token), and record it."""
-        for request_id in activity.prefilled:
-            self._release_parked(request_id)
+        the loop through a socket write: once per step instead of once per token), and record it.
+        Requests it releases from parking report at once (a refused one ends here, even when
+        nothing else runs)."""
+        released = [self._release_parked(request_id) for request_id in activity.prefilled]
         batch = [(self._streams[request_id], event) for request_id, event in activity.events]
         for finished in activity.finished:
-            self._release_parked(finished.request_id)
+            released.append(self._release_parked(finished.request_id))
             del self._streams[finished.request_id]
             with self._accepted_lock:
                 self._accepted -= 1
@@ -292,3 +299,5 @@ class Engine:
             self.telemetry.record(activity)
         if activity.resources is not None:
             self._resources = activity.resources
+        if any(released):
+            self._publish(self.core.take())
