@@ -225,6 +225,12 @@ def test_completion_and_its_stream_agree(oai):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_a_completion_without_max_tokens_takes_openais_default_of_16(oai):
+    completion = oai.completions.create(model=SERVED, prompt="The quick brown fox", temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 16 and completion.choices[0].finish_reason == "length"
+
+
 def test_completion_logprobs_and_echo(oai):
     completion = oai.completions.create(model=SERVED, prompt="The quick brown fox", max_tokens=5, temperature=0,
                                         logprobs=2, echo=True)

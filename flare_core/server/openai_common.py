@@ -25,12 +25,16 @@ B = TypeVar("B")  # a choice builder
 def generation_request(frontend: Frontend, body: Mapping[str, Any], prompt: Prompt, *, request_id: str,
                        max_tokens_fields: tuple[str, ...], logprobs: bool = False,
                        top_logprobs: int = 0, prompt_logprobs: int | None = None,
-                       min_max_tokens: int = 1, logit_bias: bool = False) -> tuple[GenerationRequest, Sampling]:
+                       min_max_tokens: int = 1, logit_bias: bool = False,
+                       default_max_tokens: int | None = None) -> tuple[GenerationRequest, Sampling]:
     """The GenerationRequest an OpenAI-style body describes (vLLM's extra sampling fields included;
-    `logit_bias` on the routes that define it)."""
+    `logit_bias` on the routes that define it). Without a max-tokens field the budget is
+    `default_max_tokens` where the route has one (at most the context's room), else the room."""
     sampling = read_sampling(frontend.sampling_policy, body, OPENAI_SAMPLING_FIELDS)
     requested, field = read_max_tokens(body, max_tokens_fields, minimum=min_max_tokens)
     max_tokens = fit_max_tokens(len(prompt.ids), requested, field, frontend.context_length)
+    if requested is None and default_max_tokens is not None:
+        max_tokens = min(max_tokens, default_max_tokens)
     request = GenerationRequest(
         prompt_ids=prompt.ids,
         max_tokens=max_tokens,

@@ -30,6 +30,11 @@ from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, 
 from flare_core.server.validation import invalid, is_integers, json_type
 
 
+# "max_tokens: integer or null. Optional. Defaults to 16" (OpenAI API reference, Completions,
+# https://platform.openai.com/docs/api-reference/completions/create). A client that sends none
+# gets a short completion, not the whole context (a 4,092-token generation timed out the SDK).
+DEFAULT_MAX_TOKENS = 16
+
 SPEC = RequestSpec("POST /v1/completions", (
     Field("model", "string", "a served model name; absent: the first"),
     Field("prompt", "any", "one prompt, as text or token ids (a batch of one is accepted)", required=True,
@@ -37,7 +42,7 @@ SPEC = RequestSpec("POST /v1/completions", (
     Field("stream", "boolean", "stream chunks as server-sent events"),
     Field("stream_options", "object", "include_usage: a usage chunk ends the stream"),
     Field("max_tokens", "integer", "at most this many output tokens, at least 1 (0 only with echo: scoring the "
-          "prompt); absent: the context's room"),
+          f"prompt); absent: {DEFAULT_MAX_TOKENS}, OpenAI's default for this route (or the context's room if less)"),
     *sampling_fields(OPENAI_SAMPLING_FIELDS),
     *OPENAI_STOP_FIELDS,
     *OPENAI_CHOICE_FIELDS,
@@ -88,7 +93,8 @@ def parse_completion_request(state: ServerState, body: dict[str, Any], request_i
                                            max_tokens_fields=("max_tokens",), logprobs=top_logprobs is not None,
                                            top_logprobs=top_logprobs or 0,
                                            prompt_logprobs=(top_logprobs or 0) if scoring else None,
-                                           min_max_tokens=0 if echoed else 1, logit_bias=True)
+                                           min_max_tokens=0 if echoed else 1, logit_bias=True,
+                                           default_max_tokens=DEFAULT_MAX_TOKENS)
     # A raw prompt opens no reasoning block a grammar would wait for.
     request = constrained(frontend, request, grammar, None)
     echo, first_token = "", None

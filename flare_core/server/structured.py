@@ -143,8 +143,9 @@ def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | Non
         return None
     parser = frontend.tool_parser
     if parser is None or parser.call_format is None:
-        which = "has no tool parser" if parser is None else f"'s tool parser {parser.id!r} cannot write them"
-        raise invalid("tool_choice", f"forcing a tool call is not available: this core{which}")
+        why = "this core has no tool parser" if parser is None else \
+            f"this core's tool parser {parser.id!r} cannot write them"
+        raise invalid("tool_choice", f"forcing a tool call is not available: {why}")
     call_format, tags = parser.call_format, []
     for tool in tools or ():
         function = tool["function"]
