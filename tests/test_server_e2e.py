@@ -320,6 +320,7 @@ def test_messages_create_stream_and_count_tokens(claude):
                   messages=_user("Write a haiku."))
     message = claude.messages.create(**kwargs)
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+    assert re.fullmatch(r"[0-9a-f]{32}", message._request_id or "")  # the SDK reads the request-id header
     assert [block.type for block in message.content] == ["text"] and message.content[0].text
     counted = claude.messages.count_tokens(model=SERVED, system="Be brief.", messages=_user("Write a haiku."))
     assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens

@@ -180,9 +180,11 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """The request's id under both names clients read: `x-request-id` (OpenAI's SDK and most
+    proxies) and `request-id` (Anthropic's SDK, `message._request_id`)."""
     record = request.get(RECORD)
     if record is not None:
-        response.headers["x-request-id"] = record.request_id
+        response.headers["x-request-id"] = response.headers["request-id"] = record.request_id
 
 
 def ingress_limit(max_concurrency: int, queue_capacity: int) -> int:
