@@ -53,13 +53,15 @@ def recipes() -> None:
     if not registry.recipes:
         click.echo("no recipes installed (pip install flare-recipe-qwen)")
         return
+    # One repository column for every alias, however long the longest alias is.
+    width = max((len(alias.name) for recipe in registry.recipes.values() for alias in recipe.aliases), default=0)
     for name in sorted(registry.recipes):
         recipe = registry.recipes[name]
         owner = registry.owners[name]
         click.echo(f"{name} {recipe.version}  [{owner.distribution} {owner.version}]  "
                    f"architectures: {', '.join(recipe.architectures)}")
         for alias in recipe.aliases:
-            click.echo(f"    {alias.name:<24} {alias.repo}")
+            click.echo(f"    {alias.name:<{width}}  {alias.repo}")
 
 
 @main.command()

@@ -170,8 +170,11 @@ def test_export_errors_are_clear(flare, qwen3_checkpoint, tmp_path, case, messag
 def test_recipes_lists_installed_recipes(flare):
     out = flare("recipes").output
     assert "qwen3 0.1.0  [flare-recipe-qwen" in out
-    assert "qwen3-30b-a3b            Qwen/Qwen3-30B-A3B" in out
     assert "llama 0.1.0  [flare-recipe-llama" in out
+    # Alias rows: the repositories line up in one column, after the longest alias (Kimi Linear's).
+    rows = [line for line in out.splitlines() if line.startswith("    ")]
+    assert any(line.split() == ["qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"] for line in rows)
+    assert len({line.index(line.split()[1]) for line in rows}) == 1, out
 
 
 def test_run_resolves_a_bare_name_to_the_core_cache(flare, qwen3_checkpoint, tmp_path, monkeypatch):
