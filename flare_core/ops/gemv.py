@@ -7,12 +7,12 @@ square ones); on the H200 that reads Qwen3-8B's attention and down projections a
 (benchmarks/gemv.py). The kernel here gives each program a few weight rows, reads them in long
 contiguous chunks and reduces in float32, with no second kernel.
 
-A model built for serving on CUDA (flare_core.ops.serving.gemv_layers) has its bias-free linear layers as `GemvLinear`, whose one-token
-calls go to the custom op `flare::linear`: this kernel on a CUDA device for the shapes it
-takes, `F.linear` otherwise. Being an op, it is one opaque node in compiled layers and a launch
-that CUDA graphs capture like any other. `FusedGatedMLP` calls `flare::gated_linear`, which
-also applies silu(gate) * up in the kernel, and `DecoderForServing` the head through
-`flare::linear`.
+A model built for serving on CUDA (flare_core.ops.serving.gemv_layers) has its bias-free linear
+layers as `GemvLinear`, whose one-token calls go to the custom op `flare::linear`: this kernel
+on a CUDA device for the shapes it takes, `F.linear` otherwise. Being an op, it is one opaque
+node in compiled layers and a launch that CUDA graphs capture like any other. `FusedGatedMLP`
+calls `flare::gated_linear`, which also applies silu(gate) * up in the kernel, and
+`DecoderForServing` the head through `flare::linear`.
 """
 
 from __future__ import annotations

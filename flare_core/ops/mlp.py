@@ -17,7 +17,7 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = act_fn
-        # Set by flare_core.ops.gemv.gemv_layers when act_fn is SiLU: one-token steps then read
+        # Set by flare_core.ops.serving.gemv_layers when act_fn is SiLU: one-token steps then read
         # gate and up and apply silu(gate) * up in one GEMV kernel.
         self.gated_kernel = False
 

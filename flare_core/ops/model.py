@@ -69,7 +69,7 @@ class DecoderForServing(nn.Module):
         self.model.rotary_emb = rotary_emb
         # A tied head reads the embedding matrix in forward: prepared weights name each tensor once.
         self.lm_head = None if tie_word_embeddings else causal_lm.lm_head
-        # Set by flare_core.ops.gemv.gemv_layers: the head's matmul through flare::linear (a single
+        # Set by flare_core.ops.serving.gemv_layers: the head's matmul through flare::linear (a single
         # row's logits then read the [vocab, hidden] matrix with the GEMV kernel).
         self.gemv_head = False
         # Set by flare_core.parallel.join_group when this rank's head holds a slice of the

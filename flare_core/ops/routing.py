@@ -102,7 +102,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, hidden_size))
         self.top_k = top_k
         self.normalize = normalize
-        # Set by flare_core.ops.gemv.gemv_layers: one token's logits through flare::linear.
+        # Set by flare_core.ops.serving.gemv_layers: one token's logits through flare::linear.
         self.gemv_logits = False
 
     @classmethod
@@ -228,7 +228,7 @@ class SigmoidTopKRouter(nn.Module):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(experts))
         self.top_k, self.groups, self.top_groups = top_k, groups, top_groups
         self.normalize, self.scale = normalize, float(scale)
-        # Set by flare_core.ops.gemv.gemv_layers: one token's logits through the GEMV kernel.
+        # Set by flare_core.ops.serving.gemv_layers: one token's logits through the GEMV kernel.
         self.gemv_logits = False
 
     @classmethod
