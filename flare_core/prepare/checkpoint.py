@@ -11,9 +11,7 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-
-class CheckpointError(ValueError):
-    pass
+from flare_core.prepare.errors import CheckpointError
 
 
 class CheckpointTensors(Mapping[str, torch.Tensor]):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flare_core.prepare.checkpoint import CheckpointError
+from flare_core.prepare.errors import CheckpointError
 
 # Tensor types stored as plain floats: kept as they are, not "dequantized".
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
