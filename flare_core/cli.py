@@ -298,6 +298,26 @@ def _timed_call(phases: dict[str, float], name: str, function, *args) -> None:
         function(*args)
 
 
+def check_address_free(host: str, port: int) -> None:
+    """Refuse now, before the seconds or minutes of loading, when another process listens on
+    `host:port`. Bound as the server binds it (address reuse on, so a port in TIME_WAIT after
+    a previous server counts as free); the server's own bind still reports a later taker."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise FlareCommandError(f"cannot listen on {host}:{port}: {exc.strerror} (choose --host)") from None
+    for family, kind, protocol, _, address in infos:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise FlareCommandError(f"cannot listen on {host}:{port}: {exc.strerror} (another server holds "
+                                        f"it? choose another port with --port)") from None
+
+
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
@@ -315,6 +335,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     from flare_core.engine.memory import MemoryPlanError, plan_kv
     from flare_core.server.serve import ServeError, WorkerFailed, serve
 
+    check_address_free(host or config.server.host, config.server.port if port is None else port)
     telemetry = logs = None
     if dashboard and sys.stderr.isatty():
         from flare_core.observability import LogSink, Telemetry
@@ -478,6 +499,7 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
     once; without that package, or with --recipe, a tiny random-weight model of a recipe's
     architecture with its real tokenizer and chat template (its text is gibberish)."""
     config = _config(ctx)
+    check_address_free(host or config.server.host, config.server.port if port is None else port)  # before the export
     registry = _registry()
     device = device or config.defaults.device
     # The CPU path computes in float32 (the reference numerics); the CUDA path in bfloat16,

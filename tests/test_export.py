@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,21 @@ def test_tampered_core_is_rejected_naming_what_failed(flare, qwen3_checkpoint, t
     served = flare("run", copy, "--device", "cpu", "--kv-cache-limit", "not-a-size", expect_ok=False)
     assert served.exit_code == 1
     assert "sha256 mismatch" in served.output and named in served.output, served.output
+
+
+def test_run_and_demo_refuse_a_port_in_use_before_loading(flare, qwen3_checkpoint):
+    """A port another process listens on is refused at once, naming the address and --port:
+    `flare run` before it loads the core, `flare demo` before it exports one."""
+    core = flare.export(qwen3_checkpoint, "--dtype", "float32")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in (["run", core, "--device", "cpu"], ["demo", "--device", "cpu"]):
+            result = flare(*command, "--host", "127.0.0.1", "--port", str(port), expect_ok=False)
+            assert result.exit_code == 1, result.output
+            assert f"cannot listen on 127.0.0.1:{port}" in result.output and "--port" in result.output
+            assert "core loaded" not in result.output and "exported" not in result.output
 
 
 def test_untrusted_publisher_refused_then_accepted(flare, qwen3_checkpoint, tmp_path):
