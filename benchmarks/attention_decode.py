@@ -1,5 +1,5 @@
 """Decode attention kernel variants on the GPU: FlashInfer's tensor-core decode kernel against
-its CUDA-core one and the Triton kernels of flare_core.ops.decode_attention, replayed in CUDA
+its CUDA-core one and the Triton kernels of flare_core.kernels.decode_attention, replayed in CUDA
 graphs as serving runs them (split-KV + merge), for the
 Qwen3-8B attention shape (32 query / 8 KV heads, head_dim 128, bf16, 64-token pages).
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from flare_core.ops.decode_attention import TritonDecode
-from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, FlashInferDecode, PagedLayout
+from flare_core.kernels.decode_attention import TritonDecode
+from flare_core.kernels.flashinfer_attention import WORKSPACE_BYTES, FlashInferDecode, PagedLayout
 
 
 def time_variant(tensor_cores: bool, batch: int, context: int, calls: int = 36, page_tokens: int = 64,

@@ -3,7 +3,7 @@ ways to run SiLU(depthwise causal conv) over one new input per request, continui
 request's window in its state row, each captured as one CUDA graph over `--layers` layers of
 distinct state (as a decode step holds them):
 
-  * torch: `flare_core.ops.delta_rule._conv_one_token` then SiLU under torch.compile (the path
+  * torch: `flare_core.kernels.delta_rule._conv_one_token` then SiLU under torch.compile (the path
     before `flare::conv_step`: gather the rows' windows, the taps, write the rows back);
   * fla: flash-linear-attention's `causal_conv1d_update` (one window per batch entry, with the
     token's slot) between a gather of the rows into its window layout and a scatter back;
@@ -43,7 +43,7 @@ def ways(x, windows, rows, weight, bias):
     """name -> a function of one layer's (x, windows) running that way (windows in place)."""
     from fla.modules.causal_conv1d import causal_conv1d_update
 
-    from flare_core.ops.delta_rule import _conv_one_token, conv_step
+    from flare_core.kernels.delta_rule import _conv_one_token, conv_step
 
     compiled = torch.compile(lambda x, windows: F.silu(_conv_one_token(x, windows, rows, weight, bias)))
     taps = weight[:, 0, :].contiguous()  # fla's [channels, kernel]

@@ -57,7 +57,7 @@ def flare_decode(config, model, weight_bytes: int, device, context: int, steps: 
     host and read one step later."""
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import cuda_runner
-    from flare_core.ops.sampling import StepSampling
+    from flare_core.executor.sampling import StepSampling
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
@@ -147,8 +147,9 @@ def eager_greedy(model, device, context: int, steps: int) -> list[int]:
 
 
 def serving_model(config, hf_model, device, fp8: bool = False, gemv: bool = True):
+    from flare_core.kernels.fp8 import quantize_blocks
     from flare_core.ops import serving
-    from flare_core.ops.fp8 import quantizable_linears, quantize_blocks
+    from flare_core.ops.fp8 import quantizable_linears
     from flare_core.ops.loading import load_prepared_weights
     from flare_recipe_qwen.recipes import QWEN3
 

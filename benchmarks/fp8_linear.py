@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flare_core.ops.fp8 import (_fp8_gemv_path, block_scaled_mm, dequantize_blocks, fp8_gemv, fp8_mm,
-                                quantize_blocks)
-from flare_core.ops.gemv import GemvConfig
+from flare_core.kernels.fp8 import (_fp8_gemv_path, block_scaled_mm, dequantize_blocks, fp8_gemv, fp8_mm, quantize_blocks)
+from flare_core.kernels.gemv import GemvConfig
 from gemv import ROTATION_BYTES, SHAPES, device_us, sweep_configs
 
 TOKENS = (1, 8, 16, 32, 64, 128, 256, 2048)

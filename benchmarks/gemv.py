@@ -1,5 +1,5 @@
 """One-token matmuls on Qwen3-8B's (or, `--shape kimi-linear`, Kimi Linear 48B-A3B's) weight shapes: cuBLAS (F.linear) vs Flare's Triton GEMV
-(flare_core.ops.gemv), side by side in one run, with a sweep of the kernel's launch
+(flare_core.kernels.gemv), side by side in one run, with a sweep of the kernel's launch
 configurations.
 
 Each figure is the device time of one call inside a CUDA graph that calls the op over enough
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flare_core.ops.gemv import GemvConfig, gemv, gemv_config
+from flare_core.kernels.gemv import GemvConfig, gemv, gemv_config
 
 # --shape -> {name -> (out_features, in_features, gated)}.
 SHAPES = {

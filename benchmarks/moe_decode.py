@@ -1,6 +1,6 @@
 """Mixture-of-experts decode, side by side in one process and one run: the routed experts through
 Transformers' `grouped_mm` (the path before the fused op) and through `flare::routed_experts`
-(flare_core.ops.moe), against the active-weight roofline, at batch 1, 8 and 64.
+(flare_core.kernels.moe), against the active-weight roofline, at batch 1, 8 and 64.
 
 Shapes (random bf16 weights drawn on the GPU under the recipe's prepared names):
   * qwen3-30b-a3b-12l: Qwen3-30B-A3B cut to 12 layers (hidden 2048, 128 experts top-8 of
@@ -82,7 +82,7 @@ def roofline_tok_s(config, moe_layers: int, weight_bytes: int, batch: int, bandw
 def decode(config, model, recipe, device, batches: list[int], context: int, steps: int,
            profile: Path | None = None, compile_model: bool = True) -> dict:
     from flare_core.executor.graphs import cuda_runner
-    from flare_core.ops.sampling import StepSampling
+    from flare_core.executor.sampling import StepSampling
     from flare_core.plugins import load_registry
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
@@ -180,8 +180,8 @@ def op_sweep(config, moe_layers: int, device, repeats: int = 50) -> dict:
     them, the GEMV kernel over one matrix of the same bytes (the bound a launch of these bytes
     reaches), and for families with a shared expert of a routed expert's shape the shared
     expert's two GEMVs against routing it as one more pair of the op."""
-    from flare_core.ops import moe
-    from flare_core.ops.gemv import gemv, gemv_config
+    from flare_core.kernels import moe
+    from flare_core.kernels.gemv import gemv, gemv_config
 
     experts, top_k, expert_bytes = expert_geometry(config)
     hidden, intermediate = config.hidden_size, config.moe_intermediate_size

@@ -1,6 +1,6 @@
 """Device time of the samplers the CUDA executor captures, side by side in one process: the
 compiled windowed sampler (`sample_rows` with the top-64 window, as flare_core.executor.graphs
-compiles it) with flare_core.ops.sampling's `first_argmax` (one row in 128 slices) and with a
+compiles it) with flare_core.executor.sampling's `first_argmax` (one row in 128 slices) and with a
 plain `argmax` over the whole row, at a few batch sizes; each replayed in a CUDA graph of
 `--repeats` calls over one logits buffer. With --top-values, ways to take one row's 64 largest
 values (torch.topk whole or over slices, sorts), which the windowed sampler needs.
@@ -19,7 +19,7 @@ import torch
 from moe_decode import graph_us
 from provenance import commit_and_date, report
 
-import flare_core.ops.sampling as sampling
+import flare_core.executor.sampling as sampling
 
 WINDOW = 64
 

@@ -43,6 +43,7 @@ from flare_core.contract import (
 from flare_core.contract.template_patch import MARK_TAG
 from flare_core.frontend.stops import partial_match_length
 from flare_core.frontend.tool_calls import MarkedToolCallParser, ToolCallMarkers, ToolCallStream, function_name
+from flare_core.kernels.delta_rule import gated_delta_rule, kimi_delta_rule, kimi_delta_rule_step
 from flare_core.ops.attention import ForwardContext, PagedAttention, write_paged
 from flare_core.ops.deepseek_v3 import (
     DEEPSEEK_V3_ARCHITECTURES,
@@ -58,7 +59,7 @@ from flare_core.ops.deepseek_v3 import (
     map_deepseek_v3_weights,
     serve_sigmoid_moe_mlp,
 )
-from flare_core.ops.delta_rule import DeltaRuleForServing, gated_delta_rule, kimi_delta_rule, kimi_delta_rule_step
+from flare_core.ops.delta_rule import DeltaRuleForServing
 from flare_core.ops.gqa import FusedQKVAttention
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP

@@ -1,4 +1,4 @@
-"""flare_core.ops.delta_rule.causal_conv_rows: the causal convolution of a flattened batch over
+"""flare_core.kernels.delta_rule.causal_conv_rows: the causal convolution of a flattened batch over
 state rows (the code the CUDA path runs too, in and out of captured graphs) against PyTorch's own
 conv1d run request by request on each request's window and new inputs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flare_core.ops.delta_rule import causal_conv_rows
+from flare_core.kernels.delta_rule import causal_conv_rows
 
 
 def test_matches_conv1d_request_by_request_and_updates_only_their_rows():
@@ -71,7 +71,7 @@ def test_one_token_each_reads_and_writes_the_rows_as_the_general_path_does():
 def test_conv_step_is_silu_of_the_decode_convolution_and_compiles_with_the_rows_in_place():
     """`flare::conv_step` (a decode step's convolution and SiLU as one op; CUDA's kernel is
     tested in tests/gpu) on the CPU, eagerly and under torch.compile, against conv1d per request."""
-    from flare_core.ops.delta_rule import conv_step
+    from flare_core.kernels.delta_rule import conv_step
 
     generator = torch.Generator().manual_seed(3)
     channels, kernel = 10, 4

@@ -11,9 +11,9 @@ from torch._dynamo.utils import counters
 from transformers import Qwen3ForCausalLM
 
 from flare_core.ops.attention import AttentionBatch, ForwardContext
-from flare_core.ops.gemv import GemvLinear
-from flare_core.ops.mlp import FusedGatedMLP
+from flare_core.ops.linear import GemvLinear
 from flare_core.ops.loading import load_prepared_weights
+from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import CompiledDecoder
 from flare_core.ops.opaque import bound
 from flare_core.ops.serving import ServingOptions, serving_model

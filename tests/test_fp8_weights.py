@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flare_core.core import open_core
-from flare_core.ops.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
-from flare_core.plugins import load_registry
 from flare_core.engine.load import load_core
+from flare_core.kernels.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
+from flare_core.plugins import load_registry
 from flare_testing.parity import serve_paged
 from server_process import ServerProcess
 

@@ -174,7 +174,7 @@ def test_cache_narrower_than_the_model_is_an_error(setup):
 ])
 def test_flashinfer_mla_names_the_shape_limit_before_touching_the_gpu(shape, limit):
     # Checked before FlashInfer is imported: the tiny test geometry here is one the kernels refuse.
-    from flare_core.ops.flashinfer_mla import FlashInferMLA
+    from flare_core.kernels.flashinfer_mla import FlashInferMLA
 
     real = {"num_heads": 128, "kv_lora_rank": 512, "rope_dim": 64, "page_tokens": 64, "dtype": torch.bfloat16}
     with pytest.raises(ValueError, match=limit):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flare_core.ops.sampling import PenaltyBook, PenaltyState, Sampler, apply_penalties
+from flare_core.executor.sampling import PenaltyBook, PenaltyState, Sampler, apply_penalties
 from flare_core.requests import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flare_core.ops.sampling import (VOCAB_SLICES, exponential_noise, filter_weights, first_argmax, noise_keys,
-                                     sample_rows)
+from flare_core.executor.sampling import (VOCAB_SLICES, exponential_noise, filter_weights, first_argmax, noise_keys, sample_rows)
 
 VOCAB = 400
 ROWS = 48

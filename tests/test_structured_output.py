@@ -15,9 +15,9 @@ import re
 import pytest
 import torch
 
+from flare_core.executor.sampling import Sampler
 from flare_core.frontend.grammar import GrammarKind, GrammarMatcher, GrammarSpec
-from flare_core.ops.sampling import Sampler
-from flare_core.ops.token_masks import apply_token_masks
+from flare_core.kernels.token_masks import apply_token_masks
 from flare_core.requests import MASK_BITS
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine, run_requests
@@ -195,7 +195,7 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(session_flare,
 def test_constrain_maps_sampling_rows_onto_logits_rows():
     """The graph path's logits have a row per graph slot; sampling row i sits at rows[i]. Leading
     rows (decode steps) and rows apart (prompt chunks) mask the same tokens; unmapped rows keep all."""
-    from flare_core.ops.sampling import LogitBias, constrain
+    from flare_core.executor.sampling import LogitBias, constrain
 
     vocab, words = 70, 3
     masks = torch.zeros(2, words, dtype=torch.int32)

@@ -16,7 +16,7 @@ import torch
 from flare_core.engine.live import LiveRequest
 from flare_core.engine.stats import HostTimes
 from flare_core.executor import Executor
-from flare_core.ops.sampling import LogitBias, SampleOutput, StepSampling
+from flare_core.executor.sampling import LogitBias, SampleOutput, StepSampling
 from flare_core.requests import SamplingParams
 from flare_core.scheduler import Scheduler, StepPlan
 

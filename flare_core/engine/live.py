@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flare_core.executor.sampling import PenaltyState, PromptScores, SampleOutput
 from flare_core.frontend import Tokenizer
 from flare_core.frontend.grammar import GrammarMatcher
 from flare_core.frontend.output import Finish, OutputProcessor
-from flare_core.ops.sampling import PenaltyState, PromptScores, SampleOutput
 from flare_core.requests import GenerationEvent, GenerationRequest, check_request
 from flare_core.scheduler import RequestHandle
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from flare_core.ops.sampling import PenaltyBook, SampleOutput, StepSampling
+    from flare_core.executor.sampling import PenaltyBook, SampleOutput, StepSampling
     from flare_core.scheduler import StepPlan
 
 

@@ -10,10 +10,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from flare_core.executor.sampling import PromptScores, SampleOutput, Sampler, StepSampling
 from flare_core.executor.state import DeviceState
+from flare_core.kernels.transfer import to_device
 from flare_core.ops.attention import AttentionBackend, AttentionBatch, ForwardContext
-from flare_core.ops.sampling import PromptScores, SampleOutput, Sampler, StepSampling
-from flare_core.ops.transfer import to_device
 from flare_core.requests import MAX_TOP_LOGPROBS
 from flare_core.scheduler import StepPlan
 

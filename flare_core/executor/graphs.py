@@ -2,7 +2,7 @@
 graph catalog, all sharing one memory pool: decode batch capacities (rows) and prefill token
 capacities (prompt chunks of several requests; a mixed step's decode rows join its chunks as
 one-token requests). Matmuls of one token (the capacity-1 decode graph: a single request
-decoding) run a Triton GEMV kernel (flare_core.ops.gemv) when the model was built with it
+decoding) run a Triton GEMV kernel (flare_core.kernels.gemv) when the model was built with it
 (flare_core.ops.serving). Steps no graph
 covers (steps that restore a prompt's stored logits or score prompts, prompt chunks of kernels
 without prefill graphs) run the same model eagerly over FlashInfer paged prefill.
@@ -38,17 +38,16 @@ import structlog
 import torch
 
 from flare_core.contract import CacheScheme
+from flare_core.executor.backends import kernels_for
 from flare_core.executor.eager import EagerRunner, Sequences, scores_prompt
 from flare_core.executor.runner import HostCopies, ModelRunner
 from flare_core.executor.state import DeviceState
 from flare_core.executor.storage import TORCH_DTYPES
+from flare_core.kernels.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, AttentionBatch, ForwardContext, cache_index, linear_chunks
-from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
-from flare_core.ops.kernels import kernels_for
 from flare_core.ops.model import CompiledDecoder
-from flare_core.ops.sampling import (FLOAT_COLUMNS, INT_COLUMNS, SampleOutput, Sampler, StepSampling, constrain,
-                                     penalise, row_columns, sample_rows, window)
-from flare_core.ops.transfer import to_device, upload
+from flare_core.executor.sampling import (FLOAT_COLUMNS, INT_COLUMNS, SampleOutput, Sampler, StepSampling, constrain, penalise, row_columns, sample_rows, window)
+from flare_core.kernels.transfer import to_device, upload
 from flare_core.scheduler import StepPlan
 
 log = structlog.get_logger("flare.graphs")
@@ -356,7 +355,7 @@ class GraphRunner:
         self.kernels, self.scale = attention.kernels, attention.scale
         self._pages_per_context = -(-context_length // self.page_tokens)
         # The capacity-1 decode graph (one request decoding) attends through the Triton kernels of
-        # flare_core.ops.decode_attention where the model's shape allows, unless `triton_attention`
+        # flare_core.kernels.decode_attention where the model's shape allows, unless `triton_attention`
         # is off; wider batches keep FlashInfer's decode.
         self._triton_rows = 1 if triton_attention and self.kernels.triton_decode else 0
         self._compiled = compiled

@@ -16,8 +16,8 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.eager import EagerRunner
+from flare_core.executor.sampling import PromptScores, SampleOutput, Sampler, StepSampling
 from flare_core.executor.state import DeviceState
-from flare_core.ops.sampling import PromptScores, SampleOutput, Sampler, StepSampling
 from flare_core.scheduler import StepPlan
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from flare_core.contract import CacheScheme
+from flare_core.executor.sampling import PenaltyBook
 from flare_core.executor.storage import allocate_cache_storage
-from flare_core.ops.sampling import PenaltyBook
-from flare_core.ops.transfer import to_device
+from flare_core.kernels.transfer import to_device
 from flare_core.scheduler import PrefillChunk, StepPlan
 
 

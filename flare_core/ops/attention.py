@@ -23,9 +23,9 @@ from typing import Mapping, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
-from flare_core.ops.fp8 import FP8_MAX
+from flare_core.kernels.fp8 import FP8_MAX
+from flare_core.kernels.transfer import to_device
 from flare_core.ops.opaque import bound_context
-from flare_core.ops.transfer import to_device
 
 
 def cache_index(pages: Sequence[int], position: int, page_tokens: int) -> int:
@@ -150,7 +150,7 @@ class AttentionBatch:
 class ForwardContext:
     """What a model needs besides token ids and positions for one step: the batch layout and
     the cache, as paged store name -> per-layer tensor (see the module docstring for layouts).
-    `attention` is the planned kernel backend for this step (flare_core.ops.flashinfer_attention);
+    `attention` is the planned kernel backend for this step (flare_core.kernels.flashinfer_attention);
     None means the plain-torch reference.
 
     `layer` holds one layer's tensors (store name -> tensor) in the context a decoder loop hands

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from flare_core.ops.gemv import one_token
+from flare_core.ops.linear import one_token
 
 
 class FusedGatedMLP(nn.Module):

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from flare_core.contract import ContractError
 from flare_core.contract.protocols import RuntimeModel  # noqa: F401 - the protocol this module implements
 from flare_core.ops.attention import ForwardContext
-from flare_core.ops.gemv import one_token
+from flare_core.ops.linear import one_token
 from flare_core.ops.moe import use_fused_experts
 from flare_core.ops.opaque import bound
 

@@ -3,7 +3,7 @@ in the same call, and nothing changes it afterwards.
 
 What a runner needs of the modules is decided here, while the parameters are still on the meta
 device: FP8 block-scaled linears where the core keeps FP8 weights (flare_core.ops.fp8), the GEMV
-kernel for one-token matmuls on CUDA (flare_core.ops.gemv), a tensor-parallel rank's share and
+kernel for one-token matmuls on CUDA (flare_core.kernels.gemv), a tensor-parallel rank's share and
 its all-reduces (flare_core.parallel). `load_prepared_weights` then fills the parameters. The
 runners take the model as it is: compiling it (flare_core.ops.model.CompiledDecoder) wraps it
 without changing it.
@@ -19,7 +19,7 @@ from torch import nn
 
 from flare_core.contract import Recipe
 from flare_core.ops.fp8 import use_fp8_blocks, use_fp8_experts
-from flare_core.ops.gemv import GemvLinear
+from flare_core.ops.linear import GemvLinear
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import DecoderForServing
 from flare_core.ops.routing import SigmoidTopKRouter, SoftmaxTopKRouter

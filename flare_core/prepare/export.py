@@ -229,7 +229,7 @@ def _fp8_weights(recipe: Recipe, model: torch.nn.Module) -> list[str]:
 
 
 def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str]) -> int:
-    from flare_core.ops.fp8 import BLOCK
+    from flare_core.kernels.fp8 import BLOCK
 
     total = 0
     quantized = set(names)
@@ -254,7 +254,7 @@ def _quantize_fp8(tensors: dict[str, torch.Tensor], names: list[str],
     unquantized checkpoint's weights are quantized (packed experts expert by expert). An fp8
     checkpoint's are its own blocks where the weight's checkpoint parts line up in 128x128 blocks;
     the others keep the dequantized weight (never requantized to make a fusion fit)."""
-    from flare_core.ops.fp8 import SCALE_SUFFIX, quantize_blocks, quantize_experts
+    from flare_core.kernels.fp8 import SCALE_SUFFIX, quantize_blocks, quantize_experts
 
     done = 0
     for name in names:
@@ -276,7 +276,7 @@ def _published_blocks(name: str, prepared: torch.Tensor,
     the parts (one, or a fused projection's) concatenated, when each is fp8 in 128x128 blocks,
     every part but the last fills whole block rows, and the result dequantizes to exactly the
     prepared weight (which a recipe that maps names its own way would not). None otherwise."""
-    from flare_core.ops.fp8 import BLOCK, dequantize_blocks
+    from flare_core.kernels.fp8 import BLOCK, dequantize_blocks
     from flare_core.ops.weights import source_names
 
     if checkpoint.blocks.block != BLOCK:

@@ -29,7 +29,7 @@ in FP4:
 
 a quantized `X.weight` has its block scales in `X.scale` (Transformers' fp8 quantizer renames
 `X.scale` to `X.weight_scale_inv`), stored as float8_e8m0fnu powers of two; each routed expert
-matrix is FP4 e2m1, two per byte, with one e8m0 scale per row and 32 columns (flare_core.ops.fp4).
+matrix is FP4 e2m1, two per byte, with one e8m0 scale per row and 32 columns (flare_core.kernels.fp4).
 `expert_dtype` may sit in quantization_config (V4.1, and V4's config once Transformers has read
 it) or at the top of config.json (V4 as published). Which tensors are FP4 is read from the tensors:
 a packed weight (int8 / uint8 / float4_e2m1fn_x2) with a scale of its FP4 group geometry.
@@ -49,8 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flare_core.ops import fp4
-from flare_core.ops.fp8 import SCALE_SUFFIX, dequantize_blocks
+from flare_core.kernels import fp4
+from flare_core.kernels.fp8 import SCALE_SUFFIX, dequantize_blocks
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED = ("fp8 checkpoints are supported as config.json quantization_config {quant_method 'fp8', fmt 'e4m3', "
@@ -77,7 +77,7 @@ class Fp8ConfigError(ValueError):
 @dataclass(frozen=True)
 class Fp8Blocks:
     """fp8 e4m3 weights with one scale per `block` = (rows, cols) block; routed experts in
-    `experts` ("fp8": as the other weights; "fp4": FP4 groups, flare_core.ops.fp4)."""
+    `experts` ("fp8": as the other weights; "fp4": FP4 groups, flare_core.kernels.fp4)."""
     block: tuple[int, int]
     experts: str = "fp8"
 
@@ -130,7 +130,7 @@ def scale_names(weight_name: str) -> tuple[str, ...]:
 
 def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks, scale: str | None = None) -> Tensor:
     """The float32 weight of fp8 `weight` [rows, cols] and its per-block `scale_inv`
-    [ceil(rows / block_rows), ceil(cols / block_cols)], checked first (flare_core.ops.fp8.
+    [ceil(rows / block_rows), ceil(cols / block_cols)], checked first (flare_core.kernels.fp8.
     dequantize_blocks computes it); `name` and `scale` (default: `name`'s weight_scale_inv) are
     the checkpoint tensors, for errors."""
     scale = scale or name + SCALE_SUFFIX
@@ -155,7 +155,7 @@ def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks, 
 
 def dequantize_fp4_weight(name: str, packed: Tensor, scale: Tensor, scale_name: str) -> Tensor:
     """The float32 weight of FP4 `packed` [rows, cols / 2] and its group scales `scale` [rows,
-    cols / 32] (flare_core.ops.fp4), checked first; the names are the checkpoint tensors', for
+    cols / 32] (flare_core.kernels.fp4), checked first; the names are the checkpoint tensors', for
     errors."""
     if packed.dim() != 2:
         raise ValueError(f"checkpoint tensor {name!r} is FP4 with shape {tuple(packed.shape)}; FP4 weights are "

@@ -2,7 +2,7 @@
 pairs in int8 bytes, one float8_e8m0fnu scale per row and 32 columns), the other linear weights
 of the layers in FP8 with float8_e8m0fnu block scales, every scale named `X.scale`, and
 "expert_dtype": "fp4" at the top of config.json (flare_core.prepare.fp8_checkpoint,
-flare_core.ops.fp4). The reference is Transformers reading the same files (its fp8 quantizer
+flare_core.kernels.fp4). The reference is Transformers reading the same files (its fp8 quantizer
 dequantizes on a machine without a GPU)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from flare_core.ops.fp4 import dequantize_fp4
+from flare_core.kernels.fp4 import dequantize_fp4
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8Blocks, Fp8ConfigError, fp8_blocks
 from flare_testing.deepseek import assert_core_matches, export_checkpoint, publish_v4_quantized, \
     quantize_fp4_groups, write_v4_checkpoint

@@ -1,4 +1,4 @@
-"""The Triton decode attention (flare_core.ops.decode_attention) against the plain-torch
+"""The Triton decode attention (flare_core.kernels.decode_attention) against the plain-torch
 reference on the GPU (opt in: FLARE_TEST_GPU=1): one-token rows of several context lengths
 (a single token, page edges, contexts longer than the splits), GQA groups of 4 and 8, and a
 CUDA graph replayed after new plans.
@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def layout_for(kv_lens, page_ids, page_tokens):
+    from flare_core.kernels.flashinfer_attention import PagedLayout
     from flare_core.ops.attention import AttentionBatch
-    from flare_core.ops.flashinfer_attention import PagedLayout
 
     tables, start = [], 0
     for n in kv_lens:
@@ -38,8 +38,8 @@ def layout_for(kv_lens, page_ids, page_tokens):
 @pytest.mark.parametrize("pages_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (16, 2)])
 def test_triton_decode_matches_the_reference_and_replays_in_a_graph(heads, kv_heads, pages_dtype):
+    from flare_core.kernels.decode_attention import TritonDecode
     from flare_core.ops.attention import paged_attention_reference
-    from flare_core.ops.decode_attention import TritonDecode
 
     torch.manual_seed(0)
     pages, page_tokens, dim = 256, 64, 128

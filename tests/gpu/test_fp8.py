@@ -39,7 +39,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, bound: float = ULPS) ->
 
 
 def _fp8_weight(out_features: int, in_features: int, seed: int):
-    from flare_core.ops.fp8 import dequantize_blocks, quantize_blocks
+    from flare_core.kernels.fp8 import dequantize_blocks, quantize_blocks
 
     generator = torch.Generator(device="cuda").manual_seed(seed)
     weight, scale_inv = quantize_blocks(torch.randn(out_features, in_features, device="cuda", generator=generator))
@@ -48,7 +48,7 @@ def _fp8_weight(out_features: int, in_features: int, seed: int):
 
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 12288), (576, 7168), (1000, 512)])
 def test_fp8_gemv_matches_the_dequantized_weight_on_one_token(out_features, in_features):
-    from flare_core.ops.fp8 import _fp8_gemv_path
+    from flare_core.kernels.fp8 import _fp8_gemv_path
 
     weight, scale_inv, exact = _fp8_weight(out_features, in_features, 0)
     x = torch.randn(1, 1, in_features, device="cuda", dtype=torch.bfloat16)
@@ -67,7 +67,7 @@ def test_fp8_gated_gemv_matches_silu_gate_times_up(half):
 
 
 def test_quantize_groups_gives_e4m3_per_token_and_128_columns():
-    from flare_core.ops.fp8 import quantize_groups
+    from flare_core.kernels.fp8 import quantize_groups
 
     x = torch.randn(5, 512, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 2, 5, device="cuda")[:, None]
     x[2, 128:256] = 0  # an all-zero group: scale 1, zeros
@@ -85,7 +85,7 @@ def test_quantize_groups_gives_e4m3_per_token_and_128_columns():
 
 @pytest.mark.parametrize("tokens", [2, 3, 64, 100])
 def test_fp8_mm_matches_the_dequantized_weight(tokens):
-    from flare_core.ops.fp8 import fp8_mm
+    from flare_core.kernels.fp8 import fp8_mm
 
     weight, scale_inv, exact = _fp8_weight(6144, 4096, 2)
     x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def test_fp8_mm_matches_the_dequantized_weight(tokens):
 
 @pytest.mark.parametrize("tokens", [2, 65, 300, 2048])
 def test_block_scaled_gemm_matches_its_quantized_activations(tokens):
-    from flare_core.ops.fp8 import _gemm_path, quantize_groups
+    from flare_core.kernels.fp8 import _gemm_path, quantize_groups
 
     weight, scale_inv, exact = _fp8_weight(6144, 4096, 2)
     x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
@@ -111,7 +111,7 @@ def test_block_scaled_gemm_matches_its_quantized_activations(tokens):
 
 @pytest.mark.parametrize("tokens", [7, 300])
 def test_shapes_the_gemm_does_not_take_go_to_the_triton_kernel(tokens):
-    from flare_core.ops.fp8 import _gemm_path
+    from flare_core.kernels.fp8 import _gemm_path
 
     weight, scale_inv, exact = _fp8_weight(576, 7168, 3)  # 576 rows: no whole number of 128-row blocks
     x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
@@ -139,8 +139,8 @@ def test_fp8_linear_replays_in_a_cuda_graph(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 3, 64, 700])
 def test_fp8_experts_match_the_dequantized_reference(tokens):
-    from flare_core.ops.fp8 import quantize_experts
-    from flare_core.ops.moe import reference_experts
+    from flare_core.kernels.fp8 import quantize_experts
+    from flare_core.kernels.moe import reference_experts
 
     count, top_k, hidden, intermediate = 64, 8, 1024, 384
     generator = torch.Generator(device="cuda").manual_seed(5)
@@ -162,8 +162,8 @@ def test_fp8_experts_match_the_dequantized_reference(tokens):
 def _quantized_pair(config, recipe, prepared, device):
     """(reference, fp8): the recipe's model with the quantizable weights quantized and dequantized
     back to bf16 (the FP8 model's values, rounded to bf16), and the model holding them as FP8."""
-    from flare_core.ops.fp8 import (dequantize_blocks, quantizable_experts, quantizable_linears, quantize_blocks,
-                                    quantize_experts)
+    from flare_core.kernels.fp8 import dequantize_blocks, quantize_blocks, quantize_experts
+    from flare_core.ops.fp8 import quantizable_experts, quantizable_linears
     from flare_core.ops.loading import load_prepared_weights
     from flare_core.ops.serving import ServingOptions, serving_model
 
@@ -194,8 +194,8 @@ def test_fp8_model_on_the_graph_path_tracks_the_dequantized_reference():
     the cuBLAS GEMMs of prompt chunks and decode batches (<= 2^-4 relative per input, most less):
     we allow 8% of the logits' range, and the measured worst is printed."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
     from flare_core.ops.fp8 import Fp8BlockLinear
     from flare_core.plugins import load_registry
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3
@@ -243,9 +243,9 @@ def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
 
     from flare_core.cli import open_verified_core
     from flare_core.config import load_config
+    from flare_core.engine.load import load_core
     from flare_core.ops.fp8 import Fp8BlockLinear
     from flare_core.plugins import load_registry
-    from flare_core.engine.load import load_core
     from flare_testing.parity import serve_paged
     from flare_testing.deepseek import (dequantized_reference, export_checkpoint, quantize_fp8_checkpoint,
                                                random_model, save_model, write_frontend)

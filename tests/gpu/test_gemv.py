@@ -31,7 +31,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 12288), (12576, 2304), (2304, 4096),
                                                       (4096, 128), (1000, 512), (37, 256)])
 def test_gemv_matches_f_linear_on_one_token(out_features, in_features):
-    from flare_core.ops.gemv import gemv_config
+    from flare_core.kernels.gemv import gemv_config
 
     assert gemv_config(out_features, in_features) is not None
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -62,9 +62,9 @@ def test_several_tokens_and_odd_shapes_take_f_linear_exactly():
 
 
 def test_gemv_layers_switches_linears_and_keeps_outputs_and_state_dict():
-    from flare_core.ops.gemv import GemvLinear
-    from flare_core.ops.serving import gemv_layers
+    from flare_core.ops.linear import GemvLinear
     from flare_core.ops.mlp import FusedGatedMLP
+    from flare_core.ops.serving import gemv_layers
 
     torch.manual_seed(3)
     model = nn.Sequential(FusedGatedMLP(256, 512, nn.SiLU()), nn.Linear(256, 128, bias=True)).cuda().bfloat16()
@@ -83,7 +83,7 @@ def test_programmatic_dependent_launches_read_the_previous_kernels_output():
     wait for its input. The chain gives the same bits as the same kernels launched plainly."""
     from dataclasses import replace
 
-    from flare_core.ops.gemv import _pdl, gemv, gemv_config
+    from flare_core.kernels.gemv import _pdl, gemv, gemv_config
 
     if not _pdl(torch.cuda.current_device()):
         pytest.skip("programmatic dependent launch needs Hopper or later and a Triton that launches it")

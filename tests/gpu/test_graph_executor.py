@@ -80,8 +80,7 @@ def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
     bf16 pages, and over FP8 pages (`--kv-dtype fp8_e4m3`: FlashInfer's FA2 kernels widen the
     records; the reference reads the same FP8 records, so the bound stays)."""
     from flare_core.ops.attention import AttentionBatch, paged_attention_reference
-    from flare_core.ops.flashinfer_attention import (WORKSPACE_BYTES, FlashInferDecode, FlashInferPrefill,
-                                                     PagedLayout)
+    from flare_core.kernels.flashinfer_attention import (WORKSPACE_BYTES, FlashInferDecode, FlashInferPrefill, PagedLayout)
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -123,8 +122,8 @@ def test_flashinfer_decode_and_prefill_match_reference(pages_dtype):
 
 def make_scheduler(num_pages, max_concurrency=8, chunk=128, held_pages=0):
     """`held_pages`: the first pages, taken before any request, so that requests get the others."""
-    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.contract import Capacities
+    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
 
     caps = Capacities(max_concurrency=max_concurrency, prefill_chunk_size=chunk, context_length=2048)
@@ -140,8 +139,8 @@ def make_scheduler(num_pages, max_concurrency=8, chunk=128, held_pages=0):
                          ids=["graphs", "flashinfer-eager", "graphs-smollm2-shape"])
 def test_graph_path_matches_eager_reference(decode_capacities, prefill_capacities, shape):
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
@@ -180,8 +179,8 @@ def test_a_pool_past_32_bit_indexing_reuses_the_compiled_layers():
     from torch._dynamo.utils import counters
 
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
@@ -218,8 +217,8 @@ def test_fp8_pages_on_the_graph_path_match_the_eager_reference(compile_model):
     differ (the 2 % bound of the bf16 lockstep). Then against a bf16-page reference: the measured
     distance is the FP8 records' rounding, printed and bounded at 10 % of the logits' range."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
     from lockstep import lockstep_prompts, run_lockstep
 
     device = torch.device("cuda")
@@ -256,7 +255,7 @@ def test_sampling_inside_graphs_matches_the_eager_sampler(compile_model):
     decode rows, then its chunks, in the prefill graph."""
     from flare_core.contract import CacheScheme, PagedStore
     from flare_core.executor.graphs import cuda_runner
-    from flare_core.ops.sampling import PenaltyState, Sampler, StepSampling
+    from flare_core.executor.sampling import PenaltyState, Sampler, StepSampling
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
@@ -386,8 +385,8 @@ def test_prompt_scores_on_cuda_match_the_eager_reference():
     logits at every token; its scores match the eager reference's, and requests decoding beside
     it are unaffected."""
     from flare_core.contract import CacheScheme, PagedStore
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
     from flare_core.scheduler import StepResult
 
     device = torch.device("cuda")

@@ -45,9 +45,9 @@ SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attentio
 def test_delta_rule_kernels_match_transformers(family, lengths):
     """Gated DeltaNet (Qwen: a decay per value head, twice as many value heads as key heads) and
     Kimi Delta Attention (a decay per key channel, as many value heads as key heads)."""
+    from flare_core.kernels.delta_rule import gated_delta_rule, kimi_delta_rule
+    from flare_core.kernels.transfer import to_device
     from flare_core.ops.attention import linear_chunks
-    from flare_core.ops.delta_rule import gated_delta_rule, kimi_delta_rule
-    from flare_core.ops.transfer import to_device
     from flare_recipe_kimi.linear import KimiDeltaAttentionForServing
     from flare_recipe_qwen.hybrid import GatedDeltaNetForServing
 
@@ -93,7 +93,7 @@ def test_kimi_delta_rule_step_applies_gates_and_continues_rows_in_place():
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
-    from flare_core.ops.delta_rule import kimi_delta_rule_step
+    from flare_core.kernels.delta_rule import kimi_delta_rule_step
     from flare_recipe_kimi.linear import KimiDeltaAttentionForServing
 
     device = torch.device("cuda")
@@ -139,7 +139,7 @@ def test_conv_step_matches_convolution_and_shifts_rows_in_place(bias, dtype):
     float64 on the CPU; each request's row then holds its last three inputs, other rows stay as
     they were. Channels of no multiple of the kernel's block; inputs a column slice of a wider
     projection, as the layer passes them."""
-    from flare_core.ops.delta_rule import conv_step
+    from flare_core.kernels.delta_rule import conv_step
 
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -167,8 +167,8 @@ def test_conv_step_matches_convolution_and_shifts_rows_in_place(bias, dtype):
 
 
 def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
-    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.contract import Capacities
+    from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
 
     caps = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2048)
@@ -181,8 +181,8 @@ def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
 def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = False):
     """(the CPU reference over models[0], the CUDA executor over models[1], a scheduler for each)
     with 8 state rows, 16 snapshot rows and 256 pages of 64 tokens."""
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
 
     rows, snapshots, num_pages = 8, 16, 256
     common = dict(num_pages=num_pages, page_tokens=64, num_rows=rows, num_snapshot_rows=snapshots,

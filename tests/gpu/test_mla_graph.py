@@ -60,8 +60,8 @@ class PagedLatents:
 
     def layout(self, new: list[int], cached: list[int], offset: int = 0):
         """(PagedLayout, AttentionBatch) of requests with `new` tokens after `cached` ones."""
+        from flare_core.kernels.flashinfer_attention import PagedLayout
         from flare_core.ops.attention import AttentionBatch
-        from flare_core.ops.flashinfer_attention import PagedLayout
 
         kv_lens = [c + n for c, n in zip(cached, new)]
         tables, start = [], offset
@@ -88,7 +88,7 @@ class PagedLatents:
 
 
 def mla_backend(workspace, capacity=None, max_pages=None, use_cuda_graph=False, heads=HEADS):
-    from flare_core.ops.flashinfer_mla import FlashInferMLA
+    from flare_core.kernels.flashinfer_mla import FlashInferMLA
 
     return FlashInferMLA(workspace, capacity, max_pages, num_heads=heads, kv_lora_rank=RANK, rope_dim=ROPE,
                          page_tokens=PAGE_TOKENS, dtype=torch.bfloat16, use_cuda_graph=use_cuda_graph)
@@ -102,7 +102,7 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def workspace_on(device):
-    from flare_core.ops.flashinfer_attention import WORKSPACE_BYTES
+    from flare_core.kernels.flashinfer_attention import WORKSPACE_BYTES
 
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
@@ -228,8 +228,8 @@ def build_deepseek_models(device):
 
 @pytest.mark.parametrize("decode_capacities", [(1, 2, 4, 8), ()], ids=["graphs", "flashinfer-eager"])
 def test_mla_graph_path_matches_eager_reference(decode_capacities):
-    from flare_core.executor.runner import eager_runner
     from flare_core.executor.graphs import cuda_runner
+    from flare_core.executor.runner import eager_runner
     from flare_core.ops.mla import MLAPagedAttention
     from flare_core.plugins import load_registry
     from flare_recipe_deepseek.recipes import DEEPSEEK_V3

@@ -56,7 +56,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("count,top_k,hidden,intermediate", [(128, 8, 1024, 352), (256, 8, 768, 256)])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 64, 700])
 def test_fused_experts_match_the_float32_reference(count, top_k, hidden, intermediate, tokens):
-    from flare_core.ops.moe import reference_experts
+    from flare_core.kernels.moe import reference_experts
 
     gate_up, down = experts(count, hidden, intermediate)
     x, index, weights = routed(tokens, hidden, count, top_k)
@@ -111,7 +111,7 @@ def test_softmax_top_k_kernel_matches_torch(count, top_k, normalize, tokens):
     tie often; the two may pick different experts of equal probability), weights within two bf16
     roundings. Qwen3-30B-A3B's 128 / top-8, Qwen3-Next's 512 / top-10, and an expert count that is
     no power of two."""
-    from flare_core.ops.routing import softmax_top_k
+    from flare_core.kernels.routing import softmax_top_k
 
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     logits = (torch.randn(tokens, count, device="cuda", generator=generator) * 3).bfloat16()
@@ -130,9 +130,9 @@ def test_qwen3_moe_block_with_the_serving_router_matches_transformers():
     """The sparse block with its router swapped for SoftmaxTopKRouter and its experts through the
     op gives what Transformers' router and grouped_mm give: one token (the GEMV logits) and a
     decode batch."""
-    from flare_core.ops.serving import gemv_layers
     from flare_core.ops.moe import use_fused_experts
     from flare_core.ops.routing import SoftmaxTopKRouter
+    from flare_core.ops.serving import gemv_layers
 
     model = qwen3_moe_layer(128)
     block = model.model.layers[0].mlp
@@ -158,7 +158,7 @@ def test_sigmoid_top_k_kernel_matches_torch(count, groups, top_groups, top_k, no
     """flare::sigmoid_top_k's kernel against its torch path (Transformers' code) on float32
     logits: the same experts (ties do not occur in float32 here) and their weights within float32
     rounding, whatever the order Transformers' unsorted topk lists them in."""
-    from flare_core.ops.routing import sigmoid_top_k
+    from flare_core.kernels.routing import sigmoid_top_k
 
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn(tokens, count, device="cuda", generator=generator) * 3
@@ -175,7 +175,7 @@ def test_sigmoid_top_k_kernel_matches_torch(count, groups, top_groups, top_k, no
 def test_float32_logits_of_one_token_through_the_gemv_kernel():
     """flare::linear_float32 at one token (the GEMV kernel writing float32) against the float32
     matmul of the up-cast weight, as sigmoid routers compute their logits."""
-    from flare_core.ops.gemv import gemv_config
+    from flare_core.kernels.gemv import gemv_config
 
     for experts, hidden in ((256, 2304), (256, 7168), (384, 7168)):
         assert gemv_config(experts, hidden) is not None
@@ -195,9 +195,9 @@ def test_deepseek_v3_moe_block_with_the_serving_router_matches_transformers():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
-    from flare_core.ops.serving import gemv_layers
     from flare_core.ops.moe import use_fused_experts
     from flare_core.ops.routing import SigmoidTopKRouter
+    from flare_core.ops.serving import gemv_layers
 
     config = DeepseekV3Config(vocab_size=256, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
                               n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4,

@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-from flare_core.ops.fp4 import dequantize_fp4
-from flare_core.ops.fp8 import quantize_blocks
+from flare_core.kernels.fp4 import dequantize_fp4
+from flare_core.kernels.fp8 import quantize_blocks
 
 UNKNOWN = "<unk>"
 
@@ -220,8 +220,8 @@ def assert_core_matches(core: Path, config_path: Path, reference: torch.nn.Modul
     logits for random prompts (prefilled in shared chunks over shuffled pages) and decode steps."""
     from flare_core.cli import open_verified_core
     from flare_core.config import load_config
-    from flare_core.plugins import load_registry
     from flare_core.engine.load import load_core
+    from flare_core.plugins import load_registry
     from flare_testing.parity import serve_paged
 
     loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
@@ -336,10 +336,10 @@ def write_v4_checkpoint(directory: Path, config=None) -> torch.nn.Module:
 
 def quantize_fp4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [rows, cols / 2] e2m1 pairs, float8_e8m0fnu scale [rows, cols / 32]) of a [rows, cols]
-    weight as DeepSeek V4 publishes its routed experts (flare_core.ops.fp4): per group of 32
+    weight as DeepSeek V4 publishes its routed experts (flare_core.kernels.fp4): per group of 32
     columns, the smallest power of two that brings the largest magnitude to at most 6, each value
     rounded to the nearest e2m1 magnitude."""
-    from flare_core.ops.fp4 import E2M1, GROUP
+    from flare_core.kernels.fp4 import E2M1, GROUP
 
     groups = weight.float().unflatten(-1, (-1, GROUP))
     amax = groups.abs().amax(dim=-1)

@@ -8,7 +8,8 @@ square ones); on the H200 that reads Qwen3-8B's attention and down projections a
 contiguous chunks and reduces in float32, with no second kernel.
 
 A model built for serving on CUDA (flare_core.ops.serving.gemv_layers) has its bias-free linear
-layers as `GemvLinear`, whose one-token calls go to the custom op `flare::linear`: this kernel
+layers as `GemvLinear` (flare_core.ops.linear), whose one-token calls go to the custom op
+`flare::linear`: this kernel
 on a CUDA device for the shapes it takes, `F.linear` otherwise. Being an op, it is one opaque
 node in compiled layers and a launch that CUDA graphs capture like any other. `FusedGatedMLP`
 calls `flare::gated_linear`, which also applies silu(gate) * up in the kernel, and
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 try:
     import triton
@@ -139,7 +140,7 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False,
 
 def one_token_on_gpu(x: Tensor, weight: Tensor, weight_dtype: torch.dtype) -> bool:
     """Whether x is one 16-bit token on a CUDA device, for a contiguous weight of `weight_dtype`:
-    the calls a one-token Triton kernel (this module's, flare_core.ops.fp8's) may take."""
+    the calls a one-token Triton kernel (this module's, flare_core.kernels.fp8's) may take."""
     return (triton is not None and x.is_cuda and x.numel() == weight.shape[1]
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == weight_dtype and weight.is_contiguous())
 
@@ -195,20 +196,3 @@ def gated_linear(x: Tensor, weight: Tensor) -> Tensor:
 @gated_linear.register_fake
 def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
-
-
-def one_token(x: Tensor) -> bool:
-    """Whether activations [..., features] hold a single token. Under torch.compile this is
-    settled when tracing (one-token steps compile apart from others), so steps of several tokens
-    keep plain matmuls that Inductor schedules and fuses with the code around them."""
-    return x.numel() == x.shape[-1]
-
-
-class GemvLinear(nn.Linear):
-    """A bias-free nn.Linear whose one-token calls run the GEMV kernel (same parameters, same
-    state dict)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if one_token(x):
-            return torch.ops.flare.linear(x, self.weight)
-        return F.linear(x, self.weight)

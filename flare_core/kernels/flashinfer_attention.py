@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from flare_core.ops.transfer import to_device
+from flare_core.kernels.transfer import to_device
 
 WORKSPACE_BYTES = 256 * 2**20
 

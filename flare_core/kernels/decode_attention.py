@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flare_core.ops.flashinfer_attention import PagedLayout
-from flare_core.ops.transfer import upload
+from flare_core.kernels.flashinfer_attention import PagedLayout
+from flare_core.kernels.transfer import upload
 
 try:
     import triton

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from flare_core.ops import decode_attention
+from flare_core.kernels import decode_attention
+from flare_core.kernels.decode_attention import TritonDecode
+from flare_core.kernels.flashinfer_attention import FlashInferDecode, FlashInferPrefill, PagedLayout
 from flare_core.ops.attention import PagedAttention
-from flare_core.ops.decode_attention import TritonDecode
-from flare_core.ops.flashinfer_attention import FlashInferDecode, FlashInferPrefill, PagedLayout
 from flare_core.ops.mla import MLAPagedAttention
 
 
@@ -33,7 +33,7 @@ class AttentionKernels(Protocol):
     def decode(self, capacity: int, max_pages: int, triton: bool = False) -> Any:
         """A backend for decode batches of exactly `capacity` rows whose buffers stay put, so a
         CUDA graph captured over it replays after each new plan; with `triton` (only where
-        `triton_decode`), the Triton kernels of flare_core.ops.decode_attention."""
+        `triton_decode`), the Triton kernels of flare_core.kernels.decode_attention."""
         ...
 
     @property
@@ -103,21 +103,21 @@ class _LatentKernels(_Kernels):
     triton_decode = False  # the Triton decode kernels attend over K/V pages, not latent ones
 
     def decode(self, capacity: int, max_pages: int, triton: bool = False):
-        from flare_core.ops.flashinfer_mla import FlashInferMLA
+        from flare_core.kernels.flashinfer_mla import FlashInferMLA
 
         if triton:
             raise ValueError("MLA models have no Triton decode backend (triton_decode)")
         return FlashInferMLA(self.workspace, capacity, max_pages, use_cuda_graph=True, **self._shape())
 
     def prefill(self, graph: tuple[int, int] | None = None):
-        from flare_core.ops.flashinfer_mla import FlashInferMLA
+        from flare_core.kernels.flashinfer_mla import FlashInferMLA
 
         if graph is not None:
             raise ValueError("FlashInfer MLA prefill backends cannot be captured in CUDA graphs (graph_prefill)")
         return FlashInferMLA(self.workspace, None, None, use_cuda_graph=False, **self._shape())
 
     # A graph over FlashInfer's MLA kernel is known to stay valid across plans for one-token rows
-    # (flare_core.ops.flashinfer_mla); for ragged prompt chunks that was not established, so MLA
+    # (flare_core.kernels.flashinfer_mla); for ragged prompt chunks that was not established, so MLA
     # models run their prompt chunks eagerly.
     graph_prefill = False
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flare_core.ops.flashinfer_attention import PagedLayout
+from flare_core.kernels.flashinfer_attention import PagedLayout
 
 # Powers of two up to 128 divide the kernel's query tile or, at 128, always get the 128-row tile
 # (flashinfer/mla/_batch_mla/_backends/_fa_common.py, _validate_fa_causal_tile_bound).

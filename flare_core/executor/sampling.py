@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flare_core.ops.token_masks import apply_token_masks
-from flare_core.ops.transfer import to_device
+from flare_core.kernels.token_masks import apply_token_masks
+from flare_core.kernels.transfer import to_device
 from flare_core.requests import SamplingParams
 
 _WORD = 0xFFFFFFFF

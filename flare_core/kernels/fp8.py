@@ -1,0 +1,323 @@
+"""FP8 weights kept in the core: block-scaled float8_e4m3fn linear layers.
+
+A quantized linear layer `P` stores `P.weight` [out, in] as float8_e4m3fn and `P.weight_scale_inv`
+[ceil(out / 128), ceil(in / 128)] as float32, one scale per 128 x 128 block (the last block row
+and column partial when a dimension is no multiple of 128): the layout of DeepSeek's and Qwen's
+published FP8 checkpoints, whose weight is
+
+    W[i, j] = float32(P.weight[i, j]) * P.weight_scale_inv[i // 128, j // 128].
+
+`flare export --quantize fp8` quantizes the prepared linear weights of the decoder layers (fused
+QKV and gate/up included: a fused matrix is quantized as one, so its blocks always line up) and
+their packed routed experts; embeddings, norms, routers and the head keep the export dtype. A
+block's scale is its largest magnitude over 448 (the largest finite e4m3), as DeepSeek's
+published weights have it.
+
+Packed routed experts (those the fused experts op computes) are quantized expert by expert:
+`gate_up_proj` [E, 2I, hidden] beside `gate_up_proj_scale_inv` [E, ceil(2I / 128), ceil(hidden /
+128)], and `down_proj` likewise.
+
+`Fp8BlockLinear` (flare_core.ops.fp8) calls the custom op `flare::fp8_linear` (and a fused
+gate/up with SiLU, `flare::fp8_gated_linear`):
+
+* one token on a CUDA device: `fp8_gemv`, flare_core.kernels.gemv's kernel over FP8 rows, which
+  multiplies x by each 128-column block's scale in registers (float32 accumulation);
+* several tokens on Hopper: the activations are quantized to e4m3 per token and 128 columns
+  (`quantize_groups`, one Triton kernel) for cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`
+  with 1 x 128 scales for the activations and 128 x 128 for the weight), where it takes the shape
+  (whole 128-row blocks, K a multiple of 512);
+* several tokens otherwise on a CUDA device: `fp8_mm`, FP8 tiles widened to the activations'
+  dtype for tensor-core dots, each 128-column block's product scaled once;
+* the CPU: the weight dequantized to x's dtype, then F.linear (the reference).
+
+On the H200 (benchmarks/fp8_linear.py, Qwen3-8B shapes) the one-token kernel takes 0.62-0.65x the
+bf16 GEMV's time; cuBLAS's GEMM at 8-64 tokens takes 0.8-1.4x bf16's time on the 4,096-row
+projections and 0.65-0.7x on gate/up, at 256 tokens 0.65-1.0x, at 2,048 tokens 0.65-0.73x.
+
+Packed FP8 experts go to `flare::routed_experts` with their scales (flare_core.kernels.moe): its
+Triton kernels read FP8 rows and scale each 128-column tile once; its CPU loop dequantizes each
+expert in use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flare_core.kernels.gemv import GemvConfig, _pdl, one_token_on_gpu
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: every call dequantizes
+    triton = None
+
+BLOCK = (128, 128)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # P.weight -> P.weight_scale_inv
+
+
+def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)])
+    of a [rows, cols] weight: per block, scale_inv = amax / 448 (1 for an all-zero block) and the
+    weight divided by it, rounded to e4m3."""
+    rows, cols = weight.shape
+    block_rows, block_cols = block
+    grid = (-(-rows // block_rows), -(-cols // block_cols))
+    padded = weight.new_zeros(grid[0] * block_rows, grid[1] * block_cols, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(grid[0], block_rows, grid[1], block_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scaled = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:rows, :cols]
+    return scaled.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+
+
+def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = BLOCK,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+    """The value of a block-quantized [rows, cols] weight as `dtype` (each product computed in
+    float32 and rounded once). Memory: one `dtype` copy of the weight (scales are expanded over
+    rows only and broadcast over columns through a view)."""
+    rows, cols = weight.shape
+    block_rows, block_cols = block
+    out = weight.to(dtype, copy=True)
+    scale = scale_inv.to(torch.float32).repeat_interleave(block_rows, dim=0)[:rows]
+    full, partial = divmod(cols, block_cols)
+    if full:
+        out[:, :full * block_cols].unflatten(1, (full, block_cols)).mul_(scale[:, :full, None])
+    if partial:
+        out[:, full * block_cols:].mul_(scale[:, full:])
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, ROWS: tl.constexpr,
+                         COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+        # flare_core.kernels.gemv's kernel over FP8 rows: program p reads weight rows [p * ROWS, (p + 1)
+        # * ROWS) (gated: and the up rows N below them), COLUMNS at a time. Its rows lie in one
+        # 128-row block (ROWS divides 128 and, gated, N), so x is multiplied by the block's scales
+        # rather than each weight: one scale per iteration when COLUMNS is 128, else each column's
+        # (a load that the L1 cache serves).
+        if PDL:  # the kernel after this one may start now: it waits for our output itself
+            tl.extra.cuda.gdc_launch_dependents()
+        first_row = tl.program_id(0) * ROWS
+        rows = first_row + tl.arange(0, ROWS)
+        row_mask = rows[:, None] < N
+        columns = tl.arange(0, COLUMNS)
+        offsets = rows[:, None].to(tl.int64) * K + columns[None, :]
+        up_shift = N.to(tl.int64) * K
+        scales = scale_ptr + (first_row // 128) * SCALE_COLUMNS
+        up_scales = scale_ptr + ((first_row + N) // 128) * SCALE_COLUMNS
+        # The weights do not depend on the kernel before: the first columns load while it ends.
+        w = tl.load(w_ptr + offsets, mask=row_mask, other=0.0)
+        up = tl.load(w_ptr + offsets + up_shift, mask=row_mask, other=0.0) if GATED else w
+        if PDL:  # x is the previous kernel's output
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptr + columns).to(tl.float32)
+        if COLUMNS == 128:
+            x_up = x * tl.load(up_scales) if GATED else x
+            x = x * tl.load(scales)
+        else:
+            x_up = x * tl.load(up_scales + columns // 128) if GATED else x
+            x = x * tl.load(scales + columns // 128)
+        acc = w.to(tl.float32) * x[None, :]
+        up_acc = up.to(tl.float32) * x_up[None, :]
+        for start in range(COLUMNS, K, COLUMNS):
+            x = tl.load(x_ptr + start + columns).to(tl.float32)
+            if COLUMNS == 128:
+                x_up = x * tl.load(up_scales + start // 128) if GATED else x
+                x = x * tl.load(scales + start // 128)
+            else:
+                x_up = x * tl.load(up_scales + (start + columns) // 128) if GATED else x
+                x = x * tl.load(scales + (start + columns) // 128)
+            w = tl.load(w_ptr + offsets + start, mask=row_mask, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            if GATED:
+                up = tl.load(w_ptr + offsets + up_shift + start, mask=row_mask, other=0.0)
+                up_acc += up.to(tl.float32) * x_up[None, :]
+        y = tl.sum(acc, axis=1)
+        if GATED:  # silu(gate) * up
+            y = y * tl.sigmoid(y) * tl.sum(up_acc, axis=1)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _fp8_mm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, SCALE_COLUMNS, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        # out[M, N] = x[M, K] @ W^T for a few tokens: the FP8 weight tile of each 128-column block
+        # is widened to x's dtype in registers for a tensor-core dot with the 16-bit activations,
+        # and the block's product is scaled once (BLOCK_N divides 128: one scale per tile).
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        first_n = tl.program_id(0) * BLOCK_N
+        n = first_n + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, 128)
+        x_rows = x_ptr + m[:, None].to(tl.int64) * K + k[None, :]
+        w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
+        scales = scale_ptr + (first_n // 128) * SCALE_COLUMNS
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for block in range(0, tl.cdiv(K, 128)):
+            k_mask = k[None, :] < K - block * 128
+            a = tl.load(x_rows + block * 128, mask=(m[:, None] < M) & k_mask, other=0.0)
+            w = tl.load(w_rows + block * 128, mask=(n[:, None] < N) & k_mask, other=0.0)
+            acc += tl.dot(a, tl.trans(w.to(a.dtype))) * tl.load(scales + block)
+        tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(m[:, None] < M) & (n[None, :] < N))
+
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, K, ROWS_OUT, BLOCK_M: tl.constexpr):
+        # Program (i, g) quantizes columns [128 g, 128 (g + 1)) of rows [i BLOCK_M, (i + 1) BLOCK_M);
+        # rows at or past M (padding) come out as zeros with scale 1. Scales are stored group-major:
+        # scale[g, row], the "outer-dimension-major" layout cuBLAS reads.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        columns = tl.program_id(1) * 128 + tl.arange(0, 128)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + columns[None, :], mask=rows[:, None] < M,
+                    other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = tl.math.div_rn(x, scale[:, None])  # correctly rounded, as torch divides
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * K + columns[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=rows[:, None] < ROWS_OUT)
+        tl.store(scale_ptr + tl.program_id(1) * ROWS_OUT + rows, scale, mask=rows < ROWS_OUT)
+
+
+def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: bool = False) -> GemvConfig | None:
+    """The FP8 GEMV's launch configuration for a [out_features, in_features] weight (gated: twice
+    as many rows), or None when the kernel does not take the shape. Rows per program divide 128
+    (and, gated, out_features) so that a program's rows share their block scales.
+
+    Eight rows per program, 512 columns per iteration for matrices of more than 4,096 rows (1,024
+    else): on the H200 the fastest of 88 configurations for each matrix a Qwen3-8B decode step
+    reads (qkv, o, gate/up with SiLU, down; benchmarks/fp8_linear.py --tokens 1,
+    benchmarks/results/h200-fp8-linear.json)."""
+    rows = 1 if out_features < 1024 else 8
+    if gated and out_features % rows:
+        return None
+    preferred = 512 if (2 * out_features if gated else out_features) > 4096 else 1024
+    for columns in sorted({preferred, 1024, 512, 256, 128}, key=lambda c: (c != preferred, -c)):
+        if in_features % columns == 0:
+            return GemvConfig(rows=rows, columns=columns, warps=4, stages=1, pdl=pdl)
+    return None
+
+
+def _fp8_gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
+    """The FP8 GEMV's configuration when this call is one token it serves, else None."""
+    if not one_token_on_gpu(x, weight, torch.float8_e4m3fn):
+        return None
+    return fp8_gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
+
+
+def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, gated: bool = False) -> Tensor:
+    """x [K] @ W^T -> [N] in x's dtype for a block-quantized FP8 weight (weight [N, K], scale_inv
+    [ceil(N / 128), K / 128]; gated: [2N, K], and the result is silu(gate) * up, [N])."""
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = x.new_empty(out_features)
+    _fp8_gemv_kernel[(triton.cdiv(out_features, config.rows),)](
+        x, weight, scale_inv, out, out_features, weight.shape[1], scale_inv.shape[1], ROWS=config.rows,
+        COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps, num_stages=config.stages,
+        launch_pdl=config.pdl)
+    return out
+
+
+def fp8_mm(x: Tensor, weight: Tensor, scale_inv: Tensor, block_n: int = 32, warps: int = 4, stages: int = 4) -> Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype for a block-quantized FP8 weight whose shape cuBLAS's
+    block-scaled GEMM does not take (up to 64 tokens form one tile, so each weight tile is read
+    once). On the H200 it is no faster than cuBLAS where both serve (benchmarks/fp8_linear.py)."""
+    rows, features = x.shape
+    out_features = weight.shape[0]
+    out = x.new_empty(rows, out_features)
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    _fp8_mm_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(rows, block_m))](
+        x, weight, scale_inv, out, rows, out_features, features, scale_inv.shape[1], BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out
+
+
+def quantize_groups(x: Tensor, rows_out: int) -> tuple[Tensor, Tensor]:
+    """(float8_e4m3fn [rows_out, K], float32 scales [rows_out, K / 128] with strides (1, rows_out))
+    of activations x [M, K] (M <= rows_out; the rows past M are zeros): one scale per token and
+    128 columns, that group's largest magnitude over 448."""
+    rows, features = x.shape
+    q = torch.empty(rows_out, features, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(features // 128, rows_out, dtype=torch.float32, device=x.device)
+    block_m = 16
+    _quantize_groups_kernel[(triton.cdiv(rows_out, block_m), features // 128)](
+        x, q, scales, rows, features, rows_out, BLOCK_M=block_m, num_warps=4)
+    return q, scales.t()
+
+
+@functools.cache
+def _block_scaled_gemm(device_index: int) -> bool:
+    """cuBLAS's block-scaled FP8 GEMM (1 x 128 by 128 x 128 scales) is a Hopper (SM 9.0) kernel."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _triton_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether `x` [M, K] @ W^T of an FP8 weight [N, K] runs on this device's Triton kernels."""
+    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and x.is_contiguous())
+
+
+def _gemm_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether `x` [M, K] @ W^T runs as cuBLAS's block-scaled FP8 GEMM, which wants the scales'
+    leading dimensions 16-byte aligned: K / 128 a multiple of 4 (the token count is padded), and
+    whole 128-row blocks."""
+    out_features, features = weight.shape
+    return (_triton_path(x, weight) and features % 512 == 0 and out_features % 128 == 0
+            and _block_scaled_gemm(x.device.index))
+
+
+def block_scaled_mm(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """x [M, K] @ dequantized(weight [N, K], scale_inv)^T -> [M, N] in x's dtype, through FP8
+    activations (quantize_groups) and cuBLAS's block-scaled FP8 GEMM."""
+    rows = x.shape[0]
+    q, scales = quantize_groups(x, -(-rows // 4) * 4)
+    out = torch._scaled_mm(q, weight.t(), scales, scale_inv.t(), out_dtype=x.dtype)
+    return out[:rows]
+
+
+@torch.library.custom_op("flare::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """F.linear(x, W) of a block-quantized FP8 weight W (weight [N, K] float8_e4m3fn, scale_inv
+    [ceil(N / 128), ceil(K / 128)]), in x's dtype: see the module docstring for the paths."""
+    out_features, features = weight.shape
+    config = _fp8_gemv_path(x, weight, out_features)
+    if config is not None:
+        return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config).view(*x.shape[:-1], out_features)
+    flat = x.reshape(-1, features)
+    if flat.shape[0] and _gemm_path(flat, weight):
+        return block_scaled_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
+    if flat.shape[0] and _triton_path(flat, weight):
+        return fp8_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
+    return F.linear(x, dequantize_blocks(weight, scale_inv, dtype=x.dtype))
+
+
+@fp8_linear.register_fake
+def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flare::fp8_gated_linear", mutates_args=())
+def fp8_gated_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """silu(gate) * up of `fp8_linear(x, weight, scale_inv).chunk(2, -1)`; one token through the
+    gated GEMV kernel."""
+    half = weight.shape[0] // 2
+    config = _fp8_gemv_path(x, weight, half, gated=True)
+    if config is None:
+        gate, up = fp8_linear(x, weight, scale_inv).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config, gated=True).view(*x.shape[:-1], half)
+
+
+@fp8_gated_linear.register_fake
+def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def quantize_experts(packed: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor]:
+    """`quantize_blocks` of each expert of a packed [E, rows, cols] tensor: (float8_e4m3fn
+    [E, rows, cols], float32 scale_inv [E, ceil(rows / 128), ceil(cols / 128)])."""
+    weights, scales = zip(*(quantize_blocks(expert, block) for expert in packed))
+    return torch.stack(weights), torch.stack(scales)

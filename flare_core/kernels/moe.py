@@ -1,0 +1,268 @@
+"""Routed experts of mixture-of-experts layers: gate/up, SiLU * up and down, each token-expert
+pair's output scaled by its route weight, as one custom op (`flare::routed_experts`) that CUDA
+graphs capture; the sum over a token's experts follows it in the caller's compiled code.
+
+The family's router (Transformers' or flare_core.ops.routing's, which routes the same: softmax
+or sigmoid scoring, group limits, normalisation, scaling) hands the experts module
+`top_k_index` / `top_k_weights`, and the op replaces only the expert loop (registered with
+Transformers' experts interface by flare_core.ops.moe.use_fused_experts).
+
+On a CUDA device a step of T tokens with top-k routing has P = T * k token-expert *pairs*:
+
+* Few pairs (P * 4 <= E experts; decode of a few requests): one program group per pair reads
+  only its expert's rows, GEMV-style (float32 products summed once), like `flare_core.kernels.gemv`.
+  A pair whose expert another pair also chose reads it again: about P / (2 E) of the reads
+  repeat, 1/8 at the limit, which costs less than sorting the pairs.
+* Up to MAX_PAIRS_PER_EXPERT pairs per expert (decode batches): the pairs are sorted by expert
+  (one stable argsort, counts and offsets in fixed shapes, no host sync); one program group per
+  expert reads that expert's rows once for all its pairs with tensor-core dots.
+* More (prompt chunks): Transformers' grouped_mm path, whose grouped GEMMs took a 1024-token
+  prompt through the 12-layer Qwen3-30B-A3B shape in 13.0 ms against 25.4 ms with these tiles
+  (H200, benchmarks/moe_decode.py).
+
+In the Triton paths the activation between the two projections, silu(x @ gate^T) * (x @ up^T)
+per pair, is computed in float32 and stored in bfloat16; each pair's weighted output is written
+in float32. The op returns them per pair, [T, k, hidden], and flare_core.ops.moe's experts
+forward sums a token's pairs after it: under torch.compile that sum and the cast to bfloat16
+fuse into the kernel that adds the residual and norms the next layer's input, where as the op's
+last step they were two more launches per layer (~5 us at one token on the H200). Without Triton or CUDA the op computes
+the same with a loop over the experts in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op takes the loop over experts
+    triton = None
+
+# Pairs per expert beyond which a step's experts take Transformers' grouped_mm (see above).
+MAX_PAIRS_PER_EXPERT = 16
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """One launch's tiles: pairs per program iteration (1: the GEMV-style path), output features
+    per program, input features per loop iteration, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def per_pair(pairs: int, experts: int) -> bool:
+    """Whether a step of `pairs` token-expert pairs reads experts pair by pair (see the module
+    docstring) rather than sorting the pairs by expert."""
+    return pairs * 4 <= experts
+
+
+def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) -> ExpertsConfig:
+    """The tiles of one launch for `pairs` pairs over `experts` experts (`scaled`: FP8 weights,
+    whose 128 x 128 blocks a tile must not straddle: 128 input features per iteration)."""
+    if per_pair(pairs, experts):
+        if scaled:  # 128 input features per iteration, rows that divide a 128-row block
+            return ExpertsConfig(block_m=1, block_n=16, block_k=128, warps=4, stages=1)
+        # One token on the H200, each launch alone over a grid of 4-32 rows x 128-512 columns x
+        # 2-8 warps (benchmarks/moe_decode.py --sweep; h200-experts-sweep-*.json): gate/up best
+        # with 8 rows x 128 columns and 8 warps (Kimi Linear 21.0 us a layer, Qwen3-30B-A3B 15.7,
+        # against 22.1 and 17.6 with 16 x 256 and 4 warps), down with 32 x 128 and 8 warps
+        # (11.7 and 8.9 against 14.5 and 11.6): within 2 % of the GEMV kernel reading the same
+        # bytes as one matrix (20.7 / 11.6 and 14.5 / 8.4 us). A token's pairs are each written
+        # and summed after: 34.1 us a layer against 36.6 for a kernel summing them itself.
+        if gated:
+            return ExpertsConfig(block_m=1, block_n=8, block_k=128, warps=8, stages=1)
+        return ExpertsConfig(block_m=1, block_n=32, block_k=128, warps=8, stages=1)
+    return ExpertsConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
+
+
+if triton is not None:
+    @triton.jit
+    def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
+                        counts_ptr, N, K, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
+                        SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
+        # segment s: one pair (PER_PAIR) or all pairs routed to expert s. GATED: the input rows
+        # are tokens (pair // TOP_K), the weights [E, 2N, K] (gate rows, then up rows), and the
+        # output silu(gate) * up; else the input rows are pairs, the weights [E, N, K], and the
+        # output is scaled by the pair's route weight. SCALED: the weights are float8_e4m3fn with
+        # per-expert 128 x 128 block scales [E, ceil(rows / 128), K / 128] (flare_core.kernels.fp8);
+        # BLOCK_K is 128 and BLOCK_N divides 128 and N, so each iteration's tile lies in one
+        # block and its products take one scale.
+        segment = tl.program_id(0)
+        if PER_PAIR:
+            expert = tl.load(ids_ptr + segment).to(tl.int64)
+            start = segment
+            count = 1
+        else:
+            expert = segment.to(tl.int64)
+            start = tl.load(starts_ptr + segment)
+            count = tl.load(counts_ptr + segment)
+        first_n = tl.program_id(1) * BLOCK_N
+        n = first_n + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        rows_per_expert = 2 * N if GATED else N
+        w_rows = w_ptr + expert * rows_per_expert * K + n.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+        up_shift = N.to(tl.int64) * K
+        scale_columns = K // 128
+        scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + first_n // 128) * scale_columns
+        up_scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + (first_n + N) // 128) * scale_columns
+        for m0 in range(0, count, BLOCK_M):
+            slots = m0 + tl.arange(0, BLOCK_M)
+            m_mask = slots < count
+            if PER_PAIR:
+                pairs = (start + slots).to(tl.int64)
+            else:
+                pairs = tl.load(order_ptr + start + slots, mask=m_mask, other=0)
+            if GATED:
+                in_rows = in_ptr + (pairs // TOP_K)[:, None] * K  # [BLOCK_M, 1]: token rows
+            else:
+                in_rows = in_ptr + pairs[:, None] * K  # pair rows
+            if BLOCK_M == 1:  # products summed once after the loop, as the GEMV kernel does
+                acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+                up_acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                up_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = k < K
+                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(in_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if SCALED:  # one scale per tile of 128 input features (and, gated, one for the up rows)
+                    if GATED:
+                        up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    scale = tl.load(scales + k0 // 128)
+                    up_scale = tl.load(up_scales + k0 // 128) if GATED else scale
+                    if BLOCK_M == 1:
+                        acc += w.to(tl.float32) * (a.to(tl.float32) * scale)
+                        if GATED:
+                            up_acc += up.to(tl.float32) * (a.to(tl.float32) * up_scale)
+                    else:
+                        acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale
+                        if GATED:
+                            up_acc += tl.dot(a, tl.trans(up.to(a.dtype))) * up_scale
+                else:
+                    if BLOCK_M == 1:
+                        acc += w.to(tl.float32) * a.to(tl.float32)
+                    else:
+                        acc = tl.dot(a, tl.trans(w), acc)
+                    if GATED:
+                        up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                        if BLOCK_M == 1:
+                            up_acc += up.to(tl.float32) * a.to(tl.float32)
+                        else:
+                            up_acc = tl.dot(a, tl.trans(up), up_acc)
+            if BLOCK_M == 1:
+                y = tl.sum(acc, axis=1)[None, :]
+                up_y = tl.sum(up_acc, axis=1)[None, :]
+            else:
+                y = acc
+                up_y = up_acc
+            if GATED:
+                y = y * tl.sigmoid(y) * up_y
+            else:
+                y = y * tl.load(route_weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + pairs[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor, route_weights: Tensor, ids: Tensor,
+            sorted_pairs: tuple[Tensor, Tensor, Tensor] | None, top_k: int, gated: bool,
+            config: ExpertsConfig) -> None:
+    experts, rows, features = weights.shape
+    n = rows // 2 if gated else rows
+    order, starts, counts = sorted_pairs if sorted_pairs is not None else (ids, ids, ids)  # unread per pair
+    segments = ids.numel() if sorted_pairs is None else experts
+    _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
+        inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
+        n, features, TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None, SCALED=scales is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
+        num_stages=config.stages)
+
+
+def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                  configs: tuple[ExpertsConfig, ExpertsConfig] | None = None,
+                  scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
+    """The Triton path of `flare::routed_experts` (CUDA). `configs`: the gate/up and the down
+    launch's tiles (default: `experts_config`; benchmarks sweep them). `scales`: the block scales
+    of gate_up and down where they are float8_e4m3fn (flare_core.kernels.fp8)."""
+    tokens, hidden = x.shape
+    experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
+    top_k = top_k_index.shape[1]
+    pairs = tokens * top_k
+    ids = top_k_index.reshape(-1)
+    sorted_pairs = None
+    if not per_pair(pairs, experts):
+        order = torch.argsort(ids, stable=True)
+        counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, ids, torch.ones(pairs, dtype=torch.int32, device=x.device))
+        sorted_pairs = (order, counts.cumsum(0, dtype=torch.int32) - counts, counts)
+    up_scales, down_scales = scales
+    up_config, down_config = configs or (experts_config(pairs, experts, True, up_scales is not None),
+                                         experts_config(pairs, experts, False, down_scales is not None))
+    route_weights = top_k_weights.reshape(-1).contiguous()
+    activated = x.new_empty(pairs, intermediate)
+    _launch(x.contiguous(), gate_up, up_scales, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
+    weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _launch(activated, down, down_scales, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
+    return weighted.view(tokens, top_k, hidden)
+
+
+def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+    """`flare::routed_experts` as a loop over the experts in use (host synchronising): the CPU
+    path, and the GPU tests' reference. FP8 experts are dequantized to x's dtype when used."""
+    from flare_core.kernels.fp8 import dequantize_blocks
+
+    def weight(packed: Tensor, scale: Tensor | None, expert: int) -> Tensor:
+        return packed[expert] if scale is None else dequantize_blocks(packed[expert], scale[expert], dtype=x.dtype)
+
+    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
+    for expert in top_k_index.unique().tolist():
+        token, slot = (top_k_index == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], weight(gate_up, gate_up_scale, expert)).chunk(2, dim=-1)
+        out[token, slot] = (F.linear(F.silu(gate) * up, weight(down, down_scale, expert)).float()
+                            * top_k_weights[token, slot, None].float())
+    return out
+
+
+def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_scale: Tensor | None,
+                 down_scale: Tensor | None) -> bool:
+    """Whether the Triton kernels take this call. FP8 weights need 128 x 128 blocks that the
+    tiles do not straddle: hidden and intermediate sizes multiples of 128."""
+    def weight_ok(weight: Tensor, scale: Tensor | None) -> bool:
+        if scale is None:
+            return weight.dtype == x.dtype and weight.is_contiguous()
+        return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and scale.is_contiguous()
+                and weight.shape[1] % 128 == 0 and weight.shape[2] % 128 == 0)
+
+    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight_ok(gate_up, gate_up_scale) and weight_ok(down, down_scale))
+
+
+@torch.library.custom_op("flare::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                   gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+    """[T, k, hidden] float32: top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
+    e = top_k_index[t, k]; x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down
+    [E, hidden, I]; `*_scale`: the block scales of a float8_e4m3fn weight (flare_core.kernels.fp8)."""
+    if x.shape[0] == 0:
+        return x.new_zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
+    if _triton_path(x, gate_up, down, gate_up_scale, down_scale):
+        return fused_experts(x, gate_up, down, top_k_index, top_k_weights, scales=(gate_up_scale, down_scale))
+    return reference_experts(x, gate_up, down, top_k_index, top_k_weights, gate_up_scale, down_scale)
+
+
+@routed_experts.register_fake
+def _(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+    return x.new_empty((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
