@@ -1,7 +1,8 @@
-"""DeepSeek V4's tool calls (DSML), streamed into OpenAI tool calls.
+"""DeepSeek V4's and V4.1's tool calls (DSML), streamed into OpenAI tool calls.
 
 V4 writes its calls after its answer text as a DSML block (flare_recipe_deepseek.v4_encoder
-renders them back the same way):
+renders them back the same way; V4.1 names the tags ` calls`, ` invoke`, ` parameter`, with a
+leading space, and is otherwise the same: `V41_TAGS`):
 
     <｜DSML｜tool_calls>
     <｜DSML｜invoke name="get_weather">
@@ -28,26 +29,47 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import astuple, dataclass
 
 from flare_core.api import ToolCallStream, partial_match_length
 
 DSML = "｜DSML｜"
-BLOCK_BEGIN = f"<{DSML}tool_calls>"
-BLOCK_END = f"</{DSML}tool_calls>"
-INVOKE_BEGIN = f'<{DSML}invoke name="'
-INVOKE_END = f"</{DSML}invoke>"
-PARAMETER_BEGIN = f'<{DSML}parameter name="'
-PARAMETER_END = f"</{DSML}parameter>"
 HEADER_END = '">'
-MARKERS = (BLOCK_BEGIN, BLOCK_END, INVOKE_BEGIN, INVOKE_END, PARAMETER_BEGIN, PARAMETER_END)
+
+
+@dataclass(frozen=True)
+class DsmlTags:
+    """A DSML dialect's tags around the block of calls, a call (its name follows `invoke_begin`)
+    and a parameter (likewise)."""
+
+    block_begin: str
+    block_end: str
+    invoke_begin: str
+    invoke_end: str
+    parameter_begin: str
+    parameter_end: str
+
+    @classmethod
+    def named(cls, block: str, invoke: str, parameter: str) -> DsmlTags:
+        return cls(f"<{DSML}{block}>", f"</{DSML}{block}>", f'<{DSML}{invoke} name="', f"</{DSML}{invoke}>",
+                   f'<{DSML}{parameter} name="', f"</{DSML}{parameter}>")
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return astuple(self)
+
+
+V4_TAGS = DsmlTags.named("tool_calls", "invoke", "parameter")
+V41_TAGS = DsmlTags.named(" calls", " invoke", " parameter")
 _PARAMETER_HEADER = re.compile(r'(.+?)" string="(true|false)', re.DOTALL)
 _WHITESPACE = " \t\r\n"
 
 
 class DsmlToolParser(ToolCallStream):
-    """Streams DSML tool calls (see the module docstring)."""
+    """Streams V4's DSML tool calls (see the module docstring)."""
 
-    block_begin = BLOCK_BEGIN
+    tags = V4_TAGS
+    block_begin = V4_TAGS.block_begin
     whitespace = _WHITESPACE
 
     def __init__(self) -> None:
@@ -71,9 +93,9 @@ class DsmlToolParser(ToolCallStream):
         elif self.state in ("invoke", "parameter_header"):
             self._end_call()
         elif self.state == "invoke_header":
-            self.emit_content(self._block_prefix() + INVOKE_BEGIN + self.pending)
+            self.emit_content(self._block_prefix() + self.tags.invoke_begin + self.pending)
         elif self.state == "block" and self._block_calls == 0:
-            self.emit_content(BLOCK_BEGIN)  # an opening tag with nothing after it
+            self.emit_content(self.tags.block_begin)  # an opening tag with nothing after it
 
     def _end_call(self) -> None:
         self.end_call("}" if self._parameters else "{}")
@@ -81,7 +103,7 @@ class DsmlToolParser(ToolCallStream):
 
     def _block_prefix(self) -> str:
         """The block's opening tag, when malformed text is the first thing to leave the block."""
-        return BLOCK_BEGIN if self._block_calls == 0 else ""
+        return self.tags.block_begin if self._block_calls == 0 else ""
 
     def _value_text(self, text: str) -> str:
         return json.dumps(text, ensure_ascii=False)[1:-1] if self._string_value else text
@@ -99,12 +121,12 @@ class DsmlToolParser(ToolCallStream):
 
     def _advance_block(self, final: bool) -> bool:
         rest = self.pending.lstrip(_WHITESPACE)
-        tag = self._expect(rest, (INVOKE_BEGIN, BLOCK_END), final)
+        tag = self._expect(rest, (self.tags.invoke_begin, self.tags.block_end), final)
         if tag == "":
             return False
-        if tag == INVOKE_BEGIN:
+        if tag == self.tags.invoke_begin:
             self.pending, self.state = rest[len(tag):], "invoke_header"
-        elif tag == BLOCK_END:
+        elif tag == self.tags.block_end:
             self.pending = rest[len(tag):]
             self.close_block()
         else:  # not a call: the block ends here, and its text is content (verbatim if it held no call)
@@ -122,10 +144,10 @@ class DsmlToolParser(ToolCallStream):
             self.state, self._parameters = "invoke", 0
             self._block_calls += 1
             return True
-        broken_at = self.pending.find(INVOKE_END)
+        broken_at = self.pending.find(self.tags.invoke_end)
         if end >= 0 or broken_at >= 0:  # no call header: the call's text up to its end is content
-            stop = broken_at + len(INVOKE_END) if broken_at >= 0 else len(self.pending)
-            self.emit_content(self._block_prefix() + INVOKE_BEGIN + self.pending[:stop])
+            stop = broken_at + len(self.tags.invoke_end) if broken_at >= 0 else len(self.pending)
+            self.emit_content(self._block_prefix() + self.tags.invoke_begin + self.pending[:stop])
             self._block_calls += 1  # the block's opening tag went out with it
             self.pending, self.state = self.pending[stop:], "block" if broken_at >= 0 else "content"
             return True
@@ -133,12 +155,12 @@ class DsmlToolParser(ToolCallStream):
 
     def _advance_invoke(self, final: bool) -> bool:
         rest = self.pending.lstrip(_WHITESPACE)
-        tag = self._expect(rest, (PARAMETER_BEGIN, INVOKE_END), final)
+        tag = self._expect(rest, (self.tags.parameter_begin, self.tags.invoke_end), final)
         if tag == "":
             return False
-        if tag == PARAMETER_BEGIN:
+        if tag == self.tags.parameter_begin:
             self.pending, self.state = rest[len(tag):], "parameter_header"
-        elif tag == INVOKE_END:
+        elif tag == self.tags.invoke_end:
             self.pending = rest[len(tag):]
             self._end_call()
         else:  # text that is no parameter ends the call, and the block; it is content
@@ -149,7 +171,7 @@ class DsmlToolParser(ToolCallStream):
     def _advance_parameter_header(self, final: bool) -> bool:
         end = self.pending.find(HEADER_END)
         if end < 0:
-            if any(marker in self.pending for marker in MARKERS):  # a tag before the header ended
+            if any(marker in self.pending for marker in self.tags.markers):  # a tag before the header ended
                 self._end_call()
                 self.state = "content"
                 return True
@@ -157,7 +179,7 @@ class DsmlToolParser(ToolCallStream):
         header = _PARAMETER_HEADER.fullmatch(self.pending[:end])
         if header is None:
             self._end_call()
-            self.pending, self.state = PARAMETER_BEGIN + self.pending, "content"
+            self.pending, self.state = self.tags.parameter_begin + self.pending, "content"
             return True
         name, string = header.groups()
         self._string_value = string == "true"
@@ -168,13 +190,20 @@ class DsmlToolParser(ToolCallStream):
         return True
 
     def _advance_value(self, final: bool) -> bool:
-        end = self.pending.find(PARAMETER_END)
+        end = self.pending.find(self.tags.parameter_end)
         if end >= 0:
             self.send_arguments(self._value_text(self.pending[:end]) + ('"' if self._string_value else ""))
-            self.pending, self.state = self.pending[end + len(PARAMETER_END):], "invoke"
+            self.pending, self.state = self.pending[end + len(self.tags.parameter_end):], "invoke"
             return True
-        held = 0 if final else partial_match_length(self.pending, (PARAMETER_END,))
+        held = 0 if final else partial_match_length(self.pending, (self.tags.parameter_end,))
         ready = self.pending[:len(self.pending) - held]
         self.send_arguments(self._value_text(ready))
         self.pending = self.pending[len(ready):]
         return False
+
+
+class DsmlV41ToolParser(DsmlToolParser):
+    """Streams V4.1's DSML tool calls (` calls`, ` invoke`, ` parameter`)."""
+
+    tags = V41_TAGS
+    block_begin = V41_TAGS.block_begin

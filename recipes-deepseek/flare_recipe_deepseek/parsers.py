@@ -26,7 +26,7 @@ flare_core.frontend.tool_calls).
 from __future__ import annotations
 
 from flare_core.api import MarkedToolCallParser, Parser, ToolCallFormat, ToolCallMarkers, function_name
-from flare_recipe_deepseek.dsml import DsmlToolParser
+from flare_recipe_deepseek.dsml import DsmlToolParser, DsmlV41ToolParser
 
 # The special tokens of DeepSeek V3 and V3.1 tool calls (the same in both).
 SECTION_BEGIN, SECTION_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -70,7 +70,8 @@ DEEPSEEK_PARSERS: tuple[Parser, ...] = (
     Parser("deepseek-v3.1-tools", "tool", DeepSeekV31ToolParser, call_format=DEEPSEEK_V31_CALLS),
     # DSML arguments are no JSON object a grammar could force: forced calls are refused.
     Parser("deepseek-v4-tools", "tool", DsmlToolParser),
+    Parser("deepseek-v4.1-tools", "tool", DsmlV41ToolParser),
 )
 """What flare-recipe-deepseek's `flare_parsers` hook returns. V3.1's reasoning parser is the
-built-in "think"; V3's template has no reasoning. V4's DSML calls (flare_recipe_deepseek.dsml)
-are for the V4 recipe, not built yet (#19)."""
+built-in "think"; V3's template has no reasoning. V4's and V4.1's DSML calls
+(flare_recipe_deepseek.dsml) are for their recipes."""

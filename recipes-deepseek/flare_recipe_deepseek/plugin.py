@@ -7,7 +7,7 @@ from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
 from flare_recipe_deepseek.templates import DEEPSEEK_TEMPLATE_PATCHES
 from flare_recipe_deepseek.v4 import compressed_attention_scheme
-from flare_recipe_deepseek.v4_encoder import DeepSeekV4Encoder
+from flare_recipe_deepseek.v4_encoder import DeepSeekV4Encoder, DeepSeekV41Encoder
 from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
 
 
@@ -30,7 +30,10 @@ def flare_parsers() -> list[Parser]:
 def flare_prompt_encoders() -> list[PromptEncoder]:
     return [PromptEncoder("deepseek-v4", DeepSeekV4Encoder,
                           "DeepSeek V4's format, as its own encoder (encoding/encoding_dsv4.py of the DeepSeek-V4 "
-                          "releases) renders it: flare_recipe_deepseek.v4_encoder")]
+                          "releases) renders it: flare_recipe_deepseek.v4_encoder"),
+            PromptEncoder("deepseek-v41", DeepSeekV41Encoder,
+                          "DeepSeek V4.1's format (<｜System｜>, numeric reasoning effort, ' calls' DSML tags), as "
+                          "the V4.1 release's encoder renders it: flare_recipe_deepseek.v4_encoder")]
 
 
 @hookimpl

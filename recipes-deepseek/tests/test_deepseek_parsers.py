@@ -154,8 +154,10 @@ def test_v3_fence_is_withheld_until_decided() -> None:
 
 def test_parsers_are_exposed_for_the_plugin_hook() -> None:
     assert [(parser.id, parser.kind) for parser in DEEPSEEK_PARSERS] == [
-        ("deepseek-v3-tools", "tool"), ("deepseek-v3.1-tools", "tool"), ("deepseek-v4-tools", "tool")]
+        ("deepseek-v3-tools", "tool"), ("deepseek-v3.1-tools", "tool"), ("deepseek-v4-tools", "tool"),
+        ("deepseek-v4.1-tools", "tool")]
     assert DEEPSEEK_PARSERS[2].call_format is None and isinstance(DEEPSEEK_PARSERS[2].factory(), DsmlToolParser)
+    assert DEEPSEEK_PARSERS[3].call_format is None and DEEPSEEK_PARSERS[3].factory().tags.block_begin == "<｜DSML｜ calls>"
     assert isinstance(DEEPSEEK_PARSERS[0].factory(), DeepSeekV3ToolParser)
     assert isinstance(DEEPSEEK_PARSERS[1].factory(), DeepSeekV31ToolParser)
     assert DeepSeekV31ToolParser.markers.tokens == (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
