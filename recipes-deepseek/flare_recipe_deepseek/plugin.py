@@ -7,6 +7,7 @@ from flare_recipe_deepseek.parsers import DEEPSEEK_PARSERS
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
 from flare_recipe_deepseek.templates import DEEPSEEK_TEMPLATE_PATCHES
 from flare_recipe_deepseek.v4 import compressed_attention_scheme
+from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
 from flare_recipe_deepseek.v4_encoder import DeepSeekV4Encoder, DeepSeekV41Encoder
 from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
 
@@ -41,4 +42,8 @@ def flare_cache_schemes() -> list[CacheSchemeFactory]:
     return [CacheSchemeFactory("compressed-attention", compressed_attention_scheme,
                                "a sliding-window ring per layer; compressed records of several tokens each "
                                "(CSA entries with their indexer keys, HCA entries) in pages; the compressors' "
-                               "pending windows as continuation state")]
+                               "pending windows as continuation state"),
+            CacheSchemeFactory("shared-compressed-attention", shared_compressed_attention_scheme,
+                               "DeepSeek V4.1's CSA2: a sliding-window ring per layer; per compress ratio, the "
+                               "entries and indexer keys its KV-source layers publish to their group, in pages; "
+                               "the open groups' projections and the n-gram history as continuation state")]

@@ -104,6 +104,21 @@ def read_records(layer_store: Tensor, page_table: Tensor, count: int, rate: int,
     return layer_store[pages].reshape(-1, *layer_store.shape[2:])[:count]
 
 
+def sliding_keys(kv: Tensor, ring: Tensor, first: int, window: int) -> tuple[Tensor, Tensor]:
+    """The window's keys for a request's new K = V rows `kv` (positions first, first + 1, ...): the
+    ring's earlier rows, then theirs, and which each query sees (within `window` positions of it,
+    not after it). The ring (one layer row, indexed by position modulo its length) takes them."""
+    tokens, length = kv.shape[0], ring.shape[0]
+    earlier = torch.arange(max(0, first - window + 1), first, device=kv.device)
+    keys = torch.cat([ring[earlier % length].to(kv.dtype), kv])
+    kept = min(tokens, length)
+    ring[torch.arange(first + tokens - kept, first + tokens, device=kv.device) % length] = \
+        kv[tokens - kept:].to(ring.dtype)
+    key_positions = torch.cat([earlier, torch.arange(first, first + tokens, device=kv.device)])
+    query_positions = torch.arange(first, first + tokens, device=kv.device)[:, None]
+    return keys, (key_positions <= query_positions) & (key_positions > query_positions - window)
+
+
 class Compressor:
     """One compressor's pooling over a request's tokens (the CSA / HCA compressor or the CSA
     indexer's): its kv / gate projections are kept per token in a pending ring until a window of
@@ -194,7 +209,8 @@ class CompressedAttention(nn.Module):
             start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
             first = batch.kv_lens_host[r] - (end - start)
             rows = slice(start, end)
-            keys, allowed = self._sliding(kv[rows], context.store("window", self)[batch.state_rows_host[r]], first)
+            keys, allowed = sliding_keys(kv[rows], context.store("window", self)[batch.state_rows_host[r]], first,
+                                         self.window)
             if self.pool is not None:
                 entries, visible = self._compressed(x[rows], q[rows], q_residual[rows], first, r, context, rope_at,
                                                     cos[rows], sin[rows])
@@ -203,20 +219,6 @@ class CompressedAttention(nn.Module):
         out = rotate(out, cos, -sin)  # K = V: undo the rotation the values carried into the output
         grouped = self.o_a_proj(out.reshape(tokens, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)[None], None
-
-    def _sliding(self, kv: Tensor, ring: Tensor, first: int) -> tuple[Tensor, Tensor]:
-        """The window's keys for a request's new tokens (the ring's earlier tokens, then theirs) and
-        which each query sees (positions within `window` of it, not after it); the ring takes the
-        new tokens."""
-        tokens, window = kv.shape[0], ring.shape[0]
-        earlier = torch.arange(max(0, first - window + 1), first, device=kv.device)
-        keys = torch.cat([ring[earlier % window].to(kv.dtype), kv])
-        kept = min(tokens, window)
-        ring[torch.arange(first + tokens - kept, first + tokens, device=kv.device) % window] = \
-            kv[tokens - kept:].to(ring.dtype)
-        key_positions = torch.cat([earlier, torch.arange(first, first + tokens, device=kv.device)])
-        query_positions = torch.arange(first, first + tokens, device=kv.device)[:, None]
-        return keys, (key_positions <= query_positions) & (key_positions > query_positions - self.window)
 
     def _compressed(self, x: Tensor, q: Tensor, q_residual: Tensor, first: int, request: int,
                     context: ForwardContext, rope_at: RopeAt, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -306,11 +308,14 @@ def keep_float32(causal_lm: nn.Module) -> None:
                         else value
 
 
-def check_config(config: Any) -> None:
-    """ContractError naming the field when the checkpoint's config is one this path cannot serve."""
-    if config.model_type != "deepseek_v4":
-        raise ContractError(type(config).__name__, "model_type", f"{config.model_type!r} is not deepseek_v4")
+def check_config(config: Any, model_type: str = "deepseek_v4") -> None:
+    """ContractError naming the field when the checkpoint's config is one this path (or V4.1's, with
+    its `model_type`) cannot serve."""
+    if config.model_type != model_type:
+        raise ContractError(type(config).__name__, "model_type", f"{config.model_type!r} is not {model_type}")
     for label, parameters in config.rope_parameters.items():
+        if not isinstance(parameters, dict):  # flat keys Transformers' rotary adds beside "main" / "compress"
+            continue
         rope_type = parameters.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise ContractError(type(config).__name__, f"rope_parameters.{label}.rope_type",

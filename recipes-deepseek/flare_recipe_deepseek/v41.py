@@ -1,0 +1,517 @@
+"""DeepSeek V4.1 for serving (the reference path), over the runtime's stores. No Transformers
+release defines V4.1 yet: the modeling here is Flare's own, written from the definition on
+Transformers' main branch (`src/transformers/models/deepseek_v41/modeling_deepseek_v41.py` at
+0a2080b43eb64e6d448186a4f3f0bc9c618f4797) and checked against the logits that definition
+computes (tests/test_deepseek_v41.py). Transformers' released V4 modules serve where V4.1 is V4:
+the RMS norms, the two rotary embeddings ("main", "compress"), the interleaved rotary and the
+grouped output projection.
+
+A layer: `hc_mult` residual streams (hyper-connections); at engram layers first the n-gram table
+lookup (flare_recipe_deepseek.v41_engram); then attention and the MoE block, each fed by a
+collapse of the streams whose weights the previous site computed (single-pass mHC: a site's
+`pre` mix is consumed by the next site) and expanded back with Sinkhorn-mixed residuals.
+
+Attention: 64 query heads over one shared K = V latent with a learned sink per head, a sliding
+window of `sliding_window` rows (FP8-quantized, v41_quant) and, in layers with a compress ratio
+r > 0, the compressed entries of their group (CSA2):
+
+* a KV-source layer (`kv_source_layer_ids`) owns a compressor: every r tokens pool into one
+  latent (r = 1: each token is its own) whose rotated, FP4-quantized form is the group's
+  compressed entry and whose indexer key (`wk`, `k_norm`, rotated, FP4) the group scores against;
+* an index-source layer (`index_source_layer_ids`) scores its queries against those keys (ReLU
+  per indexer head, weighted sum) and picks the top `index_topk` visible entries per query; the
+  layers after it until the next index source attend to the same picks. The candidate source
+  (`candidate_source_layer_id`) also keeps its top `candidate_topk_blocks` blocks of
+  `candidate_block_size` entries (the query's newest block always in), within which every later
+  index source picks;
+* layers with ratio 0 keep the sliding window only.
+
+The cache scheme (`shared_compressed_attention_scheme`), as data:
+
+* paged stores, one pair per compress ratio of the KV sources: "compressed_kv_r{r}" and
+  "index_keys_r{r}", one record per r tokens, covering the KV-source layers of that ratio.
+  Record w of a request covers its tokens [w * r, (w + 1) * r) and sits in the page of its first
+  token, so a complete page holds complete records and is shared through the prefix cache;
+* continuation state per request row: "window" (the last `sliding_window` K = V rows, a ring by
+  position, every layer), "pending_r{r}" (the kv and gate projections of the tokens of the
+  group not closed yet, float32, the KV sources of ratio r > 1) and "ngram_history" (the last
+  `engram_max_ngram_size - 1` compressed token ids, at the first engram layer). Rings are indexed
+  by position modulo their length and nothing below position 0 is read, so a fresh row is the
+  same as no history and a snapshot at any token continues exactly.
+
+Requests run one by one through attention, in float32 (the reference); the CUDA graph executor
+refuses continuation-state schemes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+from flare_core.api import CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, write_paged
+from flare_recipe_deepseek.v4 import check_config as v4_check_config
+from flare_recipe_deepseek.v4 import read_records, record_slots, rotate, sliding_keys
+from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
+from flare_recipe_deepseek.v41_quant import fp4_blocks, fp8_blocks
+
+
+def ratio_stores(config: Any) -> dict[int, tuple[int, ...]]:
+    """Compress ratio -> the KV-source layers of that ratio."""
+    stores: dict[int, tuple[int, ...]] = {}
+    for layer in config.kv_source_layer_ids:
+        ratio = config.compress_ratios[layer]
+        stores[ratio] = (*stores.get(ratio, ()), layer)
+    return stores
+
+
+def shared_compressed_attention_scheme(config: Any, dtype: str) -> CacheScheme:
+    """The stores of a DeepSeek V4.1 model (see the module docstring), in the cache dtype."""
+    head_dim, layers = config.head_dim, config.num_hidden_layers
+    paged, state = [], [StateTensor("window", (config.sliding_window, head_dim), dtype, layers)]
+    for ratio, sources in sorted(ratio_stores(config).items()):
+        paged += [PagedStore(f"compressed_kv_r{ratio}", (head_dim,), dtype, len(sources), tokens_per_record=ratio,
+                             layer_ids=sources),
+                  PagedStore(f"index_keys_r{ratio}", (config.index_head_dim,), dtype, len(sources),
+                             tokens_per_record=ratio, layer_ids=sources)]
+        if ratio > 1:
+            state.append(StateTensor(f"pending_r{ratio}", (ratio, 2 * head_dim), "float32", len(sources),
+                                     layer_ids=sources))
+    if config.engram_layer_ids:
+        state.append(StateTensor("ngram_history", (config.engram_max_ngram_size - 1,), "int64", 1,
+                                 layer_ids=(min(config.engram_layer_ids),)))
+    return CacheScheme(name="shared-compressed-attention", paged=tuple(paged), state=tuple(state))
+
+
+@dataclass
+class RequestShare:
+    """What a request's source layers publish to the layers after them within one step: the
+    group's compressed entries and indexer keys (all of the request's, [count, dim]), the picks
+    of the last index source [queries, count] and the candidate source's blocks."""
+
+    entries: Tensor | None = None
+    keys: Tensor | None = None
+    picks: Tensor | None = None
+    candidates: Tensor | None = None
+
+
+@dataclass
+class Step:
+    """One forward's inputs every layer reads, and the state it carries from layer to layer."""
+
+    input_ids: Tensor
+    positions: Tensor
+    embedded: Tensor  # [tokens, hidden]: the rotations come in its dtype, as the reference's do
+    rotary: nn.Module
+    pre: Tensor  # [tokens, hc]: the collapse weights the last site computed for the next one
+    ngram: NgramHashes | None
+    rope: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # rope type -> cos, sin
+    hashes: Tensor | None = None  # [tokens, engram layers, columns], computed at the first engram layer
+    shares: dict[int, RequestShare] = field(default_factory=dict)
+
+    def rope_at(self, positions: Tensor, rope_type: str) -> tuple[Tensor, Tensor]:
+        """cos, sin [n, rope dims / 2] of a rope type at `positions` [n]."""
+        cos, sin = self.rotary(self.embedded, position_ids=positions[None], layer_type=rope_type)
+        return cos[0], sin[0]
+
+
+class Compressor(nn.Module):
+    """A KV source's pooling: r tokens into one latent, `norm(sum softmax(gate) * kv)` over the
+    group in float32 (r = 1: `norm(wkv(x))`, no gate)."""
+
+    def __init__(self, config: Any, ratio: int):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, config.head_dim
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        self.norm = v4.DeepseekV4RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x: Tensor, pending: Tensor | None, first: int) -> tuple[Tensor, int]:
+        """The pre-rotary latents of the groups the request's tokens first .. first + n - 1 close,
+        and the index of the first of them; `pending` (one layer row) keeps the open group."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x)), first
+        ratio, tokens = self.ratio, x.shape[0]
+        projected = torch.cat([F.linear(x.float(), self.wkv.weight.float()),
+                               F.linear(x.float(), self.wgate.weight.float())], dim=-1)
+        opened, end = first // ratio, first + tokens
+        span = torch.cat([pending[:first - opened * ratio], projected])  # from the open group's first token
+        closed = end // ratio - opened
+        tail = span[closed * ratio:]
+        pending[:tail.shape[0]] = tail
+        if closed == 0:
+            return x.new_zeros(0, self.head_dim), opened
+        groups = span[:closed * ratio].view(closed, ratio, 2 * self.head_dim)
+        kv, gate = groups[..., :self.head_dim], groups[..., self.head_dim:]
+        latent = (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1)
+        return self.norm(latent.to(x.dtype)), opened
+
+
+class Indexer(nn.Module):
+    """An index source's scoring of its queries against the group's indexer keys."""
+
+    def __init__(self, config: Any, layer_idx: int, owns_keys: bool):
+        super().__init__()
+        self.ratio = config.compress_ratios[layer_idx]
+        self.is_candidate_source = layer_idx == config.candidate_source_layer_id
+        self.uses_candidates = 0 <= config.candidate_source_layer_id < layer_idx
+        self.candidate_blocks, self.block_size = config.candidate_topk_blocks, config.candidate_block_size
+        self.num_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = v4.DeepseekV4RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def keys(self, latent: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The indexer keys of pre-rotary latents [groups, head_dim] at their groups' positions."""
+        return fp4_blocks(rotate(self.k_norm(self.wk(latent))[:, None], cos, sin)[:, 0], 32)
+
+    def pick(self, x: Tensor, q_residual: Tensor, keys: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+             share: RequestShare) -> None:
+        """Publish the request's picks [queries, entries] (and at the candidate source its blocks)."""
+        tokens, count = x.shape[0], keys.shape[0]
+        q = rotate(self.wq_b(q_residual).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        q = fp4_blocks(q, 32)
+        scores = torch.einsum("bshd,btd->bsht", q[None].float(), keys[None].float()).relu_() * self.head_dim ** -0.5
+        weights = self.weights_proj(x[None]).float() * self.num_heads ** -0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)[0]  # [tokens, entries], in the reference's shapes
+        visible_count = ((positions + 1) // self.ratio)[:, None]  # entries whose group the query has passed
+        scores = scores.masked_fill(torch.arange(count, device=x.device)[None] >= visible_count, float("-inf"))
+        if self.is_candidate_source:
+            share.candidates = self._blocks(scores, visible_count)
+        elif self.uses_candidates and share.candidates is not None:
+            scores = scores.masked_fill(~share.candidates, float("-inf"))
+        top = scores.topk(min(self.topk, count), dim=-1, sorted=False)
+        picks = torch.zeros_like(scores, dtype=torch.bool)
+        share.picks = picks.scatter_(1, top.indices, top.values > float("-inf"))
+
+    def _blocks(self, scores: Tensor, visible_count: Tensor) -> Tensor:
+        """The candidate blocks [queries, entries]: per query the `candidate_blocks` blocks of
+        highest best score, the block of its newest visible entry always among them."""
+        count, size = scores.shape[-1], self.block_size
+        blocks = F.pad(scores, (0, -count % size), value=float("-inf")).unflatten(-1, (-1, size)).amax(-1)
+        newest = (visible_count - 1) // size
+        blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device)[None] == newest, torch.inf)
+        top = blocks.topk(min(self.candidate_blocks, blocks.shape[-1]), dim=-1)
+        kept = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+        return kept.repeat_interleave(size, dim=-1)[:, :count]
+
+
+class Attention(nn.Module):
+    """V4.1's attention (module docstring) over the runtime's stores, its parameters under the
+    reference's names."""
+
+    def __init__(self, config: Any, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.ratio = config.compress_ratios[layer_idx]
+        self.rope_type = "compress" if self.ratio else "main"
+        self.num_heads, self.head_dim, self.window = config.num_attention_heads, config.head_dim, config.sliding_window
+        self.o_groups = config.o_groups
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = v4.DeepseekV4RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = v4.DeepseekV4RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.wo_a = v4.DeepseekV4GroupedLinear(self.num_heads * self.head_dim // config.o_groups,
+                                               config.o_groups * config.o_lora_rank, config.o_groups)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(self.num_heads))
+        self.is_kv_source = layer_idx in config.kv_source_layer_ids
+        self.compressor = Compressor(config, self.ratio) if self.is_kv_source else None
+        is_index_source = layer_idx in config.index_source_layer_ids
+        self.indexer = Indexer(config, layer_idx, self.is_kv_source) if is_index_source else None
+
+    def forward(self, x: Tensor, step: Step, context: ForwardContext) -> Tensor:
+        tokens = x.shape[0]
+        cos, sin = step.rope[self.rope_type]
+        q_residual = self.q_norm(self.wq_a(x))
+        q = rotate(self.wq_b(q_residual).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        kv = fp8_blocks(rotate(self.kv_norm(self.wkv(x))[:, None], cos, sin)[:, 0], 32)
+        batch = context.batch
+        out = torch.empty_like(q)
+        for r in range(len(batch.query_start_host) - 1):
+            start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
+            first = batch.kv_lens_host[r] - (end - start)
+            rows = slice(start, end)
+            keys, allowed = sliding_keys(kv[rows], context.store("window", self)[batch.state_rows_host[r]], first,
+                                         self.window)
+            if self.ratio:
+                share = step.shares.setdefault(r, RequestShare())
+                if self.is_kv_source:
+                    self._publish(x[rows], first, r, context, step, share)
+                if self.indexer is not None and share.keys is not None:
+                    self.indexer.pick(x[rows], q_residual[rows], share.keys, step.positions[rows], cos[rows],
+                                      sin[rows], share)
+                if share.entries is not None:
+                    picks = share.picks if share.picks is not None else \
+                        torch.zeros(end - start, share.entries.shape[0], dtype=torch.bool, device=x.device)
+                    keys, allowed = torch.cat([keys, share.entries]), torch.cat([allowed, picks], dim=1)
+            out[rows] = self._attend(q[rows], keys, allowed)
+        out = rotate(out, cos, -sin)  # K = V: undo the rotation the values carried into the output
+        return self.wo_b(self.wo_a(out.reshape(tokens, self.o_groups, -1)).flatten(1))
+
+    def _publish(self, x: Tensor, first: int, request: int, context: ForwardContext, step: Step,
+                 share: RequestShare) -> None:
+        """A KV source: pool the groups the request's new tokens close, store their entries and
+        indexer keys, and publish all of the request's to its group."""
+        batch, ratio = context.batch, self.ratio
+        row, page_table = batch.state_rows_host[request], batch.page_table[request]
+        pending = context.store(f"pending_r{ratio}", self)[row] if ratio > 1 else None
+        latent, opened = self.compressor(x, pending, first)
+        count = (first + x.shape[0]) // ratio
+        records = torch.arange(opened, opened + latent.shape[0], device=x.device)
+        entries_store, keys_store = context.store(f"compressed_kv_r{ratio}", self), context.store(
+            f"index_keys_r{ratio}", self)
+        if latent.shape[0]:
+            slots = record_slots(page_table, records, ratio, batch.page_tokens)
+            cos, sin = step.rope_at(records * ratio, "compress")
+            if self.indexer is not None:
+                write_paged(keys_store, self.indexer.keys(latent, cos, sin), slots)
+            write_paged(entries_store, fp4_blocks(rotate(latent[:, None], cos, sin)[:, 0], 16, e4m3_scales=True),
+                        slots)
+        share.entries = read_records(entries_store, page_table, count, ratio, batch.page_tokens)
+        share.keys = (read_records(keys_store, page_table, count, ratio, batch.page_tokens)
+                      if self.indexer is not None and count else None)
+        share.picks = None  # a new group: the picks of an earlier group's index source do not apply
+
+    def _attend(self, q: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
+        """Softmax attention of q [n, heads, dim] over keys = values [K, dim] where `allowed`
+        [n, K], with each head's sink logit in the denominator. The reference's operations in its
+        order and shapes (its quantizers make the model sensitive to the last bit: a different
+        summation order can move a value across a rounding boundary)."""
+        keys = keys.to(q.dtype)[None, None]  # [1, 1, K, dim]: one K = V head for all query heads
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        scores = torch.matmul(q.transpose(0, 1)[None], keys.transpose(2, 3)) * self.head_dim ** -0.5 + mask
+        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(1, -1, q.shape[0], 1).float()
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs, keys)[0].transpose(0, 1)
+
+
+class Experts(nn.Module):
+    """The routed experts, packed: `gate_up_proj` [E, 2I, hidden] (w1 rows, then w3), `down_proj`
+    [E, hidden, I]; SwiGLU with the up branch clamped to +-swiglu_limit and the gate from above,
+    each token's output times its route weight."""
+
+    def __init__(self, config: Any, experts: int):
+        super().__init__()
+        inter, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.limit, self.act = config.swiglu_limit, ACT2FN[config.hidden_act]
+
+    def expert(self, x: Tensor, gate_up: Tensor, down: Tensor, weight: Tensor | None = None) -> Tensor:
+        # Two matmuls, as the reference's w1 and w3: a fused one sums in another order.
+        gate_w, up_w = gate_up.chunk(2, dim=0)
+        gate, up = F.linear(x, gate_w).float(), F.linear(x, up_w).float()
+        if self.limit > 0:
+            up, gate = up.clamp(-self.limit, self.limit), gate.clamp(max=self.limit)
+        y = self.act(gate) * up
+        return F.linear((y if weight is None else weight * y).to(x.dtype), down)
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert in ids.unique().tolist():  # ascending, as the reference's loop
+            token, slot = torch.where(ids == expert)
+            out[token] += self.expert(x[token], self.gate_up_proj[expert], self.down_proj[expert],
+                                      weights[token, slot, None]).float()
+        return out
+
+
+class MoE(nn.Module):
+    """Routed experts (scores `scoring_func(logits / gate_temp)` in float32, chosen by score +
+    bias, weighted by the unbiased scores, normalized, times `routed_scaling_factor`) plus one
+    shared expert."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.gate.bias = nn.Parameter(torch.empty(config.n_routed_experts, dtype=torch.float32))
+        self.top_k, self.temperature = config.num_experts_per_tok, config.gate_temp
+        self.normalize, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+        self.score = ACT2FN[config.scoring_func]
+        self.experts = Experts(config, config.n_routed_experts)
+        self.shared_experts = Experts(config, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = self.score(F.linear(x.float(), self.gate.weight.float()) / self.temperature)
+        ids = (scores + self.gate.bias).topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.normalize and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        out = self.experts(x, weights * self.scale, ids)
+        shared = self.shared_experts
+        out += shared.expert(x, shared.gate_up_proj[0], shared.down_proj[0]).float()
+        return out.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """A V4.1 block over `hc_mult` residual streams (module docstring)."""
+
+    def __init__(self, config: Any, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.hc = layer_idx, config.hc_mult
+        self.sinkhorn_iters, self.hc_eps, self.eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.attn = Attention(config, layer_idx)
+        self.ffn = MoE(config)
+        self.attn_norm = v4.DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.ffn_norm = v4.DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.engram = Engram(config, layer_idx) if layer_idx in config.engram_layer_ids else None
+        self.first_engram = bool(config.engram_layer_ids) and layer_idx == min(config.engram_layer_ids)
+        mixes, width = (2 + self.hc) * self.hc, self.hc * config.hidden_size
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mixes, width, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.empty(mixes, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+
+    def mixes(self, streams: Tensor, site: str) -> tuple[Tensor, Tensor, Tensor]:
+        """(pre, post, comb) of a site from one projection of the normalized flattened streams;
+        comb Sinkhorn-projected towards doubly stochastic."""
+        hc, eps = self.hc, self.hc_eps
+        fn, base, scale = (getattr(self, f"hc_{site}_{part}").float() for part in ("fn", "base", "scale"))
+        flat = streams.flatten(start_dim=-2).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
+        mixed = F.linear(flat, fn)
+        pre = torch.sigmoid(mixed[..., :hc] * scale[0] + base[:hc]) + eps
+        post = 2 * torch.sigmoid(mixed[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+        comb = torch.softmax((mixed[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return pre, post, comb
+
+    @staticmethod
+    def collapse(streams: Tensor, pre: Tensor) -> Tensor:
+        return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+
+    @staticmethod
+    def expand(x: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        mixed = torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
+        return (post.unsqueeze(-1) * x.float().unsqueeze(-2) + mixed).to(residual.dtype)
+
+    def forward(self, streams: Tensor, step: Step, context: ForwardContext) -> Tensor:
+        """streams [tokens, hc, hidden] -> the same after this block; updates `step.pre`."""
+        if self.engram is not None:
+            if self.first_engram:
+                step.hashes = self._hashes(step, context)
+            streams = self.engram(streams, step.hashes[:, self.engram.table_index])
+        attn_pre, post, comb = self.mixes(streams, "attn")
+        x = self.attn(self.attn_norm(self.collapse(streams, step.pre)), step, context)
+        streams = self.expand(x, streams, post, comb)
+        ffn_pre, post, comb = self.mixes(streams, "ffn")
+        x = self.ffn(self.ffn_norm(self.collapse(streams, attn_pre)))
+        step.pre = ffn_pre
+        return self.expand(x, streams, post, comb)
+
+    def _hashes(self, step: Step, context: ForwardContext) -> Tensor:
+        batch, history = context.batch, context.store("ngram_history", self)
+        hashes = []
+        for r in range(len(batch.query_start_host) - 1):
+            start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
+            first = batch.kv_lens_host[r] - (end - start)
+            hashes.append(step.ngram(step.input_ids[start:end], history[batch.state_rows_host[r]], first))
+        return torch.cat(hashes)
+
+
+class Model(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = v4.DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.ngram = NgramHashes(config) if config.engram_layer_ids else None
+        self.rotary_emb: nn.Module | None = None
+
+
+class DeepseekV41ForServing(DecoderForServing):
+    """The runtime model protocol over V4.1: the embedding copied into `hc_mult` streams, the layers
+    with a per-step `Step`, the streams collapsed by the last site's mix before the norm."""
+
+    def __init__(self, config: Any, rotary_emb: nn.Module):
+        causal_lm = nn.Module()
+        causal_lm.model = Model(config)
+        causal_lm.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(causal_lm, rotary_emb, tie_word_embeddings=False)
+
+    def run(self, input_ids: Tensor, positions: Tensor, context: ForwardContext, groups: list[nn.Module] | None,
+            logits: Any) -> Tensor:
+        if groups is not None:
+            raise ValueError("DeepSeek V4.1 runs uncompiled on the reference path")
+        model = self.model
+        embedded = model.embed(input_ids)
+        streams = embedded.unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
+        pre = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0  # the first site collapses stream 0
+        step = Step(input_ids, positions, embedded, model.rotary_emb, pre, model.ngram)
+        step.rope = {kind: step.rope_at(positions, kind) for kind in ("main", "compress")}
+        for index, layer in enumerate(model.layers):
+            streams = layer(streams, step, context.for_layer(index))
+        return logits(DecoderLayer.collapse(streams, step.pre)[None], context.batch.logits_indices)
+
+
+def check_config(config: Any) -> None:
+    """ContractError naming the field when the checkpoint's config is one this path cannot serve."""
+    v4_check_config(config, "deepseek_v41_text")
+
+
+# The float32 tensors of the reference (`_keep_in_fp32_modules_strict`): mHC weights, sinks, router bias.
+_FLOAT32 = re.compile(r"\.(hc_(attn|ffn)_(fn|base|scale)|attn_sink|gate\.bias)$")
+
+
+def build_model(config: Any, dtype: torch.dtype) -> DeepseekV41ForServing:
+    """Serving model with parameters on the meta device in `dtype` (the reference's float32 tensors
+    in float32) and the rotary module's and hash tables' buffers on the CPU."""
+    check_config(config)
+    with torch.device("cpu"):
+        rotary_emb = v4.DeepseekV4RotaryEmbedding(config)
+    with torch.device("meta"):
+        model = DeepseekV41ForServing(config, rotary_emb)
+    for name, parameter in list(model.named_parameters()):
+        target = torch.float32 if _FLOAT32.search(name) else dtype
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf,
+                nn.Parameter(torch.empty_like(parameter, dtype=target), requires_grad=False))
+    return model
+
+
+_EXPERT = re.compile(r"(.*\.ffn)\.(experts|shared_experts)\.(gate_up_proj|down_proj)$")
+
+
+def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """(prepared name, tensor) for every tensor the serving model loads, from a checkpoint named as
+    Transformers' V4.1 names it (`model.layers.N.attn.wq_a.weight`, per-expert `w1` / `w2` / `w3`);
+    the routed and shared experts packed. ValueError naming a missing checkpoint tensor."""
+    def read(name: str, target: str) -> Tensor:
+        if name not in checkpoint:
+            raise ValueError(f"checkpoint lacks tensor {name!r} (needed for prepared tensor {target!r})")
+        return checkpoint[name]
+
+    for name, tensor in build_model(config, dtype).state_dict().items():
+        expert = _EXPERT.match(name)
+        if name == "model.ngram.token_map":
+            continue  # from the tokenizer (v41_engram.compressed_token_map), not the checkpoint
+        if expert is None:
+            source = read(name, name)
+        else:
+            ffn, kind, part = expert.groups()
+            count = tensor.shape[0]
+            prefix = [f"{ffn}.experts.{e}" for e in range(count)] if kind == "experts" else [f"{ffn}.shared_experts"]
+            if part == "gate_up_proj":
+                source = torch.stack([torch.cat([read(f"{p}.w1.weight", name), read(f"{p}.w3.weight", name)])
+                                      for p in prefix])
+            else:
+                source = torch.stack([read(f"{p}.w2.weight", name) for p in prefix])
+        yield name, source.to(tensor.dtype)

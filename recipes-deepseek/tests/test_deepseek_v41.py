@@ -1,0 +1,171 @@
+"""DeepSeek V4.1 on the reference path (flare_recipe_deepseek.v41, v41_config, v41_engram,
+v41_quant) against the logits the V4.1 definition on Transformers' main branch computed for three
+tiny configurations (tests/fixtures/deepseek-v41, SOURCES.md says how they were made):
+
+* v41-tiny-ced: 10 layers, ratio-2 "encoder" and ratio-1 "decoder" groups, three KV sources, an
+  index source inside the ratio-1 group, the two-level candidate top-k, engram at layers 1 and 5;
+* v41-tiny-ratio4: ratio-4 and ratio-2 groups, a sliding-window-only layer between them, routing
+  without normalization, engram at layers 0 and 4;
+* v41-tiny-defaults: a minimal config.json whose schedule, sources and rope parameters are derived.
+
+Each runs a 37- and a 300-token sequence (windows of 12 / 16, groups of 1, 2 and 4, candidate
+blocks of 4). The model's quantizers (FP8 window rows, FP4 indexer and compressed entries) turn a
+last-bit difference into a different code, so the same sequence is compared in the reference's
+own chunking (bit for bit there) and, across other chunkings and batches, at the size such a code
+flip makes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flare_core.plugins import load_registry
+from flare_testing.deepseek_v41 import TinyV41, checksum, run_chunks
+from flare_testing.parity import drive_greedy, serve_paged, snapshot_serving
+from flare_recipe_deepseek.v41_engram import compressed_token_map
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepseek-v41"
+NAMES = ("v41-tiny-ced", "v41-tiny-ratio4", "v41-tiny-defaults")
+# Noise floor of the reference itself: its full forward against its chunked one (README, <= 3.2e-7).
+FLOOR = 1e-6
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def tiny(request) -> TinyV41:
+    return TinyV41(FIXTURES, request.param)
+
+
+@pytest.fixture(scope="module")
+def served(tiny) -> torch.nn.Module:
+    return tiny.served()
+
+
+def test_the_config_is_derived_as_the_reference_derives_it(tiny):
+    for field, value in tiny.meta["derived_text_config"].items():
+        assert getattr(tiny.config, field) == value, field
+
+
+def test_the_weights_are_the_reference_weights(tiny):
+    assert checksum(tiny.checkpoint) == tiny.meta["sha256"]
+
+
+def test_the_engram_token_map_is_derived_from_the_tokenizer():
+    lookup, size = compressed_token_map((FIXTURES / "tokenizer.json").read_text(encoding="utf-8"))
+    expected = json.loads((FIXTURES / "engram_token_map.json").read_text())
+    assert size == expected["compressed_vocab_size"] == 277 and lookup == expected["lookup"]
+
+
+@pytest.mark.parametrize("sequence", [0, 1])
+def test_logits_equal_the_reference_in_its_chunkings(tiny, served, sequence):
+    """The whole sequence in one forward, and the reference's chunk plan (uneven prefill chunks,
+    then decode steps): the reference's logits within its own noise floor; one token at a time
+    against its full forward likewise."""
+    ids, golden = tiny.sequence(sequence)
+    plan = tiny.meta["chunk_plans"][f"seq{sequence}"]
+    chunks = plan["prefill"] + [1] * plan["decode"]
+    assert sum(chunks) == len(ids)
+    full = run_chunks(served, tiny.config, ids, [len(ids)])
+    torch.testing.assert_close(full, golden["logits_full"], atol=FLOOR, rtol=0)
+    torch.testing.assert_close(run_chunks(served, tiny.config, ids, chunks), golden["logits_chunked"], atol=FLOOR,
+                               rtol=0)
+    torch.testing.assert_close(run_chunks(served, tiny.config, ids[:48], [1] * min(len(ids), 48)),
+                               golden["logits_full"][:48], atol=FLOOR, rtol=0)
+
+
+def test_greedy_continuation_equals_the_reference(tiny, served):
+    ids, golden = tiny.sequence(1)
+    tokens = golden["greedy_tokens"].tolist()
+    sequence = ids + tokens[:-1]
+    logits = run_chunks(served, tiny.config, sequence, [len(ids)] + [1] * (len(tokens) - 1))[len(ids) - 1:]
+    assert logits.argmax(-1).tolist() == tokens
+
+
+@pytest.mark.parametrize("step_tokens, page_tokens", [(7, 32), (64, 16)])
+def test_batched_paged_steps_track_the_reference(tiny, served, step_tokens, page_tokens):
+    """Both sequences through shared flattened steps (chunks of several requests in one step,
+    shuffled pages). Batched matmuls sum in another order than the reference's; where a value sits
+    that close to a quantizer's rounding boundary its code changes, which moved logits by up to
+    3.5e-4 here (logits' standard deviation: 0.16)."""
+    scheme = load_registry().cache_schemes["shared-compressed-attention"].build(tiny.config, "float32")
+    sequences = [tiny.sequence(i) for i in (0, 1)]
+    rows = 0
+    for r, consumed, logits in serve_paged(served, scheme, [ids for ids, _ in sequences],
+                                           [len(ids) for ids, _ in sequences], page_tokens, step_tokens):
+        torch.testing.assert_close(logits, sequences[r][1]["logits_full"][consumed - 1], atol=1e-3, rtol=0)
+        rows += 1
+    assert rows >= len(sequences[1][0]) // step_tokens
+
+
+def test_the_scheme_shares_compressed_entries_per_ratio_and_keeps_windows_as_state():
+    ced = TinyV41(FIXTURES, "v41-tiny-ced").config
+    scheme = load_registry().cache_schemes["shared-compressed-attention"].build(ced, "bfloat16")
+    assert [(s.name, s.record_shape, s.tokens_per_record, s.layer_ids) for s in scheme.paged] == [
+        ("compressed_kv_r1", (64,), 1, (6,)), ("index_keys_r1", (32,), 1, (6,)),
+        ("compressed_kv_r2", (64,), 2, (2, 4)), ("index_keys_r2", (32,), 2, (2, 4))]
+    assert [(s.name, s.shape, s.dtype, s.layer_ids) for s in scheme.state] == [
+        ("window", (16, 64), "bfloat16", ()), ("pending_r2", (2, 128), "float32", (2, 4)),
+        ("ngram_history", (3,), "int64", (1,))]
+
+
+def _serving(tiny, rows: int, num_pages: int):
+    return snapshot_serving(tiny.recipe(), tiny.config, tiny.checkpoint, rows, num_pages, page_tokens=16)
+
+
+def _assert_first_row(tiny, prompt: list[int], rows: list[torch.Tensor]) -> None:
+    """A request's first sampled row (its prompt's last logits; the prompt a prefix of the reference
+    sequence) is the reference's, code flips apart (the scheduler's chunks are not the reference's:
+    see test_batched_paged_steps_track_the_reference)."""
+    _, golden = tiny.sequence(1)
+    torch.testing.assert_close(rows[0], golden["logits_full"][len(prompt) - 1], atol=1e-3, rtol=0)
+
+
+# Prompts are prefixes of the reference's 300-token sequence: its ids were chosen so that no
+# top-k (router, indexer, candidate blocks) has tied scores at its boundary. Random ids repeat,
+# and tied indexer scores (exact zeros after the ReLU) make which entry a top-k keeps depend on
+# the shapes of the step, in the reference as here; so rows after the first (which follow
+# generated tokens) are compared with the same requests served without the cache event.
+
+
+def test_a_restored_snapshot_continues_exactly(tiny, served):
+    """The second request shares its first 150 tokens (a message boundary inside a page, a
+    compression group and a candidate block, past the window) with the first: it resumes from the
+    snapshot taken there (one restore), and samples what the same request samples with nothing
+    cached, row for row."""
+    ids, _ = tiny.sequence(1)
+    first, second = ids[:181], ids[:263]
+    scheduler, executor, prefix = _serving(tiny, rows=3, num_pages=48)
+    scheduler.submit("first", first, 4, message_ends=(150,))
+    done, _ = drive_greedy(scheduler, executor, 4)
+    scheduler.submit("second", second, 4, message_ends=(150,))
+    resumed, restores = drive_greedy(scheduler, executor, 4)
+    assert restores == 1 and scheduler.kv.free_state_rows == 3
+    scheduler, executor, _ = _serving(tiny, rows=3, num_pages=48)
+    scheduler.submit("second", second, 4, message_ends=(150,))
+    uncached, restores = drive_greedy(scheduler, executor, 4)
+    assert restores == 0
+    torch.testing.assert_close(torch.stack(resumed["second"]), torch.stack(uncached["second"]), atol=FLOOR, rtol=0)
+    _assert_first_row(tiny, first, done["first"])
+    _assert_first_row(tiny, second, resumed["second"])
+
+
+def test_preempted_requests_resume_exactly(tiny):
+    """Three requests outgrow the pages while decoding: some are preempted and recomputed; each
+    samples what it samples when nothing is preempted."""
+    ids, _ = tiny.sequence(1)
+    prompts = {f"r{i}": ids[:30 + 9 * i] for i in range(3)}
+    runs = []
+    for num_pages in (14, 48):
+        scheduler, executor, _ = _serving(tiny, rows=3, num_pages=num_pages)
+        for request_id, prompt in prompts.items():
+            scheduler.submit(request_id, prompt, 40)
+        runs.append((drive_greedy(scheduler, executor, 40)[0], scheduler.preemptions))
+    (preempted, preemptions), (whole, none) = runs
+    assert preemptions > 0 and none == 0
+    for request_id, prompt in prompts.items():
+        _assert_first_row(tiny, prompt, preempted[request_id])
+        torch.testing.assert_close(torch.stack(preempted[request_id]), torch.stack(whole[request_id]), atol=1e-3,
+                                   rtol=0)
