@@ -94,6 +94,9 @@ def test_recipe_and_parser_callables_must_accept_the_calls_flare_makes():
         replace(LLAMA, build_model=lambda config: None)
     with pytest.raises(ContractError, match=r"\.check_config: must be callable as check_config\(config\)"):
         replace(LLAMA, check_config=lambda: None)
+    with pytest.raises(ContractError, match=r"\.tokenizer_tensors: must be callable as "
+                                            r"tokenizer_tensors\(config, tokenizer_json\)"):
+        replace(LLAMA, tokenizer_tensors=lambda config: {})
     assert isinstance(replace(LLAMA, build_model=lambda *args, **kwargs: None), Recipe)
 
     class Reasoning:

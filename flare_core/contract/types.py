@@ -543,6 +543,9 @@ class Recipe:
     checkpoint's config.json (the text model's of a vision-language checkpoint: its
     `text_config`); every other callable, the cache scheme, the plan and the core's manifest then
     see that config. None: the checkpoint's own.
+    `tokenizer_tensors(config, tokenizer_json)` returns prepared tensors (name -> tensor) the
+    served model holds that derive from the tokenizer rather than the checkpoint (DeepSeek V4.1's
+    Engram token map); export adds them to `map_weights`'s. ValueError: this tokenizer cannot serve.
     """
 
     name: str
@@ -568,6 +571,7 @@ class Recipe:
     tokenizer_builder: Callable[[Any], str] | None = None
     tensor_parallel: TensorParallelSpec | None = None
     served_config: Callable[[Any], Any] | None = None
+    tokenizer_tensors: Callable[[Any, str], Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -592,6 +596,9 @@ class Recipe:
                                ("served_config", "config")):
             if getattr(self, name) is not None:
                 _check_call(getattr(self, name), obj, name, f"{name}({argument}) or None", None)
+        if self.tokenizer_tensors is not None:
+            _check_call(self.tokenizer_tensors, obj, "tokenizer_tensors", "tokenizer_tensors(config, tokenizer_json) "
+                        "or None", None, None)
         _require(self.tensor_parallel is None or isinstance(self.tensor_parallel, TensorParallelSpec), obj,
                  "tensor_parallel", "must be a TensorParallelSpec or None")
         for asset_name, loader in self.assets.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import flare_core
 from flare_core.config import Config
 from flare_core.contract import CONTRACT_VERSION, Recipe
 from flare_core.plugins import Registry
-from flare_core.prepare.assets import FrontendAssets, collect_frontend_assets
+from flare_core.prepare.assets import TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
@@ -185,8 +186,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     for line in plan.lines():
         echo(line)
 
+    derived = _tokenizer_tensors(recipe, model_config, assets)
     if ranks == 1:
-        tensors = _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress)
+        tensors = _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress,
+                               derived)
     else:
         tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
                                 rank_skeleton, ranks, request.progress)
@@ -353,8 +356,19 @@ def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: M
     return {name: tensors[name] for name in sorted(tensors)}
 
 
+def _tokenizer_tensors(recipe: Recipe, model_config, assets: FrontendAssets) -> Mapping[str, torch.Tensor]:
+    """The prepared tensors the recipe derives from the core's tokenizer (Recipe.tokenizer_tensors)."""
+    if recipe.tokenizer_tensors is None:
+        return {}
+    try:
+        return recipe.tokenizer_tensors(model_config, assets.files[TOKENIZER_ASSET].decode("utf-8"))
+    except ValueError as exc:
+        raise ExportError(f"recipe {recipe.name} cannot serve this tokenizer: {exc}") from exc
+
+
 def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 skeleton: dict[str, torch.Tensor], progress: bool) -> dict[str, torch.Tensor]:
+                 skeleton: dict[str, torch.Tensor], progress: bool,
+                 derived: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     from tqdm import tqdm
 
     # The mapped model is held in host memory: recipes yield fused tensors in their own order,
@@ -362,7 +376,8 @@ def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Te
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(skeleton), desc="mapping weights", unit="tensor", disable=not progress)
     try:
-        for name, tensor in recipe.map_weights(model_config, checkpoint, dtype):
+        for name, tensor in itertools.chain(recipe.map_weights(model_config, checkpoint, dtype),
+                                            (derived or {}).items()):
             expected = skeleton.get(name)
             if expected is None:
                 raise ExportError(f"recipe {recipe.name} produced tensor {name!r}, which its model does not have")

@@ -8,13 +8,18 @@ from flare_recipe_deepseek.recipes import DEEPSEEK_V3, DEEPSEEK_V3_1
 from flare_recipe_deepseek.templates import DEEPSEEK_TEMPLATE_PATCHES
 from flare_recipe_deepseek.v4 import compressed_attention_scheme
 from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
+from flare_recipe_deepseek.v41_config import register as register_v41_config
+from flare_recipe_deepseek.v41_recipe import DEEPSEEK_V41
 from flare_recipe_deepseek.v4_encoder import DeepSeekV4Encoder, DeepSeekV41Encoder
 from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
+
+# No Transformers release reads DeepSeek V4.1's config.json yet: this plugin's classes do.
+register_v41_config()
 
 
 @hookimpl
 def flare_recipes() -> list[Recipe]:
-    return [DEEPSEEK_V3, DEEPSEEK_V3_1, DEEPSEEK_V4]
+    return [DEEPSEEK_V3, DEEPSEEK_V3_1, DEEPSEEK_V4, DEEPSEEK_V41]
 
 
 @hookimpl

@@ -169,3 +169,17 @@ def test_preempted_requests_resume_exactly(tiny):
         _assert_first_row(tiny, prompt, preempted[request_id])
         torch.testing.assert_close(torch.stack(preempted[request_id]), torch.stack(whole[request_id]), atol=1e-3,
                                    rtol=0)
+
+
+def test_the_recipe_derives_the_token_map_and_refuses_another_vocabulary():
+    from flare_recipe_deepseek.v41_recipe import tokenizer_tensors
+
+    config = TinyV41(FIXTURES, "v41-tiny-ced").config
+    tokenizer_json = (FIXTURES / "tokenizer.json").read_text(encoding="utf-8")
+    derived = tokenizer_tensors(config, tokenizer_json)
+    assert derived["model.ngram.token_map"].tolist() == json.loads((FIXTURES / "engram_token_map.json").read_text())[
+        "lookup"]
+    config.engram_compressed_vocab_size = 99092
+    with pytest.raises(ValueError, match="compressed Engram vocabulary has 277 ids, config.json "
+                                         "engram_compressed_vocab_size says 99092"):
+        tokenizer_tensors(config, tokenizer_json)

@@ -131,3 +131,35 @@ class UncachedReference:
     def __call__(self, ids: torch.Tensor) -> types.SimpleNamespace:
         sequence = ids[0].tolist()
         return types.SimpleNamespace(logits=run_chunks(self.model, self.config, sequence, [len(sequence)])[None])
+
+
+def write_checkpoint(tiny: TinyV41, directory: Path, fixtures: Path) -> None:
+    """`tiny` as a checkpoint directory: its config.json, the weights under the reference's names,
+    the tiny tokenizer and a tokenizer_config.json naming BOS and EOS."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text((tiny.directory / "config.json").read_text())
+    save_file(tiny.checkpoint, directory / "model.safetensors")
+    (directory / "tokenizer.json").write_text((fixtures / "tokenizer.json").read_text(encoding="utf-8"),
+                                              encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}))
+
+
+def greedy(model: torch.nn.Module, config, prompt: Sequence[int], message_ends: Sequence[int], max_tokens: int,
+           eos: int) -> list[int]:
+    """The greedy continuation of `prompt` as a server with state snapshots computes it: prefill
+    chunks ending at each message end (where the scheduler snapshots), then one token per step."""
+    ends = sorted({*message_ends, len(prompt)})
+    chunks = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+    sequence, tokens = list(prompt), []
+    while len(tokens) < max_tokens:
+        logits = run_chunks(model, config, sequence, chunks)
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+        if token == eos:
+            break
+        sequence.append(token)
+        chunks.append(1)
+    return tokens

@@ -1,0 +1,91 @@
+"""The DeepSeek V4.1 recipe declaration: alias, sampling defaults, text side (V4.1's prompt encoder,
+its DSML tool calls, thinking sections), cache scheme, capacities, and the tensors it derives from
+the tokenizer (the Engram token map)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
+from flare_recipe_deepseek.v41 import build_model, check_config, map_weights
+from flare_recipe_deepseek.v41_engram import compressed_token_map
+from flare_recipe_deepseek.v4_encoder import ASSISTANT, BOS, EOS, SYSTEM, USER
+
+RECIPE_VERSION = "0.1.0"
+
+# "Recommended sampling: temperature = 1.0, top_p = 1.0" — the sampling the DeepSeek V4 model cards
+# give for local deployment, which the V4.1 Flash card (deepseek-ai/DeepSeek-V4.1-Flash) keeps; the
+# card itself was not reachable from where this was written (the issue that asked for V4.1 states
+# these values from it).
+DEEPSEEK_V41_SAMPLING = SamplingPolicy(
+    defaults={"temperature": 1.0, "top_p": 1.0},
+    source="https://huggingface.co/deepseek-ai/DeepSeek-V4.1-Flash",
+)
+
+# V4.1 is formatted by its encoder (flare_recipe_deepseek.v4_encoder, dialect V41): thinking on at
+# effort high unless a request says otherwise; a thinking prompt ends inside the reasoning section.
+DEEPSEEK_V41_FRONTEND = FrontendSpec(
+    reasoning_parser="think",
+    tool_parser="deepseek-v4.1-tools",
+    prompt_encoder="deepseek-v41",
+    required_tokens=(BOS, USER, ASSISTANT, SYSTEM),
+    stop_tokens=(EOS,),
+    template_options={"thinking": True, "reasoning_effort": "high"},
+)
+
+
+def served_config(config: Any) -> Any:
+    """The text model's config of the composite checkpoint config (the vision tower is not served)."""
+    return config.get_text_config()
+
+
+def tokenizer_tensors(config: Any, tokenizer_json: str) -> dict[str, torch.Tensor]:
+    """The Engram token map (token id -> compressed id) from the checkpoint's tokenizer; ValueError
+    when its compressed vocabulary is not the size the hashes were trained with."""
+    if not config.engram_layer_ids:
+        return {}
+    lookup, size = compressed_token_map(tokenizer_json)
+    if size != config.engram_compressed_vocab_size:
+        raise ValueError(f"the tokenizer's compressed Engram vocabulary has {size} ids, config.json "
+                         f"engram_compressed_vocab_size says {config.engram_compressed_vocab_size}: the n-gram "
+                         f"hashes would address other table rows")
+    lookup += [0] * (config.vocab_size - len(lookup))  # ids past the tokenizer's are never fed
+    return {"model.ngram.token_map": torch.tensor(lookup[:config.vocab_size], dtype=torch.int64)}
+
+
+def plan_notes(config: Any) -> tuple[str, ...]:
+    notes = ["DeepSeek V4.1 runs on the CPU reference path (--device cpu): the CUDA executor has no kernels for "
+             "its compressed attention or continuation state yet",
+             "the vision tower (vision.*, aligner.*) stays in the checkpoint: this core serves text, and image "
+             "content is refused",
+             "the DSpark draft layers (mtp.*) stay in the checkpoint: they are not read"]
+    if config.engram_layer_ids:
+        rows = sum(config.engram_num_embeddings)
+        notes.append(f"Engram tables ({len(config.engram_layer_ids)} of {rows:,} rows x {config.engram_head_dim}) "
+                     f"are held as ordinary weights in the export dtype")
+    return tuple(notes)
+
+
+DEEPSEEK_V41 = Recipe(
+    name="deepseek-v4.1",
+    version=RECIPE_VERSION,
+    architectures=("DeepseekV41ForCausalLM",),
+    model_types=("deepseek_v41",),
+    aliases=(Alias("deepseek-v4.1-flash", "deepseek-ai/DeepSeek-V4.1-Flash"),),
+    sampling=DEEPSEEK_V41_SAMPLING,
+    frontend=DEEPSEEK_V41_FRONTEND,
+    cache_scheme="shared-compressed-attention",
+    # Pages of 128 tokens: whole records of every compress ratio (1, 2, 4, ...) per page.
+    capacities=Capacities(page_tokens=128),
+    build_model=build_model,
+    map_weights=map_weights,
+    description="DeepSeek V4.1 (CSA2 shared compressed attention with candidate top-k, mHC, sqrt-softplus routed "
+                "MoE, Engram n-gram memory; Flare's own modeling of the definition on Transformers' main branch); "
+                "CPU reference path",
+    check_config=check_config,
+    plan_notes=plan_notes,
+    served_config=served_config,
+    tokenizer_tensors=tokenizer_tensors,
+)
