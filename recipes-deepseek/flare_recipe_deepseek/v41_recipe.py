@@ -4,14 +4,16 @@ the tokenizer (the Engram token map)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
+from flare_core.api import Alias
 from flare_recipe_deepseek.v41 import build_model, check_config, map_weights
 from flare_recipe_deepseek.v41_engram import compressed_token_map
-from flare_recipe_deepseek.v4_encoder import ASSISTANT, BOS, EOS, SYSTEM, USER
+from flare_recipe_deepseek.v4_encoder import SYSTEM
+from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4, DEEPSEEK_V4_FRONTEND, DEEPSEEK_V4_SAMPLING
 
 RECIPE_VERSION = "0.1.0"
 
@@ -19,21 +21,12 @@ RECIPE_VERSION = "0.1.0"
 # give for local deployment, which the V4.1 Flash card (deepseek-ai/DeepSeek-V4.1-Flash) keeps; the
 # card itself was not reachable from where this was written (the issue that asked for V4.1 states
 # these values from it).
-DEEPSEEK_V41_SAMPLING = SamplingPolicy(
-    defaults={"temperature": 1.0, "top_p": 1.0},
-    source="https://huggingface.co/deepseek-ai/DeepSeek-V4.1-Flash",
-)
+DEEPSEEK_V41_SAMPLING = replace(DEEPSEEK_V4_SAMPLING, source="https://huggingface.co/deepseek-ai/DeepSeek-V4.1-Flash")
 
-# V4.1 is formatted by its encoder (flare_recipe_deepseek.v4_encoder, dialect V41): thinking on at
-# effort high unless a request says otherwise; a thinking prompt ends inside the reasoning section.
-DEEPSEEK_V41_FRONTEND = FrontendSpec(
-    reasoning_parser="think",
-    tool_parser="deepseek-v4.1-tools",
-    prompt_encoder="deepseek-v41",
-    required_tokens=(BOS, USER, ASSISTANT, SYSTEM),
-    stop_tokens=(EOS,),
-    template_options={"thinking": True, "reasoning_effort": "high"},
-)
+# As V4's text side (thinking on at effort high unless a request says otherwise; a thinking prompt
+# ends inside the reasoning section), with V4.1's encoder (v4_encoder dialect V41) and tool calls.
+DEEPSEEK_V41_FRONTEND = replace(DEEPSEEK_V4_FRONTEND, tool_parser="deepseek-v4.1-tools", prompt_encoder="deepseek-v41",
+                                required_tokens=(*DEEPSEEK_V4_FRONTEND.required_tokens, SYSTEM))
 
 
 def served_config(config: Any) -> Any:
@@ -68,24 +61,13 @@ def plan_notes(config: Any) -> tuple[str, ...]:
     return tuple(notes)
 
 
-DEEPSEEK_V41 = Recipe(
-    name="deepseek-v4.1",
-    version=RECIPE_VERSION,
-    architectures=("DeepseekV41ForCausalLM",),
-    model_types=("deepseek_v41",),
-    aliases=(Alias("deepseek-v4.1-flash", "deepseek-ai/DeepSeek-V4.1-Flash"),),
-    sampling=DEEPSEEK_V41_SAMPLING,
-    frontend=DEEPSEEK_V41_FRONTEND,
-    cache_scheme="shared-compressed-attention",
-    # Pages of 128 tokens: whole records of every compress ratio (1, 2, 4, ...) per page.
-    capacities=Capacities(page_tokens=128),
-    build_model=build_model,
-    map_weights=map_weights,
+# V4's declaration where V4.1 is the same (page size, float32 reference path), its own elsewhere.
+DEEPSEEK_V41 = replace(
+    DEEPSEEK_V4, name="deepseek-v4.1", version=RECIPE_VERSION, architectures=("DeepseekV41ForCausalLM",),
+    model_types=("deepseek_v41",), aliases=(Alias("deepseek-v4.1-flash", "deepseek-ai/DeepSeek-V4.1-Flash"),),
+    sampling=DEEPSEEK_V41_SAMPLING, frontend=DEEPSEEK_V41_FRONTEND, cache_scheme="shared-compressed-attention",
+    build_model=build_model, map_weights=map_weights, check_config=check_config, plan_notes=plan_notes,
+    served_config=served_config, tokenizer_tensors=tokenizer_tensors,
     description="DeepSeek V4.1 (CSA2 shared compressed attention with candidate top-k, mHC, sqrt-softplus routed "
                 "MoE, Engram n-gram memory; Flare's own modeling of the definition on Transformers' main branch); "
-                "CPU reference path",
-    check_config=check_config,
-    plan_notes=plan_notes,
-    served_config=served_config,
-    tokenizer_tensors=tokenizer_tensors,
-)
+                "CPU reference path")
