@@ -31,7 +31,9 @@ a quantized `X.weight` has its block scales in `X.scale` (Transformers' fp8 quan
 `X.scale` to `X.weight_scale_inv`), stored as float8_e8m0fnu powers of two; each routed expert
 matrix is FP4 e2m1, two per byte, with one e8m0 scale per row and 32 columns (flare_core.kernels.fp4).
 `expert_dtype` may sit in quantization_config (V4.1, and V4's config once Transformers has read
-it) or at the top of config.json (V4 as published). Which tensors are FP4 is read from the tensors:
+it) or at the top of config.json (V4 as published). V4.1 quantizes in 32 x 32 blocks, and its
+Engram tables' rows in groups of 32 columns with one scale per row and group: a scale with one
+row per weight row is read that way. Which tensors are FP4 is read from the tensors:
 a packed weight (int8 / uint8 / float4_e2m1fn_x2) with a scale of its FP4 group geometry.
 
 Export hands recipes the checkpoint through `DequantizedCheckpoint`, so a recipe's `map_weights`
@@ -142,6 +144,9 @@ def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks, 
     rows, cols = weight.shape
     block_rows, block_cols = blocks.block
     expected = (-(-rows // block_rows), -(-cols // block_cols))
+    if tuple(scale_inv.shape) == (rows, expected[1]) != expected:
+        block_rows = 1  # one scale per row and block of columns (DeepSeek V4.1's Engram table rows)
+        expected = (rows, expected[1])
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"checkpoint tensor {scale!r} has shape {tuple(scale_inv.shape)}; {name!r} "
                          f"{tuple(weight.shape)} in {block_rows}x{block_cols} blocks (weight_block_size) needs "
@@ -150,7 +155,7 @@ def dequantize(name: str, weight: Tensor, scale_inv: Tensor, blocks: Fp8Blocks, 
         raise ValueError(f"checkpoint tensor {scale!r} is {scale_inv.dtype}; {SUPPORTED}")
     if not torch.isfinite(scale_inv).all():
         raise ValueError(f"checkpoint tensor {scale!r} holds non-finite scales")
-    return dequantize_blocks(weight, scale_inv, blocks.block)
+    return dequantize_blocks(weight, scale_inv, (block_rows, block_cols))
 
 
 def dequantize_fp4_weight(name: str, packed: Tensor, scale: Tensor, scale_name: str) -> Tensor:

@@ -492,12 +492,17 @@ _EXPERT = re.compile(r"(.*\.ffn)\.(experts|shared_experts)\.(gate_up_proj|down_p
 
 def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """(prepared name, tensor) for every tensor the serving model loads, from a checkpoint named as
-    Transformers' V4.1 names it (`model.layers.N.attn.wq_a.weight`, per-expert `w1` / `w2` / `w3`);
+    Transformers' V4.1 names it (`model.layers.N.attn.wq_a.weight`, per-expert `w1` / `w2` / `w3`) or
+    as DeepSeek does (`layers.N.attn.wq_a.weight`, `embed.weight`, `head.weight`), dequantized by
+    export (flare_core.prepare.fp8_checkpoint: FP8 32 x 32 blocks, FP4 experts, FP8 Engram rows);
     the routed and shared experts packed. ValueError naming a missing checkpoint tensor."""
     def read(name: str, target: str) -> Tensor:
-        if name not in checkpoint:
-            raise ValueError(f"checkpoint lacks tensor {name!r} (needed for prepared tensor {target!r})")
-        return checkpoint[name]
+        # Transformers' name, or DeepSeek's (no `model.` prefix, the head as `head.weight`).
+        published = "head.weight" if name == "lm_head.weight" else name.removeprefix("model.")
+        for candidate in (name, published):
+            if candidate in checkpoint:
+                return checkpoint[candidate]
+        raise ValueError(f"checkpoint lacks tensor {name!r} or {published!r} (needed for prepared tensor {target!r})")
 
     for name, tensor in build_model(config, dtype).state_dict().items():
         expert = _EXPERT.match(name)

@@ -18,6 +18,8 @@ flip makes.
 from __future__ import annotations
 
 import json
+import re
+import types
 from pathlib import Path
 
 import pytest
@@ -183,3 +185,83 @@ def test_the_recipe_derives_the_token_map_and_refuses_another_vocabulary():
     with pytest.raises(ValueError, match="compressed Engram vocabulary has 277 ids, config.json "
                                          "engram_compressed_vocab_size says 99092"):
         tokenizer_tensors(config, tokenizer_json)
+
+
+def _published(checkpoint: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the checkpoint in the form DeepSeek publishes V4.1, the values that form dequantizes to under
+    Transformers' names):
+    DeepSeek's names (no `model.` prefix, `head.weight`), the layers' linear weights in FP8 with a
+    power-of-two scale per 32 x 32 block (`X.scale`), routed experts in FP4, the Engram tables in FP8
+    with a power-of-two scale per row and 32 columns; the router, the compressors' pooling
+    projections and the indexer's head weights as they are."""
+    from flare_core.kernels.fp4 import dequantize_fp4
+    from flare_testing.deepseek import dequantize_fp8_blocks, quantize_fp4_groups, quantize_fp8_powers
+
+    kept = re.compile(r"\.ffn\.gate\.weight$|\.compressor\.(wkv|wgate)\.weight$|\.indexer\.weights_proj\.weight$")
+    stored, read = {}, {}
+    for name, tensor in checkpoint.items():
+        published = "head.weight" if name == "lm_head.weight" else name.removeprefix("model.")
+        scale = published.removesuffix(".weight") + ".scale"
+        if name.endswith(".engram.embed.scale"):
+            continue  # the table's own scales are written with the table below
+        if re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", name):
+            stored[published], stored[scale] = quantize_fp4_groups(tensor)
+            read[name] = dequantize_fp4(stored[published], stored[scale])
+        elif ".layers." in name and tensor.dim() == 2 and name.endswith(".weight") and not kept.search(name):
+            block = (1, 32) if name.endswith(".engram.embed.weight") else (32, 32)
+            stored[published], stored[scale] = quantize_fp8_powers(tensor, block)
+            read[name] = dequantize_fp8_blocks(stored[published], stored[scale].float(), block)
+        else:
+            stored[published] = read[name] = tensor
+    return stored, read
+
+
+def test_the_published_form_reads_as_its_dequantized_weights():
+    """V4.1 as DeepSeek publishes it (FP8 in 32 x 32 blocks with ue8m0 scales, FP4 experts, FP8
+    Engram rows) maps to the weights the dequantized values give, under either naming."""
+    from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, fp8_blocks
+    from flare_recipe_deepseek.v41 import map_weights
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
+    stored, read = _published(tiny.checkpoint)
+    config = json.loads((tiny.directory / "config.json").read_text())
+    blocks = fp8_blocks(types.SimpleNamespace(expert_dtype="fp4", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}))
+    assert blocks.block == (32, 32) and blocks.experts == "fp4" and config["architectures"]
+    published = dict(map_weights(tiny.config, DequantizedCheckpoint(stored, blocks), torch.float32))
+    expected = dict(map_weights(tiny.config, read, torch.float32))
+    assert published.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(published[name], tensor, atol=0, rtol=0, msg=name)
+    assert not torch.equal(published["model.layers.1.engram.embed.weight"],
+                           tiny.checkpoint["model.layers.1.engram.embed.weight"])  # it was quantized
+
+
+def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from flare_core.cli import open_verified_core
+    from flare_core.config import load_config
+    from flare_core.engine.load import load_core
+    from flare_recipe_deepseek.v41 import map_weights
+    from flare_testing.deepseek import export_checkpoint
+    from flare_testing.deepseek_v41 import write_checkpoint
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
+    directory = tmp_path / "published"
+    write_checkpoint(tiny, directory, FIXTURES)
+    stored, read = _published(tiny.checkpoint)
+    save_file(stored, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                     "weight_block_size": [32, 32], "expert_dtype": "fp4"}
+    (directory / "config.json").write_text(json.dumps(config))
+    core, printed, config_path = export_checkpoint(directory, tmp_path / "flare", "--dtype", "float32")
+    assert "recipe        deepseek-v4.1" in printed and "fp8 checkpoint" in printed
+    loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
+                       load_registry(), torch.device("cpu"))
+    expected = {**dict(map_weights(tiny.config, read, torch.float32)), "model.ngram.token_map": tiny.token_map}
+    state = loaded.model.state_dict()
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
