@@ -35,6 +35,7 @@ from flare_core.contract import (
     SamplingPolicy,
     StateTensor,
     StreamingParser,
+    TemplateOptionError,
     TemplatePatch,
     TensorParallelSpec,
     ToolCallDelta,
@@ -76,7 +77,7 @@ __all__ = [
     "TemplatePatch", "TensorParallelSpec", "ToolCallFormat", "MARK_TAG",
     # The protocols of what a plugin hands the runtime, and the data they exchange.
     "BuildModel", "MapWeights", "RuntimeModel", "StreamingParser", "ConversationRenderer", "ParsedDelta",
-    "ToolCallDelta", "RenderedPrompt",
+    "ToolCallDelta", "RenderedPrompt", "TemplateOptionError",
     # The hook marker of the `flare` entry-point group.
     "hookimpl",
     # Text: stop-string holdback, the streaming tool-call parser base, marked tool calls.

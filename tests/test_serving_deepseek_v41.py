@@ -114,3 +114,21 @@ def test_an_offline_export_of_the_alias_names_the_repository(session_flare):
     result = session_flare("export", "deepseek-v4.1-flash", "--offline", "--no-progress", expect_ok=False)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "deepseek-ai/DeepSeek-V4.1-Flash is not in the hub cache" in result.output and "--offline" in result.output
+
+
+def test_the_openai_reasoning_effort_is_rendered_or_refused(served):
+    """OpenAI's reasoning_effort reaches V4.1's encoder (low / high / xhigh / max; thinking on), and
+    an effort V4.1 does not know is a 400 naming the field."""
+    from flare_recipe_deepseek.v4_encoder import V41, render
+
+    process, _, tokenizer, _ = served
+    client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name a prime, please."}]
+    lengths = {effort: len(tokenizer.encode_prompt(render(messages, thinking=True, reasoning_effort=effort,
+                                                          dialect=V41)).ids) for effort in ("high", "max")}
+    assert lengths["max"] != lengths["high"]  # "Reasoning Effort: 100" against "... 50"
+    reply = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=2, reasoning_effort="max")
+    assert reply.usage.prompt_tokens == lengths["max"]
+    with pytest.raises(openai.BadRequestError, match="'reasoning_effort': must be an integer from 1 to 100 or one of "
+                                                     "low, high, xhigh, max, got 'medium'"):
+        client.chat.completions.create(model=SERVED, messages=messages, max_tokens=2, reasoning_effort="medium")

@@ -110,9 +110,19 @@ class RenderedPrompt:
     marks: tuple[int, ...]
 
 
+class TemplateOptionError(ValueError):
+    """A renderer's refusal of the value of one of its options (`option`: its name, e.g.
+    "reasoning_effort"); the server answers 400 naming the request field the value came from."""
+
+    def __init__(self, option: str, problem: str):
+        self.option, self.problem = option, problem
+        super().__init__(f"{option} {problem}")
+
+
 class ConversationRenderer(Protocol):
     """What renders a core's conversations: a chat template (flare_core.frontend.ChatTemplate), or
-    the object a recipe's `PromptEncoder` makes (models whose prompt format is code)."""
+    the object a recipe's `PromptEncoder` makes (models whose prompt format is code). An option value
+    the format cannot take raises TemplateOptionError."""
 
     source: str  # the template's text; "" for an encoder, whose format is its code
 
@@ -121,4 +131,4 @@ class ConversationRenderer(Protocol):
 
 
 __all__ = ["BuildModel", "ConversationRenderer", "MapWeights", "ParsedDelta", "RenderedPrompt", "RuntimeModel",
-           "StreamingParser", "ToolCallDelta"]
+           "StreamingParser", "TemplateOptionError", "ToolCallDelta"]

@@ -45,8 +45,9 @@ SPEC = RequestSpec("POST /v1/chat/completions", (
     Field("top_logprobs", "integer", "alternatives per token (needs logprobs)", **TOP_LOGPROBS_LIMIT),
     RESPONSE_FORMAT_FIELD,
     *GUIDED_FIELDS,
-    Field("reasoning_effort", "any", '"none" turns the template\'s thinking off, any other effort on',
-          shape="string"),
+    Field("reasoning_effort", "any", '"none" turns the template\'s thinking off, any other effort on; where the '
+          'core\'s prompt format takes an effort (its template_options name reasoning_effort) the effort is '
+          'rendered, and one the format does not know is a 400', shape="string"),
     Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
     Field("continue_final_message", "boolean", "continue the final assistant message instead of a new turn"),
 ))
@@ -68,7 +69,8 @@ def parse_chat_request(state: ServerState, body: dict[str, Any], request_id: str
     grammar = one_spec(openai_response_format(values["response_format"]), guided_spec(body),
                        tool_calls_spec(frontend, tools, forced))
     options = template_options(frontend, values["chat_template_kwargs"] or {},
-                               thinking=thinking_switch(values["reasoning_effort"], "reasoning_effort"))
+                               thinking=thinking_switch(values["reasoning_effort"], "reasoning_effort"),
+                               effort=("reasoning_effort", values["reasoning_effort"]))
     prompt = chat_prompt(frontend, messages, tools=tools, options=options,
                          continue_final_message=values["continue_final_message"])
     logprobs, top_logprobs = values["logprobs"], values["top_logprobs"] or 0

@@ -58,7 +58,8 @@ SPEC = RequestSpec("POST /v1/responses", (
     Field("include", "array", f'"{_LOGPROBS_INCLUDE}" asks for output logprobs'),
     Field("text", "object", 'text.format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
           '"name", "schema", "strict"}: the output is constrained to JSON / the schema'),
-    Field("reasoning", "object", 'reasoning.effort: "none" turns the template\'s thinking off, any other effort on'),
+    Field("reasoning", "object", 'reasoning.effort: "none" turns the template\'s thinking off, any other effort '
+          'on; where the core\'s prompt format takes an effort it is rendered, and one it does not know is a 400'),
     Field("chat_template_kwargs", "object", "template options the core allows (its template_options)"),
     Field("metadata", "object", "echoed in the response"),
     Field("parallel_tool_calls", "boolean", 'echoed in the response; false: a forced ("required") call is exactly '
@@ -155,7 +156,8 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
     grammar = one_spec(responses_format(text_format), tool_calls_spec(frontend, tools, forced))
     reasoning = values["reasoning"] or {}
     options = template_options(frontend, values["chat_template_kwargs"] or {},
-                               thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"))
+                               thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"),
+                               effort=("reasoning.effort", reasoning.get("effort")))
     prompt = chat_prompt(frontend, messages, tools=tools, options=options)
     top_logprobs = values["top_logprobs"]
     include = values["include"] or []

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flare_core.contract import TemplateOptionError
 from flare_core.frontend import Frontend, RenderedPrompt, TemplateError
 from flare_core.server.errors import ApiError
 from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, is_integers, json_type
@@ -40,22 +41,37 @@ class Prompt:
     text: str = ""
 
 
+class TemplateOptions(dict):
+    """A chat template's keyword arguments, with the request field each option a request set came
+    from (`fields`: option -> field), so a refused value is answered naming what the client sent."""
+
+    def __init__(self, values: Mapping[str, Any], fields: Mapping[str, str]):
+        super().__init__(values)
+        self.fields = dict(fields)
+
+
 def template_options(frontend: Frontend, overrides: Mapping[str, Any] | None = None,
-                     thinking: bool | None = None) -> dict[str, Any]:
+                     thinking: bool | None = None, effort: tuple[str, Any] | None = None) -> TemplateOptions:
     """The keyword arguments a chat template receives: the core's special tokens, the recipe's
-    template option defaults, the protocol's thinking switch, then the request's own overrides."""
+    template option defaults, the protocol's thinking switch and reasoning effort (`effort`: the
+    request field and its value; passed on where the core's options declare a `reasoning_effort`,
+    "none" only switching thinking off), then the request's own overrides."""
     options: dict[str, Any] = {name: value for name, value in frontend.special_tokens.items() if value is not None}
     declared = dict(frontend.template_options)
     options.update(declared)
+    fields: dict[str, str] = {}
     if thinking is not None:
         for name in THINKING_OPTIONS:
             if name in declared:
                 options[name] = thinking
+    if effort is not None and effort[1] not in (None, "none") and "reasoning_effort" in declared:
+        fields["reasoning_effort"], options["reasoning_effort"] = effort
     for name, value in (overrides or {}).items():
         if name in _RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
             raise invalid(f"chat_template_kwargs.{name}", "is set by the server and cannot be overridden")
         options[name] = frontend.tokenizer.escape_special_text(value)
-    return options
+        fields[name] = f"chat_template_kwargs.{name}"
+    return TemplateOptions(options, fields)
 
 
 def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None,
@@ -79,6 +95,9 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
         if continue_final_message:
             rendered = _open_final_message(rendered, messages[-1])
         encoded = tokenizer.encode_prompt(rendered)
+    except TemplateOptionError as exc:
+        field = getattr(options, "fields", {}).get(exc.option, f"chat_template_kwargs.{exc.option}")
+        raise invalid(field, exc.problem) from exc
     except TemplateError as exc:
         raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
     except (TypeError, ValueError) as exc:

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flare_core.api import RenderedPrompt
+from flare_core.api import RenderedPrompt, TemplateOptionError
 from flare_recipe_deepseek.dsml import V4_TAGS, V41_TAGS, DsmlTags
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -361,11 +361,11 @@ class DeepSeekV4Encoder:
                add_generation_prompt: bool = False, thinking: Any = True, reasoning_effort: Any = "high",
                **options: Any) -> RenderedPrompt:
         if not isinstance(thinking, bool):
-            raise V4EncoderError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
+            raise TemplateOptionError("thinking", f"must be true or false, got {thinking!r}")
         try:
             self.dialect.effort_text(reasoning_effort, thinking)
         except V4EncoderError as error:
-            raise V4EncoderError(f"chat_template_kwargs.{error}") from None
+            raise TemplateOptionError("reasoning_effort", str(error).removeprefix("reasoning_effort ")) from None
         return render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
                       add_generation_prompt=add_generation_prompt, dialect=self.dialect)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from flare_core.api import TemplateOptionError
 from flare_core.frontend.parsers import ParsedOutput
 from flare_recipe_deepseek.dsml import DsmlV41ToolParser
 from flare_recipe_deepseek.v4_encoder import (ASSISTANT, BOS, END_THINK, EOS, USER, V41, DeepSeekV41Encoder,
@@ -79,17 +80,19 @@ def test_marks_are_the_prefix_a_following_turn_shares():
 
 
 def test_the_encoders_options():
-    """The `deepseek-v41` encoder as a core runs it: chat_template_kwargs thinking (a boolean) and
-    reasoning_effort (1-100 or low / high / xhigh / max), each refused by name when invalid."""
+    """The `deepseek-v41` encoder as a core runs it: options thinking (a boolean) and reasoning_effort
+    (1-100 or low / high / xhigh / max), each refused by name when invalid (the server names the
+    request field the value came from)."""
     encoder, messages = DeepSeekV41Encoder(), [{"role": "user", "content": "Hi"}]
     assert "Reasoning Effort: 37 " in encoder.render(messages, reasoning_effort=37, add_generation_prompt=True).text
     assert "Reasoning Effort: 75 " in encoder.render(messages, reasoning_effort="xhigh").text
     assert "Reasoning Effort" not in encoder.render(messages, thinking=False, reasoning_effort="max").text
     assert encoder.render(messages, reasoning_effort=None).text == encoder.render(messages).text  # high
     for effort in (0, 101, True, 50.0, "medium", "50"):
-        with pytest.raises(V4EncoderError, match="chat_template_kwargs.reasoning_effort must be an integer from 1"):
+        with pytest.raises(TemplateOptionError, match="reasoning_effort must be an integer from 1") as error:
             encoder.render(messages, reasoning_effort=effort)
-    with pytest.raises(V4EncoderError, match="chat_template_kwargs.thinking must be true or false"):
+        assert error.value.option == "reasoning_effort"
+    with pytest.raises(TemplateOptionError, match="thinking must be true or false"):
         encoder.render(messages, thinking="auto")
 
 
