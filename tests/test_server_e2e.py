@@ -314,6 +314,17 @@ def test_responses_create_and_stream_events(oai):
 
 # ---- Anthropic Messages ------------------------------------------------------------------------
 
+def test_an_anthropic_beta_flare_does_not_serve_is_a_400(claude):
+    import anthropic
+
+    kwargs = dict(model=SERVED, max_tokens=2, extra_body={"temperature": 0}, messages=_user("Hi"))
+    with pytest.raises(anthropic.BadRequestError, match="anthropic-beta: interleaved-thinking-2025-05-14 is not "
+                                                        "served here"):
+        claude.messages.create(**kwargs, extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"})
+    served = claude.messages.create(**kwargs, extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"})
+    assert served.usage.output_tokens == 2
+
+
 def test_messages_create_stream_and_count_tokens(claude):
     # This SDK version has no sampling arguments; the API still takes them.
     kwargs = dict(model=SERVED, max_tokens=8, extra_body={"temperature": 0}, system="Be brief.",

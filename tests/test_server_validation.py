@@ -437,6 +437,13 @@ def test_anthropic_stream_events_accumulate_to_the_returned_message(state):
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
 
 
+def test_anthropic_temperature_keeps_anthropics_range(state):
+    """The Messages API takes temperature in 0..1 (OpenAI's routes take 0..2): above it is a 400."""
+    assert parse_messages_request(state, anthropic_body(temperature=1.0), "r").sampling.params.temperature == 1.0
+    error = bad_request(parse_messages_request, state, anthropic_body(temperature=2.0), "r")
+    assert error.param == "temperature" and "must be between 0 and 1, got 2.0" in error.message
+
+
 def test_anthropic_stop_sequence_and_length(state):
     call = parse_messages_request(state, anthropic_body(stop_sequences=["END"]), "r")
     usage = Usage(10, 5, 0)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from aiohttp import web
 
 from flare_core.requests import GenerationRequest, Usage
+from flare_core.server.errors import ApiError
 from flare_core.server.generation import (INTERRUPTED, Call, EventSink, Outcome, Piece, answer, anthropic_call_id,
                                           execution_error, no_events, read_call)
 from flare_core.server.models import resolve_model
@@ -28,7 +29,8 @@ from flare_core.server.state import STATE, ServerState
 from flare_core.frontend.grammar import GrammarSpec
 from flare_core.server.structured import (ForcedCalls, anthropic_format, constrained, forced_calls, one_spec,
                                           tool_calls_spec)
-from flare_core.server.validation import as_object, get_object, get_str, invalid, json_body, json_type, reject_unknown
+from flare_core.server.validation import (as_object, get_number, get_object, get_str, invalid, json_body, json_type,
+                                         reject_unknown)
 
 _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 # The fields of the Messages API that shape the prompt (count_tokens takes them too). Those
@@ -229,6 +231,9 @@ class MessagesCall(Call):
 def parse_messages_request(state: ServerState, body: dict[str, Any], request_id: str) -> MessagesCall:
     frontend = state.frontend
     values = SPEC.read(body)
+    temperature = get_number(body, "temperature")
+    if temperature is not None and not 0.0 <= temperature <= 1.0:  # Anthropic's own range (OpenAI's is 0-2)
+        raise invalid("temperature", f"must be between 0 and 1, got {temperature}")
     model, prompt, parsed_tools, calls = build_prompt(state, body, values)
     max_tokens = fit_max_tokens(len(prompt.ids), values["max_tokens"], "max_tokens", frontend.context_length)
     sampling = read_sampling(frontend.sampling_policy, body, _SAMPLING_FIELDS, seed_field=None)
@@ -346,7 +351,24 @@ def _error_event(message: str, error_type: str = "api_error") -> dict[str, Any]:
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
+# anthropic-beta names of features Flare serves (as part of the API, not as betas): prompt caching
+# is automatic, token counting is /v1/messages/count_tokens. The Messages API answers 400 for
+# names it does not know; so does Flare for every other name, rather than ignore the feature.
+SERVED_BETAS = ("prompt-caching-2024-07-31", "token-counting-2024-11-01")
+
+
+def check_betas(request: web.Request) -> None:
+    """400 naming the header for an anthropic-beta feature Flare does not serve."""
+    names = [name.strip() for value in request.headers.getall("anthropic-beta", [])
+             for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SERVED_BETAS]
+    if unknown:
+        raise ApiError(400, f"anthropic-beta: {', '.join(unknown)} is not served here (served: "
+                            f"{', '.join(SERVED_BETAS)})", param="anthropic-beta")
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
+    check_betas(request)
     call = await read_call(request, parse_messages_request)
     message_id = f"msg_{request[RECORD].request_id}"
     return await answer(request, call, lambda sink: [MessageBuilder(call, message_id, sink)],
@@ -354,6 +376,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
+    check_betas(request)
     state = request.app[STATE]
 
     def count() -> tuple[str, Prompt]:
