@@ -166,6 +166,7 @@ class EngineInfo:
     parameters: int
     core_path: str
     quantization: str | None = None  # "fp8": the core keeps its linear layers' weights as FP8
+    device: str = "cpu"  # where the model runs ("cpu", "cuda:0")
 
 
 class AdmissionError(RuntimeError):

@@ -119,12 +119,19 @@ def test_models_list_and_retrieve(oai, claude):
     assert [model.id for model in claude.models.list().data] == [SERVED, ALIAS]
 
 
-def test_ollama_tags_and_show(main):
+def test_ollama_tags_ps_and_show(main):
     tags = main.get("/api/tags")
     assert tags.status == 200
     models = tags.json()["models"]
     assert [model["name"] for model in models] == [SERVED, ALIAS]
     assert models[0]["details"]["family"] == ARCHITECTURE and models[0]["size"] > 0
+
+    loaded = main.get("/api/ps")  # what Ollama clients call to see what is in memory
+    assert loaded.status == 200
+    running = loaded.json()["models"]
+    assert [model["name"] for model in running] == [SERVED, ALIAS]
+    assert running[0]["size"] == models[0]["size"] and running[0]["size_vram"] == 0  # served on the CPU
+    assert running[0]["context_length"] == CONTEXT and running[0]["expires_at"].startswith("9999-")
 
     shown = main.post("/api/show", {"model": SERVED})
     assert shown.status == 200

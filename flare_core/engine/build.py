@@ -50,7 +50,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
         created=int(loaded.core.path.stat().st_mtime), recipe=loaded.recipe_name,
         architecture=manifest["architecture"]["name"], dtype=manifest["dtype"],
         parameters=loaded.parameters, core_path=str(loaded.core.path),
-        quantization=(manifest.get("quantization") or {}).get("method"))
+        quantization=(manifest.get("quantization") or {}).get("method"), device=str(loaded.device))
     loaded.tokenizer.literal_backend()  # built now, not on the frontend pool at the first request needing it
     frontend = Frontend.of_core(loaded.tokenizer, loaded.chat_template, loaded.sampling_policy,
                                 capacities.context_length, loaded.frontend, registry.parsers,

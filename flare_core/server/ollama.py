@@ -123,6 +123,23 @@ async def tags(request: web.Request) -> web.Response:
         for name in info.served_names]})
 
 
+# Ollama's expires_at for a model that stays loaded: Flare serves its core until it stops.
+_LOADED_UNTIL_STOPPED = "9999-12-31T23:59:59Z"
+
+
+async def ps(request: web.Request) -> web.Response:
+    """The models in memory (Ollama's /api/ps): the served core under each served name, its weights
+    on the GPU (`size_vram`) when it runs on CUDA."""
+    state = request.app[STATE]
+    info = state.engine.info
+    size, details = _core_size(info.core_path), _details(state)
+    on_gpu = size if info.device.startswith("cuda") else 0
+    return web.json_response({"models": [
+        {"name": name, "model": name, "size": size, "digest": "", "details": details,
+         "expires_at": _LOADED_UNTIL_STOPPED, "size_vram": on_gpu, "context_length": info.context_length}
+        for name in info.served_names]})
+
+
 async def show(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = json_body(request)
@@ -380,6 +397,7 @@ def parse_generate_request(state: ServerState, body: dict[str, Any], request_id:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", ps)
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/version", version)
     app.router.add_post("/api/chat", chat)
