@@ -18,7 +18,7 @@ def test_the_field_reference_is_generated_from_the_specs():
     assert DOCS.read_text() == render(), (
         "docs/api-fields.md is stale: python -c \"from flare_core.server.field_docs import render; "
         "print(render(), end='')\" > docs/api-fields.md")
-    assert len(all_specs()) == 8
+    assert len(all_specs()) == 9
 
 
 def test_defaults_apply_and_refused_values_name_the_field():

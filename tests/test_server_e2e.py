@@ -295,6 +295,19 @@ def test_clamped_sampling_values_are_reported(oai, main):
 
 # ---- OpenAI Responses --------------------------------------------------------------------------
 
+def test_responses_input_tokens_count_what_a_response_would_read(oai):
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    kwargs = dict(model=SERVED, instructions="Be brief.", input="Write a haiku.")
+    counted = oai.responses.input_tokens.count(**kwargs)
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == oai.responses.create(**kwargs, max_output_tokens=1).usage.input_tokens
+    with_tools = oai.responses.input_tokens.count(**kwargs, tools=tools, tool_choice="auto")
+    assert with_tools.input_tokens > counted.input_tokens  # the template describes the tools
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        oai.responses.input_tokens.count(**kwargs, previous_response_id="resp_1")
+
+
 def test_responses_create_and_stream_events(oai):
     kwargs = dict(model=SERVED, input="Tell me a story.", instructions="Be brief.", max_output_tokens=8,
                   temperature=0)

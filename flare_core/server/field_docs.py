@@ -12,7 +12,8 @@ from flare_core.server.spec import RequestSpec
 
 def all_specs() -> list[RequestSpec]:
     """Every endpoint's spec, in the order docs/api-fields.md lists them."""
-    return [openai_chat.SPEC, openai_completions.SPEC, openai_responses.SPEC, anthropic_messages.SPEC,
+    return [openai_chat.SPEC, openai_completions.SPEC, openai_responses.SPEC, openai_responses.INPUT_TOKENS_SPEC,
+            anthropic_messages.SPEC,
             anthropic_messages.COUNT_TOKENS_SPEC, ollama.CHAT_SPEC, ollama.GENERATE_SPEC, ollama.OPTIONS_SPEC]
 
 

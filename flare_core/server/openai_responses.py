@@ -19,14 +19,14 @@ from flare_core.requests import TokenLogprob, Usage
 from flare_core.server.generation import Call, EventSink, Outcome, Piece, answer, execution_error, no_events, read_call
 from flare_core.server.models import resolve_model
 from flare_core.server.openai_common import chat_logprobs, generation_request, read_tool_choice, thinking_switch
-from flare_core.server.prompts import (chat_prompt, template_options, template_tool_call, text_of_parts, tool_arguments,
-                                       tool_function, tool_name)
+from flare_core.server.prompts import (Prompt, chat_prompt, template_options, template_tool_call, text_of_parts,
+                                       tool_arguments, tool_function, tool_name)
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
-from flare_core.server.state import ServerState
+from flare_core.server.state import STATE, ServerState
 from flare_core.server.structured import constrained, one_spec, responses_format, tool_calls_spec
-from flare_core.server.validation import as_object, get_object, get_str, invalid, json_type
+from flare_core.server.validation import as_object, get_object, get_str, invalid, json_body, json_type
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -67,6 +67,17 @@ SPEC = RequestSpec("POST /v1/responses", (
     Field("truncation", "string", "echoed in the response"),
     Field("user", "string", "echoed in the response"),
     Field("store", "boolean", "responses are never stored (echoed as false)", use=Use.IGNORED),
+))
+
+
+# The openai SDK's `responses.input_tokens.count`: the prompt a Responses request with these fields
+# would have, counted (fields that shape only the output are accepted and do not count).
+INPUT_TOKENS_SPEC = RequestSpec("POST /v1/responses/input_tokens", (
+    *(field for field in SPEC.fields if field.name in ("previous_response_id", "conversation", "model", "input",
+                                                       "instructions", "tools", "reasoning", "chat_template_kwargs")),
+    *(Field(name, kind, "accepted; it does not change the prompt", use=Use.IGNORED)
+      for name, kind in (("tool_choice", "any"), ("text", "object"), ("parallel_tool_calls", "boolean"),
+                         ("truncation", "string"), ("personality", "any"))),
 ))
 
 
@@ -144,21 +155,26 @@ def responses_messages(instructions: str | None, raw_input: Any) -> list[dict[st
     return messages
 
 
+def _prompt(state: ServerState, values: dict[str, Any]) -> tuple[Prompt, list[dict[str, Any]] | None]:
+    """The prompt of a Responses body's fields `values` (read by its spec), and its tools."""
+    messages = responses_messages(values["instructions"], values["input"])
+    tools = _tools(values["tools"])
+    reasoning = values["reasoning"] or {}
+    options = template_options(state.frontend, values["chat_template_kwargs"] or {},
+                               thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"),
+                               effort=("reasoning.effort", reasoning.get("effort")))
+    return chat_prompt(state.frontend, messages, tools=tools, options=options), tools
+
+
 def parse_responses_request(state: ServerState, body: dict[str, Any], request_id: str) -> ResponsesCall:
     frontend = state.frontend
     values = SPEC.read(body)
     model = resolve_model(state, values["model"])
     text_format = get_object(values["text"] or {}, "format", where="text.format")
     stream = values["stream"]
-    messages = responses_messages(values["instructions"], values["input"])
-    tools = _tools(values["tools"])
+    prompt, tools = _prompt(state, values)
     parsed_tools, forced = read_tool_choice(body, tools, responses=True)
     grammar = one_spec(responses_format(text_format), tool_calls_spec(frontend, tools, forced))
-    reasoning = values["reasoning"] or {}
-    options = template_options(frontend, values["chat_template_kwargs"] or {},
-                               thinking=thinking_switch(reasoning.get("effort"), "reasoning.effort"),
-                               effort=("reasoning.effort", reasoning.get("effort")))
-    prompt = chat_prompt(frontend, messages, tools=tools, options=options)
     top_logprobs = values["top_logprobs"]
     include = values["include"] or []
     logprobs = top_logprobs is not None or _LOGPROBS_INCLUDE in include
@@ -176,7 +192,7 @@ def parse_responses_request(state: ServerState, body: dict[str, Any], request_id
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": values["tools"] or [],
         "text": {"format": dict(text_format) if text_format is not None else {"type": "text"}},
-        "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+        "reasoning": {"effort": (values["reasoning"] or {}).get("effort"), "summary": None},
         "truncation": values["truncation"] or "disabled",
         "store": False,
         "user": values["user"],
@@ -325,5 +341,19 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await answer(request, call, lambda sink: [ResponseBuilder(call, response_id, sink)])
 
 
+async def input_tokens(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+
+    def count() -> tuple[str, Prompt]:
+        values = INPUT_TOKENS_SPEC.read(json_body(request))
+        return resolve_model(state, values["model"]), _prompt(state, values)[0]
+
+    model, prompt = await state.prepare(count)
+    request[RECORD].model = model
+    request[RECORD].prompt_tokens = len(prompt.ids)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(prompt.ids)})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/responses/input_tokens", input_tokens)
