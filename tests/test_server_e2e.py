@@ -295,6 +295,13 @@ def test_clamped_sampling_values_are_reported(oai, main):
 
 # ---- OpenAI Responses --------------------------------------------------------------------------
 
+def test_embeddings_are_a_404_that_says_so(oai, main):
+    with pytest.raises(openai.NotFoundError, match="/v1/embeddings: embeddings are not served"):
+        oai.embeddings.create(model=SERVED, input="hello")
+    ollama_style = main.post("/api/embed", {"model": SERVED, "input": "hello"})
+    assert ollama_style.status == 404 and "embeddings are not served" in ollama_style.json()["error"]
+
+
 def test_responses_input_tokens_count_what_a_response_would_read(oai):
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]

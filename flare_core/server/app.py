@@ -168,6 +168,16 @@ async def _receive_body(request: web.Request, state: ServerState) -> bytes:
         await asyncio.gather(read, shutdown, return_exceptions=True)
 
 
+# Routes clients call for embeddings. A core serves a generative model's next-token head; a
+# pooled hidden state would be an embedding no model was trained to give, so none is served.
+EMBEDDING_ROUTES = ("/v1/embeddings", "/api/embed", "/api/embeddings")
+
+
+async def _no_embeddings(request: web.Request) -> web.Response:
+    raise ApiError(404, f"{request.path}: embeddings are not served: this server runs generative models "
+                        f"(chat, completions, messages), and a core has no embedding head", code="not_found")
+
+
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     failure = state.engine.failure
@@ -209,6 +219,8 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     app.on_cleanup.append(close_pool)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", _health)
+    for path in EMBEDDING_ROUTES:
+        app.router.add_post(path, _no_embeddings)
     for module in (metrics, models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama):
         module.add_routes(app)
     return app
