@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -321,9 +322,12 @@ def check_address_free(host: str, port: int) -> None:
 def serve_core(config: Config, core: str, *, device: str, host: str | None, port: int | None,
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
-               served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True) -> None:
+               served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True,
+               hint: Callable[[str], str] | None = None) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
-    terminal shows the live dashboard once the server listens; otherwise logs stay plain lines."""
+    terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
+    `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
+    or kept on the dashboard under its title."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -417,9 +421,13 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         if telemetry is not None:
             from flare_core.observability import Dashboard
 
-            while_serving = Dashboard(telemetry, logs, title=f"{engine.info.served_names[0]} on {torch_device}").run
+            while_serving = Dashboard(telemetry, logs, title=f"{engine.info.served_names[0]} on {torch_device}",
+                                      hint=hint).run
+        # Without the dashboard the hint is printed once the port is bound; the dashboard shows it.
+        printed_hint = hint if telemetry is None else None
         try:
-            serve(engine, server, while_serving=while_serving)
+            serve(engine, server, while_serving=while_serving,
+                  on_listening=None if printed_hint is None else lambda url: click.echo(printed_hint(url), err=True))
         except ServeError as exc:
             raise FlareCommandError(str(exc)) from exc
         except WorkerFailed as exc:  # exit status 1, so a supervisor restarts the server
@@ -517,14 +525,17 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
         name, core = _prepare_random_demo(config, registry, recipe_name or "qwen3", dtype)
         banner = f"serving {name}: RANDOM WEIGHTS, the output is gibberish."
         question = "Hello!"
-    click.echo(f"{banner} Try:\n"
-               f"  curl http://{host or config.server.host}:{port or config.server.port}/v1/chat/completions "
-               f"-H 'Content-Type: application/json' -d '{{\"model\": \"{name}\", \"messages\": "
-               f"[{{\"role\": \"user\", \"content\": \"{question}\"}}], \"max_tokens\": 40}}'", err=True)
+    click.echo(banner, err=True)
+
+    def try_it(url: str) -> str:  # once the server listens, with the port it bound (--port 0 picks one)
+        return (f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": "
+                f"\"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], "
+                f"\"max_tokens\": 40}}'")
+
     serve_core(config, str(core), device=device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile)
+               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile, hint=try_it)
 
 
 _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}

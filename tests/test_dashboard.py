@@ -138,6 +138,14 @@ def test_render_overview_pane():
     assert lines[-3].startswith("── log ──") and lines[-2:] == ["line one", "two"]
 
 
+def test_a_hint_stays_under_the_title():
+    """`flare demo`'s curl line lives on the dashboard (under the title), not in the scrolled logs."""
+    hint = "try: curl http://127.0.0.1:8000/v1/chat/completions"
+    lines = render_lines(_snapshot(), Pane.OVERVIEW, 110, 30, title="flare  tiny on cpu", logs=["a"], hint=hint)
+    assert lines[1] == hint and "[overview]" in lines[2] and len(lines) == 30
+    assert render_lines(_snapshot(), Pane.OVERVIEW, 110, 30, title="t")[1].startswith("[overview]")
+
+
 def test_render_scheduler_pane_shares_step_time():
     lines = render_lines(_snapshot(), Pane.SCHEDULER, 100, 20)
     assert "[scheduler]" in lines[1]

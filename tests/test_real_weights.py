@@ -145,20 +145,21 @@ def _demo(config: Path, log: Path, *flags: str) -> subprocess.Popen:
 
 
 def _serve_demo(config: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str, dict]:
-    """Start `flare demo`, wait for it to listen; returns the process, its URL and the body of
-    the curl line it printed."""
+    """Start `flare demo`, wait for the curl line it prints once it listens; returns the process,
+    its URL and the body of that curl line (which must name the URL the server bound)."""
     process = _demo(config, log, *flags)
 
-    def listening():
+    def tried():
         text = log.read_text(errors="replace")
         if process.poll() is not None:
             raise AssertionError(f"flare demo exited with {process.returncode}:\n{text}")
-        found = re.search(r"\blistening\b.*\burl=(http://\S+)", text)
-        return found.group(1) if found else None
+        listening = re.search(r"\blistening\b.*\burl=(http://\S+)", text)
+        curl = re.search(r"try: curl (http://\S+)/v1/chat/completions .* -d '(\{.*\})'", text)
+        return (listening, curl) if listening and curl else None
 
-    url = wait_until(listening, STARTUP_TIMEOUT_S, "flare demo to listen")
-    body = json.loads(re.search(r"-d '(\{.*\})'", log.read_text()).group(1))
-    return process, url, body
+    listening, curl = wait_until(tried, STARTUP_TIMEOUT_S, "flare demo to listen and print its curl line")
+    assert listening.start() < curl.start() and curl.group(1) == listening.group(1)  # printed once it listens
+    return process, listening.group(1), json.loads(curl.group(2))
 
 
 def _stop(process: subprocess.Popen, log: Path) -> None:

@@ -26,13 +26,14 @@ class Pane(enum.Enum):
 
 
 def render_lines(snapshot: TelemetrySnapshot, pane: Pane, width: int, height: int, *, title: str = "",
-                 logs: Sequence[str] = ()) -> list[str]:
-    """At most `height` lines of at most `width` characters: title, pane tabs, the pane's body,
-    then the newest log lines in the rows the body leaves (at least a few when they exist)."""
+                 logs: Sequence[str] = (), hint: str = "") -> list[str]:
+    """At most `height` lines of at most `width` characters: title, the `hint` line if any (what
+    to try against the server), pane tabs, the pane's body, then the newest log lines in the rows
+    the body leaves (at least a few when they exist)."""
     if width < 1 or height < 1:
         return []
     uptime = f"up {_duration(snapshot.taken_at - snapshot.started_at)}"
-    header = [_spread(title, uptime, width), _tabs(pane) + "   " + KEY_HINT]
+    header = [_spread(title, uptime, width), *([hint] if hint else []), _tabs(pane) + "   " + KEY_HINT]
     body = {Pane.OVERVIEW: _overview, Pane.SCHEDULER: _scheduler, Pane.REQUESTS: _requests}[pane](snapshot)
     body_room = height - len(header) - 1
     # Logs get the rows the body leaves, and at least a few (never more than half the room).

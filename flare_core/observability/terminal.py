@@ -18,6 +18,7 @@ import re
 import signal
 import sys
 import termios
+from collections.abc import Callable
 from typing import TextIO
 
 import structlog
@@ -74,10 +75,12 @@ class Dashboard:
     """Draws `telemetry` on the terminal of `out_fd` (stderr), reading keys from `in_fd` (stdin)
     when that is a terminal. `logs` must be the stream structlog writes to."""
 
-    def __init__(self, telemetry: Telemetry, logs: LogSink, *, title: str, out_fd: int = 2, in_fd: int = 0):
+    def __init__(self, telemetry: Telemetry, logs: LogSink, *, title: str, out_fd: int = 2, in_fd: int = 0,
+                 hint: Callable[[str], str] | None = None):
         self.telemetry = telemetry
         self.logs = logs
         self.title = title
+        self.hint = hint  # hint(url): a line kept under the title (what to try against the server)
         self.pane = Pane.OVERVIEW
         self._out_fd = out_fd
         self._in_fd = in_fd
@@ -146,7 +149,7 @@ class Dashboard:
         width = max(columns - 1, 1)
         title = f"flare  {self.title}  {self._url}"
         lines = render_lines(self.telemetry.snapshot(), self.pane, width, rows, title=title,
-                             logs=self.logs.tail(rows))
+                             logs=self.logs.tail(rows), hint=self.hint(self._url) if self.hint else "")
         parts = []
         for row, line in enumerate(lines, start=1):
             text = f"{_REVERSE}{line.ljust(width)}{_PLAIN}" if row == 1 else line
