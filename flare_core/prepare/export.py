@@ -192,7 +192,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                                derived)
     else:
         tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
-                                rank_skeleton, ranks, request.progress)
+                                rank_skeleton, ranks, request.progress, derived)
     fp8_count = 0
     if quantized:
         tensors, fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
@@ -339,7 +339,7 @@ def _rank_notes(recipe: Recipe, model_config, rank_model: torch.nn.Module, ranks
 
 def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: Mapping[str, torch.Tensor],
                   dtype: torch.dtype, skeleton: dict[str, torch.Tensor], rank_skeleton: dict[str, torch.Tensor],
-                  ranks: int, progress: bool) -> dict[str, torch.Tensor]:
+                  ranks: int, progress: bool, derived: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every rank's tensors: those a rank holds a slice of under `rank{r}.NAME` (flare_core.parallel.
     rank_tensor_name), the replicated ones once under their name. `rank_skeleton`: a rank's
     prepared layout (flare_core.parallel.build_rank_model)."""
@@ -348,7 +348,8 @@ def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: M
     tensors: dict[str, torch.Tensor] = {}
     for rank in range(ranks):
         share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks))
-        for name, tensor in _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress).items():
+        for name, tensor in _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress,
+                                         derived).items():
             if rank_skeleton[name].shape != skeleton[name].shape:
                 tensors[rank_tensor_name(rank, name)] = tensor
             elif rank == 0:
