@@ -38,6 +38,7 @@ def served(tmp_path_factory, session_flare):
                             "--no-progress").output
     core = Path(printed.strip().splitlines()[-1])
     process = ServerProcess(session_flare.config_path, core, root / "server.log", "--served-name", SERVED)
+    tiny.model = tiny.served()  # the same weights in this process: what the answers must equal
     try:
         yield process.wait_ready(), tiny, tokenizer, printed
     finally:
@@ -50,16 +51,8 @@ def expected(tiny, tokenizer, messages, max_tokens: int) -> tuple[int, str]:
     from flare_testing.deepseek_v41 import greedy
 
     prompt = tokenizer.encode_prompt(render(messages, thinking=False, dialect=V41))
-    tokens = greedy(served_model(tiny), tiny.config, prompt.ids, prompt.message_ends, max_tokens,
-                    eos=tiny.config.eos_token_id)
+    tokens = greedy(tiny.model, tiny.config, prompt.ids, prompt.message_ends, max_tokens, eos=tiny.config.eos_token_id)
     return len(prompt.ids), tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-_MODELS: dict[str, object] = {}
-
-
-def served_model(tiny):
-    return _MODELS.setdefault(tiny.name, tiny.served())
 
 
 def test_chat_turns_answer_as_the_model_and_the_second_resumes_from_the_first(served):

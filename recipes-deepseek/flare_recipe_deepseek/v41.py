@@ -362,7 +362,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int):
         super().__init__()
         self.layer_idx, self.hc = layer_idx, config.hc_mult
-        self.sinkhorn_iters, self.hc_eps, self.eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.sinkhorn_iters, self.hc_eps = config.hc_sinkhorn_iters, config.hc_eps
+        self.hc_input_norm = v4.DeepseekV4UnweightedRMSNorm(eps=config.rms_norm_eps)
         self.attn = Attention(config, layer_idx)
         self.ffn = MoE(config)
         self.attn_norm = v4.DeepseekV4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -380,9 +381,7 @@ class DecoderLayer(nn.Module):
         comb Sinkhorn-projected towards doubly stochastic."""
         hc, eps = self.hc, self.hc_eps
         fn, base, scale = (getattr(self, f"hc_{site}_{part}").float() for part in ("fn", "base", "scale"))
-        flat = streams.flatten(start_dim=-2).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        mixed = F.linear(flat, fn)
+        mixed = F.linear(self.hc_input_norm(streams.flatten(start_dim=-2).float()), fn)
         pre = torch.sigmoid(mixed[..., :hc] * scale[0] + base[:hc]) + eps
         post = 2 * torch.sigmoid(mixed[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
         comb = torch.softmax((mixed[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)), dim=-1) + eps

@@ -101,6 +101,13 @@ class V4EncoderError(ValueError):
     """A conversation the format cannot express (a message the reference encoder rejects)."""
 
 
+class EffortError(V4EncoderError, TemplateOptionError):
+    """A reasoning effort the dialect does not know: the encoder's refusal of its option."""
+
+    def __init__(self, problem: str):
+        TemplateOptionError.__init__(self, "reasoning_effort", problem)
+
+
 @dataclass(frozen=True)
 class Dialect:
     """What tells the V4 and V4.1 formats apart (module docstring)."""
@@ -115,13 +122,13 @@ class Dialect:
         """What the effort writes at the start of the first message (after checking it)."""
         if self.efforts is None:
             if effort not in V4_EFFORTS:
-                raise V4EncoderError(f"reasoning_effort must be one of high, max (or none), got {effort!r}")
+                raise EffortError(f"must be one of high, max (or none), got {effort!r}")
             return MAX_EFFORT if thinking and effort == "max" else ""
         effort = "high" if effort is None else effort
         # bool is an int to Python, and 50.0 compares equal to 50: both are refused, as V4.1's encoder does.
         if not ((type(effort) is int and 1 <= effort <= 100) or (type(effort) is str and effort in self.efforts)):
-            raise V4EncoderError(f"reasoning_effort must be an integer from 1 to 100 or one of "
-                                 f"{', '.join(self.efforts)}, got {effort!r}")
+            raise EffortError(f"must be an integer from 1 to 100 or one of {', '.join(self.efforts)}, "
+                              f"got {effort!r}")
         return V41_EFFORT.format(effort=self.efforts.get(effort, effort)) if thinking else ""
 
     def takes_turn(self, index: int, role: Any) -> bool:
@@ -362,10 +369,6 @@ class DeepSeekV4Encoder:
                **options: Any) -> RenderedPrompt:
         if not isinstance(thinking, bool):
             raise TemplateOptionError("thinking", f"must be true or false, got {thinking!r}")
-        try:
-            self.dialect.effort_text(reasoning_effort, thinking)
-        except V4EncoderError as error:
-            raise TemplateOptionError("reasoning_effort", str(error).removeprefix("reasoning_effort ")) from None
         return render(messages, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort,
                       add_generation_prompt=add_generation_prompt, dialect=self.dialect)
 
