@@ -149,15 +149,29 @@ def test_gemv_ops_serve_one_token_steps_only(compiled):
 
 def test_each_group_structure_gets_its_own_recompile_budget():
     """All groups share one code object, whose compiled variants Dynamo caps: 10 layers give
-    groups of 4, 4 and 2, two structures, so twice the default budget. (The limit is restored
-    after every test: flare_testing.pytest_plugin.)"""
-    from flare_core.ops.model import RECOMPILES_PER_STRUCTURE
+    groups of 4, 4 and 2, two structures, so twice the default budget, on top of the variants
+    earlier models left on that code (a process that builds several models, as the GPU suite
+    does, would otherwise run out). (The limit is restored after every test:
+    flare_testing.pytest_plugin.)"""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    from flare_core.ops.model import RECOMPILES_PER_STRUCTURE, _LayerGroup
+
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = RECOMPILES_PER_STRUCTURE
-    CompiledDecoder(loaded_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=10)))
+    config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=10)
+    first = CompiledDecoder(loaded_model(config))
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE
     CompiledDecoder(loaded_model(tiny_qwen3_config(vocab_size=512, num_hidden_layers=8)))  # one structure
     assert torch._dynamo.config.recompile_limit == 2 * RECOMPILES_PER_STRUCTURE  # never lowered
+
+    scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
+    served(first, scheme, [[1, 2, 3, 4, 5, 6]], (5,))  # compiles its variants
+    compiled = len(_debug_get_cache_entry_list(_LayerGroup.forward.__code__))
+    assert compiled >= 2
+    CompiledDecoder(loaded_model(config))
+    assert torch._dynamo.config.recompile_limit == compiled + 2 * RECOMPILES_PER_STRUCTURE
+    torch._dynamo.reset()
 
 
 def test_any_pool_size_reuses_the_compiled_layers():

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from flare_core.contract import ContractError
 from flare_core.contract.protocols import RuntimeModel  # noqa: F401 - the protocol this module implements
@@ -173,11 +174,14 @@ class CompiledDecoder:
         # Dynamo counts the variants it compiles per code object, and all groups share
         # _LayerGroup.forward: groups of another structure (a dense first MLP before MoE layers, a
         # shorter last group, another mix of layer kinds: Kimi Linear has three) each need their own
-        # variants per shape kind. Each structure gets the default budget.
+        # variants per shape kind. Each structure gets the default budget, on top of the variants
+        # models built earlier in this process left on the shared code (the GPU suite builds many
+        # models in one process: without this the ninth compiled model hit the limit).
         structures = {tuple(tuple(type(m).__name__ for m in layer.children()) for layer in g.layers)
                       for g in self.groups}
+        compiled = len(_debug_get_cache_entry_list(_LayerGroup.forward.__code__))
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   RECOMPILES_PER_STRUCTURE * len(structures))
+                                                   compiled + RECOMPILES_PER_STRUCTURE * len(structures))
         self.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:

@@ -87,11 +87,11 @@ class TinyV41:
                                      map_weights=lambda config, checkpoint, dtype: self.weights(dtype).items(),
                                      cache_scheme="shared-compressed-attention")
 
-    def served(self) -> torch.nn.Module:
+    def served(self, device: str = "cpu") -> torch.nn.Module:
         from flare_core.ops.loading import load_prepared_weights
         from flare_recipe_deepseek.v41 import build_model
 
-        return load_prepared_weights(build_model(self.config, torch.float32), self.weights(), "cpu")
+        return load_prepared_weights(build_model(self.config, torch.float32), self.weights(), device)
 
     def sequence(self, index: int) -> tuple[list[int], dict[str, torch.Tensor]]:
         prefix = f"seq{index}."
@@ -100,9 +100,9 @@ class TinyV41:
 
 
 def run_chunks(model: torch.nn.Module, config, ids: Sequence[int], chunks: Sequence[int], page_tokens: int = 16,
-               seed: int = 1) -> torch.Tensor:
+               seed: int = 1, device: str = "cpu") -> torch.Tensor:
     """Every position's logits [len(ids), vocab] of one request fed in `chunks` (one forward each,
-    every row's logits), over a fresh cache with shuffled pages."""
+    every row's logits), over a fresh cache with shuffled pages on `device`; returned on the CPU."""
     from flare_core.executor.storage import allocate_cache_storage
     from flare_core.ops.attention import AttentionBatch, ForwardContext
     from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
@@ -110,13 +110,13 @@ def run_chunks(model: torch.nn.Module, config, ids: Sequence[int], chunks: Seque
     scheme = shared_compressed_attention_scheme(config, "float32")
     pages = list(range(-(-len(ids) // page_tokens) + 2))
     random.Random(seed).shuffle(pages)
-    storage = allocate_cache_storage(scheme, len(pages), page_tokens, "cpu", num_rows=1)
+    storage = allocate_cache_storage(scheme, len(pages), page_tokens, device, num_rows=1)
     rows, first = [], 0
     for size in chunks:
-        batch = AttentionBatch.build([(size, first, pages)], page_tokens, "cpu", every_row=[True], state_rows=[0])
+        batch = AttentionBatch.build([(size, first, pages)], page_tokens, device, every_row=[True], state_rows=[0])
         with torch.no_grad():
-            rows.append(model(torch.tensor(ids[first:first + size]), batch.positions(),
-                              ForwardContext(batch, storage, layer_map=scheme.layer_map())))
+            rows.append(model(torch.tensor(ids[first:first + size], device=device), batch.positions(),
+                              ForwardContext(batch, storage, layer_map=scheme.layer_map())).cpu())
         first += size
     return torch.cat(rows)
 
