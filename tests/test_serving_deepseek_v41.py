@@ -26,7 +26,8 @@ FIXTURES = Path(flare_recipe_deepseek.__file__).parents[1] / "tests" / "fixtures
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, session_flare):
+def exported(tmp_path_factory, session_flare):
+    """(core path, the export's printed plan, the tiny reference with its model, the tokenizer)."""
     from flare_core.frontend import Tokenizer
     from flare_testing.deepseek_v41 import TinyV41, write_checkpoint
 
@@ -36,9 +37,15 @@ def served(tmp_path_factory, session_flare):
     tokenizer = Tokenizer.from_str((FIXTURES / "tokenizer.json").read_text(encoding="utf-8"))
     printed = session_flare("export", root / "checkpoint", "--dtype", "float32", "--context-length", "512",
                             "--no-progress").output
-    core = Path(printed.strip().splitlines()[-1])
-    process = ServerProcess(session_flare.config_path, core, root / "server.log", "--served-name", SERVED)
     tiny.model = tiny.served()  # the same weights in this process: what the answers must equal
+    return Path(printed.strip().splitlines()[-1]), printed, tiny, tokenizer
+
+
+@pytest.fixture(scope="module")
+def served(exported, session_flare, tmp_path_factory):
+    core, printed, tiny, tokenizer = exported
+    process = ServerProcess(session_flare.config_path, core, tmp_path_factory.mktemp("v41-server") / "server.log",
+                            "--served-name", SERVED)
     try:
         yield process.wait_ready(), tiny, tokenizer, printed
     finally:
@@ -100,7 +107,8 @@ def test_the_export_plan_says_what_the_core_holds(served):
     printed = served[3]
     assert "recipe        deepseek-v4.1" in printed and "cache scheme  shared-compressed-attention" in printed
     assert "the vision tower (vision.*, aligner.*) stays in the checkpoint" in printed
-    assert "Engram tables (2 of 936 rows x 32) are held as ordinary weights" in printed
+    assert ("tables        2 embedding table(s), 936 rows of 32 (0.1 MiB as float32): stored in the core, their rows "
+            "read per step from disk or host RAM") in printed
 
 
 def test_an_offline_export_of_the_alias_names_the_repository(session_flare):
@@ -125,3 +133,116 @@ def test_the_openai_reasoning_effort_is_rendered_or_refused(served):
     with pytest.raises(openai.BadRequestError, match="'reasoning_effort': must be an integer from 1 to 100 or one of "
                                                      "low, high, xhigh, max, got 'medium'"):
         client.chat.completions.create(model=SERVED, messages=messages, max_tokens=2, reasoning_effort="medium")
+
+
+def engram_totals(process) -> dict[str, float]:
+    """The flare_engram_* samples summed over the tables."""
+    totals: dict[str, float] = {}
+    for sample, value in process.metrics().items():
+        if sample.startswith("flare_engram_"):
+            name = sample.split("{")[0]
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def test_the_engram_row_cache_counts_misses_then_hits(exported, session_flare, tmp_path):
+    """Rows come from the core file through the host row cache (disk storage, the default): on a
+    fresh server a first answer misses, the same answer again finds its rows cached (its prompt is
+    restored from the prefix cache, its decode steps look up the same n-grams)."""
+    process = ServerProcess(session_flare.config_path, exported[0], tmp_path / "server.log", "--served-name",
+                            SERVED).wait_ready()
+    try:
+        check_row_cache_counters(process)
+    finally:
+        process.stop()
+
+
+def check_row_cache_counters(process) -> None:
+    client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Count to three, slowly."}]
+    assert engram_totals(process)["flare_engram_cache_misses_total"] == 0
+    client.chat.completions.create(model=SERVED, messages=messages, max_tokens=6, temperature=0, extra_body=NO_THINKING)
+    first = engram_totals(process)
+    assert first["flare_engram_cache_misses_total"] > 0
+    assert first["flare_engram_disk_read_bytes_total"] == first["flare_engram_cache_misses_total"] * 32 * 4
+    assert first["flare_engram_cache_capacity_rows"] == 936  # both tables fit the default 1 GiB cache
+    client.chat.completions.create(model=SERVED, messages=messages, max_tokens=6, temperature=0, extra_body=NO_THINKING)
+    second = engram_totals(process)
+    assert second["flare_engram_cache_hits_total"] > first["flare_engram_cache_hits_total"]
+    assert second["flare_engram_cache_misses_total"] == first["flare_engram_cache_misses_total"]
+    assert second["flare_engram_gathers_total"] > first["flare_engram_gathers_total"]
+
+
+def test_tables_in_ram_answer_as_tables_on_disk(exported, served, session_flare, tmp_path):
+    process, tiny, tokenizer, _ = served
+    ram = ServerProcess(session_flare.config_path, exported[0], tmp_path / "server.log", "--served-name", SERVED,
+                        "--embedding-table-storage", "ram").wait_ready()
+    try:
+        messages = [{"role": "user", "content": "Name a colour."}]
+        answers = []
+        for server in (process, ram):
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            answers.append(client.chat.completions.create(model=SERVED, messages=messages, max_tokens=8, temperature=0,
+                                                          extra_body=NO_THINKING).choices[0].message.content)
+        assert answers[0] == answers[1] == expected(tiny, tokenizer, messages, 8)[1]
+        totals = engram_totals(ram)
+        assert totals["flare_engram_cache_capacity_rows"] == 0 and totals["flare_engram_cache_misses_total"] == 0
+        assert totals["flare_engram_gathers_total"] > 0
+    finally:
+        ram.stop()
+
+
+@pytest.mark.parametrize("storage, cache", [("ram", "1G"), ("disk", "0"), ("disk", "1K")])
+def test_every_table_storage_gives_the_same_logits(exported, storage, cache):
+    """One core loaded with its tables on disk through a row cache of 1 GiB (the reference here),
+    in RAM, on disk with no cache, and with a cache of 1 KiB (8 rows of 32 float32: it evicts):
+    the logits of a sequence are equal bit for bit."""
+    import torch
+
+    from flare_core.core import open_core
+    from flare_core.engine.load import load_core
+    from flare_core.engine.memory import parse_size
+    from flare_core.engine.tables import TableOptions
+    from flare_core.plugins import load_registry
+    from flare_testing.deepseek_v41 import run_chunks
+
+    core, _, tiny, _ = exported
+    ids = tiny.sequence(1)[0][:96]
+    logits = []
+    for options in (TableOptions(), TableOptions(storage, parse_size(cache, "cache")[0])):
+        loaded = load_core(open_core(core), load_registry(), torch.device("cpu"), tables=options)
+        logits.append(run_chunks(loaded.model, tiny.config, ids, [40, 30, 1, 1, 24]))
+        stats = [store.stats for store in loaded.tables.values()]
+        for store in loaded.tables.values():
+            store.close()
+    assert torch.equal(logits[0], logits[1])
+    assert sum(s.gathers for s in stats) == 2 * 5  # two tables, five forwards
+    if cache == "1K":
+        assert sum(s.evictions for s in stats) > 0 and all(s.cached_rows == 8 for s in stats)
+    if cache == "0":
+        assert sum(s.hits for s in stats) == 0 and sum(s.misses for s in stats) > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--embedding-table-cache-size", "-1G"), "--embedding-table-cache-size '-1G': must be a size, not a reserve"),
+    (("--embedding-table-cache-size", "lots"), "--embedding-table-cache-size 'lots': expected a size"),
+])
+def test_a_bad_table_flag_is_refused_naming_it(exported, session_flare, flags, message):
+    result = session_flare("run", exported[0], "--port", "0", "--no-dashboard", *flags, expect_ok=False)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert message in result.output
+
+
+def test_a_row_outside_the_table_is_an_error_not_a_read_past_it(exported):
+    import torch
+
+    from flare_core.core import open_core
+    from flare_core.engine.load import load_core
+    from flare_core.plugins import load_registry
+
+    loaded = load_core(open_core(exported[0]), load_registry(), torch.device("cpu"))
+    store = next(iter(loaded.tables.values()))
+    with pytest.raises(IndexError, match=r"row ids must lie in \[0, "):
+        store.gather(torch.tensor([0, store.table.rows]))
+    assert store.stats.gathers == 0
+    store.close()

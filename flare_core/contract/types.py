@@ -225,6 +225,32 @@ def _check_layer_ids(layer_ids: tuple[int, ...], layers: int, obj: str) -> None:
              f"must be empty or {layers} distinct ascending layer indices, got {layer_ids!r}")
 
 
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """A table a model reads a few rows of per token and that stays out of device memory
+    (DeepSeek V4.1's Engram tables): the prepared tensor `name`, `rows` x `width` in `dtype`. A
+    recipe declares one by building its model with a `TableRows` layer (flare_core.ops.tables);
+    export stores the table once in the core, rows in the checkpoint's order, and lists it in the
+    manifest; `flare run` reads its rows from the core on disk through a host row cache, or holds
+    it in host RAM (--embedding-table-storage, --embedding-table-cache-size)."""
+
+    name: str
+    rows: int
+    width: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name.endswith(".weight"), "EmbeddingTable", "name",
+                 f"must be a prepared tensor name ending in '.weight', got {self.name!r}")
+        _check_positive_int(self.rows, f"EmbeddingTable({self.name})", "rows")
+        _check_positive_int(self.width, f"EmbeddingTable({self.name})", "width")
+        _require(self.dtype in DTYPES, f"EmbeddingTable({self.name})", "dtype", f"must be one of {DTYPES}")
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.width * _DTYPE_BYTES[self.dtype]
+
+
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1,
                 "int32": 4, "int64": 8}
 
@@ -611,7 +637,7 @@ ASSET_NAMES = ("tokenizer.json", "chat_template.jinja", "vocab.json", "merges.tx
 
 __all__ = [
     "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
-    "ContractError", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
+    "ContractError", "EmbeddingTable", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
     "DerivedShard", "TensorParallelSpec", "ToolCallFormat",
 ]

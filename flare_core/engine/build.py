@@ -96,4 +96,4 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                       vocab_size=loaded.model_config.vocab_size,
                       mask_words=frontend.grammars.words if frontend.grammars is not None else 0,
                       frames_in_flight=frames_in_flight or executor.frames_in_flight)
-    return Engine(core, info=info, frontend=frontend, kv=kv, telemetry=telemetry)
+    return Engine(core, info=info, frontend=frontend, kv=kv, telemetry=telemetry, tables=loaded.tables)

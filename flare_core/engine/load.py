@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,8 @@ from flare_core.ops.loading import load_prepared_weights
 from flare_core.ops.fp8 import quantized_experts, quantized_paths
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.serving import ServingOptions, serving_model
+from flare_core.ops.tables import bind_tables, embedding_tables
+from flare_core.engine.tables import TableError, TableOptions, TableStore, open_tables
 from flare_core.parallel import Ranks, rank_tensor_name
 from flare_core.plugins import Registry
 
@@ -47,6 +49,7 @@ class LoadedCore:
     frontend: dict
     identity: bytes  # 32 bytes naming exactly this core: the root of prefix-cache hashes
     tensor_parallel: int = 1  # ranks the core is split over; this process holds one rank's share
+    tables: dict[str, TableStore] = field(default_factory=dict)  # its embedding tables, bound to the model
 
     @property
     def manifest(self) -> dict:
@@ -96,10 +99,12 @@ def sampling_policy_from_manifest(data: dict) -> SamplingPolicy:
                           source=data.get("source", ""))
 
 
-def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank: int = 0) -> LoadedCore:
+def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank: int = 0,
+              tables: TableOptions = TableOptions()) -> LoadedCore:
     """Build the recipe's model from the core's tensors on `device` (the core must be verified).
     A core split over tensor-parallel ranks (flare_core.parallel) gives rank `rank`'s share: its
-    model built from the divided config, with its slices of the sharded tensors."""
+    model built from the divided config, with its slices of the sharded tensors. The model's
+    embedding tables are served from the core as `tables` says (flare_core.engine.tables)."""
     manifest = core.manifest
     if _major(manifest["contract_version"]) != _major(CONTRACT_VERSION):
         raise CoreLoadError(f"core was prepared for contract {manifest['contract_version']}; this flare speaks "
@@ -145,8 +150,17 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         raise CoreLoadError(f"core keeps its latent KV cache ({', '.join(fp8_stores)}) as float8_e4m3fn, which "
                             f"the CUDA path does not serve (FlashInfer's MLA kernels read latent pages of the "
                             f"queries' dtype): serve it with --device cpu, or export the model without --kv-dtype")
+    declared = manifest.get("embedding_tables", [])
+    if {entry["name"] for entry in declared} != set(embedding_tables(model)):
+        raise CoreLoadError(f"the core declares embedding tables {sorted(e['name'] for e in declared)}; the "
+                            f"installed recipe's model reads {sorted(embedding_tables(model))} (re-export the model)")
+    try:
+        stores = open_tables(declared, core.locations, tables)
+    except TableError as exc:
+        raise CoreLoadError(str(exc)) from exc
+    bind_tables(model, stores)
     if ranks == 1:
-        tensors = core.load_tensors(device="cpu")
+        tensors = core.load_tensors(device="cpu", names=[name for name in tensor_names if name not in stores])
     else:  # a rank's model reads its slices of the sharded tensors and the replicated ones
         stored = set(tensor_names)
         names = {name: rank_tensor_name(rank, name) if rank_tensor_name(rank, name) in stored else name
@@ -171,6 +185,6 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         tokenizer=tokenizer, chat_template=template, capacities=Capacities(**manifest["capacities"]),
         cache_scheme=cache_scheme_from_manifest(manifest["cache_scheme"]),
         sampling_policy=sampling_policy_from_manifest(manifest["sampling"]), frontend=frontend,
-        identity=hashlib.sha256(core.manifest_bytes).digest(), tensor_parallel=ranks,
+        identity=hashlib.sha256(core.manifest_bytes).digest(), tensor_parallel=ranks, tables=stores,
     )
 

@@ -16,6 +16,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -25,6 +26,7 @@ from flare_core.engine.core import EngineCore
 from flare_core.engine.memory import KvPlan
 from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.engine.stats import Activity
+from flare_core.engine.tables import TableStore
 from flare_core.frontend import Frontend
 from flare_core.requests import AdmissionError, EngineInfo, GenerationEvent, GenerationRequest
 from flare_core.scheduler import Resources
@@ -97,7 +99,7 @@ class Engine:
     """Runs an EngineCore on one model thread; `build_engine` (flare_core.engine.build) assembles it."""
 
     def __init__(self, core: EngineCore, *, info: EngineInfo, frontend: Frontend, kv: KvPlan,
-                 telemetry: Telemetry | None = None):
+                 telemetry: Telemetry | None = None, tables: Mapping[str, TableStore] | None = None):
         self.core = core
         self.info = info
         # All the HTTP layer reads of the core besides `info`: its text side.
@@ -105,7 +107,7 @@ class Engine:
         self.kv = kv
         # Fed from the model thread only when the dashboard is on.
         self.telemetry = telemetry
-        self.metrics = RuntimeMetrics()
+        self.metrics = RuntimeMetrics(tables)  # the embedding tables' counters, read at each scrape
         self._resources = core.resources()  # the model thread publishes a fresh one after each change
         self._inbox: queue.Queue = queue.Queue(maxsize=4 * (info.max_concurrency + info.queue_capacity) + 16)
         self._streams: dict[str, RequestStream] = {}  # model thread: requests the core has, or parked ones

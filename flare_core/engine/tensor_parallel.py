@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from flare_core.engine.tables import TableOptions
+
 # How long a rank waits for the others to join the group, and for a collective to complete.
 GROUP_TIMEOUT = datetime.timedelta(seconds=300)
 # How long rank 0 waits for the workers to load their shares and build their executors.
@@ -48,7 +50,7 @@ class RankLeader:
     """Rank 0's side of the group: starts the workers (`start`), joins the group, hands them the
     executor's geometry (`lead`) and stops them (`close`)."""
 
-    def __init__(self, core_path: Path, ranks: int):
+    def __init__(self, core_path: Path, ranks: int, tables: TableOptions):
         self.ranks = ranks
         self._directory = Path(tempfile.mkdtemp(prefix="flare-ranks-"))
         context = multiprocessing.get_context("spawn")
@@ -56,16 +58,17 @@ class RankLeader:
         self._status = context.Queue()
         self._workers = [context.Process(target=run_worker, name=f"flare-rank-{rank}", daemon=True,
                                          args=(str(core_path), rank, ranks, str(self._directory / "group"),
-                                               self._commands[rank - 1], self._status))
+                                               self._commands[rank - 1], self._status, tables))
                          for rank in range(1, ranks)]
         self._joined = False
 
     @classmethod
-    def start(cls, core_path: Path, ranks: int) -> RankLeader:
-        """Start the workers and join the group as rank 0 (waits for every worker to join)."""
+    def start(cls, core_path: Path, ranks: int, tables: TableOptions = TableOptions()) -> RankLeader:
+        """Start the workers and join the group as rank 0 (waits for every worker to join);
+        `tables`: where each rank serves the core's embedding tables from."""
         import torch.distributed as dist
 
-        leader = cls(core_path, ranks)
+        leader = cls(core_path, ranks, tables)
         try:
             for worker in leader._workers:
                 worker.start()
@@ -150,7 +153,8 @@ class LeadingExecutor:
         return getattr(self._executor, name)
 
 
-def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands, status) -> None:
+def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands, status,
+               tables: TableOptions = TableOptions()) -> None:
     """A worker process: join the group, load rank `rank`'s share of the core, build the executor
     rank 0 describes, then follow rank 0's steps until told to stop."""
     import torch.distributed as dist
@@ -159,7 +163,7 @@ def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands,
         torch.set_num_threads(threads_per_rank(ranks))
         dist.init_process_group("gloo", init_method=f"file://{group_file}", rank=rank, world_size=ranks,
                                 timeout=GROUP_TIMEOUT)
-        executor = _build_executor(core_path, rank, ranks, commands)
+        executor = _build_executor(core_path, rank, ranks, commands, tables)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which fails its start-up
         status.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
         return
@@ -170,7 +174,7 @@ def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands,
         dist.destroy_process_group()
 
 
-def _build_executor(core_path: str, rank: int, ranks: int, commands):
+def _build_executor(core_path: str, rank: int, ranks: int, commands, tables: TableOptions):
     from flare_core.core import open_core
     from flare_core.executor.runner import eager_runner
     from flare_core.plugins import load_registry
@@ -178,7 +182,7 @@ def _build_executor(core_path: str, rank: int, ranks: int, commands):
 
     registry = load_registry()
     # The signature is checked on opening; rank 0 verified the payload hashes and the publisher.
-    loaded = load_core(open_core(Path(core_path)), registry, torch.device("cpu"), rank)
+    loaded = load_core(open_core(Path(core_path)), registry, torch.device("cpu"), rank, tables)
     kind, executor_args = _next(commands)
     if kind != "build":
         raise RuntimeError(f"expected the executor's geometry from rank 0, got {kind!r}")

@@ -8,10 +8,12 @@ loop may both call these methods.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from flare_core.engine.stats import Activity
@@ -29,9 +31,13 @@ class RuntimeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, tables: Mapping[str, Any] | None = None) -> None:
+        """`tables`: the core's embedding-table stores by name (flare_core.engine.tables), whose
+        running totals are read at each scrape."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if tables:
+            r.register(_TableCollector(tables))
         self._admitted = Counter("flare_requests_admitted", "Requests the runtime admitted.", registry=r)
         self._rejected = Counter("flare_requests_rejected", "HTTP requests refused before generation, by status.",
                                  ["status"], registry=r)
@@ -129,3 +135,37 @@ class RuntimeMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (content type: `content_type`)."""
         return generate_latest(self.registry)
+
+
+# The embedding tables' counters (flare_core.engine.tables.TableStats field -> metric), named for
+# the Engram tables that are today's only such tables; the label `table` is the table's tensor name.
+_TABLE_COUNTERS = (
+    ("gathers", "flare_engram_gathers", "Row lookups of a step (one per table and model call)."),
+    ("rows", "flare_engram_rows", "Rows the lookups asked for."),
+    ("hits", "flare_engram_cache_hits", "Distinct rows of a lookup found in the host row cache."),
+    ("misses", "flare_engram_cache_misses", "Distinct rows of a lookup read from the core file (disk storage)."),
+    ("evictions", "flare_engram_cache_evictions", "Rows the host row cache dropped to make room."),
+    ("disk_bytes", "flare_engram_disk_read_bytes", "Bytes read from the core file (a RAM table: once, at start)."),
+)
+_TABLE_GAUGES = (
+    ("cached_rows", "flare_engram_cache_rows", "Rows the host row cache holds."),
+    ("capacity_rows", "flare_engram_cache_capacity_rows", "Rows the host row cache can hold (0: no cache)."),
+)
+
+
+class _TableCollector:
+    """Reads the tables' running totals when /metrics is scraped."""
+
+    def __init__(self, tables: Mapping[str, Any]):
+        self.tables = tables
+
+    def describe(self) -> list:
+        return []  # collected only on scrape (the registry must not call collect() at registration)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        for kind, specs in ((CounterMetricFamily, _TABLE_COUNTERS), (GaugeMetricFamily, _TABLE_GAUGES)):
+            for field_name, name, documentation in specs:
+                family = kind(name, documentation, labels=["table"])
+                for table, store in self.tables.items():
+                    family.add_metric([table], getattr(store.stats, field_name))
+                yield family

@@ -12,7 +12,8 @@ The rule every recipe follows:
   LM head) reads the one parameter in both places in its forward instead.
 
 `load_prepared_weights` is strict: every prepared tensor must match a parameter or persistent
-buffer by name, shape and dtype, and every one must be provided.
+buffer (or an embedding table, flare_core.ops.tables) by name, shape and dtype, and every one
+must be provided.
 """
 
 from __future__ import annotations
@@ -22,18 +23,33 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
+from flare_core.ops.tables import TensorRows, embedding_tables
+
 
 def load_prepared_weights(model: nn.Module, tensors: Mapping[str, Tensor], device: torch.device | str) -> nn.Module:
     """Fill `model`'s parameters and persistent buffers from `tensors` (name -> tensor, may load
     lazily), placed on `device`; move its non-persistent buffers there too. Returns `model`,
-    in eval mode with gradients off. Raises ValueError naming the first offending tensor."""
+    in eval mode with gradients off. Raises ValueError naming the first offending tensor.
+    The model's embedding tables (flare_core.ops.tables) found in `tensors` are read from those
+    tensors where they are (host memory); the others must be bound already."""
     _reject_shared_parameters(model)
+    tables = embedding_tables(model)
+    unbound = sorted(name for name, table in tables.items() if table.source is None and name not in tensors)
+    if unbound:
+        raise ValueError(f"prepared weights lack the embedding table {unbound[0]!r}, and it is not bound to a row source")
+    for name in tables.keys() & tensors.keys():
+        value = tensors[name]
+        if tuple(value.shape) != (tables[name].rows, tables[name].width) or value.dtype != tables[name].row_dtype:
+            raise ValueError(f"embedding table {name!r} is {value.dtype} {tuple(value.shape)}, the model expects "
+                             f"{tables[name].row_dtype} {(tables[name].rows, tables[name].width)}")
+        tables[name].source = TensorRows(value)
+    names = set(tensors.keys()) - tables.keys()
     expected = model.state_dict(keep_vars=True)
-    missing = sorted(set(expected) - set(tensors.keys()))
+    missing = sorted(set(expected) - names)
     if missing:
         raise ValueError(f"prepared weights lack {len(missing)} tensor(s) the model needs, first {missing[0]!r} "
                          f"(all: {', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''})")
-    unexpected = sorted(set(tensors.keys()) - set(expected))
+    unexpected = sorted(names - set(expected))
     if unexpected:
         raise ValueError(f"prepared weights hold {len(unexpected)} tensor(s) the model does not have, first "
                          f"{unexpected[0]!r} (all: {', '.join(unexpected[:8])}{', ...' if len(unexpected) > 8 else ''})")

@@ -15,7 +15,8 @@ import torch
 
 import flare_core
 from flare_core.config import Config
-from flare_core.contract import CONTRACT_VERSION, Recipe
+from flare_core.contract import CONTRACT_VERSION, EmbeddingTable, Recipe
+from flare_core.ops.tables import table_skeleton
 from flare_core.plugins import Registry
 from flare_core.prepare.assets import TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
@@ -147,10 +148,13 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
 
     torch_dtype = DTYPES[request.dtype]
     model = recipe.build_model(model_config, torch_dtype)  # on the meta device: the prepared layout
-    skeleton = dict(model.state_dict())
+    tables = table_skeleton(model)  # stored like weights, read per step at run time (flare_core.ops.tables)
+    skeleton = dict(model.state_dict()) | tables
     parameters = sum(t.numel() for t in skeleton.values())
     quantized = _fp8_weights(recipe, model) if request.quantize == "fp8" else []
-    weight_bytes = sum(t.numel() * t.element_size() for t in skeleton.values())
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in skeleton.items() if name not in tables)
+    declared = tuple(EmbeddingTable(name, t.shape[0], t.shape[1], str(t.dtype).removeprefix("torch."))
+                     for name, t in tables.items())
     quantize_notes = ()
     if blocks is not None:
         rows, cols = blocks.block
@@ -174,11 +178,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         from flare_core.parallel import build_rank_model
 
         rank_model = build_rank_model(recipe, model_config, torch_dtype, ranks)
-        rank_notes, rank_skeleton = _rank_notes(recipe, model_config, rank_model, ranks), dict(rank_model.state_dict())
+        rank_notes = _rank_notes(recipe, model_config, rank_model, ranks)
+        rank_skeleton = dict(rank_model.state_dict()) | table_skeleton(rank_model)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe,
         architecture=architecture, dtype=request.dtype, parameters=parameters,
-        weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme,
+        weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme, tables=declared,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
         notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
         + rank_notes + quantize_notes + kv_notes,
@@ -203,6 +208,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
                          assets)
     manifest["tensor_parallel"] = ranks
+    if declared:
+        manifest["embedding_tables"] = [dataclasses.asdict(table) for table in declared]
     if fp8_count:
         manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
                                     "weights": fp8_count}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from flare_core.contract import CacheScheme, Capacities, ContractError, Recipe
+from flare_core.contract import CacheScheme, Capacities, ContractError, EmbeddingTable, Recipe
 
 
 class PlanError(ValueError):
@@ -64,6 +64,7 @@ class ExportPlan:
     template: str
     tokenizer: str
     notes: tuple[str, ...] = ()
+    tables: tuple[EmbeddingTable, ...] = ()
 
     def lines(self) -> list[str]:
         c = self.capacities
@@ -83,6 +84,10 @@ class ExportPlan:
             f"prompt chunks)",
             f"cache scheme  {self.cache_scheme.name}: {_kib(page_bytes)} per {c.page_tokens}-token page, "
             f"{_gib(page_bytes * full_context_pages)} per full context",
+            *([f"tables        {len(self.tables)} embedding table(s), {sum(t.rows for t in self.tables):,} rows of "
+               f"{'/'.join(sorted({str(t.width) for t in self.tables}))} ({_gib(sum(t.bytes for t in self.tables))} "
+               f"as {self.dtype}): stored in the core, their rows read per step from disk or host RAM (flare run "
+               f"--embedding-table-storage), not loaded onto the device"] if self.tables else []),
             f"tokenizer     {self.tokenizer}",
             f"template      {self.template}",
         ]

@@ -45,6 +45,7 @@ refuses continuation-state schemes.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from flare_core.api import CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, write_paged
+from flare_core.api import (CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, embedding_tables,
+                            table_skeleton, write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
 from flare_recipe_deepseek.v4 import read_records, record_slots, rotate, sliding_keys
 from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
@@ -483,6 +485,8 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV41ForServing:
         module_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf,
                 nn.Parameter(torch.empty_like(parameter, dtype=target), requires_grad=False))
+    for table in embedding_tables(model).values():
+        table.row_dtype = dtype
     return model
 
 
@@ -503,7 +507,8 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
                 return checkpoint[candidate]
         raise ValueError(f"checkpoint lacks tensor {name!r} or {published!r} (needed for prepared tensor {target!r})")
 
-    for name, tensor in build_model(config, dtype).state_dict().items():
+    model = build_model(config, dtype)
+    for name, tensor in itertools.chain(model.state_dict().items(), table_skeleton(model).items()):
         expert = _EXPERT.match(name)
         if name == "model.ngram.token_map":
             continue  # from the tokenizer (v41_engram.compressed_token_map), not the checkpoint

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from flare_core.api import TableRows
+
 
 def _is_prime(n: int) -> bool:
     if n < 2:
@@ -141,7 +143,10 @@ class Engram(nn.Module):
         self.table_index = config.engram_layer_ids.index(layer_idx)
         self.hidden_size, self.hc_mult, self.eps = config.hidden_size, config.hc_mult, config.rms_norm_eps
         columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-        self.embed = nn.Embedding(config.engram_num_embeddings[self.table_index], config.engram_head_dim)
+        # ~384 M rows per table in the published model: read per step from the core (disk or host
+        # RAM, flare run --embedding-table-storage), never loaded as a weight.
+        self.embed = TableRows(config.engram_num_embeddings[self.table_index], config.engram_head_dim,
+                               torch.float32)  # build_model gives it the served dtype
         self.wkv = nn.Linear(columns * config.engram_head_dim, config.hidden_size * (config.hc_mult + 1), bias=False)
         self.q_weight = nn.Parameter(torch.empty(config.hc_mult, config.hidden_size))
         self.k_weight = nn.Parameter(torch.empty(config.hc_mult, config.hidden_size))

@@ -55,9 +55,8 @@ def plan_notes(config: Any) -> tuple[str, ...]:
              "content is refused",
              "the DSpark draft layers (mtp.*) stay in the checkpoint: they are not read"]
     if config.engram_layer_ids:
-        rows = sum(config.engram_num_embeddings)
-        notes.append(f"Engram tables ({len(config.engram_layer_ids)} of {rows:,} rows x {config.engram_head_dim}) "
-                     f"are held as ordinary weights in the export dtype")
+        notes.append("the Engram tables (the tables line) are stored in the export dtype: published FP8 rows are "
+                     "dequantized through their scales")
     return tuple(notes)
 
 

@@ -1,0 +1,73 @@
+"""Embedding tables kept out of device memory: a model layer that reads a few rows per token of
+a table too large to load (DeepSeek V4.1's Engram tables hold ~384 M rows each).
+
+A recipe's model holds a `TableRows` where it would hold an `nn.Embedding` of such a table. It
+has no parameter: export stores the table as the prepared tensor `<module path>.weight` (rows in
+the checkpoint's order) and records it in the core's manifest as an `EmbeddingTable`; the runtime
+binds the module to a row source (flare_core.engine.tables: rows read from the core on disk
+through a host row cache, or held in host RAM) that answers each step's lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+
+class RowSource(Protocol):
+    """Where a bound `TableRows` reads rows: `gather(ids)` returns `[*ids.shape, width]` on
+    `ids`'s device, row `i` of the table for each id `i`."""
+
+    def gather(self, ids: Tensor) -> Tensor: ...
+
+
+class TableRows(nn.Module):
+    """The rows of a `rows` x `width` table in `dtype` that the model looks up by id (module
+    docstring); `forward(ids)` is `nn.Embedding`'s, read from the bound source."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype):
+        super().__init__()
+        self.rows, self.width, self.row_dtype = rows, width, dtype
+        self.source: RowSource | None = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.source is None:
+            raise RuntimeError(f"embedding table of {self.rows} rows is not bound to a row source "
+                               f"(flare_core.ops.tables.bind_tables)")
+        return self.source.gather(ids)
+
+
+class TensorRows:
+    """A row source over a table already in memory (the tests' reference models)."""
+
+    def __init__(self, table: Tensor):
+        self.table = table
+
+    def gather(self, ids: Tensor) -> Tensor:
+        return self.table[ids.to(self.table.device)].to(ids.device)
+
+
+def embedding_tables(model: nn.Module) -> dict[str, TableRows]:
+    """The model's tables by prepared tensor name (`<module path>.weight`)."""
+    return {f"{path}.weight": module for path, module in model.named_modules() if isinstance(module, TableRows)}
+
+
+def table_skeleton(model: nn.Module) -> dict[str, Tensor]:
+    """Meta tensors of the model's tables, as its state_dict holds its weights (export checks the
+    mapped tensors against both)."""
+    return {name: torch.empty(t.rows, t.width, dtype=t.row_dtype, device="meta")
+            for name, t in embedding_tables(model).items()}
+
+
+def bind_tables(model: nn.Module, sources: Mapping[str, RowSource]) -> None:
+    """Bind each of the model's tables to its source by prepared tensor name; ValueError when a
+    table has no source or a source no table."""
+    tables = embedding_tables(model)
+    if set(tables) != set(sources):
+        raise ValueError(f"embedding tables: the model reads {sorted(tables)}, the sources given are "
+                         f"{sorted(sources)}")
+    for name, module in tables.items():
+        module.source = sources[name]
