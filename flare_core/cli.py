@@ -414,7 +414,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         try:
             # Called by the engine once compilation and graphs have taken their memory (on CUDA).
             kv_plan = functools.partial(plan_kv, loaded.cache_scheme, capacities, concurrency, torch_device,
-                                        memory.memory_limit, memory.kv_cache_limit)
+                                        memory.memory_limit, memory.kv_cache_limit,
+                                        sum(table.growing_bytes for table in loaded.tables.values()))
             with _timed(phases, "engine_s"), compiling:  # layers compiled, graphs captured while it is built
                 engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
                                       queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,

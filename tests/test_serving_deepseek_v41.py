@@ -246,3 +246,23 @@ def test_a_row_outside_the_table_is_an_error_not_a_read_past_it(exported):
         store.gather(torch.tensor([0, store.table.rows]))
     assert store.stats.gathers == 0
     store.close()
+
+
+def test_the_tables_row_caches_count_in_the_cpu_memory_plan(exported):
+    """On the CPU the KV pool is host memory as the tables' row caches are: a plan whose pool and
+    caches exceed what the host has available is refused naming both flags; without tables'
+    caches to come the same pool is planned."""
+    import torch
+
+    from flare_core.core import open_core
+    from flare_core.engine.load import load_core
+    from flare_core.engine.memory import MemoryPlanError, available_host_bytes, plan_kv
+    from flare_core.plugins import load_registry
+
+    loaded = load_core(open_core(exported[0]), load_registry(), torch.device("cpu"))
+    args = (loaded.cache_scheme, loaded.capacities, 2, torch.device("cpu"), "0.9", "64M")
+    assert plan_kv(*args).num_pages == plan_kv(*args, host_reserved=1 << 20).num_pages
+    with pytest.raises(MemoryPlanError, match="lower --kv-cache-limit or --embedding-table-cache-size"):
+        plan_kv(*args, host_reserved=available_host_bytes())
+    for store in loaded.tables.values():
+        store.close()

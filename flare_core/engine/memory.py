@@ -53,7 +53,11 @@ def snapshot_rows_for(scheme: CacheScheme, max_concurrency: int) -> int:
 
 
 def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, device: torch.device,
-            memory_limit: str, kv_cache_limit: str | None) -> KvPlan:
+            memory_limit: str, kv_cache_limit: str | None, host_reserved: int = 0) -> KvPlan:
+    """The page pool for `scheme` under the flags (module docstring). `host_reserved`: host
+    memory other stores will still fill (the embedding tables' row caches, flare_core.engine.tables):
+    on the CPU, where the pool is host memory too, pool, state rows and that reserve must fit what
+    the host has available."""
     page_bytes = scheme.page_bytes(capacities.page_tokens)
     context_pages = -(-capacities.context_length // capacities.page_tokens)
     snapshot_rows = snapshot_rows_for(scheme, max_concurrency)
@@ -72,6 +76,12 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
     else:
         pages = CPU_CONTEXTS_PER_SLOT * max_concurrency * context_pages
         reason = f"{CPU_CONTEXTS_PER_SLOT} full contexts per state row (CPU)"
+    available = available_host_bytes() if host_reserved and device.type == "cpu" else None
+    if available is not None and pages * page_bytes + state_bytes + host_reserved > available:
+        raise MemoryPlanError(
+            f"the KV cache of {pages} pages ({pages * page_bytes / 2**30:.2f} GiB, {reason}) and the embedding tables' "
+            f"row caches ({host_reserved / 2**30:.2f} GiB) exceed the host's {available / 2**30:.2f} GiB available: "
+            f"lower --kv-cache-limit or --embedding-table-cache-size")
     if pages < context_pages:
         raise MemoryPlanError(
             f"the KV cache gets {pages} pages ({reason}) but one full context of {capacities.context_length} tokens "
@@ -93,3 +103,15 @@ def _device_budget(device: torch.device, memory_limit: str) -> int:
         return int(total * fraction) - used
     size, reserve = parse_size(text, "--memory-limit")
     return free - size if reserve else size - used
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

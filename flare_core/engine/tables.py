@@ -21,6 +21,7 @@ from torch import Tensor
 
 from flare_core.contract import EmbeddingTable
 from flare_core.core.safetensors_io import DTYPES, TensorLocation, read_range
+from flare_core.engine.memory import available_host_bytes
 
 STORAGES = ("disk", "ram")
 
@@ -94,6 +95,12 @@ class TableStore:
         """Host memory the table takes: the whole table in RAM, or the row cache."""
         return self.location.nbytes if self.options.storage == "ram" else self.stats.capacity_rows * self.row_bytes
 
+    @property
+    def growing_bytes(self) -> int:
+        """Host memory the table will still take as it serves: its row cache filling up (a table in
+        RAM was read whole at load)."""
+        return 0 if self.options.storage == "ram" else self.host_bytes
+
     def gather(self, ids: Tensor) -> Tensor:
         """Rows `ids` (int64, any shape, any device) -> [*ids.shape, width] on ids' device."""
         flat = ids.reshape(-1).cpu()
@@ -152,18 +159,6 @@ def open_tables(declared: list[dict], locations: Mapping[str, TensorLocation],
             raise TableError(f"the core's manifest declares embedding table {name!r}, which it does not hold")
     check_host_memory(tables, options)
     return {name: TableStore(table, locations[name], options) for name, table in tables.items()}
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_host_memory(tables: Mapping[str, EmbeddingTable], options: TableOptions) -> int:
