@@ -66,7 +66,7 @@ from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import STATIC_ROPE_TYPES, DecoderForServing, check_rope_type
 from flare_core.ops.routing import SigmoidTopKRouter, SoftmaxTopKRouter
-from flare_core.ops.tables import TableRows, embedding_tables, table_skeleton
+from flare_core.ops.tables import TableRows, TableSource, embedding_tables, read_table, table_skeleton
 from flare_core.ops.weights import Reader, checkpoint_reader, fused_linear, prepare_weights
 from flare_core.plugins import hookimpl
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
@@ -89,7 +89,7 @@ __all__ = [
     "SigmoidTopKRouter", "SoftmaxTopKRouter", "keep_router_bias_float32", "serve_sigmoid_moe_mlp", "DeltaRuleForServing",
     "gated_delta_rule", "kimi_delta_rule", "kimi_delta_rule_step",
     # Embedding tables read per step from the core instead of loaded (flare_core.ops.tables).
-    "TableRows", "embedding_tables", "table_skeleton",
+    "TableRows", "TableSource", "embedding_tables", "read_table", "table_skeleton",
     # Weight mapping: checkpoint tensors -> the prepared layout; fp8 / fp4 checkpoints read through their scales.
     "Reader", "checkpoint_reader", "fused_linear", "prepare_weights", "absorbed_mla", "DequantizedCheckpoint",
     "Fp8ConfigError", "fp8_blocks",

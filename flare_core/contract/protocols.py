@@ -41,10 +41,11 @@ class BuildModel(Protocol):
 class MapWeights(Protocol):
     """`map_weights(config, checkpoint, dtype)`: (prepared name, tensor) for every tensor the
     serving model loads, from the checkpoint's tensors (Transformers name -> tensor, each read on
-    access), each in the dtype the model keeps it in."""
+    access), each in the dtype the model keeps it in. An embedding table may come as a
+    `flare_core.ops.tables.TableSource` (row blocks) instead of a tensor."""
 
     def __call__(self, config: Any, checkpoint: Mapping[str, torch.Tensor],
-                 dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]: ...
+                 dtype: torch.dtype) -> Iterable[tuple[str, Any]]: ...
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class CoreStore:
         progress: bool = True,
     ) -> CoreEntry:
         """Write a new core (directory form), verify it, install it as ``<prefix>-<hash>`` and record it."""
-        staging = self._hidden_path("partial")
+        staging = self.hidden_path("partial")
         try:
             write_core(
                 staging, manifest=manifest, tensors=tensors, assets=assets, signing_key=signing_key,
@@ -121,7 +121,7 @@ class CoreStore:
 
     def import_core(self, source: Path | str, name_prefix: str, *, progress: bool = True) -> CoreEntry:
         """Copy an existing core (either form) into the cache."""
-        staging = self._hidden_path("partial")
+        staging = self.hidden_path("partial")
         try:
             convert_core(source, staging, DIRECTORY, progress=progress)
             return self._install(staging, name_prefix, progress)
@@ -147,7 +147,7 @@ class CoreStore:
 
     def remove(self, name: str) -> None:
         path = self.path_for(name)
-        trash = self._hidden_path("trash")
+        trash = self.hidden_path("trash")
         with self._locked_index() as index:
             os.rename(path, trash)
             index["cores"].pop(name, None)
@@ -164,7 +164,7 @@ class CoreStore:
         name = core_name(name_prefix, core.manifest_bytes)
         target = self.root / name
         # Same name means same manifest (same payload hashes): replacing it is a re-export.
-        trash = self._hidden_path("trash")
+        trash = self.hidden_path("trash")
         with self._locked_index() as index:
             if target.exists():
                 os.rename(target, trash)
@@ -210,7 +210,8 @@ class CoreStore:
             if entry.is_dir() and not entry.name.startswith(".") and (entry / PRIMARY_FILE).is_file()
         )
 
-    def _hidden_path(self, purpose: str) -> Path:
+    def hidden_path(self, purpose: str) -> Path:
+        """A fresh path in the cache that listings skip (a leading dot): staging, trash, export scratch."""
         self.root.mkdir(parents=True, exist_ok=True)
         return self.root / f".{purpose}-{uuid.uuid4().hex[:12]}"
 
@@ -222,7 +223,7 @@ class CoreStore:
             fcntl.flock(lock, fcntl.LOCK_EX)
             index = self._read_index()
             yield index
-            temporary = self._hidden_path("index")
+            temporary = self.hidden_path("index")
             try:
                 temporary.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
                 os.replace(temporary, self.root / INDEX_FILE)

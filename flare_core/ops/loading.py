@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from flare_core.ops.tables import TensorRows, embedding_tables
+from flare_core.ops.tables import TableSource, TensorRows, embedding_tables
 
 
 def load_prepared_weights(model: nn.Module, tensors: Mapping[str, Tensor], device: torch.device | str) -> nn.Module:
@@ -39,6 +39,8 @@ def load_prepared_weights(model: nn.Module, tensors: Mapping[str, Tensor], devic
         raise ValueError(f"prepared weights lack the embedding table {unbound[0]!r}, and it is not bound to a row source")
     for name in tables.keys() & tensors.keys():
         value = tensors[name]
+        if isinstance(value, TableSource):
+            value = value.materialize()
         if tuple(value.shape) != (tables[name].rows, tables[name].width) or value.dtype != tables[name].row_dtype:
             raise ValueError(f"embedding table {name!r} is {value.dtype} {tuple(value.shape)}, the model expects "
                              f"{tables[name].row_dtype} {(tables[name].rows, tables[name].width)}")

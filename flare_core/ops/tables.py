@@ -10,8 +10,9 @@ through a host row cache, or held in host RAM) that answers each step's lookups.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -71,3 +72,41 @@ def bind_tables(model: nn.Module, sources: Mapping[str, RowSource]) -> None:
                          f"{sorted(sources)}")
     for name, module in tables.items():
         module.source = sources[name]
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """A table as `map_weights` yields it: `rows` x `width` in `dtype`, produced as consecutive row
+    blocks (`blocks()`), so that export stages it without holding it whole (a published Engram
+    table is ~384 M rows)."""
+
+    rows: int
+    width: int
+    dtype: torch.dtype
+    blocks: Callable[[], Iterator[Tensor]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.width
+
+    def materialize(self) -> Tensor:
+        """The whole table in memory (tests, small tables)."""
+        return torch.cat(list(self.blocks())) if self.rows else torch.empty(0, self.width, dtype=self.dtype)
+
+
+# Rows per block when a table is read from a checkpoint: 64 Ki rows of 256 values is 64 MiB in float32.
+TABLE_BLOCK_ROWS = 1 << 16
+
+
+def read_table(checkpoint: Mapping[str, Any], name: str, dtype: torch.dtype) -> TableSource:
+    """Checkpoint tensor `name` as a table in `dtype`, read block by block: through the
+    checkpoint's own `row_blocks` where it has one (export's dequantizing reader,
+    flare_core.prepare.fp8_checkpoint), else sliced from the tensor."""
+    row_blocks = getattr(checkpoint, "row_blocks", None)
+    if row_blocks is not None:
+        rows, width = checkpoint.raw[name].shape
+        return TableSource(rows, width, dtype, lambda: (block.to(dtype) for block in row_blocks(name, TABLE_BLOCK_ROWS)))
+    tensor = checkpoint[name]
+    rows, width = tensor.shape
+    return TableSource(rows, width, dtype, lambda: (tensor[start:start + TABLE_BLOCK_ROWS].to(dtype)
+                                                    for start in range(0, rows, TABLE_BLOCK_ROWS)))

@@ -23,6 +23,7 @@ from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
+from flare_core.prepare.spill import SpilledTensors
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTIZATIONS = (None, "fp8")
@@ -192,32 +193,38 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         echo(line)
 
     derived = _tokenizer_tensors(recipe, model_config, assets)
-    if ranks == 1:
-        tensors = _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress,
-                               derived)
-    else:
-        tensors = _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
-                                rank_skeleton, ranks, request.progress, derived)
-    fp8_count = 0
-    if quantized:
-        tensors, fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
-        if blocks is not None:
-            echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks; "
-                 f"{len(quantized) - fp8_count} dequantized to {request.dtype} (their parts do not line up in "
-                 f"128x128 blocks, or the checkpoint keeps them unquantized)")
-    manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
-                         assets)
-    manifest["tensor_parallel"] = ranks
-    if declared:
-        manifest["embedding_tables"] = [dataclasses.asdict(table) for table in declared]
-    if fp8_count:
-        manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
-                                    "weights": fp8_count}
-    key = load_or_create_signing_key(config.paths.keys)
-    TrustStore(config.paths.trust_store).trust(key.publisher)
     store = CoreStore(config.paths.core_cache)
-    entry = store.add(_core_prefix(source), manifest=manifest, tensors=tensors, assets=assets.files,
-                      signing_key=key, progress=request.progress)
+    # Each prepared tensor is staged on disk as it is mapped, so host memory holds about one at a
+    # time (flare_core.prepare.spill); the core is then written from the staged bytes.
+    tensors = SpilledTensors(store.hidden_path("export"))
+    try:
+        if ranks == 1:
+            _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress, derived,
+                         tensors.put)
+        else:
+            _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
+                          rank_skeleton, ranks, request.progress, derived, tensors.put)
+        fp8_count = 0
+        if quantized:
+            fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
+            if blocks is not None:
+                echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks; "
+                     f"{len(quantized) - fp8_count} dequantized to {request.dtype} (their parts do not line up in "
+                     f"128x128 blocks, or the checkpoint keeps them unquantized)")
+        manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
+                             assets)
+        manifest["tensor_parallel"] = ranks
+        if declared:
+            manifest["embedding_tables"] = [dataclasses.asdict(table) for table in declared]
+        if fp8_count:
+            manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
+                                        "weights": fp8_count}
+        key = load_or_create_signing_key(config.paths.keys)
+        TrustStore(config.paths.trust_store).trust(key.publisher)
+        entry = store.add(_core_prefix(source), manifest=manifest, tensors=tensors, assets=assets.files,
+                          signing_key=key, progress=request.progress)
+    finally:
+        tensors.close()
     return ExportResult(entry.path, plan)
 
 
@@ -258,9 +265,8 @@ def _describe_fp8(names: list[str], skeleton: dict[str, torch.Tensor]) -> str:
     return described + (f" and {experts} packed routed-expert tensors" if experts else "")
 
 
-def _quantize_fp8(tensors: dict[str, torch.Tensor], names: list[str],
-                  checkpoint: DequantizedCheckpoint) -> tuple[dict[str, torch.Tensor], int]:
-    """(`tensors` with the weights `names` as FP8 blocks and their scales, how many). An
+def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: DequantizedCheckpoint) -> int:
+    """Stage the weights `names` of `tensors` as FP8 blocks and their scales; how many. An
     unquantized checkpoint's weights are quantized (packed experts expert by expert). An fp8
     checkpoint's are its own blocks where the weight's checkpoint parts line up in 128x128 blocks;
     the others keep the dequantized weight (never requantized to make a fusion fit)."""
@@ -268,15 +274,16 @@ def _quantize_fp8(tensors: dict[str, torch.Tensor], names: list[str],
 
     done = 0
     for name in names:
-        tensor = tensors[name]
+        tensor = tensors.load(name)
         if checkpoint.blocks is None:
             fp8 = quantize_experts(tensor) if tensor.dim() == 3 else quantize_blocks(tensor)
         else:
             fp8 = _published_blocks(name, tensor, checkpoint)
         if fp8 is not None:
-            tensors[name], tensors[name + SCALE_SUFFIX] = fp8
+            tensors.put(name, fp8[0])
+            tensors.put(name + SCALE_SUFFIX, fp8[1])
             done += 1
-    return {name: tensors[name] for name in sorted(tensors)}, done
+    return done
 
 
 def _published_blocks(name: str, prepared: torch.Tensor,
@@ -346,22 +353,23 @@ def _rank_notes(recipe: Recipe, model_config, rank_model: torch.nn.Module, ranks
 
 def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: Mapping[str, torch.Tensor],
                   dtype: torch.dtype, skeleton: dict[str, torch.Tensor], rank_skeleton: dict[str, torch.Tensor],
-                  ranks: int, progress: bool, derived: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every rank's tensors: those a rank holds a slice of under `rank{r}.NAME` (flare_core.parallel.
-    rank_tensor_name), the replicated ones once under their name. `rank_skeleton`: a rank's
-    prepared layout (flare_core.parallel.build_rank_model)."""
+                  ranks: int, progress: bool, derived: Mapping[str, torch.Tensor],
+                  keep: Callable[[str, torch.Tensor], None]) -> None:
+    """Every rank's tensors, each handed to `keep`: those a rank holds a slice of under
+    `rank{r}.NAME` (flare_core.parallel.rank_tensor_name), the replicated ones once under their
+    name. `rank_skeleton`: a rank's prepared layout (flare_core.parallel.build_rank_model)."""
     from flare_core.parallel import Ranks, rank_checkpoint, rank_tensor_name
 
-    tensors: dict[str, torch.Tensor] = {}
     for rank in range(ranks):
         share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks))
-        for name, tensor in _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress,
-                                         derived).items():
+
+        def keep_share(name: str, tensor: torch.Tensor, rank: int = rank) -> None:
             if rank_skeleton[name].shape != skeleton[name].shape:
-                tensors[rank_tensor_name(rank, name)] = tensor
+                keep(rank_tensor_name(rank, name), tensor)
             elif rank == 0:
-                tensors[name] = tensor
-    return {name: tensors[name] for name in sorted(tensors)}
+                keep(name, tensor)
+
+        _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress, derived, keep_share)
 
 
 def _tokenizer_tensors(recipe: Recipe, model_config, assets: FrontendAssets) -> Mapping[str, torch.Tensor]:
@@ -375,32 +383,32 @@ def _tokenizer_tensors(recipe: Recipe, model_config, assets: FrontendAssets) -> 
 
 
 def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                 skeleton: dict[str, torch.Tensor], progress: bool,
-                 derived: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 skeleton: dict[str, torch.Tensor], progress: bool, derived: Mapping[str, torch.Tensor],
+                 keep: Callable[[str, torch.Tensor], None]) -> None:
+    """Hand `keep` each prepared tensor as the recipe yields it (with those derived from the
+    tokenizer), checked against `skeleton`; ExportError for a tensor the model lacks or misshapes,
+    or one it needs and did not get."""
     from tqdm import tqdm
 
-    # The mapped model is held in host memory: recipes yield fused tensors in their own order,
-    # the core writer orders payloads by size, and fusing copies the tensors anyway.
-    tensors: dict[str, torch.Tensor] = {}
+    mapped: set[str] = set()
     bar = tqdm(total=len(skeleton), desc="mapping weights", unit="tensor", disable=not progress)
     try:
-        for name, tensor in itertools.chain(recipe.map_weights(model_config, checkpoint, dtype),
-                                            (derived or {}).items()):
+        for name, tensor in itertools.chain(recipe.map_weights(model_config, checkpoint, dtype), derived.items()):
             expected = skeleton.get(name)
             if expected is None:
                 raise ExportError(f"recipe {recipe.name} produced tensor {name!r}, which its model does not have")
             if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
                 raise ExportError(f"tensor {name!r}: mapped to {tuple(tensor.shape)} {tensor.dtype}, the model "
                                   f"expects {tuple(expected.shape)} {expected.dtype}")
-            tensors[name] = tensor.contiguous()
+            keep(name, tensor)
+            mapped.add(name)
             bar.update(1)
     finally:
         bar.close()
-    missing = sorted(set(skeleton) - set(tensors))
+    missing = sorted(set(skeleton) - mapped)
     if missing:
         raise ExportError(f"recipe {recipe.name} did not produce {len(missing)} tensors the model needs, "
                           f"e.g. {', '.join(missing[:5])}")
-    return {name: tensors[name] for name in sorted(tensors)}
 
 
 def _describe_source(source: ModelSource) -> str:

@@ -227,6 +227,25 @@ class DequantizedCheckpoint(Mapping):
                              f"{' or '.join(repr(n) for n in scale_names(name))}; {SUPPORTED}")
         return dequantize(name, tensor, self.raw[scale], self.blocks, scale)
 
+    def row_blocks(self, name: str, rows_per_block: int) -> Iterator[Tensor]:
+        """Tensor `name` as float32 blocks of consecutive rows, each dequantized on its own (a table
+        too large to dequantize whole: DeepSeek V4.1's Engram tables, FP8 with one scale per row
+        and 32 columns). Blocks span whole scale rows."""
+        if name not in self._names:
+            raise KeyError(name)
+        tensor, scale = self.raw[name], self._scale.get(name)
+        if scale is None or tensor.dtype not in FP8_DTYPES:  # unquantized (or FP4: read whole)
+            whole = tensor if scale is None else self[name]
+            for start in range(0, tensor.shape[0], rows_per_block):
+                yield whole[start:start + rows_per_block].float()
+            return
+        scales = self.raw[scale]
+        per_scale = -(-tensor.shape[0] // scales.shape[0])  # rows one scale row covers (1 or the block's)
+        step = max(per_scale, rows_per_block // per_scale * per_scale)
+        for start in range(0, tensor.shape[0], step):
+            yield dequantize(name, tensor[start:start + step], scales[start // per_scale:-(-(start + step) // per_scale)],
+                             self.blocks, scale)
+
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._names))
 

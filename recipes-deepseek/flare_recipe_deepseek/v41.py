@@ -45,7 +45,6 @@ refuses continuation-state schemes.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from flare_core.api import (CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, embedding_tables,
-                            table_skeleton, write_paged)
+                            TableSource, read_table, table_skeleton, write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
 from flare_recipe_deepseek.v4 import read_records, record_slots, rotate, sliding_keys
 from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
@@ -493,34 +492,45 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV41ForServing:
 _EXPERT = re.compile(r"(.*\.ffn)\.(experts|shared_experts)\.(gate_up_proj|down_proj)$")
 
 
-def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+def map_weights(config: Any, checkpoint: Mapping[str, Tensor],
+                dtype: torch.dtype) -> Iterator[tuple[str, Tensor | TableSource]]:
     """(prepared name, tensor) for every tensor the serving model loads, from a checkpoint named as
     Transformers' V4.1 names it (`model.layers.N.attn.wq_a.weight`, per-expert `w1` / `w2` / `w3`) or
     as DeepSeek does (`layers.N.attn.wq_a.weight`, `embed.weight`, `head.weight`), dequantized by
     export (flare_core.prepare.fp8_checkpoint: FP8 32 x 32 blocks, FP4 experts, FP8 Engram rows);
-    the routed and shared experts packed. ValueError naming a missing checkpoint tensor."""
-    def read(name: str, target: str) -> Tensor:
+    the routed and shared experts packed; the Engram tables as TableSources, read block by block.
+    ValueError naming a missing checkpoint tensor."""
+    def stored(name: str, target: str) -> str:
         # Transformers' name, or DeepSeek's (no `model.` prefix, the head as `head.weight`).
         published = "head.weight" if name == "lm_head.weight" else name.removeprefix("model.")
         for candidate in (name, published):
             if candidate in checkpoint:
-                return checkpoint[candidate]
+                return candidate
         raise ValueError(f"checkpoint lacks tensor {name!r} or {published!r} (needed for prepared tensor {target!r})")
 
+    def read(name: str, target: str) -> Tensor:
+        return checkpoint[stored(name, target)]
+
     model = build_model(config, dtype)
-    for name, tensor in itertools.chain(model.state_dict().items(), table_skeleton(model).items()):
+    for name in table_skeleton(model):  # the Engram tables, read block by block (~384 M rows each)
+        yield name, read_table(checkpoint, stored(name, name), dtype)
+    for name, tensor in model.state_dict().items():
         expert = _EXPERT.match(name)
         if name == "model.ngram.token_map":
             continue  # from the tokenizer (v41_engram.compressed_token_map), not the checkpoint
         if expert is None:
-            source = read(name, name)
-        else:
-            ffn, kind, part = expert.groups()
-            count = tensor.shape[0]
-            prefix = [f"{ffn}.experts.{e}" for e in range(count)] if kind == "experts" else [f"{ffn}.shared_experts"]
-            if part == "gate_up_proj":
-                source = torch.stack([torch.cat([read(f"{p}.w1.weight", name), read(f"{p}.w3.weight", name)])
-                                      for p in prefix])
-            else:
-                source = torch.stack([read(f"{p}.w2.weight", name) for p in prefix])
-        yield name, source.to(tensor.dtype)
+            yield name, read(name, name).to(tensor.dtype)
+            continue
+        ffn, kind, part = expert.groups()
+        prefix = [f"{ffn}.experts.{e}" for e in range(tensor.shape[0])] if kind == "experts" else [f"{ffn}.shared_experts"]
+        leaves = ("w1", "w3") if part == "gate_up_proj" else ("w2",)
+        # Filled expert by expert in the served dtype: export then holds the packed tensor and one
+        # dequantized float32 expert, not every expert in float32 twice over.
+        packed = torch.empty(tensor.shape, dtype=tensor.dtype)
+        for e, p in enumerate(prefix):
+            row = 0
+            for leaf in leaves:
+                part_weight = read(f"{p}.{leaf}.weight", name)
+                packed[e, row:row + part_weight.shape[0]] = part_weight
+                row += part_weight.shape[0]
+        yield name, packed

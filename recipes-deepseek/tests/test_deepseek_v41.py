@@ -216,6 +216,13 @@ def _published(checkpoint: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return stored, read
 
 
+def materialized(mapped) -> dict[str, torch.Tensor]:
+    """map_weights' tensors with its tables (TableSources, read block by block) read whole."""
+    from flare_core.api import TableSource
+
+    return {name: value.materialize() if isinstance(value, TableSource) else value for name, value in mapped}
+
+
 def test_the_published_form_reads_as_its_dequantized_weights():
     """V4.1 as DeepSeek publishes it (FP8 in 32 x 32 blocks with ue8m0 scales, FP4 experts, FP8
     Engram rows) maps to the weights the dequantized values give, under either naming."""
@@ -228,8 +235,8 @@ def test_the_published_form_reads_as_its_dequantized_weights():
     blocks = fp8_blocks(types.SimpleNamespace(expert_dtype="fp4", quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}))
     assert blocks.block == (32, 32) and blocks.experts == "fp4" and config["architectures"]
-    published = dict(map_weights(tiny.config, DequantizedCheckpoint(stored, blocks), torch.float32))
-    expected = dict(map_weights(tiny.config, read, torch.float32))
+    published = materialized(map_weights(tiny.config, DequantizedCheckpoint(stored, blocks), torch.float32))
+    expected = materialized(map_weights(tiny.config, read, torch.float32))
     assert published.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(published[name], tensor, atol=0, rtol=0, msg=name)
@@ -260,7 +267,7 @@ def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path)
     assert "recipe        deepseek-v4.1" in printed and "fp8 checkpoint" in printed
     loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
                        load_registry(), torch.device("cpu"))
-    expected = {**dict(map_weights(tiny.config, read, torch.float32)), "model.ngram.token_map": tiny.token_map}
+    expected = {**materialized(map_weights(tiny.config, read, torch.float32)), "model.ngram.token_map": tiny.token_map}
     # The Engram tables are read from the core per step (flare_core.engine.tables), not loaded.
     state = loaded.model.state_dict() | {name: store.gather(torch.arange(store.table.rows))
                                          for name, store in loaded.tables.items()}
@@ -268,3 +275,20 @@ def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path)
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 7, 40, 100_000])
+def test_tables_and_weights_read_in_row_blocks_equal_the_whole(rows_per_block):
+    """Export reads a table block by block (DequantizedCheckpoint.row_blocks): FP8 rows with one
+    scale per row and 32 columns (the Engram table), FP8 in 32 x 32 blocks (blocks then span whole
+    scale rows) and an unquantized tensor give, concatenated, the whole tensor's dequantized value."""
+    from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, fp8_blocks
+
+    stored, _ = _published(TinyV41(FIXTURES, "v41-tiny-ced").checkpoint)
+    blocks = fp8_blocks(types.SimpleNamespace(expert_dtype="fp4", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}))
+    checkpoint = DequantizedCheckpoint(stored, blocks)
+    for name in ("layers.1.engram.embed.weight", "layers.2.attn.wq_b.weight", "embed.weight"):
+        pieces = list(checkpoint.row_blocks(name, rows_per_block))
+        assert torch.equal(torch.cat(pieces), checkpoint[name].float()), name
+        assert all(piece.shape[0] <= max(rows_per_block, 32) for piece in pieces)
