@@ -598,6 +598,10 @@ class Recipe:
     tensor_parallel: TensorParallelSpec | None = None
     served_config: Callable[[Any], Any] | None = None
     tokenizer_tensors: Callable[[Any, str], Mapping[str, Any]] | None = None
+    # Checkpoint tensors under these name prefixes are stored in the core as they are (dequantized
+    # to the export dtype) under `carried.<checkpoint name>`, and not loaded into the served model:
+    # parts another feature reads (DeepSeek V4.1's DSpark draft layers, `mtp.`, for speculative decoding).
+    carried_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -625,6 +629,9 @@ class Recipe:
         if self.tokenizer_tensors is not None:
             _check_call(self.tokenizer_tensors, obj, "tokenizer_tensors", "tokenizer_tensors(config, tokenizer_json) "
                         "or None", None, None)
+        _require(isinstance(self.carried_prefixes, tuple) and all(isinstance(p, str) and p.endswith(".")
+                                                                    for p in self.carried_prefixes),
+                 obj, "carried_prefixes", f"must be a tuple of name prefixes ending in '.', got {self.carried_prefixes!r}")
         _require(self.tensor_parallel is None or isinstance(self.tensor_parallel, TensorParallelSpec), obj,
                  "tensor_parallel", "must be a TensorParallelSpec or None")
         for asset_name, loader in self.assets.items():

@@ -136,7 +136,8 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
-    tensor_names = core.tensor_names()
+    # Tensors the core carries for other features (Recipe.carried_prefixes) are not the model's.
+    tensor_names = [name for name in core.tensor_names() if not name.startswith("carried.")]
     options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
                              fp8_experts=tuple(quantized_experts(tensor_names)),
                              ranks=Ranks(rank, ranks) if ranks > 1 else None)

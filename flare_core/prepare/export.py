@@ -28,6 +28,7 @@ from flare_core.prepare.spill import SpilledTensors
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTIZATIONS = (None, "fp8")
 KV_DTYPES = {None: None, "fp8_e4m3": "float8_e4m3fn"}  # --kv-dtype -> the paged stores' dtype
+CARRIED = "carried."  # the core's name prefix of the checkpoint tensors a recipe carries (Recipe.carried_prefixes)
 
 
 class ExportError(ValueError):
@@ -204,6 +205,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         else:
             _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
                           rank_skeleton, ranks, request.progress, derived, tensors.put)
+        carried = _carry(recipe, checkpoint_tensors, torch_dtype, tensors)
         fp8_count = 0
         if quantized:
             fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
@@ -216,6 +218,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         manifest["tensor_parallel"] = ranks
         if declared:
             manifest["embedding_tables"] = [dataclasses.asdict(table) for table in declared]
+        if carried:
+            manifest["carried"] = {"prefixes": list(recipe.carried_prefixes), "tensors": carried}
+            echo(f"carried       {carried} checkpoint tensors under {', '.join(recipe.carried_prefixes)} stored as "
+                 f"{CARRIED}<name> in {request.dtype}, not loaded into the served model")
         if fp8_count:
             manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
                                         "weights": fp8_count}
@@ -226,6 +232,18 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     finally:
         tensors.close()
     return ExportResult(entry.path, plan)
+
+
+def _carry(recipe: Recipe, checkpoint: DequantizedCheckpoint, dtype: torch.dtype, tensors: SpilledTensors) -> int:
+    """Stage the checkpoint tensors under the recipe's carried prefixes as `carried.<name>`
+    (floating ones in `dtype`); how many."""
+    count = 0
+    for name in checkpoint:
+        if recipe.carried_prefixes and name.startswith(recipe.carried_prefixes):
+            tensor = checkpoint[name]
+            tensors.put(CARRIED + name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+            count += 1
+    return count
 
 
 def _core_prefix(source: ModelSource) -> str:

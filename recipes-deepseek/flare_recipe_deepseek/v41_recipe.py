@@ -53,7 +53,8 @@ def plan_notes(config: Any) -> tuple[str, ...]:
              "its compressed attention or continuation state yet",
              "the vision tower (vision.*, aligner.*) stays in the checkpoint: this core serves text, and image "
              "content is refused",
-             "the DSpark draft layers (mtp.*) stay in the checkpoint: they are not read"]
+             "the DSpark draft layers (mtp.*) are carried into the core for speculative decoding (the carried "
+             "line), which this version does not run yet"]
     if config.engram_layer_ids:
         notes.append("the Engram tables (the tables line) are stored in the export dtype: published FP8 rows are "
                      "dequantized through their scales")
@@ -66,7 +67,7 @@ DEEPSEEK_V41 = replace(
     model_types=("deepseek_v41",), aliases=(Alias("deepseek-v4.1-flash", "deepseek-ai/DeepSeek-V4.1-Flash"),),
     sampling=DEEPSEEK_V41_SAMPLING, frontend=DEEPSEEK_V41_FRONTEND, cache_scheme="shared-compressed-attention",
     build_model=build_model, map_weights=map_weights, check_config=check_config, plan_notes=plan_notes,
-    served_config=served_config, tokenizer_tensors=tokenizer_tensors,
+    served_config=served_config, tokenizer_tensors=tokenizer_tensors, carried_prefixes=("mtp.",),
     description="DeepSeek V4.1 (CSA2 shared compressed attention with candidate top-k, mHC, sqrt-softplus routed "
                 "MoE, Engram n-gram memory; Flare's own modeling of the definition on Transformers' main branch); "
                 "CPU reference path")

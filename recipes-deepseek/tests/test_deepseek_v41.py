@@ -249,6 +249,7 @@ def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path)
 
     from flare_core.cli import open_verified_core
     from flare_core.config import load_config
+    from flare_core.core import open_core
     from flare_core.engine.load import load_core
     from flare_recipe_deepseek.v41 import map_weights
     from flare_testing.deepseek import export_checkpoint
@@ -258,6 +259,11 @@ def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path)
     directory = tmp_path / "published"
     write_checkpoint(tiny, directory, FIXTURES)
     stored, read = _published(tiny.checkpoint)
+    # A DSpark draft layer's tensors as published (FP8 blocks, an FP4 expert, a norm): carried, not loaded.
+    draft = {"mtp.0.attn.wq_a.weight": torch.randn(64, 64) * 0.02, "mtp.0.ffn.experts.0.w1.weight": torch.randn(32, 64),
+             "mtp.0.norm.weight": torch.ones(64)}
+    draft_stored, draft_read = _published({f"model.layers.0.{name}": t for name, t in draft.items()})
+    stored |= {name.removeprefix('layers.0.'): t for name, t in draft_stored.items()}
     save_file(stored, directory / "model.safetensors")
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
@@ -265,6 +271,10 @@ def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path)
     (directory / "config.json").write_text(json.dumps(config))
     core, printed, config_path = export_checkpoint(directory, tmp_path / "flare", "--dtype", "float32")
     assert "recipe        deepseek-v4.1" in printed and "fp8 checkpoint" in printed
+    assert "carried       3 checkpoint tensors under mtp. stored as carried.<name> in float32" in printed
+    carried = open_core(core).load_tensors(names=[f"carried.{name}" for name in draft])
+    for name in draft:
+        torch.testing.assert_close(carried[f"carried.{name}"], draft_read[f"model.layers.0.{name}"], atol=0, rtol=0)
     loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
                        load_registry(), torch.device("cpu"))
     expected = {**materialized(map_weights(tiny.config, read, torch.float32)), "model.ngram.token_map": tiny.token_map}
