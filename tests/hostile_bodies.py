@@ -144,14 +144,20 @@ TOOLS_OPENAI = [
     [{"type": "function", "function": {"name": "f", "parameters": json.loads(nested(60, "object").text)}}],
     [{"type": "retrieval"}], [{"type": "function", "function": {"name": "f" * 5000}}],
 ]
+# JSON carried inside a string field (tool-call arguments, guided_json): each must meet the body's
+# own limits — nesting, integer digits, strict literals, valid Unicode — as a 400, never a 500.
+JSON_IN_STRINGS = ['{"a": ' + nested(900).text + "}", nested(10_000).text, '{"n": ' + "7" * 5000 + "}",
+                   '{"n": ' + "8" * 25 + "}", '{"x": NaN}', '{"x": 1e999}', '{"a": "\\udfff<|im_start|>"}',
+                   '{"type": "object", "default": ' + nested(450).text + "}"]
 TOOL_CALL_ARGUMENTS = ["{not json", "[1, 2]", 5, "", "null", '"string"', {"a": json.loads(nested(60).text)},
-                       json.dumps({"a": json.loads(nested(60).text)}), "{" * 3000]
+                       json.dumps({"a": json.loads(nested(60).text)}), "{" * 3000, *JSON_IN_STRINGS]
 
 
 def _bodies(rng: random.Random) -> dict[str, list[Hostile]]:
     families: dict[str, list[Hostile]] = {name: [] for name in (
         "non_finite", "wrong_types", "huge_ints", "negative", "surrogates", "deep", "strings", "roles", "tools",
-        "tool_arguments", "images", "stops", "not_json", "invalid_utf8", "oversized", "encodings")}
+        "tool_arguments", "json_in_strings", "images", "stops", "not_json", "invalid_utf8", "oversized",
+        "encodings")}
     for route, base in BASES.items():
         numeric = NUMERIC[route]
         text = TEXT[route]
@@ -209,6 +215,16 @@ def _bodies(rng: random.Random) -> dict[str, list[Hostile]]:
                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                                         "content": arguments if isinstance(arguments, str) else "x"}]}]
                 families["tool_arguments"].append(Hostile("tool_arguments", route, encode({**base, "messages": blocks})))
+        if route in ("/v1/chat/completions", "/v1/completions"):
+            for text in JSON_IN_STRINGS:
+                families["json_in_strings"].append(Hostile("json_in_strings", route,
+                                                           encode(with_value(base, "guided_json", text))))
+        if route == "/v1/responses":
+            for text in JSON_IN_STRINGS:
+                items = [{"role": "user", "content": "weather?"},
+                         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": text},
+                         {"type": "function_call_output", "call_id": "c1", "output": "18 C"}]
+                families["json_in_strings"].append(Hostile("json_in_strings", route, encode({**base, "input": items})))
         stop_field = {"/v1/messages": "stop_sequences", "/api/chat": "options.stop",
                       "/api/generate": "options.stop"}.get(route, "stop")
         for stops in (["x"] * 1000, ["s" * 10000], [""], [5], [["nested"]], [None], "z" * 300,

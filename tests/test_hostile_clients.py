@@ -25,7 +25,7 @@ from hostile_bodies import BASES, SERVED, Hostile, hostile_bodies
 from server_process import HttpReply, ServerProcess, SseReader, http_request
 
 SEED = 20261201
-PER_FAMILY = 250  # 16 families: a little over 2,000 bodies
+PER_FAMILY = 250  # 17 families: a little over 2,000 bodies
 CONTEXT = 1024  # the qwen3_core fixture's --context-length
 BODY_TIMEOUT_S = 120.0  # long: stalled uploads stay open for as long as a test holds them
 IDLE_TIMEOUT_S = 60.0
@@ -344,3 +344,49 @@ def test_auth_header_bytes_that_are_not_utf8_are_a_401(tmp_path, qwen3_core):
         assert process.get("/v1/models", {"Authorization": "Bearer sk-hostile"}).status == 200
     finally:
         process.stop()
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _chat_with_arguments(arguments: str) -> dict:
+    return {"model": SERVED, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}
+
+
+def _responses_with_arguments(arguments: str) -> dict:
+    return {"model": SERVED, "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}
+
+
+@pytest.mark.parametrize("route, body, param, expected", [
+    ("/v1/chat/completions", {"model": SERVED, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                              "guided_json": _nested(10_000)}, "guided_json", "nested deeper than 64 levels"),
+    ("/v1/completions", {"model": SERVED, "max_tokens": 2, "prompt": "hi",
+                         "guided_json": '{"type": "object", "default": ' + _nested(450) + "}"},
+     "guided_json", "nested deeper than 64 levels"),
+    ("/v1/chat/completions", _chat_with_arguments('{"a": ' + _nested(900) + "}"),
+     "messages[1].tool_calls[0].function.arguments", "nested deeper than 64 levels"),
+    ("/v1/chat/completions", _chat_with_arguments('{"n": ' + "7" * 5000 + "}"),
+     "messages[1].tool_calls[0].function.arguments", "an integer of 5000 digits"),
+    ("/v1/chat/completions", _chat_with_arguments('{"a": "\\udfff<|im_start|>"}'),
+     "messages[1].tool_calls[0].function.arguments", "lone surrogate"),
+    ("/v1/responses", _responses_with_arguments(_nested(900)), "input[1].arguments", "nested deeper than 64 levels"),
+    ("/v1/responses", _responses_with_arguments('{"n": ' + "9" * 5000 + "}"), "input[1].arguments",
+     "an integer of 5000 digits"),
+])
+def test_json_inside_a_string_field_gets_the_body_limits(server, route, body, param, expected):
+    """JSON carried in a string (guided_json, tool-call arguments) is parsed under the body's own
+    limits: nesting, integer digits and valid Unicode are a 400 naming the field, never a 500
+    (a RecursionError or Python's 4,300-digit limit) or a schema compiled for seconds."""
+    reply = http_request("POST", server.url + route, body)
+    assert reply.status == 400, reply.body[:300]
+    error = reply.json()["error"]
+    assert error["param"] == param and expected in error["message"], error
+    assert_serving(server, f"JSON inside {param}")

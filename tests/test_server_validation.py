@@ -128,7 +128,7 @@ def test_tool_arguments_that_are_not_a_json_object_name_the_field():
     assert tool_arguments("", "f") == {}
     error = bad_request(tool_arguments, "{oops", "messages[1].tool_calls[0].function.arguments")
     assert error.param == "messages[1].tool_calls[0].function.arguments"
-    assert "not JSON" in error.message
+    assert "is not valid JSON" in error.message
     assert "got array" in bad_request(tool_arguments, "[1, 2]", "f").message
 
 

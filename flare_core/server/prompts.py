@@ -10,7 +10,6 @@ become the request's prefix-cache resume points.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,8 @@ from typing import Any
 from flare_core.contract import TemplateOptionError
 from flare_core.frontend import Frontend, RenderedPrompt, TemplateError
 from flare_core.server.errors import ApiError
-from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, is_integers, json_type
+from flare_core.server.validation import (as_object, get_list, get_object, get_str, invalid, is_integers, json_type,
+                                          parse_json_string)
 
 CONTEXT_SETTING = "flare export MODEL --context-length N"
 
@@ -165,10 +165,7 @@ def tool_arguments(value: Any, field: str) -> dict[str, Any]:
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return {}
     if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise invalid(field, f"must be a JSON object or a string holding one; the string is not JSON ({exc})")
+        parsed = parse_json_string(value, field)
         if isinstance(parsed, dict):
             return parsed
         raise invalid(field, f"must hold a JSON object, got {json_type(parsed)}")

@@ -24,7 +24,7 @@ from flare_core.frontend import Frontend
 from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec
 from flare_core.requests import GenerationRequest
 from flare_core.server.spec import Field
-from flare_core.server.validation import invalid, json_type
+from flare_core.server.validation import invalid, json_type, parse_json_string
 
 GUIDED_FIELDS = (
     Field("guided_json", "any", "constrain the output to this JSON schema (vLLM)", shape="object or string"),
@@ -91,10 +91,7 @@ def guided_spec(body: Mapping[str, Any]) -> GrammarSpec | None:
     if body.get("guided_json") is not None:
         value = body["guided_json"]
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise invalid("guided_json", f"is not valid JSON: {exc}") from None
+            value = parse_json_string(value, "guided_json")
         specs.append(_schema_spec(value, "guided_json"))
     if body.get("guided_regex") is not None:
         specs.append(GrammarSpec(GrammarKind.REGEX, body["guided_regex"], "guided_regex"))

@@ -200,6 +200,24 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def parse_json_string(text: str, field: str) -> Any:
+    """The JSON value a string field holds (tool-call arguments, `guided_json`), under the body's
+    own limits — strict literals, MAX_NESTING, MAX_INTEGER_DIGITS, valid Unicode —: a 400 naming
+    `field` (and the place inside the value) for anything `parse_json_object` refuses."""
+    try:
+        data = _parse(text)
+        _check_tree(data)
+    except RecursionError:
+        raise invalid(field, f"holds JSON whose arrays and objects are nested deeper than {MAX_NESTING} "
+                             f"levels") from None
+    except _NotJson as exc:
+        inner = "" if exc.field == "(the body)" else f" at {exc.field}"
+        raise invalid(field, f"holds JSON that is refused{inner}: {str(exc).split(': ', 1)[1]}") from None
+    except ValueError as exc:  # JSONDecodeError is a ValueError
+        raise invalid(field, f"is not valid JSON ({exc})") from None
+    return data
+
+
 def reject_unknown(body: Mapping[str, Any], known: Iterable[str], where: str = "") -> None:
     """For APIs that refuse fields they do not define (Anthropic's wording)."""
     allowed = set(known)
