@@ -390,3 +390,39 @@ def test_json_inside_a_string_field_gets_the_body_limits(server, route, body, pa
     error = reply.json()["error"]
     assert error["param"] == param and expected in error["message"], error
     assert_serving(server, f"JSON inside {param}")
+
+
+def _send_head_only(url: str, encoding: str, declared: int) -> tuple[int, bytes]:
+    """POST headers declaring a `declared`-byte body with `encoding`, then the first KiB of a gzip
+    bomb and nothing more: the status line read back (the server must answer without the rest)."""
+    import gzip
+
+    host, port = url.removeprefix("http://").split(":")
+    first = gzip.compress(b"0" * (64 << 20), compresslevel=9)[:1024]
+    with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
+        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Encoding: " + encoding.encode() + b"\r\nContent-Length: " + str(declared).encode()
+                           + b"\r\n\r\n" + first)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = connection.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1]), reply
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "compress", "bogus", "gzip, identity"])
+def test_an_encoded_body_is_a_415_before_any_of_it_is_read(server, encoding):
+    """Bodies are taken uncompressed only: a Content-Encoding is refused from the headers, so a
+    gzip bomb (1 MB inflating to 1 GiB) costs the server nothing and unknown encodings are not
+    ignored. Twenty at once, each with only its first KiB sent, all get their 415."""
+    with ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(lambda _: _send_head_only(server.url, encoding, 1_040_000), range(20)))
+    for status, reply in replies:
+        assert status == 415, reply[:300]
+        assert b"Content-Encoding" in reply or b"content-encoding" in reply.lower()
+    reply = http_request("POST", server.url + "/v1/chat/completions", BASES["/v1/chat/completions"],
+                         headers={"Content-Encoding": "identity"})
+    assert reply.status == 200, reply.body[:300]
+    assert_serving(server, f"Content-Encoding {encoding}")

@@ -111,6 +111,7 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
         return await handler(request)
     refuse_if_unavailable(state)
     if request.method == "POST":
+        _refuse_encoded(request)
         request[BODY] = await _receive_body(request, state)
         refuse_if_unavailable(state)
     if state.in_flight >= state.ingress_limit:
@@ -123,6 +124,15 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
         return await handler(request)
     finally:
         state.release()
+
+
+def _refuse_encoded(request: web.Request) -> None:
+    """415 for a compressed (or otherwise encoded) body, before any of it is read: the APIs served
+    take plain JSON, and inflating a client's upload is how a 1 MB request becomes 1 GiB of work."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the request body uncompressed "
+                            f"(Content-Encoding identity, or none)", param="Content-Encoding")
 
 
 def refuse_if_unavailable(state: ServerState) -> None:

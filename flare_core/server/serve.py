@@ -62,7 +62,10 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
         # handler_cancellation: a client that disconnects cancels its handler, hence its engine request.
         # keepalive_timeout: aiohttp closes a connection whose request head is incomplete this long
         # after it opened or after its last response (idle and slow-header connections alike).
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+        # auto_decompress off: aiohttp would inflate a compressed body on the event loop as it arrives,
+        # before any handler (the API key check included) runs; bodies are refused compressed instead
+        # (app._ingress: a Content-Encoding is a 415).
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
                                keepalive_timeout=config.idle_timeout_s, shutdown_timeout=_RUNNER_SHUTDOWN_S)
         await runner.setup()
         try:
