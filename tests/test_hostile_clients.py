@@ -426,3 +426,20 @@ def test_an_encoded_body_is_a_415_before_any_of_it_is_read(server, encoding):
                          headers={"Content-Encoding": "identity"})
     assert reply.status == 200, reply.body[:300]
     assert_serving(server, f"Content-Encoding {encoding}")
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (b'{"model": "hostile", "model": "other", "prompt": "hi", "max_tokens": 2}', "the key 'model' appears twice"),
+    (b'{"model": "hostile", "prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 1, "5": -100}}',
+     "the key '5' appears twice"),
+    (b'\xef\xbb\xbf{"model": "hostile", "prompt": "hi", "max_tokens": 2}', "byte-order mark"),
+    ('{"model": "hostile", "prompt": "hi", "max_tokens": 2}'.encode("utf-16"), "not valid JSON"),
+    ('{"model": "hostile", "prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), "not valid JSON"),
+])
+def test_duplicate_keys_byte_order_marks_and_utf16_bodies_are_400s(server, raw, expected):
+    """What JSON leaves undefined (a key twice: Python kept the last) or Python's `json` accepts
+    beyond UTF-8 JSON (a byte-order mark, UTF-16) is refused, not guessed at."""
+    reply = http_request("POST", server.url + "/v1/completions", raw=raw)
+    assert reply.status == 400, reply.body[:300]
+    assert expected in reply.json()["error"]["message"], reply.body[:300]
+    assert_serving(server, expected)

@@ -96,17 +96,36 @@ _INTEGER_BOUND = 10 ** MAX_INTEGER_DIGITS
 _PLAIN_TYPES = frozenset((float, bool, type(None)))
 
 
-def _parse(raw: bytes) -> Any:
-    """`json.loads` with the refused literals kept in place. Integers are converted by `json`'s C
-    scanner: a Python hook per integer costs more than the rest of a 1,000-token prompt's parse.
-    An integer past Python's own conversion limit (4,300 digits) fails that parse; the body is then
-    parsed again with a hook that leaves long literals unconverted, so the walk names their field."""
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are distinct (JSON leaves duplicates undefined; Python keeps the last)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _NotJson("(the body)", f"the key {repeated[:60]!r} appears twice in one object")
+    return value
+
+
+def _parse(raw: bytes | str) -> Any:
+    """`json.loads` of UTF-8 text (no byte-order mark, no UTF-16 / 32: Python's `json` would
+    accept them) with the refused literals kept in place and duplicate keys refused. Integers are
+    converted by `json`'s C scanner: a Python hook per integer costs more than the rest of a
+    1,000-token prompt's parse. An integer past Python's own conversion limit (4,300 digits)
+    fails that parse; the body is then parsed again with a hook that leaves long literals
+    unconverted, so the walk names their field."""
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw  # UnicodeDecodeError: not UTF-8
+    if text.startswith("\ufeff"):
+        raise _NotJson("(the body)", "the text starts with a byte-order mark; send UTF-8 without one")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
     except json.JSONDecodeError:
         raise
+    except _NotJson:
+        raise
     except ValueError:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_bounded_int,
+                          object_pairs_hook=_unique_keys)
 
 
 def _field_name(path: tuple) -> str:
