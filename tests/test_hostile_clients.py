@@ -443,3 +443,39 @@ def test_duplicate_keys_byte_order_marks_and_utf16_bodies_are_400s(server, raw, 
     assert reply.status == 400, reply.body[:300]
     assert expected in reply.json()["error"]["message"], reply.body[:300]
     assert_serving(server, expected)
+
+
+def _expect_reply(url: str, headers: bytes, body: bytes | None) -> bytes:
+    """Send a POST head with `Expect: 100-continue`, read the first answer; when it is "100
+    Continue" and `body` is given, send the body and read on to the final answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Expect: 100-continue\r\n" + headers + b"\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = connection.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        if reply.startswith(b"HTTP/1.1 100") and body is not None:
+            connection.sendall(body)
+            rest = reply.split(b"\r\n\r\n", 1)[1]
+            while b"\r\n\r\n" not in rest:
+                rest += connection.recv(4096)
+            reply = rest
+    return reply
+
+
+def test_expect_continue_is_answered_only_for_a_body_the_server_will_read(server):
+    """A 100 MB declared body gets its 413 at once, with no "100 Continue" that would invite the
+    client to send it; so does a compressed one its 415; a body within the limits gets "100
+    Continue" and then its answer."""
+    huge = _expect_reply(server.url, b"Content-Length: 100000000\r\n", None)
+    assert huge.startswith(b"HTTP/1.1 413"), huge[:200]
+    encoded = _expect_reply(server.url, b"Content-Length: 1000\r\nContent-Encoding: gzip\r\n", None)
+    assert encoded.startswith(b"HTTP/1.1 415"), encoded[:200]
+    body = json.dumps(BASES["/v1/completions"]).encode()
+    fine = _expect_reply(server.url, b"Content-Length: " + str(len(body)).encode() + b"\r\n", body)
+    assert fine.startswith(b"HTTP/1.1 200"), fine[:200]
+    assert_serving(server, "Expect: 100-continue")

@@ -25,7 +25,7 @@ from flare_core.server.prompts import (Prompt, chat_prompt, fit_max_tokens, temp
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
-from flare_core.server.state import STATE, ServerState
+from flare_core.server.state import STATE, ServerState, add_post
 from flare_core.frontend.grammar import GrammarSpec
 from flare_core.server.structured import (ForcedCalls, anthropic_format, constrained, forced_calls, one_spec,
                                           tool_calls_spec)
@@ -391,5 +391,5 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/messages", messages)
-    app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    add_post(app, "/v1/messages", messages)
+    add_post(app, "/v1/messages/count_tokens", count_tokens)

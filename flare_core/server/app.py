@@ -20,7 +20,6 @@ Middlewares run outermost first:
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,7 +34,7 @@ from flare_core.server import (anthropic_messages, metrics, models, ollama, open
 from flare_core.server.errors import ApiError, error_response, flavor_of_path
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sse import ClientGone
-from flare_core.server.state import STATE, Engine, ServerState, read_api_key
+from flare_core.server.state import STATE, Engine, ServerState, add_post, read_api_key
 from flare_core.server.validation import BODY
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -89,17 +88,7 @@ async def _log_and_errors(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    api_key = request.app[STATE].api_key
-    if api_key is None or request.path in OPEN_PATHS:
-        return await handler(request)
-    presented = request.headers.get("x-api-key")
-    authorization = request.headers.get("Authorization", "")
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        presented = token.strip()
-    # Header bytes that are not UTF-8 reach here as surrogate escapes; they simply do not match.
-    if presented is None or not hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
-                                                    api_key.encode("utf-8")):
+    if request.path not in OPEN_PATHS and not request.app[STATE].authorized(request):
         raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
     return await handler(request)
 
@@ -230,7 +219,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/health", _health)
     for path in EMBEDDING_ROUTES:
-        app.router.add_post(path, _no_embeddings)
+        add_post(app, path, _no_embeddings)
     for module in (metrics, models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama):
         module.add_routes(app)
     return app

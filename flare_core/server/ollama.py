@@ -26,7 +26,7 @@ from flare_core.server.prompts import (Prompt, chat_prompt, fit_max_tokens, open
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sampling import read_sampling, read_stop
 from flare_core.server.spec import Field, RequestSpec, Use, sampling_fields
-from flare_core.server.state import STATE, ServerState
+from flare_core.server.state import STATE, ServerState, add_post
 from flare_core.server.structured import constrained, ollama_format
 from flare_core.server.validation import as_object, get_list, get_object, get_str, invalid, json_body
 
@@ -398,7 +398,7 @@ def parse_generate_request(state: ServerState, body: dict[str, Any], request_id:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/tags", tags)
     app.router.add_get("/api/ps", ps)
-    app.router.add_post("/api/show", show)
+    add_post(app, "/api/show", show)
     app.router.add_get("/api/version", version)
-    app.router.add_post("/api/chat", chat)
-    app.router.add_post("/api/generate", generate)
+    add_post(app, "/api/chat", chat)
+    add_post(app, "/api/generate", generate)

@@ -19,7 +19,7 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
                                     sampling_fields)
-from flare_core.server.state import ServerState
+from flare_core.server.state import ServerState, add_post
 from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, constrained, guided_spec, one_spec,
                                           openai_response_format, tool_calls_spec)
 from flare_core.server.validation import invalid
@@ -163,4 +163,4 @@ def _delta_json(piece: Piece) -> dict[str, Any]:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    add_post(app, "/v1/chat/completions", chat_completions)

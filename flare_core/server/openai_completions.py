@@ -24,7 +24,7 @@ from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import (OPENAI_CHOICE_FIELDS, OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec,
                                     Use, sampling_fields)
-from flare_core.server.state import ServerState
+from flare_core.server.state import ServerState, add_post
 from flare_core.server.structured import (GUIDED_FIELDS, RESPONSE_FORMAT_FIELD, constrained, guided_spec, one_spec,
                                           openai_response_format)
 from flare_core.server.validation import invalid, is_integers, json_type
@@ -170,4 +170,4 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/completions", completions)
+    add_post(app, "/v1/completions", completions)

@@ -24,7 +24,7 @@ from flare_core.server.prompts import (Prompt, chat_prompt, template_options, te
 from flare_core.server.request_log import RECORD
 from flare_core.server.sampling import OPENAI_SAMPLING_FIELDS
 from flare_core.server.spec import OPENAI_STOP_FIELDS, TOP_LOGPROBS_LIMIT, Field, RequestSpec, Use, sampling_fields
-from flare_core.server.state import STATE, ServerState
+from flare_core.server.state import STATE, ServerState, add_post
 from flare_core.server.structured import constrained, one_spec, responses_format, tool_calls_spec
 from flare_core.server.validation import as_object, get_object, get_str, invalid, json_body, json_type
 
@@ -355,5 +355,5 @@ async def input_tokens(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/v1/responses/input_tokens", input_tokens)
+    add_post(app, "/v1/responses", responses)
+    add_post(app, "/v1/responses/input_tokens", input_tokens)

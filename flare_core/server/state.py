@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from flare_core.config import ServerConfig
 from flare_core.frontend import Frontend
@@ -102,8 +103,42 @@ class ServerState:
     def default_model(self) -> str:
         return self.engine.info.served_names[0]
 
+    def authorized(self, request: web.Request) -> bool:
+        """Whether `request` presents the API key (`Authorization: Bearer` or `x-api-key`), or none is set."""
+        if self.api_key is None:
+            return True
+        presented = request.headers.get("x-api-key")
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            presented = token.strip()
+        # Header bytes that are not UTF-8 arrive as surrogate escapes; they simply do not match.
+        return presented is not None and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
+                                                             self.api_key.encode("utf-8"))
+
 
 STATE = web.AppKey("flare_state", ServerState)
+
+
+async def expect_continue(request: web.Request) -> None:
+    """`Expect: 100-continue`: the interim "100 Continue" only for a body the server will read
+    (the key presented, no Content-Encoding, within the size limit); otherwise nothing, and the
+    middleware's final answer (401, 415, 413) comes instead, before the client sends the body."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect[:60]}")
+    state = request.app[STATE]
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    too_large = request.content_length is not None and request.content_length > state.max_body_bytes
+    if request.version != HttpVersion11 or too_large or encoding not in ("", "identity") or \
+            not state.authorized(request):
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not part of the response's size
+
+
+def add_post(app: web.Application, path: str, handler: Callable) -> None:
+    """A POST route of the API, answering `Expect: 100-continue` as `expect_continue` says."""
+    app.router.add_post(path, handler, expect_handler=expect_continue)
 
 
 def upload_limit(ingress_limit: int) -> int:
