@@ -392,6 +392,16 @@ def test_json_inside_a_string_field_gets_the_body_limits(server, route, body, pa
     assert_serving(server, f"JSON inside {param}")
 
 
+def _read_head(connection: socket.socket, received: bytes = b"") -> bytes:
+    """Read from `connection` until a response head is complete (or the server closes)."""
+    while b"\r\n\r\n" not in received:
+        chunk = connection.recv(4096)
+        if not chunk:
+            break
+        received += chunk
+    return received
+
+
 def _send_head_only(url: str, encoding: str, declared: int) -> tuple[int, bytes]:
     """POST headers declaring a `declared`-byte body with `encoding`, then the first KiB of a gzip
     bomb and nothing more: the status line read back (the server must answer without the rest)."""
@@ -403,12 +413,7 @@ def _send_head_only(url: str, encoding: str, declared: int) -> tuple[int, bytes]
         connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Content-Encoding: " + encoding.encode() + b"\r\nContent-Length: " + str(declared).encode()
                            + b"\r\n\r\n" + first)
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            chunk = connection.recv(4096)
-            if not chunk:
-                break
-            reply += chunk
+        reply = _read_head(connection)
     return int(reply.split(b" ", 2)[1]), reply
 
 
@@ -452,18 +457,10 @@ def _expect_reply(url: str, headers: bytes, body: bytes | None) -> bytes:
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Expect: 100-continue\r\n" + headers + b"\r\n")
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            chunk = connection.recv(4096)
-            if not chunk:
-                break
-            reply += chunk
+        reply = _read_head(connection)
         if reply.startswith(b"HTTP/1.1 100") and body is not None:
             connection.sendall(body)
-            rest = reply.split(b"\r\n\r\n", 1)[1]
-            while b"\r\n\r\n" not in rest:
-                rest += connection.recv(4096)
-            reply = rest
+            reply = _read_head(connection, reply.split(b"\r\n\r\n", 1)[1])
     return reply
 
 
