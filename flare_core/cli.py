@@ -261,15 +261,12 @@ def _configure_logging(stream) -> None:
 
 def _table_options(memory):
     """TableOptions of the memory section's embedding-table settings, or FlareCommandError naming the flag."""
-    from flare_core.engine.memory import MemoryPlanError, parse_size
+    from flare_core.engine.memory import MemoryPlanError, parse_plain_size
     from flare_core.engine.tables import TableError, TableOptions
 
     try:
-        size, reserve = parse_size(memory.embedding_table_cache_size, "--embedding-table-cache-size")
-        if reserve:
-            raise MemoryPlanError(f"--embedding-table-cache-size {memory.embedding_table_cache_size!r}: must be a "
-                                  f"size, not a reserve")
-        return TableOptions(memory.embedding_table_storage, size)
+        return TableOptions(memory.embedding_table_storage,
+                            parse_plain_size(memory.embedding_table_cache_size, "--embedding-table-cache-size"))
     except (MemoryPlanError, TableError) as exc:
         raise FlareCommandError(str(exc)) from None
 

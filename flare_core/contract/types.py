@@ -16,6 +16,8 @@ from flare_core.contract.protocols import BuildModel, ConversationRenderer, MapW
 from flare_core.contract.template_patch import TemplatePatch
 
 CONTRACT_VERSION = "1.0"
+# The core's name prefix of the checkpoint tensors a recipe carries unloaded (Recipe.carried_prefixes).
+CARRIED_PREFIX = "carried."
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
@@ -643,7 +645,7 @@ class Recipe:
 ASSET_NAMES = ("tokenizer.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer_config.json")
 
 __all__ = [
-    "ASSET_NAMES", "Alias", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
+    "ASSET_NAMES", "Alias", "CARRIED_PREFIX", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "EmbeddingTable", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
     "DerivedShard", "TensorParallelSpec", "ToolCallFormat",

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from flare_core.contract import CONTRACT_VERSION, CacheScheme, Capacities, PagedStore, Range, SamplingPolicy, \
-    StateTensor
+from flare_core.contract import (CARRIED_PREFIX, CONTRACT_VERSION, CacheScheme, Capacities, PagedStore, Range,
+                                 SamplingPolicy, StateTensor)
 from flare_core.core import RuntimeCore
 from flare_core.frontend import ChatTemplate, ConversationRenderer, Tokenizer
 from flare_core.ops.loading import load_prepared_weights
@@ -137,7 +137,7 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
     # Tensors the core carries for other features (Recipe.carried_prefixes) are not the model's.
-    tensor_names = [name for name in core.tensor_names() if not name.startswith("carried.")]
+    tensor_names = [name for name in core.tensor_names() if not name.startswith(CARRIED_PREFIX)]
     options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
                              fp8_experts=tuple(quantized_experts(tensor_names)),
                              ranks=Ranks(rank, ranks) if ranks > 1 else None)

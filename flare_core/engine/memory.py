@@ -47,6 +47,14 @@ def parse_size(text: str, flag: str) -> tuple[int, bool]:
     return int(float(number) * _UNITS[unit.upper()]), negative == "-"
 
 
+def parse_plain_size(text: str, flag: str) -> int:
+    """A size that may not be a reserve ("20G", not "-20G"), in bytes; MemoryPlanError naming `flag`."""
+    size, reserve = parse_size(text, flag)
+    if reserve:
+        raise MemoryPlanError(f"{flag} {text!r}: must be a size, not a reserve")
+    return size
+
+
 def snapshot_rows_for(scheme: CacheScheme, max_concurrency: int) -> int:
     """Prefix-cache resume points of continuation state: two per state row (none without state)."""
     return 2 * max_concurrency if scheme.state else 0
@@ -66,9 +74,7 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
     if kv_cache_limit == "context":
         pages, reason = max_concurrency * context_pages, f"--kv-cache-limit context: {max_concurrency} full contexts"
     elif kv_cache_limit is not None:
-        size, reserve = parse_size(kv_cache_limit, "--kv-cache-limit")
-        if reserve:
-            raise MemoryPlanError(f"--kv-cache-limit {kv_cache_limit!r}: must be a size, not a reserve")
+        size = parse_plain_size(kv_cache_limit, "--kv-cache-limit")
         pages, reason = size // page_bytes, f"--kv-cache-limit {kv_cache_limit}"
     elif device.type == "cuda":
         budget = _device_budget(device, memory_limit) - state_bytes

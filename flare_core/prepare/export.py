@@ -15,7 +15,7 @@ import torch
 
 import flare_core
 from flare_core.config import Config
-from flare_core.contract import CONTRACT_VERSION, EmbeddingTable, Recipe
+from flare_core.contract import CARRIED_PREFIX, CONTRACT_VERSION, EmbeddingTable, Recipe
 from flare_core.ops.tables import table_skeleton
 from flare_core.plugins import Registry
 from flare_core.prepare.assets import TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
@@ -28,7 +28,6 @@ from flare_core.prepare.spill import SpilledTensors
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 QUANTIZATIONS = (None, "fp8")
 KV_DTYPES = {None: None, "fp8_e4m3": "float8_e4m3fn"}  # --kv-dtype -> the paged stores' dtype
-CARRIED = "carried."  # the core's name prefix of the checkpoint tensors a recipe carries (Recipe.carried_prefixes)
 
 
 class ExportError(ValueError):
@@ -221,7 +220,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         if carried:
             manifest["carried"] = {"prefixes": list(recipe.carried_prefixes), "tensors": carried}
             echo(f"carried       {carried} checkpoint tensors under {', '.join(recipe.carried_prefixes)} stored as "
-                 f"{CARRIED}<name> in {request.dtype}, not loaded into the served model")
+                 f"{CARRIED_PREFIX}<name> in {request.dtype}, not loaded into the served model")
         if fp8_count:
             manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
                                         "weights": fp8_count}
@@ -241,7 +240,7 @@ def _carry(recipe: Recipe, checkpoint: DequantizedCheckpoint, dtype: torch.dtype
     for name in checkpoint:
         if recipe.carried_prefixes and name.startswith(recipe.carried_prefixes):
             tensor = checkpoint[name]
-            tensors.put(CARRIED + name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+            tensors.put(CARRIED_PREFIX + name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
             count += 1
     return count
 

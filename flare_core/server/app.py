@@ -34,7 +34,7 @@ from flare_core.server import (anthropic_messages, metrics, models, ollama, open
 from flare_core.server.errors import ApiError, error_response, flavor_of_path
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sse import ClientGone
-from flare_core.server.state import STATE, Engine, ServerState, add_post, read_api_key
+from flare_core.server.state import STATE, Engine, ServerState, add_post, body_encoding, read_api_key
 from flare_core.server.validation import BODY
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -118,8 +118,8 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
 def _refuse_encoded(request: web.Request) -> None:
     """415 for a compressed (or otherwise encoded) body, before any of it is read: the APIs served
     take plain JSON, and inflating a client's upload is how a 1 MB request becomes 1 GiB of work."""
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
+    encoding = body_encoding(request)
+    if encoding is not None:
         raise ApiError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the request body uncompressed "
                             f"(Content-Encoding identity, or none)", param="Content-Encoding")
 
@@ -138,7 +138,7 @@ async def _receive_body(request: web.Request, state: ServerState) -> bytes:
     limit = state.max_body_bytes
     too_large = ApiError(413, f"request body exceeds the server's limit of {limit} bytes (server.max_body_bytes "
                               f"in the config; by default derived from the core's context length)")
-    if request.content_length is not None and request.content_length > limit:
+    if state.declares_too_large(request):
         raise too_large
     if state.uploads >= state.upload_limit:
         raise ApiError(429, f"{state.uploads} request bodies are arriving at once, the server's limit; retry later")

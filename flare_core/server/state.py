@@ -103,6 +103,10 @@ class ServerState:
     def default_model(self) -> str:
         return self.engine.info.served_names[0]
 
+    def declares_too_large(self, request: web.Request) -> bool:
+        """Whether `request`'s Content-Length is over the body limit (known before the body is read)."""
+        return request.content_length is not None and request.content_length > self.max_body_bytes
+
     def authorized(self, request: web.Request) -> bool:
         """Whether `request` presents the API key (`Authorization: Bearer` or `x-api-key`), or none is set."""
         if self.api_key is None:
@@ -119,6 +123,13 @@ class ServerState:
 STATE = web.AppKey("flare_state", ServerState)
 
 
+def body_encoding(request: web.Request) -> str | None:
+    """The Content-Encoding `request` declares for its body, None for none or identity (the only
+    form bodies are taken in: the server never inflates an upload)."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    return None if encoding in ("", "identity") else encoding
+
+
 async def expect_continue(request: web.Request) -> None:
     """`Expect: 100-continue`: the interim "100 Continue" only for a body the server will read
     (the key presented, no Content-Encoding, within the size limit); otherwise nothing, and the
@@ -127,10 +138,8 @@ async def expect_continue(request: web.Request) -> None:
     if expect.lower() != "100-continue":
         raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect[:60]}")
     state = request.app[STATE]
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    too_large = request.content_length is not None and request.content_length > state.max_body_bytes
-    if request.version != HttpVersion11 or too_large or encoding not in ("", "identity") or \
-            not state.authorized(request):
+    if request.version != HttpVersion11 or state.declares_too_large(request) or body_encoding(request) is not None \
+            or not state.authorized(request):
         return
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size

@@ -56,7 +56,7 @@ class _NotJson(ValueError):
 
     def __init__(self, field: str, problem: str):
         super().__init__(f"'{field}': {problem}")
-        self.field = field
+        self.field, self.problem = field, problem
 
 
 class _Refused:
@@ -231,7 +231,7 @@ def parse_json_string(text: str, field: str) -> Any:
                              f"levels") from None
     except _NotJson as exc:
         inner = "" if exc.field == "(the body)" else f" at {exc.field}"
-        raise invalid(field, f"holds JSON that is refused{inner}: {str(exc).split(': ', 1)[1]}") from None
+        raise invalid(field, f"holds JSON that is refused{inner}: {exc.problem}") from None
     except ValueError as exc:  # JSONDecodeError is a ValueError
         raise invalid(field, f"is not valid JSON ({exc})") from None
     return data
