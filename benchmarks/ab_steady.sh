@@ -3,13 +3,14 @@
 # the Qwen3-8B shape, or with --moe the 12-layer Qwen3-30B-A3B shape), then for each source tree in
 # turn, ROUNDS times: `flare run` of that core from the tree's own code, `flare bench` random
 # 1024 / 256 at concurrency 1 (8 prompts) and 64 (256 prompts), the request state rows all free
-# again after the load, the server stopped. Start-up is not timed (h200_serving.sh does that).
+# again after the load, the server stopped (steady_run, flare_server.sh). Start-up is not timed
+# (h200_serving.sh does that).
 #   mkdir -p .ab/REV && git archive REV flare_core recipes-qwen recipes-deepseek recipes-kimi plugins \
 #     benchmarks | tar -x -C .ab/REV        (here; .ab/ stays out of git: carry it, ~6 MB a tree)
 #   bash benchmarks/ab_steady.sh [--moe] OUTDIR ROUNDS TREE...     (on the GPU host, the project
 #     installed editable: each tree runs with its packages first on PYTHONPATH and the editable
 #     finder for flare_core switched off, as in h200_ab.sh)
-# Prints one summary line per run and writes OUTDIR/NAME-ROUND/bench-c{1,64}.json and slots.txt.
+# Prints summary lines per run and writes OUTDIR/NAME-ROUND/bench-c{1,64}.json and slots.txt.
 set -euo pipefail
 moe=""; [ "${1:-}" = --moe ] && { moe=--moe; shift; }
 out=${1:?usage: ab_steady.sh [--moe] OUTDIR ROUNDS TREE...}; rounds=${2:?rounds}; shift 2
@@ -25,23 +26,7 @@ for round in $(seq 1 "$rounds"); do
     (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra_path:+:$extra_path}" &&
      flare="python3 -m flare_core.cli --config $work/config.toml" &&
      python3 -c "import flare_core; assert flare_core.__file__.startswith('$tree'), flare_core.__file__" &&
-     source benchmarks/flare_server.sh &&
-     start_server "$core" "$run/run.log" &&
-     for c in 1 64; do
-       prompts=$([ $c = 1 ] && echo 8 || echo 256)
-       $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency $c \
-         --num-prompts $prompts --num-warmups 1 --result-file "$run/bench-c$c.json" > "$run/bench-c$c.txt" 2>&1
-     done &&
-     check_slots_free 64 "$run/slots.txt" > /dev/null &&
-     { kill -TERM $server; wait $server || true; } &&
-     python3 - "$run" "$label" "$round" <<'EOF'
-import json, sys
-run, label, round_ = sys.argv[1:]
-c1, c64 = (json.load(open(f"{run}/bench-c{c}.json"))["metrics"] for c in (1, 64))
-print(f"{label} round {round_}: c=1 TPOT p50 {c1['tpot_ms']['median']:.3f} ms, output {c1['output_throughput']:.1f} "
-      f"tok/s; c=64 output {c64['output_throughput']:.1f} tok/s, TTFT p50 {c64['ttft_ms']['median']:.1f} ms, "
-      f"ITL p99 {c64['itl_ms']['p99']:.1f} ms, failed {c64['failed']}", flush=True)
-EOF
+     steady_run "$run" "1 64" "$core"
     ) || echo "$label round $round: FAILED (see $run)"
   done
 done

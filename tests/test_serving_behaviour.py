@@ -6,7 +6,8 @@ Three servers start together for the module, all from the session's tiny random-
 - qwen3: the dense core. Its embeddings are tied, so greedy output repeats the prompt's last
   token: it checks the numerics of the path rather than interesting text;
 - moe: the Qwen3-MoE core (untied head: varied multilingual text, small but clear greedy margins);
-- moe_uncached: the same MoE core with --no-prefix-cache, the reference for prefix reuse.
+- moe_uncached: the same MoE core with --no-prefix-cache and --no-mixed-steps, the reference for
+  prefix reuse (and a server whose steps each decode or prefill, never both).
 
 Greedy parity compares text and token counts, not token ids: /v1/completions cannot return
 generated token ids (its logprobs give token *texts*). Requests set skip_special_tokens=false so
@@ -82,7 +83,8 @@ def servers(tmp_path_factory, session_flare, qwen3_core, qwen3_moe_core) -> Serv
     # Started together: startup is mostly imports and core verification.
     qwen3 = start(qwen3_core, "qwen3.log", "tiny-qwen3")
     moe = start(qwen3_moe_core, "moe.log", "tiny-qwen3-moe")
-    moe_uncached = start(qwen3_moe_core, "moe-uncached.log", "tiny-qwen3-moe", "--no-prefix-cache")
+    moe_uncached = start(qwen3_moe_core, "moe-uncached.log", "tiny-qwen3-moe", "--no-prefix-cache",
+                         "--no-mixed-steps")
     started = [qwen3, moe, moe_uncached]
     try:
         for server in started:
@@ -166,7 +168,8 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 @pytest.mark.parametrize("which", ["qwen3", "moe", "moe_uncached"])
 def test_greedy_output_matches_transformers(servers, tokenizer, references, which):
     """One request, then eight concurrent ones, then (with the prefix cache) the eight again. The
-    concurrent ones run in mixed steps too: decode rows beside prompt chunks."""
+    concurrent ones run in mixed steps too (decode rows beside prompt chunks), except on the
+    server started with --no-mixed-steps, whose steps each decode or prefill."""
     served: Served = getattr(servers, which)
     model = references[served.reference]
     prompts = parity_prompts(tokenizer)
@@ -182,9 +185,14 @@ def test_greedy_output_matches_transformers(servers, tokenizer, references, whic
         return responses
 
     first = concurrently()
-    # While some of the eight decoded, the others' prompts were computed in the same (mixed) steps.
-    steps = served.process.metrics()
-    assert steps.get('flare_steps_total{kind="mixed"}', 0) > 0, {k: v for k, v in steps.items() if "steps" in k}
+    # While some of the eight decoded, the others' prompts were computed in the same (mixed) steps;
+    # with --no-mixed-steps, in prompt-only steps between decode steps.
+    metrics = served.process.metrics()
+    steps = {kind: metrics.get(f'flare_steps_total{{kind="{kind}"}}', 0) for kind in ("decode", "prefill", "mixed")}
+    if which == "moe_uncached":
+        assert steps["mixed"] == 0 and steps["decode"] > 0 and steps["prefill"] > 0, steps
+    else:
+        assert steps["mixed"] > 0, steps
     if which == "moe_uncached":
         assert [cached_tokens(r) for r in first] == [0] * len(prompts)
         return

@@ -9,6 +9,7 @@ from the pool's size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,12 +35,14 @@ LOGITS_ROWS_PER_REQUEST = 4
 def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
-                 frames_in_flight: int | None = None, leader: RankLeader | None = None) -> Engine:
+                 frames_in_flight: int | None = None, leader: RankLeader | None = None,
+                 mixed_steps: bool = True) -> Engine:
     """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
     executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
     executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
     of a core split over tensor-parallel ranks (flare_core.engine.tensor_parallel), which build
-    the same executor and follow its steps."""
+    the same executor and follow its steps. Without `mixed_steps` the scheduler is given no mixed
+    capacities: a step then decodes or computes prompt chunks, never both."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
         raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
@@ -60,6 +63,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     logits_rows = LOGITS_ROWS_PER_REQUEST * max_concurrency if prefix_cache else 0
     snapshot_rows = snapshot_rows_for(loaded.cache_scheme, max_concurrency)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
+    if not mixed_steps:
+        catalog = dataclasses.replace(catalog, mixed=())
     executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_rows=snapshot_rows,
                          num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
