@@ -169,6 +169,11 @@ class EngineInfo:
     device: str = "cpu"  # where the model runs ("cpu", "cuda:0")
 
 
+# What clients and probes are told once the model worker has failed; the cause (an exception's
+# text, which can name source paths and allocator state) goes to the server log only.
+WORKER_FAILED = "the model worker failed and the server is exiting; the server log has the cause"
+
+
 class AdmissionError(RuntimeError):
     """The runtime cannot take the request now. `status` is the HTTP status the server answers."""
 

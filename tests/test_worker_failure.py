@@ -3,9 +3,11 @@
 - A request whose sampling values no sampler can use (NaN top_p) that reaches the engine anyway
   fails alone, while the requests beside it finish and later ones are served.
 - The test-only scripted recipe can raise on its N-th forward call: in-process (the real app over
-  a real engine) /health then answers 503 with the cause and new requests get 503; as a real
-  `flare run` process the open stream ends with an error event and the process exits with
-  status 1, the cause logged once with its traceback.
+  a real engine) /health then answers 503 and new requests get 503; as a real `flare run`
+  process the open stream ends with an error event and the process exits with status 1, the
+  cause logged once with its traceback. Clients and probes are never told the cause (an
+  exception's text can name source paths and allocator state): the error names the request id
+  under which the log holds it.
 - Ingress: requests waiting for the frontend pool hold reservations; past the limit a 429.
 """
 
@@ -21,7 +23,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from flare_core.config import ServerConfig
-from flare_core.requests import GenerationRequest, SamplingError, SamplingParams
+from flare_core.requests import WORKER_FAILED, GenerationRequest, SamplingError, SamplingParams
 from flare_core.server.app import build_app
 from flare_core.server.state import STATE
 from server_process import ServerProcess
@@ -104,11 +106,13 @@ def test_after_a_step_failure_health_and_new_requests_are_503(session_flare, fai
 
     events, health_status, health, refused_status, refused = asyncio.run(run())
     assert events[-1]["error"]["code"] == "execution_failed"
-    assert f"scripted model failure at step {FAIL_AT_STEP}" in events[-1]["error"]["message"]
+    assert re.search(r"request id [0-9a-f]{32}", events[-1]["error"]["message"]), events[-1]
     assert all("error" not in event for event in events[:-1]) and len(events) > 1  # text came first
     assert health_status == 503
-    assert health == {"status": "failed", "cause": f"RuntimeError: scripted model failure at step {FAIL_AT_STEP}"}
-    assert refused_status == 503 and "model worker failed" in refused["error"]["message"]
+    assert health == {"status": "failed", "cause": WORKER_FAILED}
+    assert refused_status == 503 and refused["error"]["message"] == WORKER_FAILED
+    for answer in (events[-1], health, refused):
+        assert "scripted model failure" not in json.dumps(answer), answer
 
 
 def test_a_failed_worker_ends_the_stream_with_an_error_and_the_process_exits_1(tmp_path, session_flare,
@@ -118,12 +122,17 @@ def test_a_failed_worker_ends_the_stream_with_an_error_and_the_process_exits_1(t
     process.wait_ready()
     client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     texts = []
-    with pytest.raises(openai.APIError, match=f"scripted model failure at step {FAIL_AT_STEP}"):
+    with pytest.raises(openai.APIError, match="request id") as failed:
         for chunk in client.completions.create(model=SERVED, prompt=[1, 2, 3, 4], max_tokens=50, stream=True):
             texts.append(chunk.choices[0].text)
+    assert "scripted model failure" not in str(failed.value)
+    request_id = re.search(r"request id ([0-9a-f]{32})", str(failed.value)).group(1)
     assert "".join(texts)  # the tokens before the failure were delivered
     assert process.wait_exit() == 1
     log = process.log()
+    failed_lines = [line for line in log.splitlines() if "generation_failed" in line]
+    assert len(failed_lines) == 1 and request_id in failed_lines[0], failed_lines
+    assert f"scripted model failure at step {FAIL_AT_STEP}" in failed_lines[0]
     assert len(re.findall(r"model worker failed", log.split("stopped after")[0])) == 1
     assert "Traceback" in log and f"RuntimeError: scripted model failure at step {FAIL_AT_STEP}" in log
     assert "stopped after the model worker failed" in log

@@ -28,7 +28,7 @@ from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.engine.stats import Activity
 from flare_core.engine.tables import TableStore
 from flare_core.frontend import Frontend
-from flare_core.requests import AdmissionError, EngineInfo, GenerationEvent, GenerationRequest
+from flare_core.requests import WORKER_FAILED, AdmissionError, EngineInfo, GenerationEvent, GenerationRequest
 from flare_core.scheduler import Resources
 
 if TYPE_CHECKING:  # the dashboard sits above the engine; only its type is needed here
@@ -141,7 +141,7 @@ class Engine:
         prompt from the prefix cache rather than computing it again."""
         self._loop = asyncio.get_running_loop()
         if self.failure is not None:
-            raise AdmissionError(f"the model worker failed ({self.failure}); the server is exiting", status=503)
+            raise AdmissionError(WORKER_FAILED, status=503)
         if self._draining:
             raise AdmissionError("the server is shutting down and admits no new requests", status=503)
         limit = self.info.max_concurrency + self.info.queue_capacity

@@ -29,6 +29,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from flare_core.config import ServerConfig
+from flare_core.requests import WORKER_FAILED
 from flare_core.server import (anthropic_messages, metrics, models, ollama, openai_chat, openai_completions,
                                openai_responses)
 from flare_core.server.errors import ApiError, error_response, flavor_of_path
@@ -126,9 +127,8 @@ def _refuse_encoded(request: web.Request) -> None:
 
 def refuse_if_unavailable(state: ServerState) -> None:
     """503 once the model worker has failed or shutdown has begun."""
-    failure = state.engine.failure
-    if failure is not None:
-        raise ApiError(503, f"the model worker failed ({failure}); the server is exiting")
+    if state.engine.failure is not None:
+        raise ApiError(503, WORKER_FAILED)
     if state.draining:
         raise ApiError(503, "the server is shutting down and accepts no new requests")
 
@@ -179,9 +179,8 @@ async def _no_embeddings(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    failure = state.engine.failure
-    if failure is not None:
-        return web.json_response({"status": "failed", "cause": failure}, status=503)
+    if state.engine.failure is not None:
+        return web.json_response({"status": "failed", "cause": WORKER_FAILED}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     return web.json_response({"status": "ok", "models": list(state.engine.info.served_names),

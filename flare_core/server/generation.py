@@ -64,6 +64,8 @@ class Outcome:
     finish_reason: str  # the runtime's: "stop", "length", "cancelled", "error"
     usage: Usage
     stop: str | int | None = None
+    # Of a failed generation, what its client is told: the request id under which the server log
+    # holds the cause. Never the cause itself (it can name internals: source paths, allocator state).
     error: str | None = None
 
 
@@ -89,7 +91,7 @@ def choices_usage(outcomes: Sequence[Outcome]) -> Usage:
 
 
 def execution_error(message: str | None) -> ApiError:
-    """A generation that failed while running: the engine's message, or a generic one."""
+    """A generation that failed while running (its outcome's `error`, which names no internals)."""
     return ApiError(500, f"generation failed: {message or 'execution error'}")
 
 
@@ -203,8 +205,11 @@ class Generation:
                 return
             if event.finish_reason is not None:
                 usage = event.usage or Usage(self.prompt_tokens, 0, 0)
-                self.outcome = Outcome(event.finish_reason, usage, event.stop, event.error)
-                self._record.finish_reason = event.finish_reason
+                if event.finish_reason == "error":
+                    self._fail(event.error or "execution error", usage)
+                else:
+                    self.outcome = Outcome(event.finish_reason, usage, event.stop)
+                    self._record.finish_reason = event.finish_reason
                 self._record.record_usage(usage)
             delta = with_call_ids(delta, self._call_ids)
             if delta or event.logprobs or event.prompt_logprobs:
@@ -214,8 +219,12 @@ class Generation:
         # The runtime always ends a stream with a final event; reaching here is a runtime fault.
         self._fail("the request stream ended early")
 
-    def _fail(self, error: str, usage: Usage | None = None) -> None:
-        self.outcome = Outcome("error", usage or Usage(self.prompt_tokens, 0, 0), error=error)
+    def _fail(self, cause: str, usage: Usage | None = None) -> None:
+        """End as failed: `cause` goes to the server log under the request id, the id alone to the client."""
+        request_id = self._record.request_id
+        _log.error("generation_failed", request_id=request_id, cause=cause)
+        self.outcome = Outcome("error", usage or Usage(self.prompt_tokens, 0, 0),
+                               error=f"the server log has the cause under request id {request_id}")
         self._record.finish_reason = "error"
 
 
