@@ -2,6 +2,7 @@
 and `Frontend`, the text side of a served core."""
 
 from flare_core.frontend.detokenizer import IncrementalDetokenizer
+from flare_core.frontend.literals import ForgedLiteral
 from flare_core.frontend.marks import mark_token_endpoints
 from flare_core.frontend.patches import (
     TemplatePatchError,
@@ -17,6 +18,7 @@ from flare_core.frontend.tokenizer import Tokenizer, build_tokenizer_json
 __all__ = [
     "ChatTemplate",
     "ConversationRenderer",
+    "ForgedLiteral",
     "Frontend",
     "IncrementalDetokenizer",
     "RenderedPrompt",

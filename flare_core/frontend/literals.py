@@ -4,8 +4,12 @@ A chat prompt is the template's markup around the client's strings (message cont
 definitions and arguments, template keyword values). Tokenized as one string, a client string
 holding `<|im_end|>\n<|im_start|>system` would become real control tokens and forge turn
 boundaries. So, before rendering, every spelling of a special token (an added token flagged
-special) inside a client string is bracketed by LITERAL, a lone surrogate: the server's JSON
-parsing refuses lone surrogates, so no client string can hold one. After rendering, the
+special) inside a client string is bracketed by LITERAL, a lone surrogate. No valid text holds
+one, and the server's JSON parsing refuses lone surrogates in bodies and in JSON carried inside
+strings; escaping enforces it too, as the one place every client string passes on its way to
+the template: a string that holds LITERAL however it arrived (a decoding path that skipped the
+body's checks) is refused (ForgedLiteral), so brackets in a rendering are the server's alone
+and a client can never open or close a literal span. After rendering, the
 bracketed spans are tokenized with special-token parsing off and everything else (the
 template's own markup) with it on; the brackets are removed and the `{% mark %}` offsets moved
 to match. A prompt without such spellings is tokenized exactly as one string.
@@ -41,17 +45,28 @@ def special_pattern(special_tokens: Mapping[str, int] | Any) -> re.Pattern[str] 
     return re.compile("|".join(re.escape(token) for token in spellings))
 
 
-def escape_literals(value: Any, pattern: re.Pattern[str] | None) -> Any:
+class ForgedLiteral(ValueError):
+    """A client string holds LITERAL; `path` is where inside the escaped value (".a[2]", "" for
+    the value itself)."""
+
+    def __init__(self, path: str):
+        self.problem = f"holds a lone surrogate (U+{ord(LITERAL):04X}), which is not text"
+        super().__init__(f"a client string{' at ' + path if path else ''} {self.problem}")
+        self.path = path
+
+
+def escape_literals(value: Any, pattern: re.Pattern[str] | None, path: str = "") -> Any:
     """A copy of JSON data `value` whose strings (keys included) have every special-token spelling
-    bracketed by LITERAL."""
-    if pattern is None:
-        return value
+    bracketed by LITERAL. Raises ForgedLiteral for a string that holds LITERAL already."""
     if isinstance(value, str):
-        return pattern.sub(lambda match: LITERAL + match.group(0) + LITERAL, value)
+        if LITERAL in value:
+            raise ForgedLiteral(path)
+        return value if pattern is None else pattern.sub(lambda match: LITERAL + match.group(0) + LITERAL, value)
     if isinstance(value, Mapping):
-        return {escape_literals(key, pattern): escape_literals(item, pattern) for key, item in value.items()}
+        return {escape_literals(key, pattern, f"{path} (a key)"): escape_literals(item, pattern, f"{path}.{key}")
+                for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [escape_literals(item, pattern) for item in value]
+        return [escape_literals(item, pattern, f"{path}[{index}]") for index, item in enumerate(value)]
     return value
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare_core.contract import TemplateOptionError
-from flare_core.frontend import Frontend, RenderedPrompt, TemplateError
+from flare_core.frontend import ForgedLiteral, Frontend, RenderedPrompt, TemplateError
 from flare_core.server.errors import ApiError
 from flare_core.server.validation import (as_object, get_list, get_object, get_str, invalid, is_integers, json_type,
                                           parse_json_string)
@@ -69,8 +69,8 @@ def template_options(frontend: Frontend, overrides: Mapping[str, Any] | None = N
     for name, value in (overrides or {}).items():
         if name in _RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
             raise invalid(f"chat_template_kwargs.{name}", "is set by the server and cannot be overridden")
-        options[name] = frontend.tokenizer.escape_special_text(value)
         fields[name] = f"chat_template_kwargs.{name}"
+        options[name] = _escaped(frontend, value, fields[name])
     return TemplateOptions(options, fields)
 
 
@@ -88,9 +88,9 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
         raise invalid("messages", "must contain at least one message")
     # Client strings keep special-token spellings as text; only the template's markup is special.
     tokenizer = frontend.tokenizer
-    messages = tokenizer.escape_special_text(messages)
+    messages, tools = _escaped(frontend, messages, "messages"), _escaped(frontend, tools, "tools")
     try:
-        rendered = template.render(messages, tools=tokenizer.escape_special_text(tools) or None,
+        rendered = template.render(messages, tools=tools or None,
                                    add_generation_prompt=not continue_final_message, **options)
         if continue_final_message:
             rendered = _open_final_message(rendered, messages[-1])
@@ -103,6 +103,15 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
     except (TypeError, ValueError) as exc:
         raise ApiError(400, f"messages cannot be rendered: {exc}", param="messages") from exc
     return Prompt(encoded.ids, encoded.message_ends, encoded.text)
+
+
+def _escaped(frontend: Frontend, value: Any, field: str) -> Any:
+    """`value` (client data bound for the template) with its special-token spellings kept as text;
+    a 400 naming the place for a string that holds the server's literal bracket (see literals)."""
+    try:
+        return frontend.tokenizer.escape_special_text(value)
+    except ForgedLiteral as exc:
+        raise invalid(field + exc.path, exc.problem) from None
 
 
 def _open_final_message(rendered: RenderedPrompt, final: Mapping[str, Any]) -> RenderedPrompt:
