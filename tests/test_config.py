@@ -8,11 +8,12 @@ from flare_core.config import ConfigError, load_config, with_overrides
 def test_config_file_sections_and_relative_paths(tmp_path):
     cfg = tmp_path / "config.toml"
     cfg.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "/srv/hub"\n'
-                   '[server]\nport = 9001\n[defaults]\ndevice = "cpu"\n[memory]\nmemory_limit = "-30G"\n')
+                   '[server]\nport = 9001\nallowed_hosts = ["llm.lan", " box "]\n[defaults]\ndevice = "cpu"\n[memory]\nmemory_limit = "-30G"\n')
     config = load_config(cfg)
     assert config.paths.core_cache == tmp_path / "cores"
     assert config.paths.hub_cache == Path("/srv/hub")
     assert config.server.port == 9001 and config.server.host == "127.0.0.1"
+    assert config.server.allowed_hosts == ("llm.lan", "box") and config.server.allowed_origins == ()
     assert config.defaults.device == "cpu"
     assert config.memory.memory_limit == "-30G"
     assert with_overrides(config.server, port=None, host="0.0.0.0").host == "0.0.0.0"
@@ -28,6 +29,8 @@ def test_config_file_sections_and_relative_paths(tmp_path):
     ('[server]\nmax_body_bytes = "8M"\n', r"server\.max_body_bytes must be a positive integer"),
     ("[server]\nbody_timeout_s = 0\n", r"server\.body_timeout_s must be a number of seconds"),
     ("[server]\nidle_timeout_s = nan\n", r"server\.idle_timeout_s must be a number of seconds"),
+    ('[server]\nallowed_hosts = "llm.lan"\n', r"server\.allowed_hosts must be a list of non-empty strings"),
+    ('[server]\nallowed_origins = ["https://a", 3]\n', r"server\.allowed_origins must be a list of non-empty strings"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, message):
     cfg = tmp_path / "config.toml"

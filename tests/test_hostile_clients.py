@@ -159,7 +159,7 @@ def _cut_before_first_byte(url: str, n: int = 1) -> None:
     body = json.dumps({"model": SERVED, "prompt": "Tell me everything", "max_tokens": 200, "stream": True,
                        "ignore_eos": True, "n": n}).encode()
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
@@ -207,7 +207,7 @@ def _stalled_upload(url: str, path: str = "/v1/completions") -> socket.socket:
     """A request whose head is complete and whose body never finishes arriving."""
     host, port = url.removeprefix("http://").split(":")
     connection = socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S)
-    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        f"Content-Length: 1000\r\n\r\n".encode() + b'{"model": ')
     return connection
 
@@ -234,7 +234,7 @@ def test_a_slow_header_or_idle_connection_is_closed_by_the_idle_timeout(tmp_path
         process.wait_ready()
         host, port = process.url.removeprefix("http://").split(":")
         slow_head = socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S)
-        slow_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        slow_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head never ends
         idle = socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S)
         stalled = _stalled_upload(process.url)
         # Each is closed by the server: recv returns b"" (after the 408 for the stalled body).
@@ -436,7 +436,7 @@ def _send_head_only(url: str, encoding: str, declared: int) -> tuple[int, bytes]
     host, port = url.removeprefix("http://").split(":")
     first = gzip.compress(b"0" * (64 << 20), compresslevel=9)[:1024]
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
-        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Content-Encoding: " + encoding.encode() + b"\r\nContent-Length: " + str(declared).encode()
                            + b"\r\n\r\n" + first)
         reply = _read_head(connection)
@@ -481,7 +481,7 @@ def _expect_reply(url: str, headers: bytes, body: bytes | None) -> bytes:
     Continue" and `body` is given, send the body and read on to the final answer."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Expect: 100-continue\r\n" + headers + b"\r\n")
         reply = _read_head(connection)
         if reply.startswith(b"HTTP/1.1 100") and body is not None:
@@ -502,3 +502,93 @@ def test_expect_continue_is_answered_only_for_a_body_the_server_will_read(server
     fine = _expect_reply(server.url, b"Content-Length: " + str(len(body)).encode() + b"\r\n", body)
     assert fine.startswith(b"HTTP/1.1 200"), fine[:200]
     assert_serving(server, "Expect: 100-continue")
+
+
+# ---- browsers: host names, origins, content types ------------------------------------------------
+
+CHAT = {"model": SERVED, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_loopback_server_answers_loopback_host_names_only(server):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 reaches the server with its own name
+    as Host. Bound to loopback, the server refuses any other name on every path, before the key."""
+    port = server.url.rsplit(":", 1)[1]
+    for host in ("attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io", "0.0.0.0"):
+        for method, path, body in (("POST", "/v1/chat/completions", CHAT), ("GET", "/v1/models", None),
+                                   ("GET", "/metrics", None)):
+            reply = http_request(method, server.url + path, body, headers={"Host": host})
+            assert reply.status == 403, (host, path, reply.status, reply.body[:200])
+            assert "--allowed-hosts" in reply.body.decode(), reply.body[:300]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "api.localhost", "127.0.0.2"):
+        reply = http_request("POST", server.url + "/v1/chat/completions", CHAT, headers={"Host": host})
+        assert reply.status == 200, (host, reply.status, reply.body[:200])
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_bodies_must_be_declared_json(server, content_type):
+    """The types a page may POST cross-site without a preflight (and none at all) are a 415 before
+    the body is read: a blind cross-site request never runs."""
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=EVENT_TIMEOUT_S)
+    try:
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        body = json.dumps(CHAT).encode()
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+    finally:
+        connection.close()
+    assert response.status == 415 and error["param"] == "Content-Type", error
+    assert "application/json" in error["message"]
+    assert_serving(server, f"a {content_type} body")
+
+
+def test_browser_origins_are_loopback_only_by_default(server):
+    """A page on another origin is refused (no CORS answer, a 403 even for a simple request); a
+    page on a loopback origin is served with CORS headers and its preflight answered."""
+    for origin in ("https://attacker.example", "null", "http://localhost.attacker.example"):
+        reply = http_request("POST", server.url + "/v1/chat/completions", CHAT, headers={"Origin": origin})
+        assert reply.status == 403 and "--allowed-origins" in reply.body.decode(), (origin, reply.body[:200])
+        assert "Access-Control-Allow-Origin" not in reply.headers
+        preflight = http_request("OPTIONS", server.url + "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST"})
+        assert preflight.status == 403 and "Access-Control-Allow-Origin" not in preflight.headers
+    origin = "http://localhost:3000"
+    preflight = http_request("OPTIONS", server.url + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status == 204, preflight.body[:200]
+    assert preflight.headers["Access-Control-Allow-Origin"] == origin
+    assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+    assert preflight.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    reply = http_request("POST", server.url + "/v1/chat/completions", CHAT, headers={"Origin": origin})
+    assert reply.status == 200 and reply.headers["Access-Control-Allow-Origin"] == origin
+
+
+def test_configured_hosts_and_origins_are_served(tmp_path, qwen3_core):
+    """--allowed-hosts and --allowed-origins (comma-separated or repeated) add names and origins."""
+    config = _config(tmp_path, "config", "")
+    process = ServerProcess(config, qwen3_core, tmp_path / "server.log", "--served-name", SERVED,
+                            "--allowed-hosts", "llm.example.test,other.test", "--allowed-origins", "https://app.example",
+                            "--allowed-origins", "https://two.example")
+    try:
+        process.wait_ready()
+        for host, status in (("llm.example.test", 200), ("other.test:8000", 200), ("attacker.example", 403),
+                             ("localhost", 200)):
+            reply = http_request("POST", process.url + "/v1/chat/completions", CHAT, headers={"Host": host})
+            assert reply.status == status, (host, reply.status, reply.body[:200])
+        for origin in ("https://app.example", "https://two.example"):
+            streamed = http_request("POST", process.url + "/v1/chat/completions", {**CHAT, "stream": True},
+                                    headers={"Origin": origin})
+            assert streamed.status == 200 and streamed.headers["Access-Control-Allow-Origin"] == origin
+            assert b"data: [DONE]" in streamed.body  # a stream's headers name the origin too
+        reply = http_request("POST", process.url + "/v1/chat/completions", CHAT,
+                             headers={"Origin": "https://three.example"})
+        assert reply.status == 403
+    finally:
+        process.stop()

@@ -696,3 +696,22 @@ def test_a_grammar_beyond_its_size_limit_is_refused_before_compiling(state):
         == "guided_choice"
     just_under = {"enum": [f"v{i}" for i in range(1000)]}
     assert parse_chat_request(state, chat_body(guided_json=just_under), "rid").request.grammar is not None
+
+
+def test_which_host_names_and_origins_a_bound_address_serves():
+    from flare_core.server.access import Access
+
+    loopback = Access.of("127.0.0.1", (), ())
+    assert loopback.host_problem("evil.example:8000") and loopback.host_problem("0.0.0.0")
+    assert all(loopback.host_problem(h) is None for h in ("localhost", "LOCALHOST:1", "[::1]:8000", "a.localhost",
+                                                           "127.9.9.9:80", None))
+    anywhere = Access.of("0.0.0.0", (), ())  # bound to every interface: any name, unless configured
+    assert anywhere.host_problem("evil.example") is None
+    configured = Access.of("0.0.0.0", ("llm.lan",), ())
+    assert configured.host_problem("llm.lan:8000") is None and configured.host_problem("evil.example")
+    assert Access.of("127.0.0.1", ("*",), ()).host_problem("evil.example") is None
+    assert loopback.origin_allowed("http://localhost:3000") and loopback.origin_allowed("https://127.0.0.1")
+    assert not loopback.origin_allowed("null") and not loopback.origin_allowed("file://")
+    assert not loopback.origin_allowed("http://localhost.evil.example")
+    assert Access.of("127.0.0.1", (), ("https://App.example/",)).origin_allowed("https://app.example")
+    assert Access.of("127.0.0.1", (), ("*",)).origin_allowed("https://any.example")

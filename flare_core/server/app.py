@@ -32,15 +32,16 @@ from flare_core.config import ServerConfig
 from flare_core.requests import WORKER_FAILED
 from flare_core.server import (anthropic_messages, metrics, models, ollama, openai_chat, openai_completions,
                                openai_responses)
+from flare_core.server.access import PREFLIGHT_MAX_AGE_S, PREFLIGHT_METHODS
 from flare_core.server.errors import ApiError, error_response, flavor_of_path
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sse import ClientGone
-from flare_core.server.state import STATE, Engine, ServerState, add_post, body_encoding, read_api_key
+from flare_core.server.state import STATE, Engine, ServerState, add_post, body_encoding, is_json_body, read_api_key
 from flare_core.server.validation import BODY
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Statuses that refuse a request before it reaches the engine (counted in flare_requests_rejected).
-_REJECTIONS = (401, 408, 413, 429, 503)
+_REJECTIONS = (401, 403, 408, 413, 429, 503)
 # Status logged for a request whose client went away before its response was complete (nginx's).
 CLIENT_CLOSED = 499
 
@@ -88,6 +89,34 @@ async def _log_and_errors(request: web.Request, handler: Handler) -> web.StreamR
 
 
 @web.middleware
+async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Host names and browser origins (see access), before the key check, on every path; CORS
+    preflights of allowed origins are answered here (they carry no key)."""
+    access = request.app[STATE].access
+    problem = access.host_problem(request.headers.get("Host"))
+    if problem is not None:
+        raise ApiError(403, problem, param="Host", code="host_not_allowed")
+    origin = request.headers.get("Origin")
+    if origin is not None and not access.origin_allowed(origin):
+        raise ApiError(403, access.origin_problem(origin), param="Origin", code="origin_not_allowed")
+    if origin is not None and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": PREFLIGHT_METHODS,
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", ""),
+            "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)})
+    return await handler(request)
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response to an allowed origin (streams too: this runs before headers are sent)
+    names it; a refused origin never gets here with its own name (its 403 carries none)."""
+    origin = request.headers.get("Origin")
+    if origin is not None and request.app[STATE].access.origin_allowed(origin):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+
+
+@web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path not in OPEN_PATHS and not request.app[STATE].authorized(request):
         raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
@@ -102,6 +131,10 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
     refuse_if_unavailable(state)
     if request.method == "POST":
         _refuse_encoded(request)
+        if not is_json_body(request):
+            raise ApiError(415, f"Content-Type {request.headers.get('Content-Type', '(none)')[:60]!r} is not accepted: "
+                                f"send the request body as JSON with Content-Type: application/json",
+                           param="Content-Type")
         request[BODY] = await _receive_body(request, state)
         refuse_if_unavailable(state)
     if state.in_flight >= state.ingress_limit:
@@ -208,7 +241,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
                         ingress_limit=ingress_limit(engine.info.max_concurrency, engine.info.queue_capacity),
                         frontend_pool=ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="flare-frontend"))
     # client_max_size bounds bodies without a Content-Length too (chunked uploads).
-    app = web.Application(client_max_size=state.max_body_bytes, middlewares=[_log_and_errors, _auth, _ingress])
+    app = web.Application(client_max_size=state.max_body_bytes, middlewares=[_log_and_errors, _access, _auth, _ingress])
     app[STATE] = state
 
     async def close_pool(app: web.Application) -> None:
@@ -216,6 +249,7 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
 
     app.on_cleanup.append(close_pool)
     app.on_response_prepare.append(_add_request_id)
+    app.on_response_prepare.append(_cors_headers)
     app.router.add_get("/health", _health)
     for path in EMBEDDING_ROUTES:
         add_post(app, path, _no_embeddings)

@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 from aiohttp import HttpVersion11, web
 
 from flare_core.config import ServerConfig
+from flare_core.server.access import Access
 from flare_core.frontend import Frontend
 from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.requests import EngineInfo, GenerationEvent, GenerationRequest
@@ -67,11 +68,13 @@ class ServerState:
     # how many bodies may arrive at once.
     max_body_bytes: int = field(init=False)
     upload_limit: int = field(init=False)
+    access: Access = field(init=False)  # host names and browser origins served
 
     def __post_init__(self) -> None:
         self.idle.set()
         self.max_body_bytes = self.config.body_limit(self.engine.info.context_length)
         self.upload_limit = upload_limit(self.ingress_limit)
+        self.access = Access.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
 
     @property
     def frontend(self) -> Frontend:
@@ -107,6 +110,14 @@ class ServerState:
         """Whether `request`'s Content-Length is over the body limit (known before the body is read)."""
         return request.content_length is not None and request.content_length > self.max_body_bytes
 
+    def reads_body(self, request: web.Request) -> bool:
+        """Whether the middlewares go on to read `request`'s body: an allowed host and origin, the
+        key presented, a JSON body without Content-Encoding, within the size limit."""
+        origin = request.headers.get("Origin")
+        return (self.access.host_problem(request.headers.get("Host")) is None
+                and (origin is None or self.access.origin_allowed(origin)) and self.authorized(request)
+                and is_json_body(request) and body_encoding(request) is None and not self.declares_too_large(request))
+
     def authorized(self, request: web.Request) -> bool:
         """Whether `request` presents the API key (`Authorization: Bearer` or `x-api-key`), or none is set."""
         if self.api_key is None:
@@ -123,6 +134,13 @@ class ServerState:
 STATE = web.AppKey("flare_state", ServerState)
 
 
+def is_json_body(request: web.Request) -> bool:
+    """Whether `request` declares its body as JSON: `Content-Type: application/json` (any charset
+    parameter). A missing type, text/plain and form types are what browsers send cross-site
+    without asking first (see access)."""
+    return request.content_type == "application/json"
+
+
 def body_encoding(request: web.Request) -> str | None:
     """The Content-Encoding `request` declares for its body, None for none or identity (the only
     form bodies are taken in: the server never inflates an upload)."""
@@ -132,14 +150,12 @@ def body_encoding(request: web.Request) -> str | None:
 
 async def expect_continue(request: web.Request) -> None:
     """`Expect: 100-continue`: the interim "100 Continue" only for a body the server will read
-    (the key presented, no Content-Encoding, within the size limit); otherwise nothing, and the
-    middleware's final answer (401, 415, 413) comes instead, before the client sends the body."""
+    (ServerState.reads_body); otherwise nothing, and the middleware's final answer (403, 401,
+    415, 413) comes instead, before the client sends the body."""
     expect = request.headers.get("Expect", "")
     if expect.lower() != "100-continue":
         raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect[:60]}")
-    state = request.app[STATE]
-    if request.version != HttpVersion11 or state.declares_too_large(request) or body_encoding(request) is not None \
-            or not state.authorized(request):
+    if request.version != HttpVersion11 or not request.app[STATE].reads_body(request):
         return
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the response's size
