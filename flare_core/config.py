@@ -75,6 +75,12 @@ class ServerConfig:
     idle_timeout_s: float = 15.0
     # Time to receive a request's whole body once its head has arrived (408 past it).
     body_timeout_s: float = 30.0
+    # After this long, a body must keep arriving at body_min_bytes_per_s on average (408 otherwise),
+    # so a stalled upload gives its slot back within seconds (flare_core.server.uploads).
+    body_grace_s: float = 5.0
+    body_min_bytes_per_s: int = 16384
+    # Bodies arriving at once from one client address; None: a quarter of the server's upload slots.
+    uploads_per_client: int | None = None
     # A streaming client that accepts no bytes for this long is treated as gone (its request is cancelled).
     send_timeout_s: float = 30.0
     # Threads that render chat templates and tokenize prompts, off the event loop.
@@ -92,11 +98,12 @@ class ServerConfig:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
                 raise ConfigError(f"server.{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, tuple(v.strip() for v in value))
-        for name in ("queue_capacity", "max_body_bytes", "frontend_workers"):
+        for name in ("queue_capacity", "max_body_bytes", "frontend_workers", "body_min_bytes_per_s",
+                     "uploads_per_client"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"server.{name} must be a positive integer, got {value!r}")
-        for name in ("shutdown_grace_s", "idle_timeout_s", "body_timeout_s", "send_timeout_s"):
+        for name in ("shutdown_grace_s", "idle_timeout_s", "body_timeout_s", "body_grace_s", "send_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 86_400:
                 raise ConfigError(f"server.{name} must be a number of seconds in (0, 86400), got {value!r}")

@@ -50,7 +50,9 @@ def _config(root: Path, name: str, server_section: str) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, qwen3_core) -> HostileServer:
     root = tmp_path_factory.mktemp("hostile")
-    config = _config(root, "server", f"body_timeout_s = {BODY_TIMEOUT_S}\nidle_timeout_s = {IDLE_TIMEOUT_S}\n")
+    # Stalled uploads are held on purpose here: no rate floor before the body timeout.
+    config = _config(root, "server", f"body_timeout_s = {BODY_TIMEOUT_S}\nidle_timeout_s = {IDLE_TIMEOUT_S}\n"
+                                     f"body_grace_s = {BODY_TIMEOUT_S}\nuploads_per_client = {STALLED_UPLOADS}\n")
     process = ServerProcess(config, qwen3_core, root / "server.log", "--served-name", SERVED, "--no-prefix-cache")
     try:
         process.wait_ready()
@@ -203,20 +205,28 @@ def test_choices_cut_off_leave_nothing_behind(server):
 
 # ---- slow and stalled clients --------------------------------------------------------------------
 
-def _stalled_upload(url: str, path: str = "/v1/completions") -> socket.socket:
-    """A request whose head is complete and whose body never finishes arriving."""
+def _stalled_upload(url: str, path: str = "/v1/completions", source: str | None = None) -> socket.socket:
+    """A request whose head is complete and whose body never finishes arriving (sent from the
+    loopback address `source`, another client than 127.0.0.1)."""
     host, port = url.removeprefix("http://").split(":")
-    connection = socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S)
+    connection = socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S,
+                                          source_address=None if source is None else (source, 0))
     connection.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        f"Content-Length: 1000\r\n\r\n".encode() + b'{"model": ')
     return connection
 
 
 def test_stalled_uploads_do_not_lock_out_other_clients(server):
-    uploads = [_stalled_upload(server.url) for _ in range(STALLED_UPLOADS)]
+    """One client (127.0.0.2) stalls as many uploads as one client may have arriving at once: its
+    next one is a 429 naming the limit per client, while another client's (127.0.0.1) requests
+    are served."""
+    uploads = [_stalled_upload(server.url, source="127.0.0.2") for _ in range(STALLED_UPLOADS)]
     try:
         server.process.wait_metrics({"flare_http_uploads_in_progress": float(STALLED_UPLOADS)},
                                     timeout=EVENT_TIMEOUT_S)
+        one_more = _stalled_upload(server.url, source="127.0.0.2")
+        assert _read_head(one_more).startswith(b"HTTP/1.1 429"), "the client's next upload must be refused"
+        one_more.close()
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(lambda _: _normal(server.url), range(8))) == [3] * 8
         assert server.process.get("/v1/models").status == 200
@@ -246,6 +256,36 @@ def test_a_slow_header_or_idle_connection_is_closed_by_the_idle_timeout(tmp_path
         assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in answer
         for connection in (slow_head, idle, stalled):
             connection.close()
+        assert process.get("/health").status == 200
+    finally:
+        process.stop()
+
+
+def test_a_body_slower_than_the_minimum_rate_gives_its_slot_back(tmp_path, qwen3_core):
+    """After body_grace_s a body must keep arriving at body_min_bytes_per_s: a stalled one is a 408
+    within seconds, not at the (long) body timeout; a slow but steady one is read."""
+    config = _config(tmp_path, "rate", "body_timeout_s = 600\nbody_grace_s = 1.0\nbody_min_bytes_per_s = 200\n")
+    process = ServerProcess(config, qwen3_core, tmp_path / "server.log", "--served-name", SERVED)
+    try:
+        process.wait_ready()
+        stalled = _stalled_upload(process.url)
+        started = time.monotonic()
+        answer = b""  # read up to the message (the server then lingers before it closes)
+        while b"in the config" not in answer and (chunk := stalled.recv(65536)):
+            answer += chunk
+        stalled.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_min_bytes_per_s" in answer, answer[:300]
+        assert time.monotonic() - started < 30
+        # 120 bytes of padding, then the body, 40 bytes every 0.1 s: 400 bytes/s, above the floor.
+        body = (" " * 120 + json.dumps({"model": SERVED, "prompt": "Hi", "max_tokens": 2})).encode()
+        host, port = process.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT_S) as steady:
+            steady.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            for offset in range(0, len(body), 40):
+                steady.sendall(body[offset:offset + 40])
+                time.sleep(0.1)  # the client's pace, not a synchronization
+            assert _read_head(steady).startswith(b"HTTP/1.1 200")
         assert process.get("/health").status == 200
     finally:
         process.stop()

@@ -715,3 +715,43 @@ def test_which_host_names_and_origins_a_bound_address_serves():
     assert not loopback.origin_allowed("http://localhost.evil.example")
     assert Access.of("127.0.0.1", (), ("https://App.example/",)).origin_allowed("https://app.example")
     assert Access.of("127.0.0.1", (), ("*",)).origin_allowed("https://any.example")
+
+
+def test_upload_slots_per_client_and_for_small_bodies():
+    from flare_core.server.uploads import Uploads
+
+    uploads = Uploads(limit=8, per_client=3)
+    for client in ("a", "a", "a"):
+        assert uploads.refusal(client, small=True) is None
+        uploads.take(client, small=True)
+    assert "per client" in uploads.refusal("a", small=True) and uploads.refusal("b", small=True) is None
+    for client in ("b", "c", "d"):  # large bodies: 6 of 8 slots at most, two kept for small ones
+        uploads.take(client, small=False)
+    uploads.take("e", small=False)
+    uploads.take("f", small=False)
+    assert uploads.large == 5 and uploads.in_progress == 8
+    assert "arriving at once, the server's limit" in uploads.refusal("g", small=True)
+    uploads.give_back("a", small=True)
+    assert uploads.refusal("g", small=True) is None
+    uploads.take("g", small=False)  # the sixth large body
+    uploads.give_back("a", small=True)
+    assert "kept for bodies of at most" in uploads.refusal("h", small=False)
+    assert uploads.refusal("h", small=True) is None
+    for client, small in (("a", True), ("b", False), ("c", False), ("d", False), ("e", False), ("f", False),
+                          ("g", False)):
+        uploads.give_back(client, small)
+    assert uploads.in_progress == 0 and uploads.large == 0 and not uploads.by_client
+
+
+def test_uploads_count_an_ipv6_client_by_its_64_block():
+    from types import SimpleNamespace
+
+    from flare_core.server.uploads import client_of
+
+    def of(remote):
+        return client_of(SimpleNamespace(remote=remote))
+
+    assert of("2001:db8:1:2:aaaa::1") == of("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert of("2001:db8:1:3::1") != of("2001:db8:1:2::1")
+    assert of("::ffff:10.0.0.7") == of("10.0.0.7") == "10.0.0.7"
+    assert of(None) == "unknown"

@@ -5,12 +5,14 @@ Middlewares run outermost first:
 1. log + errors: every request gets a RequestRecord and one log line at completion (except
    /health and /metrics, which probes poll); ApiErrors
    and aiohttp's own HTTP errors become JSON in the format of the path's API family.
-2. auth: when an API key is configured, `Authorization: Bearer <key>` or `x-api-key: <key>`
+2. access: Host names and browser origins (403; CORS preflights answered), see access.
+3. auth: when an API key is configured, `Authorization: Bearer <key>` or `x-api-key: <key>`
    (Anthropic clients) must match it (constant-time compare). /health and /metrics stay open.
-3. ingress: while draining, or once the model worker has failed, every request is a 503.
-   The body is then received whole: at most `max_body_bytes` (413), within `body_timeout_s`
-   (408), with at most `upload_limit` bodies arriving at once (429); shutdown ends the reads
-   still waiting (503). Only then is the ingress reservation taken: past `ingress_limit(...)`
+4. ingress: while draining, or once the model worker has failed, every request is a 503.
+   A POST body must be uncompressed JSON (415); it is then received whole: at most
+   `max_body_bytes` (413), within `body_timeout_s` and above a minimum rate (408), within the
+   upload slots, per client and in all (429; see uploads); shutdown ends the reads still
+   waiting (503). Only then is the ingress reservation taken: past `ingress_limit(...)`
    requests in flight a 429. The reservation lasts until the response (streams included) is
    complete. The limit is twice what the engine admits (`max_concurrency + queue_capacity`),
    so a full engine answers generation requests with its own 503 while the other half bounds
@@ -37,6 +39,7 @@ from flare_core.server.errors import ApiError, error_response, flavor_of_path
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sse import ClientGone
 from flare_core.server.state import STATE, Engine, ServerState, add_post, body_encoding, is_json_body, read_api_key
+from flare_core.server.uploads import TooLarge, TooSlow, client_of, is_small, read_body
 from flare_core.server.validation import BODY
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -167,34 +170,40 @@ def refuse_if_unavailable(state: ServerState) -> None:
 
 
 async def _receive_body(request: web.Request, state: ServerState) -> bytes:
-    """The whole body, within the size, time and concurrent-upload limits (see the module docstring)."""
-    limit = state.max_body_bytes
+    """The whole body, within the size, time, rate and concurrent-upload limits (see uploads)."""
+    config, limit = state.config, state.max_body_bytes
     too_large = ApiError(413, f"request body exceeds the server's limit of {limit} bytes (server.max_body_bytes "
                               f"in the config; by default derived from the core's context length)")
     if state.declares_too_large(request):
         raise too_large
-    if state.uploads >= state.upload_limit:
-        raise ApiError(429, f"{state.uploads} request bodies are arriving at once, the server's limit; retry later")
-    state.uploads += 1
-    state.engine.metrics.set_http_uploads(state.uploads)
-    read = asyncio.ensure_future(request.read())
+    uploads, client, small = state.uploads, client_of(request), is_small(request)
+    refusal = uploads.refusal(client, small)
+    if refusal is not None:
+        raise ApiError(429, refusal)
+    uploads.take(client, small)
+    state.engine.metrics.set_http_uploads(uploads.in_progress)
+    read = asyncio.ensure_future(read_body(request, limit, config.body_min_bytes_per_s, config.body_grace_s))
     shutdown = asyncio.ensure_future(state.shutting_down.wait())
     try:
-        done, _ = await asyncio.wait((read, shutdown), timeout=state.config.body_timeout_s,
+        done, _ = await asyncio.wait((read, shutdown), timeout=config.body_timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
         if read in done:
             return read.result()
         if shutdown in done:
             raise ApiError(503, "the server is shutting down and accepts no new requests")
-        raise ApiError(408, f"the request body did not arrive within {state.config.body_timeout_s:g} s "
+        raise ApiError(408, f"the request body did not arrive within {config.body_timeout_s:g} s "
                             f"(server.body_timeout_s in the config)")
-    except web.HTTPRequestEntityTooLarge:
+    except TooSlow:
+        raise ApiError(408, f"the request body arrived slower than {config.body_min_bytes_per_s} bytes/s after its "
+                            f"first {config.body_grace_s:g} s (server.body_min_bytes_per_s, server.body_grace_s "
+                            f"in the config)") from None
+    except TooLarge:
         raise too_large from None
-    except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # e.g. gzip declared, body not gzip
+    except (HttpProcessingError, RequestPayloadError, ValueError) as exc:  # e.g. a malformed chunked body
         raise ApiError(400, f"the request body cannot be read: {exc}") from None
     finally:
-        state.uploads -= 1
-        state.engine.metrics.set_http_uploads(state.uploads)
+        uploads.give_back(client, small)
+        state.engine.metrics.set_http_uploads(uploads.in_progress)
         for task in (read, shutdown):
             task.cancel()
         await asyncio.gather(read, shutdown, return_exceptions=True)

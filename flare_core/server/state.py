@@ -14,6 +14,7 @@ from aiohttp import HttpVersion11, web
 
 from flare_core.config import ServerConfig
 from flare_core.server.access import Access
+from flare_core.server.uploads import Uploads, upload_limit
 from flare_core.frontend import Frontend
 from flare_core.observability.metrics import RuntimeMetrics
 from flare_core.requests import EngineInfo, GenerationEvent, GenerationRequest
@@ -54,9 +55,6 @@ class ServerState:
     # prepared, waiting for a slot, or streaming; more is refused with 429.
     ingress_limit: int
     in_flight: int = 0
-    # Requests whose body is still arriving: bounded separately (`upload_limit`), so clients that
-    # stall their uploads cannot take the reservations generation requests need.
-    uploads: int = 0
     # Set when shutdown begins: admission stops and body reads still waiting for bytes end at once
     # with a 503.
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
@@ -67,13 +65,16 @@ class ServerState:
     # Derived: the largest body accepted (`ServerConfig.body_limit` of the core's context) and
     # how many bodies may arrive at once.
     max_body_bytes: int = field(init=False)
-    upload_limit: int = field(init=False)
+    # Requests whose body is still arriving, bounded on their own (see uploads): clients that
+    # stall their uploads cannot take the reservations generation requests need.
+    uploads: Uploads = field(init=False)
     access: Access = field(init=False)  # host names and browser origins served
 
     def __post_init__(self) -> None:
         self.idle.set()
         self.max_body_bytes = self.config.body_limit(self.engine.info.context_length)
-        self.upload_limit = upload_limit(self.ingress_limit)
+        limit = upload_limit(self.ingress_limit)
+        self.uploads = Uploads(limit, self.config.uploads_per_client or max(limit // 4, 1))
         self.access = Access.of(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
 
     @property
@@ -164,12 +165,6 @@ async def expect_continue(request: web.Request) -> None:
 def add_post(app: web.Application, path: str, handler: Callable) -> None:
     """A POST route of the API, answering `Expect: 100-continue` as `expect_continue` says."""
     app.router.add_post(path, handler, expect_handler=expect_continue)
-
-
-def upload_limit(ingress_limit: int) -> int:
-    """Bodies read at once: well above the ingress limit, so that stalled uploads (ended by
-    `body_timeout_s`) leave room for every client the engine could serve."""
-    return max(8 * ingress_limit, 256)
 
 
 def read_api_key(path: Path | None) -> str | None:
