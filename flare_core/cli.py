@@ -421,6 +421,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                                       compile_model=compile_model, leader=leader, mixed_steps=mixed_steps)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
             raise FlareCommandError(str(exc)) from exc
+        if leader is not None:
+            leader.watch(engine.fail)  # a rank that dies fails the server even while it is idle
         kv = engine.kv
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",

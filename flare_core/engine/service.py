@@ -90,6 +90,15 @@ class _Stop:
     pass
 
 
+@dataclass(frozen=True)
+class _Fail:
+    cause: str
+
+
+class DependencyFailed(RuntimeError):
+    """Something the model worker depends on outside its thread died (a tensor-parallel rank)."""
+
+
 def _deliver_all(batch: list[tuple[RequestStream, GenerationEvent]]) -> None:
     for stream, event in batch:
         stream._deliver(event)
@@ -179,6 +188,12 @@ class Engine:
         if self.failure is not None:
             callback(self.failure)
 
+    def fail(self, cause: str) -> None:
+        """From any thread: the model worker fails with `cause`, as if its step had raised (every
+        request answered with an error, the failure callbacks called: the server exits 1), even
+        while it is idle."""
+        self._post(_Fail(cause))
+
     async def aclose(self) -> None:
         """Cancel what is left, stop the model thread and wait for it."""
         self._draining = True
@@ -190,7 +205,7 @@ class Engine:
         (any thread may read it; it is replaced, never changed)."""
         return self._resources
 
-    def _post(self, message: _Submit | _Cancel | _Stop) -> None:
+    def _post(self, message: _Submit | _Cancel | _Stop | _Fail) -> None:
         self._inbox.put(message)
 
     # ---- model thread ----------------------------------------------------------------------
@@ -228,6 +243,8 @@ class Engine:
             block = False
             if isinstance(message, _Stop):
                 return False
+            if isinstance(message, _Fail):
+                raise DependencyFailed(message.cause)
             if isinstance(message, _Submit):
                 self._admit(message)
             elif isinstance(message, _Cancel) and not self.core.abort(message.request_id):

@@ -26,7 +26,10 @@ import os
 import queue
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for_exit
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,7 @@ class RankLeader:
                                                self._commands[rank - 1], self._status, tables))
                          for rank in range(1, ranks)]
         self._joined = False
+        self._closing = False
 
     @classmethod
     def start(cls, core_path: Path, ranks: int, tables: TableOptions = TableOptions()) -> RankLeader:
@@ -107,10 +111,25 @@ class RankLeader:
             ready.add(rank)
         return LeadingExecutor(executor, self._commands, self.ranks)
 
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(cause)` (from a watcher thread) when a worker exits before `close`: an idle
+        server would otherwise learn of it only from the next request's step."""
+        sentinels = {worker.sentinel: worker for worker in self._workers}
+
+        def watcher() -> None:
+            exited = wait_for_exit(list(sentinels))
+            if not self._closing:
+                worker = sentinels[exited[0]]
+                worker.join(1.0)  # its exit status
+                on_exit(f"tensor-parallel worker {worker.name} (pid {worker.pid}) exited with status {worker.exitcode}")
+
+        threading.Thread(target=watcher, name="flare-rank-watch", daemon=True).start()
+
     def close(self) -> None:
         """Stop the workers (after the engine's model thread has stopped: no step is in flight)."""
         import torch.distributed as dist
 
+        self._closing = True
         for commands, worker in zip(self._commands, self._workers):
             if worker.is_alive():
                 commands.put(("stop",))
