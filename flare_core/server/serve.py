@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -35,6 +38,36 @@ _log = structlog.get_logger("flare.server")
 _RUNNER_SHUTDOWN_S = 2.0
 
 
+# An event-loop error that repeats — asyncio's "socket.accept() out of system resource" once the
+# process is out of descriptors comes back about a thousand times a second, each with its
+# traceback — is logged once in full, then at most once per this many seconds with the count.
+LOOP_ERROR_INTERVAL_S = 10.0
+
+
+class LoopErrorLog:
+    """The event loop's exception handler: each kind of error (message and exception type) is
+    logged with its traceback the first time, then at most once per `interval_s`, one line
+    carrying how many times it came since."""
+
+    def __init__(self, interval_s: float = LOOP_ERROR_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+        self._interval_s = interval_s
+        self._clock = clock
+        self._logged_at: dict[tuple[str, str], float] = {}
+        self._since: Counter[tuple[str, str]] = Counter()
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        kind = (str(context.get("message", "")), type(error).__name__ if error is not None else "")
+        now, logged_at = self._clock(), self._logged_at.get(kind)
+        if logged_at is not None and now - logged_at < self._interval_s:
+            self._since[kind] += 1
+            return
+        self._logged_at[kind] = now
+        _log.error("event_loop_error", message=kind[0], error=None if error is None else f"{kind[1]}: {error}",
+                   repeated_since_last=self._since.pop(kind, 0),
+                   exc_info=error if logged_at is None and error is not None else None)
+
+
 class ServeError(RuntimeError):
     """The server could not start (e.g. the address is in use)."""
 
@@ -51,6 +84,7 @@ async def serve_async(engine: Engine, config: ServerConfig, *,
     `while_serving(url)` then runs as a task (e.g. the dashboard) until the engine has stopped,
     when it is cancelled. The engine is closed (`aclose`) on every way out; start-up failures
     raise ServeError."""
+    asyncio.get_running_loop().set_exception_handler(LoopErrorLog())
     companion: asyncio.Task | None = None
     failure: str | None = None
     try:
