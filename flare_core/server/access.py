@@ -16,7 +16,7 @@ content type no preflight asks first). Ollama closed the same holes the same way
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -80,6 +80,15 @@ class Access:
         parts = urlsplit(key)
         return parts.scheme in ("http", "https") and parts.hostname is not None and is_loopback_name(parts.hostname)
 
-    def origin_problem(self, origin: str) -> str:
-        return (f"Origin {origin[:80]!r} is not allowed: browser pages are served from loopback origins only; "
-                f"to serve a page from another origin add it with --allowed-origins (or [server] allowed_origins)")
+    def refusal(self, headers: Mapping[str, str]) -> tuple[str, str] | None:
+        """Why a request with these headers is refused (the header, the message), or None: its
+        Host name, then its Origin."""
+        problem = self.host_problem(headers.get("Host"))
+        if problem is not None:
+            return "Host", problem
+        origin = headers.get("Origin")
+        if origin is not None and not self.origin_allowed(origin):
+            return "Origin", (f"Origin {origin[:80]!r} is not allowed: browser pages are served from loopback "
+                              f"origins only; to serve a page from another origin add it with --allowed-origins "
+                              f"(or [server] allowed_origins)")
+        return None

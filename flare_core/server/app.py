@@ -95,13 +95,11 @@ async def _log_and_errors(request: web.Request, handler: Handler) -> web.StreamR
 async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Host names and browser origins (see access), before the key check, on every path; CORS
     preflights of allowed origins are answered here (they carry no key)."""
-    access = request.app[STATE].access
-    problem = access.host_problem(request.headers.get("Host"))
-    if problem is not None:
-        raise ApiError(403, problem, param="Host", code="host_not_allowed")
+    refusal = request.app[STATE].access.refusal(request.headers)
+    if refusal is not None:
+        header, message = refusal
+        raise ApiError(403, message, param=header, code=f"{header.lower()}_not_allowed")
     origin = request.headers.get("Origin")
-    if origin is not None and not access.origin_allowed(origin):
-        raise ApiError(403, access.origin_problem(origin), param="Origin", code="origin_not_allowed")
     if origin is not None and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
         return web.Response(status=204, headers={
             "Access-Control-Allow-Methods": PREFLIGHT_METHODS,
@@ -133,11 +131,7 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
         return await handler(request)
     refuse_if_unavailable(state)
     if request.method == "POST":
-        _refuse_encoded(request)
-        if not is_json_body(request):
-            raise ApiError(415, f"Content-Type {request.headers.get('Content-Type', '(none)')[:60]!r} is not accepted: "
-                                f"send the request body as JSON with Content-Type: application/json",
-                           param="Content-Type")
+        _refuse_body_form(request)
         request[BODY] = await _receive_body(request, state)
         refuse_if_unavailable(state)
     if state.in_flight >= state.ingress_limit:
@@ -152,13 +146,18 @@ async def _ingress(request: web.Request, handler: Handler) -> web.StreamResponse
         state.release()
 
 
-def _refuse_encoded(request: web.Request) -> None:
-    """415 for a compressed (or otherwise encoded) body, before any of it is read: the APIs served
-    take plain JSON, and inflating a client's upload is how a 1 MB request becomes 1 GiB of work."""
+def _refuse_body_form(request: web.Request) -> None:
+    """415, before any of the body is read, for a compressed (or otherwise encoded) body — the APIs
+    served take plain JSON, and inflating a client's upload is how a 1 MB request becomes 1 GiB of
+    work — or one not declared JSON (what a page may send cross-site unasked, see access)."""
     encoding = body_encoding(request)
     if encoding is not None:
         raise ApiError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the request body uncompressed "
                             f"(Content-Encoding identity, or none)", param="Content-Encoding")
+    if not is_json_body(request):
+        raise ApiError(415, f"Content-Type {request.headers.get('Content-Type', '(none)')[:60]!r} is not accepted: "
+                            f"send the request body as JSON with Content-Type: application/json",
+                       param="Content-Type")
 
 
 def refuse_if_unavailable(state: ServerState) -> None:

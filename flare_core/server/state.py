@@ -114,9 +114,7 @@ class ServerState:
     def reads_body(self, request: web.Request) -> bool:
         """Whether the middlewares go on to read `request`'s body: an allowed host and origin, the
         key presented, a JSON body without Content-Encoding, within the size limit."""
-        origin = request.headers.get("Origin")
-        return (self.access.host_problem(request.headers.get("Host")) is None
-                and (origin is None or self.access.origin_allowed(origin)) and self.authorized(request)
+        return (self.access.refusal(request.headers) is None and self.authorized(request)
                 and is_json_body(request) and body_encoding(request) is None and not self.declares_too_large(request))
 
     def authorized(self, request: web.Request) -> bool:
