@@ -337,7 +337,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                served_names: tuple[str, ...] = (), dashboard: bool = True, compile_model: bool = True,
                hint: Callable[[str], str] | None = None, embedding_table_storage: str | None = None,
                embedding_table_cache_size: str | None = None, mixed_steps: bool = True,
-               allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> None:
+               allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
+               max_live_per_client: int | None = None) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
@@ -418,7 +419,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                 engine = build_engine(loaded, kv_plan, registry, max_concurrency=concurrency,
                                       queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
                                       served_names=served_names or None, telemetry=telemetry,
-                                      compile_model=compile_model, leader=leader, mixed_steps=mixed_steps)
+                                      compile_model=compile_model, leader=leader, mixed_steps=mixed_steps,
+                                      max_live_per_client=max_live_per_client or config.server.max_live_per_client)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
             raise FlareCommandError(str(exc)) from exc
         if leader is not None:
@@ -475,6 +477,9 @@ _SERVE_OPTIONS = [
                  help="Browser origins (scheme://host[:port]) served, with CORS, besides loopback ones; "
                       "comma-separated or repeated ('*': any)."),
     click.option("--max-concurrency", type=int, default=None, help="Live requests (at most the core's)."),
+    click.option("--max-live-per-client", type=click.IntRange(min=1), default=None,
+                 help="Live requests one client address may hold at once (default: no cap; server."
+                      "max_live_per_client)."),
     click.option("--memory-limit", default=None, help="Device memory: occupied size 30G, reserve -30G, or 0.8."),
     click.option("--kv-cache-limit", default=None, help="KV page pool: a size (20G) or 'context'."),
     click.option("--embedding-table-storage", type=click.Choice(["disk", "ram"]), default=None,
@@ -528,7 +533,8 @@ def _serving(config: Config, options: dict) -> dict:
                 dashboard=not options["no_dashboard"], compile_model=not options["no_compile"],
                 embedding_table_storage=options["embedding_table_storage"],
                 embedding_table_cache_size=options["embedding_table_cache_size"],
-                allowed_hosts=options["allowed_hosts"], allowed_origins=options["allowed_origins"])
+                allowed_hosts=options["allowed_hosts"], allowed_origins=options["allowed_origins"],
+                max_live_per_client=options["max_live_per_client"])
 
 
 DEMO_NAME = "flare-demo"

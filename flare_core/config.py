@@ -81,6 +81,10 @@ class ServerConfig:
     body_min_bytes_per_s: int = 16384
     # Bodies arriving at once from one client address; None: a quarter of the server's upload slots.
     uploads_per_client: int | None = None
+    # Live requests (holding a state row) one client address may have at once; None: no cap. The
+    # scheduler's service prices already share the engine fairly between requests; this caps
+    # what one address can hold besides (flare_core.scheduler).
+    max_live_per_client: int | None = None
     # A streaming client that accepts no bytes for this long is treated as gone (its request is cancelled).
     send_timeout_s: float = 30.0
     # Threads that render chat templates and tokenize prompts, off the event loop.
@@ -99,7 +103,7 @@ class ServerConfig:
                 raise ConfigError(f"server.{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, tuple(v.strip() for v in value))
         for name in ("queue_capacity", "max_body_bytes", "frontend_workers", "body_min_bytes_per_s",
-                     "uploads_per_client"):
+                     "uploads_per_client", "max_live_per_client"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"server.{name} must be a positive integer, got {value!r}")

@@ -91,6 +91,9 @@ class GenerationRequest:
     request_id: str = ""
     grammar: Grammar | None = None  # constrains the output (structured output)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit before sampling)
+    # The client's address: requests of one address share a service price, and the cap on live
+    # requests per client counts by it (flare_core.scheduler).
+    client: str = ""
 
 
 def check_request(request: GenerationRequest, vocab_size: int) -> None:

@@ -36,13 +36,14 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
                  frames_in_flight: int | None = None, leader: RankLeader | None = None,
-                 mixed_steps: bool = True) -> Engine:
+                 mixed_steps: bool = True, max_live_per_client: int | None = None) -> Engine:
     """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
     executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
     executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
     of a core split over tensor-parallel ranks (flare_core.engine.tensor_parallel), which build
     the same executor and follow its steps. Without `mixed_steps` the scheduler is given no mixed
-    capacities: a step then decodes or computes prompt chunks, never both."""
+    capacities: a step then decodes or computes prompt chunks, never both. `max_live_per_client`:
+    live requests one client address may hold (None: no cap)."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
         raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
@@ -94,7 +95,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                          snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None
     scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
                                           prefill_chunk_size=capacities.prefill_chunk_size,
-                                          capacities=catalog, page_tokens=page_tokens),
+                                          capacities=catalog, page_tokens=page_tokens,
+                                          max_live_per_client=max_live_per_client),
                           KvCacheManager(pages, max_concurrency, page_tokens, prefix))
     core = EngineCore(scheduler, executor, tokenizer=loaded.tokenizer,
                       core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),

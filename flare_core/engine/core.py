@@ -48,8 +48,11 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add(self, request_id: str, request: GenerationRequest, submitted: float | None = None) -> None:
-        """Queue a request (`submitted`: when the client's request was accepted, time.monotonic()).
+    def add(self, request_id: str, request: GenerationRequest, submitted: float | None = None,
+            group: str | None = None) -> None:
+        """Queue a request (`submitted`: when the client's request was accepted, time.monotonic();
+        `group`: the id of the first choice of its client request). Requests share a service price
+        with the other requests of their client address, or without one, with their group.
         One the runtime cannot serve ends at once with an error event, alone."""
         submitted = time.monotonic() if submitted is None else submitted
         try:
@@ -58,7 +61,8 @@ class EngineCore:
             self.scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
                                   message_ends=tuple(m for m in request.message_ends
                                                      if 0 < m <= len(request.prompt_ids)),
-                                  score_prompt=request.prompt_logprobs is not None)
+                                  score_prompt=request.prompt_logprobs is not None, group=request.client or group,
+                                  client=request.client)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             self.refuse(request_id, request, "error", error=f"invalid request: {type(exc).__name__}: {exc}")

@@ -264,7 +264,7 @@ class Engine:
         if message.stream.cancelled:  # its cancel message, still in the inbox, then finds nothing to do
             self.core.refuse(message.request_id, message.request, "cancelled")
         else:
-            self.core.add(message.request_id, message.request, message.submitted)
+            self.core.add(message.request_id, message.request, message.submitted, group=message.leader)
 
     def _release_parked(self, leader: str) -> bool:
         """Admit the requests that waited for `leader`'s prefill, now: a choice cancelled while it

@@ -1,5 +1,5 @@
-"""Step selection: graph capacities, prompt chunk boundaries, fairness, and the choice between
-candidate steps by useful tokens per estimated second."""
+"""Step selection: graph capacities, prompt chunk boundaries, fairness limits, and the choice
+between candidate steps by starving prices, then useful tokens per estimated second."""
 
 from __future__ import annotations
 
@@ -68,20 +68,19 @@ class GraphCapacities:
 
 @dataclass(frozen=True)
 class FairnessLimits:
-    """A live request is starving once this many steps, or this many estimated seconds of
-    steps, have passed without it advancing; candidates serving more starving requests win."""
+    """When service prices (flare_core.scheduler.prices) override throughput. A ready request is
+    starving when its urgency — its price should the next full prompt chunk step leave it out —
+    is at least `starving_ratio` times the lowest urgency among the ready requests; while any
+    starves, the step that leaves the highest starving price lowest wins. With every state row
+    taken, a waiting request whose urgency is `starving_ratio` times the lower median of the live
+    ones' takes the row of the live request of the lowest urgency (once per request: the one
+    that gives it up is admitted again first)."""
 
-    max_wait_steps: int = 4
-    max_wait_s: float = 0.2
+    starving_ratio: float = 1.25    # math.inf: nothing ever starves (throughput alone decides)
 
     def __post_init__(self) -> None:
-        if self.max_wait_steps < 1:
-            raise ValueError(f"FairnessLimits max_wait_steps must be >= 1, got {self.max_wait_steps}")
-        if not (self.max_wait_s > 0 and math.isfinite(self.max_wait_s)):
-            raise ValueError(f"FairnessLimits max_wait_s must be a positive number, got {self.max_wait_s}")
-
-    def starving(self, waited_steps: int, waited_s: float) -> bool:
-        return waited_steps >= self.max_wait_steps or waited_s >= self.max_wait_s
+        if not self.starving_ratio > 1:
+            raise ValueError(f"FairnessLimits starving_ratio must be a number > 1, got {self.starving_ratio}")
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,8 @@ class Candidate:
     kind: StepKind
     capacity: int
     useful_tokens: int      # tokens advanced: decode rows + real (unpadded) prompt tokens
-    starving_served: int    # starving requests this step would advance
+    # The highest price among the starving requests after this step (0.0: none starves).
+    starving_price: float = 0.0
     # Decode rows ready now that the step leaves out (a prompt-only step beside decoders), and
     # the decode capacity that covers them: they will take a step of their own.
     deferred_decodes: int = 0
@@ -102,8 +102,8 @@ _KIND_PREFERENCE = {StepKind.MIXED: 0, StepKind.DECODE: 1, StepKind.PREFILL: 2}
 
 
 def rank(candidates: Sequence[Candidate], estimator: StepCostEstimator) -> list[int]:
-    """Candidate indices, best first: most starving requests served, then most useful tokens
-    per estimated second; ties go to mixed, then decode (deterministic).
+    """Candidate indices, best first: the lowest price left to the starving requests, then most
+    useful tokens per estimated second; ties go to mixed, then decode (deterministic).
 
     A step that leaves ready decode rows out is rated with the decode step those rows then take
     (its tokens and seconds added to its own): against a mixed step that carries them for the
@@ -111,13 +111,13 @@ def rank(candidates: Sequence[Candidate], estimator: StepCostEstimator) -> list[
     would pad to a much larger graph. Against a decode-only step nothing changes: the rate of
     the two steps together lies between the rates of each."""
 
-    def key(index: int) -> tuple[int, float, int]:
+    def key(index: int) -> tuple[float, float, int]:
         c = candidates[index]
         tokens, seconds = c.useful_tokens, estimator.estimate(c.kind, c.capacity)
         if c.deferred_decodes:
             tokens += c.deferred_decodes
             seconds += estimator.estimate(StepKind.DECODE, c.deferred_capacity)
-        return -c.starving_served, -tokens / seconds, _KIND_PREFERENCE[c.kind]
+        return c.starving_price, -tokens / seconds, _KIND_PREFERENCE[c.kind]
 
     return sorted(range(len(candidates)), key=key)
 

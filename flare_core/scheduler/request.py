@@ -57,6 +57,8 @@ class Request:
     message_ends: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
     order: int                      # submission order: lower is older and has priority
     score_prompt: bool = False      # every prompt position computed, never restored from the cache
+    group: str = ""                 # whose service prices it shares: the client request (its `n` choices)
+    client: str = ""                # the client's address, for the cap on live requests per client
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -71,8 +73,7 @@ class Request:
     num_planned_samples: int = 0
     in_flight: int = 0              # issued plans that include this request
     restore: Restore | None = None  # queued for the next plan
-    last_served_seq: int = -1
-    waited_s: float = 0.0
+    yielded: bool = False           # gave its state row up once to a starving waiting request
 
     @property
     def prompt_len(self) -> int:

@@ -17,8 +17,7 @@ recompute, reusing whatever the prefix cache kept).
 from __future__ import annotations
 
 import bisect
-import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from flare_core.kv.pages import request_page_need
 from flare_core.kv.prefix import NO_HIT, ResumeStorage
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
 from flare_core.scheduler.policy import FairnessLimits, GraphCapacities, chunk_end, rank
+from flare_core.scheduler.prices import ServicePrices
 from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
 from flare_core.scheduler.steps import Reservation, StepBuilder
 
@@ -38,12 +38,15 @@ class SchedulerConfig:
     capacities: GraphCapacities
     page_tokens: int = 64
     fairness: FairnessLimits = field(default_factory=FairnessLimits)
+    max_live_per_client: int | None = None  # live requests one client address may hold (None: no cap)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"SchedulerConfig max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.page_tokens < 1:
             raise ValueError(f"SchedulerConfig page_tokens must be >= 1, got {self.page_tokens}")
+        if self.max_live_per_client is not None and self.max_live_per_client < 1:
+            raise ValueError(f"SchedulerConfig max_live_per_client must be >= 1, got {self.max_live_per_client}")
         if self.prefill_chunk_size < self.page_tokens or self.prefill_chunk_size % self.page_tokens:
             raise ValueError(f"SchedulerConfig prefill_chunk_size ({self.prefill_chunk_size}) must be a "
                              f"positive multiple of page_tokens ({self.page_tokens})")
@@ -133,7 +136,7 @@ class Resources:
     cached_pages: int           # pages the prefix cache holds
     request_page_refs: int      # references held on pages by anything but the cache (page tables,
     #                             hits held by waiting requests, reserved resume point copies)
-    preemptions: int            # requests preempted for pages so far
+    preemptions: int            # requests preempted so far (for pages, or for a starving waiting request)
 
 
 class Scheduler:
@@ -147,23 +150,29 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.estimator = estimator or StepCostEstimator()
-        self._steps = StepBuilder(config.capacities, config.prefill_chunk_size, config.page_tokens, config.fairness, kv)
+        self.prices = ServicePrices(self.estimator, config.capacities, config.prefill_chunk_size)
+        self._steps = StepBuilder(config.capacities, config.prefill_chunk_size, config.page_tokens, config.fairness,
+                                  self.prices, kv)
         self._requests: dict[str, Request] = {}
-        self._waiting: list[tuple[int, Request]] = []   # heap by submission order
+        self._waiting: list[Request] = []               # queued for a state row
+        self._promised: Request | None = None           # a waiting request another gave its row up for
         self._live: list[Request] = []                  # holding a state row, sorted by order
         self._in_flight: deque[tuple[StepPlan, list[Request]]] = deque()
         self._next_seq = 0
         self._next_order = 0
-        self.preemptions = 0    # requests preempted for pages so far (a metric)
+        self.preemptions = 0    # requests preempted so far (a metric)
 
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
-               message_ends: Sequence[int] = (), score_prompt: bool = False) -> None:
+               message_ends: Sequence[int] = (), score_prompt: bool = False, group: str | None = None,
+               client: str = "") -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
         (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
-        reuse) and its chunks carry their prompt targets. The caller has already checked the
-        context limit."""
+        reuse) and its chunks carry their prompt targets. Requests of one `group` (the engine's:
+        one client address; default: the request alone) share their service price; `client` (an
+        address) is what the cap on live requests per client counts. The caller has already
+        checked the context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt = tuple(prompt)
@@ -181,10 +190,11 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
                              f"max_tokens {max_tokens}) but the cache has {self.kv.num_pages}")
         request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
-                          kv=self.kv.open(request_id))
+                          group=group or request_id, client=client, kv=self.kv.open(request_id))
         self._next_order += 1
         self._requests[request_id] = request
-        heapq.heappush(self._waiting, (request.order, request))
+        self.prices.join(request)
+        self._waiting.append(request)
 
     def finish(self, request_id: str, reason: str) -> None:
         """Stop scheduling a request now; its state row and pages return at its fence. Tokens still
@@ -219,7 +229,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for _, r in self._waiting if r.status is RequestStatus.WAITING)
+        return len(self._waiting)
 
     @property
     def num_live(self) -> int:
@@ -259,7 +269,7 @@ class Scheduler:
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan
         while True:
-            candidates = self._steps.candidates(self._live, seq)
+            candidates = self._steps.candidates(self._live)
             blocked: Reservation | None = None
             for index in rank(candidates, self.estimator):
                 reservation = self._steps.reserve(candidates[index], protected, self._live)
@@ -309,12 +319,9 @@ class Scheduler:
                         self.estimator.estimate(step.kind, step.capacity))
         members = {r.request_id: r for r in [*restoring, *reservation.decoders,
                                              *(c.request for c in reservation.chunks)]}
-        for request in self._live:
-            if request.request_id in members:
-                request.last_served_seq = seq
-                request.waited_s = 0.0
-            elif request.status is RequestStatus.RUNNING:
-                request.waited_s += plan.estimated_s
+        served = {r: self.prices.decode_s() for r in reservation.decoders}
+        served.update((c.request, self.prices.chunk_s(c.end - c.start)) for c in reservation.chunks)
+        self.prices.advance(plan.estimated_s, served)
         for request in members.values():
             request.in_flight += 1
         self._in_flight.append((plan, list(members.values())))
@@ -366,14 +373,18 @@ class Scheduler:
     # ---- admission, pages, release ------------------------------------------------------
 
     def _admit(self) -> None:
-        """Admit waiting requests in submission order while a state row and the pages for their
-        first chunk (plus one page of headroom per running request) are available."""
+        """Admit waiting requests while a state row and the pages for their first chunk (plus one
+        page of headroom per running request) are available: the one another gave its row up
+        for first, then those that gave theirs up, then the most urgent (oldest on ties), a client
+        at its cap on live requests passed over. With every row taken, a starving waiting request
+        takes the row of the live request of the lowest urgency (see `_yield_row`)."""
         page_tokens = self.config.page_tokens
-        while self._waiting and self.kv.free_state_rows:
-            request = self._waiting[0][1]
-            if request.status is not RequestStatus.WAITING:
-                heapq.heappop(self._waiting)
-                continue
+        while self._waiting:
+            request = self._next_waiting()
+            if request is None:
+                return
+            if not self.kv.free_state_rows and not (self._yield_row(request) and self.kv.free_state_rows):
+                return
             tokens = request.known_tokens()
             hit = NO_HIT if request.score_prompt else self.kv.lookup(request.request_id, tokens)
             target = len(tokens)
@@ -386,7 +397,9 @@ class Scheduler:
             admission = self.kv.admit(request.request_id, first_end, headroom)
             if admission is None:
                 return
-            heapq.heappop(self._waiting)
+            self._waiting.remove(request)
+            if request is self._promised:
+                self._promised = None
             request.handle = RequestHandle(request.request_id, admission.state_row, admission.generation)
             request.target = target
             request.boundaries = boundaries
@@ -396,9 +409,41 @@ class Scheduler:
                 request.restore = Restore(request.handle, admission.tail_copy, admission.snapshot_row,
                                           admission.logits_row)
             request.status = RequestStatus.RUNNING
-            request.last_served_seq = self._next_seq - 1
-            request.waited_s = 0.0
             bisect.insort(self._live, request, key=lambda r: r.order)
+
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to admit next, or None when every one's client is at its cap."""
+        cap = self.config.max_live_per_client
+        live = Counter(r.client for r in self._live) if cap is not None else Counter()
+        allowed = [r for r in self._waiting if cap is None or not r.client or live[r.client] < cap]
+        if not allowed:
+            return None
+        return max(allowed, key=lambda r: (r is self._promised, r.yielded, self._steps.urgency(r), -r.order))
+
+    def _yield_row(self, request: Request) -> bool:
+        """Every state row is taken: if `request` starves against the live requests (its urgency
+        `starving_ratio` times their lower median's or more), the running request of the lowest
+        urgency that has not yielded before gives its row up (preempted: its pages return at its
+        fence, what it computed stays in the prefix cache, and it is admitted again first). Only
+        with a prefix cache (without one, the preempted request would compute everything again),
+        and one row at a time. Whether a row was given up."""
+        if (self.kv.prefix_stats is None or self._promised is not None
+                or any(r.status is RequestStatus.PREEMPTED for r in self._live)):
+            return False
+        running = [r for r in self._live if r.status is RequestStatus.RUNNING]
+        urgencies = sorted(self._steps.urgency(r) for r in running)
+        if not urgencies or self._steps.urgency(request) < self.config.fairness.starving_ratio * urgencies[
+                (len(urgencies) - 1) // 2]:
+            return False
+        victims = [r for r in running if not r.yielded and r.group != request.group and r.restore is None
+                   and r.num_planned_samples < r.max_tokens]
+        if not victims:
+            return False
+        victim = min(victims, key=lambda r: (self._steps.urgency(r), -r.order))
+        victim.yielded = True
+        self._promised = request
+        self._preempt(victim)
+        return True
 
     def _boundaries(self, request: Request, start: int, target: int) -> tuple[int, ...]:
         """Chunk ends forced so a state snapshot can be taken exactly there."""
@@ -428,10 +473,15 @@ class Scheduler:
         request.reset_admission()
         if request.status is RequestStatus.PREEMPTED:
             request.status = RequestStatus.WAITING
-            heapq.heappush(self._waiting, (request.order, request))
+            self._waiting.append(request)
         else:
             self._forget(request)
 
     def _forget(self, request: Request) -> None:
+        if request.status is RequestStatus.STOPPED and request in self._waiting:
+            self._waiting.remove(request)
+        if request is self._promised:
+            self._promised = None
         del self._requests[request.request_id]
+        self.prices.leave(request)
         self.kv.close(request.request_id)

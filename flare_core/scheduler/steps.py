@@ -2,8 +2,9 @@
 victims each would take.
 
 `StepBuilder.candidates` proposes the possible next steps over the running requests (all decodes;
-prompt chunks up to the chunk size; with a mixed catalog, all decodes plus the chunks that fill
-each mixed capacity beside them). `StepBuilder.reserve` works out what committing one would
+prompt chunks up to the chunk size, most urgent first; with a mixed catalog, all decodes plus the
+chunks that fill each mixed capacity beside them), each with the highest service price it leaves
+to the starving requests. `StepBuilder.reserve` works out what committing one would
 take, changing nothing: the pages its entries would get from the KV-cache manager, oldest
 request first, and the younger running requests it would preempt where pages are short. The
 scheduler ranks the candidates, reserves them in rank order and commits the first that runs.
@@ -18,6 +19,7 @@ from flare_core.kv.manager import KvCacheManager
 from flare_core.kv.pages import pages_for_tokens
 from flare_core.scheduler.estimates import StepKind
 from flare_core.scheduler.policy import Candidate, FairnessLimits, GraphCapacities, chunk_end
+from flare_core.scheduler.prices import ServicePrices
 from flare_core.scheduler.request import Request, RequestStatus
 
 
@@ -54,32 +56,45 @@ class Reservation:
 
 
 class StepBuilder:
-    """Builds and reserves candidate steps for one scheduler (its catalog, chunk size, page size
-    and fairness limits, its KV-cache manager)."""
+    """Builds and reserves candidate steps for one scheduler (its catalog, chunk size, page size,
+    fairness limits and service prices, its KV-cache manager)."""
 
     def __init__(self, capacities: GraphCapacities, prefill_chunk_size: int, page_tokens: int,
-                 fairness: FairnessLimits, kv: KvCacheManager):
+                 fairness: FairnessLimits, prices: ServicePrices, kv: KvCacheManager):
         self.capacities = capacities
         self.prefill_chunk_size = prefill_chunk_size
         self.page_tokens = page_tokens
         self.fairness = fairness
+        self.prices = prices
         self.kv = kv
 
-    def candidates(self, live: Sequence[Request], seq: int) -> list[CandidateStep]:
+    def candidates(self, live: Sequence[Request]) -> list[CandidateStep]:
         """The possible next steps over the running requests: all decodes, prompt chunks up to
         the chunk size, and (with a mixed catalog) all decodes plus the chunks that fill each
-        mixed capacity beside them (the smaller ones pad less, the larger carry more prompt)."""
+        mixed capacity beside them (the smaller ones pad less, the larger carry more prompt).
+        Prompt chunks go in order of urgency (the most urgent first, then oldest); while a request
+        starves, a decode step of the starving decoders alone and prompt-only steps of every
+        smaller prefill capacity are proposed too, so that a short request need not pay for a
+        long prompt's full chunk or for sixty others' decode rows."""
         running = [r for r in live if r.status is RequestStatus.RUNNING]
-        starving = {r.request_id for r in running
-                    if self.fairness.starving(seq - r.last_served_seq - 1, r.waited_s)}
         decoders = tuple(r for r in running if r.can_decode())
         prefillers = [r for r in running if r.can_prefill()]
+        starving = self.starving([*decoders, *prefillers])
+        prefillers.sort(key=lambda r: (-self.urgency(r), r.order))
         candidates = []
         if decoders:
             candidates.append(self.candidate(decoders, (), starving))
-        chunks = self._pack(prefillers, self.prefill_chunk_size)
-        if chunks:
-            candidates.append(self.candidate((), chunks, starving, deferred=len(decoders)))
+            starving_decoders = tuple(r for r in decoders if r in starving)
+            if 0 < len(starving_decoders) < len(decoders):     # a smaller, cheaper step of their own
+                candidates.append(self.candidate(starving_decoders, (), starving))
+        packed: set[tuple[tuple[int, int], ...]] = set()
+        budgets = [c for c in self.capacities.of(StepKind.PREFILL) if c < self.prefill_chunk_size] if starving else []
+        for budget in [*budgets, self.prefill_chunk_size] if prefillers else ():
+            chunks = self._pack(prefillers, budget)
+            spans = tuple((c.start, c.end) for c in chunks)
+            if chunks and spans not in packed:
+                packed.add(spans)
+                candidates.append(self.candidate((), chunks, starving, deferred=len(decoders)))
         mixed: set[tuple[tuple[int, int], ...]] = set()
         for capacity in self.capacities.of(StepKind.MIXED) if decoders and prefillers else ():
             room = min(capacity - len(decoders), self.prefill_chunk_size)
@@ -90,23 +105,39 @@ class StepBuilder:
                 candidates.append(self.candidate(decoders, mixed_chunks, starving))
         return candidates
 
+    def urgency(self, request: Request) -> float:
+        """The request's price should the next full prompt chunk step leave it out."""
+        return self.prices.price(request, self.prices.chunk_s(self.prefill_chunk_size))
+
+    def starving(self, ready: Sequence[Request]) -> tuple[Request, ...]:
+        """The ready requests whose urgency is `starving_ratio` times the lowest one's or more."""
+        if len(ready) < 2:
+            return ()
+        urgencies = [self.urgency(r) for r in ready]
+        floor = self.fairness.starving_ratio * min(urgencies)
+        return tuple(r for r, u in zip(ready, urgencies) if u >= floor)
+
     def candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
-                   starving: Collection[str] = frozenset(), deferred: int = 0) -> CandidateStep:
+                  starving: Collection[Request] = (), deferred: int = 0) -> CandidateStep:
         """The step over `decoders` and `chunks`, leaving `deferred` ready decode rows out: its
-        kind, the graph capacity that covers it, its useful tokens and the starving requests it
-        serves, each computed here once."""
+        kind, the graph capacity that covers it, its useful tokens and the highest price it leaves
+        to the starving requests, each computed here once."""
         tokens = len(decoders) + sum(c.end - c.start for c in chunks)
         kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
                 else StepKind.PREFILL if chunks else StepKind.RESTORE)
         capacity = 0 if kind is StepKind.RESTORE else self.capacities.covering(kind, tokens)
         assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
-        served = sum(r.request_id in starving for r in decoders) + sum(c.request.request_id in starving
-                                                                       for c in chunks)
+        starving_price = 0.0
+        if starving:
+            served = {r: self.prices.decode_s() for r in decoders}
+            served.update((c.request, self.prices.chunk_s(c.end - c.start)) for c in chunks)
+            step_s = self.prices.estimator.estimate(kind, capacity)
+            starving_price = max(self.prices.price(r, step_s, served.get(r, 0.0)) for r in starving)
         deferred_capacity = self.capacities.covering(StepKind.DECODE, deferred) or 0 if deferred else 0
-        return CandidateStep(kind, capacity, tokens, served, deferred, deferred_capacity, decoders, chunks)
+        return CandidateStep(kind, capacity, tokens, starving_price, deferred, deferred_capacity, decoders, chunks)
 
     def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
-        """Prompt chunks in submission order, filling `budget` tokens."""
+        """Prompt chunks in the order of `prefillers`, filling `budget` tokens."""
         chunks = []
         for request in prefillers:
             if budget <= 0:

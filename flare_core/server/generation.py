@@ -27,6 +27,7 @@ from flare_core.server.prompts import Prompt
 from flare_core.server.request_log import RECORD, RequestRecord
 from flare_core.server.sampling import Sampling
 from flare_core.server.sse import EventStream
+from flare_core.server.uploads import client_of
 from flare_core.server.state import STATE, RequestStream, ServerState
 from flare_core.server.validation import json_body
 
@@ -282,7 +283,7 @@ async def answer(request: web.Request, call: Call, new_builders: NewBuilders, *,
     record.model, record.stream = call.model, call.stream
     async with AsyncExitStack() as entered:
         generations: list[Generation] = []
-        for choice in choice_requests(call.request, call.choices):
+        for choice in choice_requests(replace(call.request, client=client_of(request)), call.choices):
             parser = output_parser(state.frontend, call.prompt.text, call.tools) if parsed else None
             generation = Generation(state, record, choice, parser, leader=generations[0] if generations else None,
                                     call_ids=call_ids)

@@ -1,0 +1,87 @@
+"""Service prices: how far each request is behind the pace it would have alone, the one measure
+the scheduler's fairness uses (which step runs, whose prompt chunk goes first, who is admitted to
+a state row and, for a request left waiting too long, who gives one up).
+
+A request's price is its group's slowdown, projected to the end of its next unit of work:
+
+    price = (elapsed + unit) / (served alone + unit)
+
+where `elapsed` is the time since its group arrived, `served alone` what the service its group has
+had would have cost run alone, and `unit` its own next unit run alone (its next prompt chunk, or
+one decode row) — all in the step cost estimator's seconds, on the scheduler's clock (the sum of
+the estimated durations of the steps it issued), so that prices are deterministic for a given
+sequence of steps. A price grows while its request waits, the faster the cheaper its own work:
+a short chat behind one long prompt's chunk gains tens of units a step, the long prompt a
+fraction of one. It falls as its request is served at its own pace. A group is what the engine
+says shares one price: the requests of one client address (so one client's eight long prompts or
+sixty choices weigh as one client against another's chat, while the many requests of one
+benchmark client compare by their own units alone), or a request and its `n` choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from flare_core.scheduler.estimates import StepCostEstimator, StepKind
+from flare_core.scheduler.policy import GraphCapacities
+from flare_core.scheduler.request import Request
+
+
+@dataclass
+class _Group:
+    arrived_s: float
+    alone_s: float = 0.0
+    members: int = 0
+
+
+class ServicePrices:
+    """The scheduler's clock and each request group's service (see the module docstring)."""
+
+    def __init__(self, estimator: StepCostEstimator, capacities: GraphCapacities, prefill_chunk_size: int):
+        self.estimator = estimator
+        self.capacities = capacities
+        self.prefill_chunk_size = prefill_chunk_size
+        self.clock_s = 0.0
+        self._groups: dict[str, _Group] = {}
+
+    def join(self, request: Request) -> None:
+        group = self._groups.setdefault(request.group, _Group(self.clock_s))
+        group.members += 1
+
+    def leave(self, request: Request) -> None:
+        group = self._groups[request.group]
+        group.members -= 1
+        if not group.members:
+            del self._groups[request.group]
+
+    def decode_s(self) -> float:
+        """One decode row run alone."""
+        return self.estimator.estimate(StepKind.DECODE, self.capacities.covering(StepKind.DECODE, 1) or 1)
+
+    def chunk_s(self, tokens: int) -> float:
+        """A prompt chunk of `tokens` run alone."""
+        capacity = self.capacities.covering(StepKind.PREFILL, tokens) or self.capacities.largest(StepKind.PREFILL)
+        return self.estimator.estimate(StepKind.PREFILL, capacity)
+
+    def unit_s(self, request: Request) -> float:
+        """The request's next unit of work run alone: its next prompt chunk (a waiting request's
+        first), or one decode row."""
+        if request.handle is None or not request.prefill_done:
+            remaining = (request.target - request.num_computed if request.handle is not None
+                         else request.num_known_tokens)
+            return self.chunk_s(max(1, min(remaining, self.prefill_chunk_size)))
+        return self.decode_s()
+
+    def price(self, request: Request, step_s: float = 0.0, served_s: float = 0.0, unit_s: float | None = None) -> float:
+        """The request's price after a step of `step_s` that serves it work worth `served_s` alone
+        (0: the step leaves it out); with the defaults, its price now."""
+        group = self._groups[request.group]
+        unit = self.unit_s(request) if unit_s is None else unit_s
+        return (self.clock_s - group.arrived_s + step_s + unit) / (group.alone_s + served_s + unit)
+
+    def advance(self, step_s: float, served: Mapping[Request, float]) -> None:
+        """A step of `step_s` was issued, serving each request in `served` work worth that much alone."""
+        self.clock_s += step_s
+        for request, alone_s in served.items():
+            self._groups[request.group].alone_s += alone_s
