@@ -4,7 +4,6 @@ between candidate steps by starving prices, then useful tokens per estimated sec
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
