@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import threading
 
 import openai
@@ -166,3 +167,27 @@ def test_requests_waiting_for_the_frontend_pool_hold_ingress_and_the_next_is_a_4
     assert refused_status == 429 and f"already holds {limit} requests" in refused_body["error"]["message"]
     # Released at once, the held requests meet the engine's own admission limit (its 503), never a 429.
     assert set(statuses) <= {200, 503} and statuses.count(200) >= limit // 2
+
+
+def test_a_core_file_truncated_while_serving_changes_nothing(tmp_path, session_flare, qwen3_core):
+    """#45 item 6: truncating the core's weights under a serving CPU process killed it with
+    SIGBUS (exit 135, in-flight requests unanswered). The weights are private copies now: the
+    server goes on answering, and stops cleanly."""
+    core = shutil.copytree(qwen3_core, tmp_path / "core")
+    process = ServerProcess(session_flare.config_path, core, tmp_path / "server.log", "--served-name", "truncated")
+    try:
+        process.wait_ready()
+        payloads = [path for path in core.rglob("*") if path.is_file() and path.stat().st_size > 1 << 20]
+        assert payloads, "the core holds no weights file to truncate"
+        for path in payloads:
+            with open(path, "r+b") as file:
+                file.truncate(0)
+        for _ in range(3):
+            reply = process.post("/v1/completions", {"model": "truncated", "prompt": "Hello there", "max_tokens": 8,
+                                                     "ignore_eos": True})
+            assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 8, reply.body
+        assert process.get("/health").status == 200
+        process.terminate()
+        assert process.wait_exit() == 0, process.log()
+    finally:
+        process.stop()

@@ -168,6 +168,11 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
                  for name in model.state_dict()}
         loaded = core.load_tensors(device="cpu", names=names.values())
         tensors = {name: loaded[stored_name] for name, stored_name in names.items()}
+    if device.type == "cpu":
+        # Private copies: the core file maps into memory, and a mapped page whose file was
+        # truncated or rewritten while serving kills the process with SIGBUS at the next step
+        # that reads it. (A device copies the weights anyway.)
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
     load_prepared_weights(model, tensors, device)
 
     frontend = manifest["frontend"]
