@@ -44,6 +44,18 @@ class ServicePrices:
         self.prefill_chunk_size = prefill_chunk_size
         self.clock_s = 0.0
         self._groups: dict[str, _Group] = {}
+        self._estimates: dict[tuple[StepKind, int], float] = {}  # this planning round's, see refresh()
+
+    def refresh(self) -> None:
+        """Forget the step estimates read so far (call before planning a step: completions may
+        have changed them). Within one round each (kind, capacity) is read from the estimator once."""
+        self._estimates.clear()
+
+    def _estimate(self, kind: StepKind, capacity: int) -> float:
+        key = (kind, capacity)
+        if key not in self._estimates:
+            self._estimates[key] = self.estimator.estimate(kind, capacity)
+        return self._estimates[key]
 
     def join(self, request: Request) -> None:
         group = self._groups.setdefault(request.group, _Group(self.clock_s))
@@ -57,12 +69,12 @@ class ServicePrices:
 
     def decode_s(self) -> float:
         """One decode row run alone."""
-        return self.estimator.estimate(StepKind.DECODE, self.capacities.covering(StepKind.DECODE, 1) or 1)
+        return self._estimate(StepKind.DECODE, self.capacities.covering(StepKind.DECODE, 1) or 1)
 
     def chunk_s(self, tokens: int) -> float:
         """A prompt chunk of `tokens` run alone."""
         capacity = self.capacities.covering(StepKind.PREFILL, tokens) or self.capacities.largest(StepKind.PREFILL)
-        return self.estimator.estimate(StepKind.PREFILL, capacity)
+        return self._estimate(StepKind.PREFILL, capacity)
 
     def unit_s(self, request: Request) -> float:
         """The request's next unit of work run alone: its next prompt chunk (a waiting request's

@@ -265,6 +265,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Admit what fits, choose the next step and issue it; None when nothing can run now."""
         seq = self._next_seq
+        self.prices.refresh()
         self._admit()
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan

@@ -79,8 +79,9 @@ class StepBuilder:
         running = [r for r in live if r.status is RequestStatus.RUNNING]
         decoders = tuple(r for r in running if r.can_decode())
         prefillers = [r for r in running if r.can_prefill()]
-        starving = self.starving([*decoders, *prefillers])
-        prefillers.sort(key=lambda r: (-self.urgency(r), r.order))
+        urgencies = {r: self.urgency(r) for r in (*decoders, *prefillers)}
+        starving = self.starving(urgencies)
+        prefillers.sort(key=lambda r: (-urgencies[r], r.order))
         candidates = []
         if decoders:
             candidates.append(self.candidate(decoders, (), starving))
@@ -109,13 +110,13 @@ class StepBuilder:
         """The request's price should the next full prompt chunk step leave it out."""
         return self.prices.price(request, self.prices.chunk_s(self.prefill_chunk_size))
 
-    def starving(self, ready: Sequence[Request]) -> tuple[Request, ...]:
-        """The ready requests whose urgency is `starving_ratio` times the lowest one's or more."""
-        if len(ready) < 2:
+    def starving(self, urgencies: dict[Request, float]) -> tuple[Request, ...]:
+        """The ready requests (with their urgencies) whose urgency is `starving_ratio` times the
+        lowest one's or more."""
+        if len(urgencies) < 2:
             return ()
-        urgencies = [self.urgency(r) for r in ready]
-        floor = self.fairness.starving_ratio * min(urgencies)
-        return tuple(r for r, u in zip(ready, urgencies) if u >= floor)
+        floor = self.fairness.starving_ratio * min(urgencies.values())
+        return tuple(r for r, u in urgencies.items() if u >= floor)
 
     def candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
                   starving: Collection[Request] = (), deferred: int = 0) -> CandidateStep:
