@@ -4,6 +4,7 @@ between candidate steps by starving prices, then useful tokens per estimated sec
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -67,19 +68,35 @@ class GraphCapacities:
 
 @dataclass(frozen=True)
 class FairnessLimits:
-    """When service prices (flare_core.scheduler.prices) override throughput. A ready request is
-    starving when its urgency — its price should the next full prompt chunk step leave it out —
-    is at least `starving_ratio` times the lowest urgency among the ready requests; while any
-    starves, the step that leaves the highest starving price lowest wins. With every state row
-    taken, a waiting request whose urgency is `starving_ratio` times the lower median of the live
-    ones' takes the row of the live request of the lowest urgency (once per request: the one
-    that gives it up is admitted again first)."""
+    """Fairness before throughput, at two levels. Between the requests of one group: a live
+    request is overdue once `max_wait_steps` steps, or `max_wait_s` estimated seconds of steps,
+    have passed without it advancing; candidates serving more overdue requests win. Between
+    groups, by service prices (flare_core.scheduler.prices), which come first: a request's urgency
+    is its price should the next full prompt chunk step leave it out; a group (a client) starves
+    when its most urgent ready request is at least `starving_ratio` times as urgent as the least
+    urgent group's; while one starves, the step that leaves the highest price among the ready
+    requests lowest wins. A waiting request whose urgency is `starving_ratio` times the lower
+    median of the running ones' is admitted first, and when every state row is taken, the
+    running request of the lowest urgency gives it its row (once per request: the one that
+    gives it up is admitted again first)."""
 
-    starving_ratio: float = 1.25    # math.inf: nothing ever starves (throughput alone decides)
+    max_wait_steps: int = 4
+    max_wait_s: float = 0.2
+    starving_ratio: float = 1.25    # math.inf: no group ever starves
+    memory_s: float = 10.0          # prices forget service older than about this (flare_core.scheduler.prices)
 
     def __post_init__(self) -> None:
+        if self.max_wait_steps < 1:
+            raise ValueError(f"FairnessLimits max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        if not (self.max_wait_s > 0 and math.isfinite(self.max_wait_s)):
+            raise ValueError(f"FairnessLimits max_wait_s must be a positive number, got {self.max_wait_s}")
         if not self.starving_ratio > 1:
             raise ValueError(f"FairnessLimits starving_ratio must be a number > 1, got {self.starving_ratio}")
+        if not (self.memory_s > 0 and math.isfinite(self.memory_s)):
+            raise ValueError(f"FairnessLimits memory_s must be a positive number of seconds, got {self.memory_s}")
+
+    def overdue(self, waited_steps: int, waited_s: float) -> bool:
+        return waited_steps >= self.max_wait_steps or waited_s >= self.max_wait_s
 
 
 @dataclass(frozen=True)
@@ -89,20 +106,28 @@ class Candidate:
     kind: StepKind
     capacity: int
     useful_tokens: int      # tokens advanced: decode rows + real (unpadded) prompt tokens
-    # The highest price among the starving requests after this step (0.0: none starves).
-    starving_price: float = 0.0
+    overdue_served: int = 0  # overdue requests this step would advance
+    # While a client starves: the highest service price among the ready requests after this step
+    # (0.0 otherwise).
+    worst_price: float = 0.0
     # Decode rows ready now that the step leaves out (a prompt-only step beside decoders), and
     # the decode capacity that covers them: they will take a step of their own.
     deferred_decodes: int = 0
     deferred_capacity: int = 0
 
 
-_KIND_PREFERENCE = {StepKind.MIXED: 0, StepKind.DECODE: 1, StepKind.PREFILL: 2}
+_KIND_PREFERENCE = {StepKind.MIXED: 0, StepKind.DECODE: 1, StepKind.PREFILL: 2, StepKind.RESTORE: 3}
+# Candidates whose highest price is within this fraction of the lowest one's are equally fair:
+# throughput chooses among them (a request no candidate serves would otherwise make the
+# cheapest step win every time, its price growing least).
+PRICE_TOLERANCE = 0.05
 
 
 def rank(candidates: Sequence[Candidate], estimator: StepCostEstimator) -> list[int]:
-    """Candidate indices, best first: the lowest price left to the starving requests, then most
-    useful tokens per estimated second; ties go to mixed, then decode (deterministic).
+    """Candidate indices, best first: those leaving the lowest highest price to the ready
+    requests (while a client starves; within PRICE_TOLERANCE), then those serving the most
+    overdue requests, then most useful tokens per estimated second; ties go to mixed, then
+    decode (deterministic).
 
     A step that leaves ready decode rows out is rated with the decode step those rows then take
     (its tokens and seconds added to its own): against a mixed step that carries them for the
@@ -110,13 +135,16 @@ def rank(candidates: Sequence[Candidate], estimator: StepCostEstimator) -> list[
     would pad to a much larger graph. Against a decode-only step nothing changes: the rate of
     the two steps together lies between the rates of each."""
 
-    def key(index: int) -> tuple[float, float, int]:
+    fair = min((c.worst_price for c in candidates), default=0.0) * (1 + PRICE_TOLERANCE)
+
+    def key(index: int) -> tuple[float, int, float, int]:
         c = candidates[index]
         tokens, seconds = c.useful_tokens, estimator.estimate(c.kind, c.capacity)
         if c.deferred_decodes:
             tokens += c.deferred_decodes
             seconds += estimator.estimate(StepKind.DECODE, c.deferred_capacity)
-        return c.starving_price, -tokens / seconds, _KIND_PREFERENCE[c.kind]
+        return (0.0 if c.worst_price <= fair else c.worst_price, -c.overdue_served, -tokens / seconds,
+                _KIND_PREFERENCE[c.kind])
 
     return sorted(range(len(candidates)), key=key)
 

@@ -2,15 +2,16 @@
 the scheduler's fairness uses (which step runs, whose prompt chunk goes first, who is admitted to
 a state row and, for a request left waiting too long, who gives one up).
 
-A request's price is its group's slowdown, projected to the end of its next unit of work:
+A request's price is its group's recent slowdown, projected to the end of its next unit of work:
 
     price = (elapsed + unit) / (served alone + unit)
 
-where `elapsed` is the time since its group arrived, `served alone` what the service its group has
-had would have cost run alone, and `unit` its own next unit run alone (its next prompt chunk, or
-one decode row) — all in the step cost estimator's seconds, on the scheduler's clock (the sum of
-the estimated durations of the steps it issued), so that prices are deterministic for a given
-sequence of steps. A price grows while its request waits, the faster the cheaper its own work:
+where `elapsed` is the time its group has been present, `served alone` what the service its group
+has had would have cost run alone — both forgotten at the rate `memory_s` (each second counts
+e**(-age / memory_s)), so that a price tells how a group fares now, not since it came — and
+`unit` the request's own next unit run alone (its next prompt chunk, or one decode row). Times
+are the step cost estimator's seconds on the scheduler's clock (the estimated durations of the
+steps it issued), so prices are deterministic for a given sequence of steps. A price grows while its request waits, the faster the cheaper its own work:
 a short chat behind one long prompt's chunk gains tens of units a step, the long prompt a
 fraction of one. It falls as its request is served at its own pace. A group is what the engine
 says shares one price: the requests of one client address (so one client's eight long prompts or
@@ -20,6 +21,7 @@ benchmark client compare by their own units alone), or a request and its `n` cho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,16 +32,18 @@ from flare_core.scheduler.request import Request
 
 @dataclass
 class _Group:
-    arrived_s: float
-    alone_s: float = 0.0
+    elapsed_s: float = 0.0  # time present, forgotten at the rate memory_s
+    alone_s: float = 0.0    # alone cost of the service had, forgotten at the same rate
     members: int = 0
 
 
 class ServicePrices:
     """The scheduler's clock and each request group's service (see the module docstring)."""
 
-    def __init__(self, estimator: StepCostEstimator, capacities: GraphCapacities, prefill_chunk_size: int):
+    def __init__(self, estimator: StepCostEstimator, capacities: GraphCapacities, prefill_chunk_size: int,
+                 memory_s: float = 10.0):
         self.estimator = estimator
+        self.memory_s = memory_s
         self.capacities = capacities
         self.prefill_chunk_size = prefill_chunk_size
         self.clock_s = 0.0
@@ -58,7 +62,7 @@ class ServicePrices:
         return self._estimates[key]
 
     def join(self, request: Request) -> None:
-        group = self._groups.setdefault(request.group, _Group(self.clock_s))
+        group = self._groups.setdefault(request.group, _Group())
         group.members += 1
 
     def leave(self, request: Request) -> None:
@@ -70,6 +74,10 @@ class ServicePrices:
     def decode_s(self) -> float:
         """One decode row run alone."""
         return self._estimate(StepKind.DECODE, self.capacities.covering(StepKind.DECODE, 1) or 1)
+
+    def restore_s(self) -> float:
+        """A step of restores alone (copies from the prefix cache, a first token from stored logits)."""
+        return self._estimate(StepKind.RESTORE, 0)
 
     def chunk_s(self, tokens: int) -> float:
         """A prompt chunk of `tokens` run alone."""
@@ -90,10 +98,14 @@ class ServicePrices:
         (0: the step leaves it out); with the defaults, its price now."""
         group = self._groups[request.group]
         unit = self.unit_s(request) if unit_s is None else unit_s
-        return (self.clock_s - group.arrived_s + step_s + unit) / (group.alone_s + served_s + unit)
+        return (group.elapsed_s + step_s + unit) / (group.alone_s + served_s + unit)
 
     def advance(self, step_s: float, served: Mapping[Request, float]) -> None:
         """A step of `step_s` was issued, serving each request in `served` work worth that much alone."""
         self.clock_s += step_s
+        kept = math.exp(-step_s / self.memory_s)
+        for group in self._groups.values():
+            group.elapsed_s = group.elapsed_s * kept + step_s
+            group.alone_s *= kept
         for request, alone_s in served.items():
             self._groups[request.group].alone_s += alone_s

@@ -74,6 +74,8 @@ class Request:
     in_flight: int = 0              # issued plans that include this request
     restore: Restore | None = None  # queued for the next plan
     yielded: bool = False           # gave its state row up once to a starving waiting request
+    last_served_seq: int = -1
+    waited_s: float = 0.0           # estimated seconds of the steps issued since it last advanced
 
     @property
     def prompt_len(self) -> int:

@@ -17,6 +17,7 @@ recompute, reusing whatever the prefix cache kept).
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,7 +151,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.estimator = estimator or StepCostEstimator()
-        self.prices = ServicePrices(self.estimator, config.capacities, config.prefill_chunk_size)
+        self.prices = ServicePrices(self.estimator, config.capacities, config.prefill_chunk_size,
+                                    config.fairness.memory_s)
         self._steps = StepBuilder(config.capacities, config.prefill_chunk_size, config.page_tokens, config.fairness,
                                   self.prices, kv)
         self._requests: dict[str, Request] = {}
@@ -270,9 +272,11 @@ class Scheduler:
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan
         while True:
-            candidates = self._steps.candidates(self._live)
+            candidates = self._steps.candidates(self._live, seq)
             blocked: Reservation | None = None
             for index in rank(candidates, self.estimator):
+                if candidates[index].kind is StepKind.RESTORE:
+                    return self._commit(seq, restoring, Reservation())     # restores alone
                 reservation = self._steps.reserve(candidates[index], protected, self._live)
                 if reservation.runs:
                     return self._commit(seq, restoring, reservation)
@@ -320,9 +324,16 @@ class Scheduler:
                         self.estimator.estimate(step.kind, step.capacity))
         members = {r.request_id: r for r in [*restoring, *reservation.decoders,
                                              *(c.request for c in reservation.chunks)]}
-        served = {r: self.prices.decode_s() for r in reservation.decoders}
+        served = {r: self.prices.restore_s() for r in restoring}
+        served.update((r, self.prices.decode_s()) for r in reservation.decoders)
         served.update((c.request, self.prices.chunk_s(c.end - c.start)) for c in reservation.chunks)
         self.prices.advance(plan.estimated_s, served)
+        for request in self._live:
+            if request.request_id in members:
+                request.last_served_seq = seq
+                request.waited_s = 0.0
+            elif request.status is RequestStatus.RUNNING:
+                request.waited_s += plan.estimated_s
         for request in members.values():
             request.in_flight += 1
         self._in_flight.append((plan, list(members.values())))
@@ -376,8 +387,8 @@ class Scheduler:
     def _admit(self) -> None:
         """Admit waiting requests while a state row and the pages for their first chunk (plus one
         page of headroom per running request) are available: the one another gave its row up
-        for first, then those that gave theirs up, then the most urgent (oldest on ties), a client
-        at its cap on live requests passed over. With every row taken, a starving waiting request
+        for first, then those that gave theirs up, then the starving ones, then in order of
+        submission, a client at its cap on live requests passed over. With every row taken, a starving waiting request
         takes the row of the live request of the lowest urgency (see `_yield_row`)."""
         page_tokens = self.config.page_tokens
         while self._waiting:
@@ -410,6 +421,8 @@ class Scheduler:
                 request.restore = Restore(request.handle, admission.tail_copy, admission.snapshot_row,
                                           admission.logits_row)
             request.status = RequestStatus.RUNNING
+            request.last_served_seq = self._next_seq - 1
+            request.waited_s = 0.0
             bisect.insort(self._live, request, key=lambda r: r.order)
 
     def _next_waiting(self) -> Request | None:
@@ -419,7 +432,16 @@ class Scheduler:
         allowed = [r for r in self._waiting if cap is None or not r.client or live[r.client] < cap]
         if not allowed:
             return None
-        return max(allowed, key=lambda r: (r is self._promised, r.yielded, self._steps.urgency(r), -r.order))
+        floor = self._starving_floor()
+        return max(allowed, key=lambda r: (r is self._promised, r.yielded, self._steps.urgency(r) >= floor, -r.order))
+
+    def _starving_floor(self) -> float:
+        """The urgency from which a waiting request starves: `starving_ratio` times the lower
+        median of the running requests' (infinite when none runs)."""
+        urgencies = sorted(self._steps.urgency(r) for r in self._live if r.status is RequestStatus.RUNNING)
+        if not urgencies:
+            return math.inf
+        return self.config.fairness.starving_ratio * urgencies[(len(urgencies) - 1) // 2]
 
     def _yield_row(self, request: Request) -> bool:
         """Every state row is taken: if `request` starves against the live requests (its urgency
@@ -432,9 +454,7 @@ class Scheduler:
                 or any(r.status is RequestStatus.PREEMPTED for r in self._live)):
             return False
         running = [r for r in self._live if r.status is RequestStatus.RUNNING]
-        urgencies = sorted(self._steps.urgency(r) for r in running)
-        if not urgencies or self._steps.urgency(request) < self.config.fairness.starving_ratio * urgencies[
-                (len(urgencies) - 1) // 2]:
+        if self._steps.urgency(request) < self._starving_floor():
             return False
         victims = [r for r in running if not r.yielded and r.group != request.group and r.restore is None
                    and r.num_planned_samples < r.max_tokens]

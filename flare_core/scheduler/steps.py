@@ -3,8 +3,8 @@ victims each would take.
 
 `StepBuilder.candidates` proposes the possible next steps over the running requests (all decodes;
 prompt chunks up to the chunk size, most urgent first; with a mixed catalog, all decodes plus the
-chunks that fill each mixed capacity beside them), each with the highest service price it leaves
-to the starving requests. `StepBuilder.reserve` works out what committing one would
+chunks that fill each mixed capacity beside them), each, while a client starves, with the highest
+service price it leaves to the ready requests. `StepBuilder.reserve` works out what committing one would
 take, changing nothing: the pages its entries would get from the KV-cache manager, oldest
 request first, and the younger running requests it would preempt where pages are short. The
 scheduler ranks the candidates, reserves them in rank order and commits the first that runs.
@@ -68,26 +68,32 @@ class StepBuilder:
         self.prices = prices
         self.kv = kv
 
-    def candidates(self, live: Sequence[Request]) -> list[CandidateStep]:
+    def candidates(self, live: Sequence[Request], seq: int) -> list[CandidateStep]:
         """The possible next steps over the running requests: all decodes, prompt chunks up to
         the chunk size, and (with a mixed catalog) all decodes plus the chunks that fill each
         mixed capacity beside them (the smaller ones pad less, the larger carry more prompt).
-        Prompt chunks go in order of urgency (the most urgent first, then oldest); while a request
-        starves, a decode step of the starving decoders alone and prompt-only steps of every
-        smaller prefill capacity are proposed too, so that a short request need not pay for a
-        long prompt's full chunk or for sixty others' decode rows."""
+        Prompt chunks go in order of submission. While a group starves (`starving`), its requests'
+        chunks go first, and a decode step of its decoders alone and prompt-only steps of every
+        smaller prefill capacity are proposed too, so that one client's short chat need not pay
+        for another's full prompt chunk or sixty decode rows; every candidate then carries the
+        highest price it leaves to the ready requests (`worst_price`)."""
         running = [r for r in live if r.status is RequestStatus.RUNNING]
         decoders = tuple(r for r in running if r.can_decode())
         prefillers = [r for r in running if r.can_prefill()]
-        urgencies = {r: self.urgency(r) for r in (*decoders, *prefillers)}
-        starving = self.starving(urgencies)
-        prefillers.sort(key=lambda r: (-urgencies[r], r.order))
+        restoring = tuple(r for r in running if r.restore is not None)   # every plan runs their restores
+        ready = (*decoders, *prefillers, *restoring)
+        overdue = frozenset(r for r in running if self.fairness.overdue(seq - r.last_served_seq - 1, r.waited_s))
+        starving = self.starving(ready)
+        prefillers.sort(key=lambda r: (r not in starving, r.order))
+        weigh = ready if starving else ()
         candidates = []
+        if starving.intersection(restoring):    # their restores alone: no one else's step to wait for
+            candidates.append(self.candidate((), (), weigh, overdue, restoring=restoring))
         if decoders:
-            candidates.append(self.candidate(decoders, (), starving))
+            candidates.append(self.candidate(decoders, (), weigh, overdue))
             starving_decoders = tuple(r for r in decoders if r in starving)
             if 0 < len(starving_decoders) < len(decoders):     # a smaller, cheaper step of their own
-                candidates.append(self.candidate(starving_decoders, (), starving))
+                candidates.append(self.candidate(starving_decoders, (), weigh, overdue))
         packed: set[tuple[tuple[int, int], ...]] = set()
         budgets = [c for c in self.capacities.of(StepKind.PREFILL) if c < self.prefill_chunk_size] if starving else []
         for budget in [*budgets, self.prefill_chunk_size] if prefillers else ():
@@ -95,7 +101,7 @@ class StepBuilder:
             spans = tuple((c.start, c.end) for c in chunks)
             if chunks and spans not in packed:
                 packed.add(spans)
-                candidates.append(self.candidate((), chunks, starving, deferred=len(decoders)))
+                candidates.append(self.candidate((), chunks, weigh, overdue, deferred=len(decoders)))
         mixed: set[tuple[tuple[int, int], ...]] = set()
         for capacity in self.capacities.of(StepKind.MIXED) if decoders and prefillers else ():
             room = min(capacity - len(decoders), self.prefill_chunk_size)
@@ -103,39 +109,48 @@ class StepBuilder:
             spans = tuple((c.start, c.end) for c in mixed_chunks)
             if mixed_chunks and spans not in mixed:
                 mixed.add(spans)
-                candidates.append(self.candidate(decoders, mixed_chunks, starving))
+                candidates.append(self.candidate(decoders, mixed_chunks, weigh, overdue))
         return candidates
 
     def urgency(self, request: Request) -> float:
         """The request's price should the next full prompt chunk step leave it out."""
         return self.prices.price(request, self.prices.chunk_s(self.prefill_chunk_size))
 
-    def starving(self, urgencies: dict[Request, float]) -> tuple[Request, ...]:
-        """The ready requests (with their urgencies) whose urgency is `starving_ratio` times the
-        lowest one's or more."""
-        if len(urgencies) < 2:
-            return ()
-        floor = self.fairness.starving_ratio * min(urgencies.values())
-        return tuple(r for r, u in urgencies.items() if u >= floor)
+    def starving(self, ready: Sequence[Request]) -> frozenset[Request]:
+        """The ready requests of starving groups: those whose most urgent ready request is
+        `starving_ratio` times as urgent as the least urgent group's, or more. Requests of one
+        group never starve one another: one client's requests are served by throughput alone."""
+        urgency: dict[str, float] = {}
+        for request in ready:
+            urgency[request.group] = max(urgency.get(request.group, 0.0), self.urgency(request))
+        if len(urgency) < 2:
+            return frozenset()
+        floor = self.fairness.starving_ratio * min(urgency.values())
+        return frozenset(r for r in ready if urgency[r.group] >= floor)
 
     def candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
-                  starving: Collection[Request] = (), deferred: int = 0) -> CandidateStep:
+                  weigh: Collection[Request] = (), overdue: Collection[Request] = (),
+                  deferred: int = 0, restoring: Collection[Request] = ()) -> CandidateStep:
         """The step over `decoders` and `chunks`, leaving `deferred` ready decode rows out: its
-        kind, the graph capacity that covers it, its useful tokens and the highest price it leaves
-        to the starving requests, each computed here once."""
+        kind, the graph capacity that covers it, its useful tokens, the highest price it leaves
+        to the requests in `weigh` (the `restoring` ones served by any step) and the `overdue`
+        requests it serves, each computed here once."""
         tokens = len(decoders) + sum(c.end - c.start for c in chunks)
         kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
                 else StepKind.PREFILL if chunks else StepKind.RESTORE)
         capacity = 0 if kind is StepKind.RESTORE else self.capacities.covering(kind, tokens)
         assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
-        starving_price = 0.0
-        if starving:
-            served = {r: self.prices.decode_s() for r in decoders}
+        worst_price = 0.0
+        if weigh:
+            served = {r: self.prices.restore_s() for r in restoring}
+            served.update((r, self.prices.decode_s()) for r in decoders)
             served.update((c.request, self.prices.chunk_s(c.end - c.start)) for c in chunks)
             step_s = self.prices.estimator.estimate(kind, capacity)
-            starving_price = max(self.prices.price(r, step_s, served.get(r, 0.0)) for r in starving)
+            worst_price = max(self.prices.price(r, step_s, served.get(r, 0.0)) for r in weigh)
+        served_overdue = sum(r in overdue for r in decoders) + sum(c.request in overdue for c in chunks)
         deferred_capacity = self.capacities.covering(StepKind.DECODE, deferred) or 0 if deferred else 0
-        return CandidateStep(kind, capacity, tokens, starving_price, deferred, deferred_capacity, decoders, chunks)
+        return CandidateStep(kind, capacity, tokens, served_overdue, worst_price, deferred, deferred_capacity,
+                             decoders, chunks)
 
     def _pack(self, prefillers: list[Request], budget: int) -> tuple[Chunk, ...]:
         """Prompt chunks in the order of `prefillers`, filling `budget` tokens."""

@@ -33,7 +33,8 @@ def upload_limit(ingress_limit: int) -> int:
 
 
 def client_of(request: web.Request) -> str:
-    """The address uploads are counted by: the peer's IP, an IPv6 peer's /64 network."""
+    """The client address a request counts under (upload slots, service prices, the cap on live
+    requests): the peer's IP, an IPv6 peer's /64 network."""
     remote = request.remote or "unknown"
     try:
         address = ipaddress.ip_address(remote)
