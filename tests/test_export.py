@@ -23,7 +23,7 @@ def test_export_inspect_convert_roundtrip(flare, qwen3_checkpoint, tmp_path):
     result = flare("export", qwen3_checkpoint, "--dtype", "float32", "--max-concurrency", "4", "--no-progress")
     out = result.output
     # The plan is printed before the work, then the core path.
-    assert "recipe        qwen3 0.1.0 (Qwen3ForCausalLM)" in out
+    assert "recipe        qwen3 0.1.0 (Qwen3ForCausalLM), chosen as the recipe for Qwen3ForCausalLM" in out
     assert "capacities    max_concurrency=4 prefill_chunk_size=512 context_length=2048 page_tokens=64" in out
     assert "graphs        decode batch 1,2,4; prefill tokens 64,128,256,512 (mixed steps too" in out
     assert "patch qwen3-v2" in out

@@ -161,7 +161,11 @@ def test_recipe_is_chosen_by_the_tokens_the_tokenizer_has(tmp_path):
         return Checkpoint(tmp_path, config, dict, {"tokenizer.json": json.dumps(tokenizer).encode()})
 
     llama3 = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    assert choose_recipe(registry, source, checkpoint(llama3), None).name == "llama"
-    assert choose_recipe(registry, source, checkpoint(["<|im_start|>", "<|im_end|>"]), None).name == "smollm2"
+    chosen = choose_recipe(registry, source, checkpoint(llama3), None)
+    assert chosen.recipe.name == "llama"
+    assert chosen.reason.startswith("of the recipes for LlamaForCausalLM (llama, smollm2), the one whose required "
+                                    "tokens the tokenizer has (<|begin_of_text|>")
+    assert choose_recipe(registry, source, checkpoint(["<|im_start|>", "<|im_end|>"]), None).recipe.name == "smollm2"
+    assert choose_recipe(registry, source, checkpoint(llama3), "smollm2").reason == "--recipe"
     with pytest.raises(ExportError, match=r"llama needs .*<\|begin_of_text\|>.*; smollm2 needs <\|im_end\|>"):
         choose_recipe(registry, source, checkpoint(["</s>"]), None)

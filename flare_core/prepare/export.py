@@ -53,11 +53,21 @@ class ExportResult:
     plan: ExportPlan
 
 
-def choose_recipe(registry: Registry, source: ModelSource, checkpoint: Checkpoint, forced: str | None) -> Recipe:
+@dataclass(frozen=True)
+class RecipeChoice:
+    recipe: Recipe
+    reason: str  # why this recipe, for the plan
+
+
+def choose_recipe(registry: Registry, source: ModelSource, checkpoint: Checkpoint, forced: str | None) -> RecipeChoice:
+    """The recipe that serves `checkpoint`: the one asked for, the one the model's alias names,
+    the one recipe of its architecture (and model_type), or of several, the one whose required
+    tokens its tokenizer spells; ExportError when none or more than one fits."""
     if forced is not None:
-        return registry.recipe(forced)
+        return RecipeChoice(registry.recipe(forced), "--recipe")
     if source.recipe is not None:
-        return source.recipe
+        return RecipeChoice(source.recipe, f"the alias {source.served_names[0]}" if source.served_names
+                            else "the model alias")
     config = checkpoint.config
     architectures = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
@@ -65,15 +75,22 @@ def choose_recipe(registry: Registry, source: ModelSource, checkpoint: Checkpoin
         candidates = [r for r in registry.recipes.values()
                       if arch in r.architectures and (not r.model_types or model_type in r.model_types)]
         # A recipe naming the checkpoint's model_type is more specific than one accepting any.
-        candidates = [r for r in candidates if model_type in r.model_types] or candidates
+        specific = [r for r in candidates if model_type in r.model_types]
+        candidates = specific or candidates
+        reason = f"the recipe for {arch}" + (f" with model_type {model_type}" if specific else "")
         if len(candidates) > 1:
+            others = ", ".join(r.name for r in candidates)
             candidates = _by_tokens(candidates, checkpoint, arch)
+            if len(candidates) == 1:
+                needs = ", ".join(candidates[0].frontend.required_tokens)
+                reason = (f"of the recipes for {arch} ({others}), the one whose required tokens the tokenizer has"
+                          + (f" ({needs})" if needs else ""))
         if len(candidates) > 1:
             raise ExportError(f"architecture {arch} with model_type {model_type!r} is served by recipes "
                               f"{', '.join(r.name for r in candidates)}; choose one with --recipe NAME "
                               f"(or export by one of their aliases)")
         if candidates:
-            return candidates[0]
+            return RecipeChoice(candidates[0], reason)
     supported = ", ".join(registry.supported_architectures()) or "none (no recipes installed)"
     raise ExportError(f"unsupported architecture {', '.join(architectures) or '(config.json lists none)'}; "
                       f"installed recipes support: {supported}")
@@ -109,7 +126,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                           f"split over ranks yet (export one or the other)")
     source = resolve_model(request.model, registry, config.paths.hub_cache, request.offline)
     checkpoint = open_checkpoint(source.path, request.dtype)
-    recipe = choose_recipe(registry, source, checkpoint, request.recipe)
+    choice = choose_recipe(registry, source, checkpoint, request.recipe)
+    recipe = choice.recipe
     published = checkpoint.config  # config.json as published: its architecture and quantization
     if recipe.served_config is not None:
         checkpoint.config = recipe.served_config(published)
@@ -182,7 +200,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         rank_notes = _rank_notes(recipe, model_config, rank_model, ranks)
         rank_skeleton = dict(rank_model.state_dict()) | table_skeleton(rank_model)
     plan = ExportPlan(
-        model=request.model, source=_describe_source(source), recipe=recipe,
+        model=request.model, source=_describe_source(source), recipe=recipe, recipe_reason=choice.reason,
         architecture=architecture, dtype=request.dtype, parameters=parameters,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme, tables=declared,
         template=assets.template_description, tokenizer=assets.tokenizer_description,

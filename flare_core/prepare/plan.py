@@ -65,6 +65,7 @@ class ExportPlan:
     tokenizer: str
     notes: tuple[str, ...] = ()
     tables: tuple[EmbeddingTable, ...] = ()
+    recipe_reason: str = ""  # why this recipe (flare_core.prepare.export.choose_recipe)
 
     def lines(self) -> list[str]:
         c = self.capacities
@@ -76,7 +77,8 @@ class ExportPlan:
         lines = [
             f"model         {self.model}",
             f"source        {self.source}",
-            f"recipe        {self.recipe.name} {self.recipe.version} ({self.architecture})",
+            f"recipe        {self.recipe.name} {self.recipe.version} ({self.architecture})"
+            + (f", chosen as {self.recipe_reason}" if self.recipe_reason else ""),
             f"weights       {self.parameters / 1e9:.3f} B parameters, {_gib(self.weight_bytes)} as {self.dtype}",
             f"capacities    max_concurrency={c.max_concurrency} prefill_chunk_size={c.prefill_chunk_size} "
             f"context_length={c.context_length} page_tokens={c.page_tokens}",

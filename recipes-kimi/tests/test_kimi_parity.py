@@ -95,12 +95,12 @@ def test_kimi_checkpoint_config_reads_without_remote_code(saved):
 def test_export_chooses_by_model_type():
     registry = load_registry()
     local = ModelSource(Path("."), "local", ("tiny",))
-    assert choose_recipe(registry, local, Checkpoint(Path("."), kimi_config(), dict), None).name == "kimi-k2"
+    assert choose_recipe(registry, local, Checkpoint(Path("."), kimi_config(), dict), None).recipe.name == "kimi-k2"
     deepseek = Checkpoint(Path("."), ds.DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]), dict)
     # DeepSeek-V3 and V3.1 checkpoints share architecture and model_type: the choice must be explicit.
     with pytest.raises(ExportError, match=r"deepseek-v3, deepseek-v3\.1; choose one with --recipe"):
         choose_recipe(registry, local, deepseek, None)
-    assert choose_recipe(registry, local, deepseek, "deepseek-v3.1").name == "deepseek-v3.1"
+    assert choose_recipe(registry, local, deepseek, "deepseek-v3.1").recipe.name == "deepseek-v3.1"
 
 
 def test_recipe_declarations():
