@@ -152,6 +152,7 @@ class GenerationEvent:
     stop: str | int | None = None  # the stop string or stop token id that ended generation
     usage: Usage | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # on a request's first token: its prompt tokens read from the prefix cache
 
 
 @dataclass(frozen=True)

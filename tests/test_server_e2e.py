@@ -372,8 +372,11 @@ def test_messages_create_stream_and_count_tokens(claude):
         == message.content[0].text
     delta = events[-2]
     assert delta.delta.stop_reason == "max_tokens" and delta.usage.output_tokens == 8
-    # The same prompt again: an exact prefix-cache hit, reported as cache reads.
+    # The same prompt again: an exact prefix-cache hit, reported as cache reads — from message_start
+    # on, as Anthropic reports them (#50: message_start said uncached and message_delta corrected it).
     assert delta.usage.cache_read_input_tokens == counted.input_tokens and delta.usage.input_tokens == 0
+    start = events[0].message.usage
+    assert (start.cache_read_input_tokens, start.input_tokens) == (counted.input_tokens, 0)
 
     with claude.messages.stream(**kwargs) as stream:
         streamed_text = "".join(stream.text_stream)

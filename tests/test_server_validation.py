@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -444,8 +444,8 @@ def test_anthropic_stream_events_accumulate_to_the_returned_message(state):
         events.append(json.loads(json.dumps(event)))
 
     outcome = Outcome("stop", Usage(prompt_tokens=40, completion_tokens=30, cached_tokens=32), stop=151645)
-    message = run_builder(MessageBuilder(call, "msg_1", sink), parsed_pieces(state, MODEL_OUTPUT, call_ids=anthropic_call_id),
-                          outcome, start=True)
+    pieces = [replace(piece, cached_tokens=32) for piece in parsed_pieces(state, MODEL_OUTPUT, call_ids=anthropic_call_id)]
+    message = run_builder(MessageBuilder(call, "msg_1", sink), pieces, outcome, start=True)
     assert [block["type"] for block in message["content"]] == ["thinking", "text", "tool_use"]
     assert message["content"][0]["thinking"] == "The user wants weather."
     assert message["content"][1]["text"] == "Let me check."
@@ -459,6 +459,9 @@ def test_anthropic_stream_events_accumulate_to_the_returned_message(state):
     assert [block.to_dict(exclude_none=True) for block in snapshot.content] == message["content"]
     assert snapshot.stop_reason == "tool_use" and snapshot.usage.cache_read_input_tokens == 32
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    # Cache reads from message_start on, as Anthropic reports them (sent with the first piece).
+    assert events[0]["message"]["usage"]["cache_read_input_tokens"] == 32
+    assert events[0]["message"]["usage"]["input_tokens"] == len(call.request.prompt_ids) - 32
 
 
 def test_anthropic_temperature_keeps_anthropics_range(state):

@@ -12,6 +12,7 @@ decode inputs. `_finish` is the one place a request ends.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -219,6 +220,7 @@ class EngineCore:
             self._activity.prefilled.append(live.request_id)
         if event is not None:
             if live.first_token_at is None:
+                event = dataclasses.replace(event, cached_tokens=live.cached_tokens or 0)
                 live.first_token_at = now
                 self._activity.first_token_s.append(now - live.submitted)
             else:

@@ -280,15 +280,24 @@ class MessageBuilder:
         self.content: list[dict[str, Any]] = []
         self._open_key: tuple[str, int] | None = None
         self._tool_arguments: dict[int, str] = {}  # block index -> arguments JSON text
+        self._started = False  # message_start sent
 
     async def start(self) -> None:
+        """Nothing yet: message_start waits for the first piece (or the end), since it reports the
+        cache reads, as Anthropic's does, and those are known once the request has started."""
+
+    async def _begin(self, cached_tokens: int) -> None:
+        if self._started:
+            return
+        self._started = True
         prompt_tokens = len(self._call.request.prompt_ids)
         await self._sink({"type": "message_start", "message": {
             **self._message_head(), "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
-                      "cache_creation_input_tokens": 0}}})
+            "usage": {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": 0,
+                      "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}}})
 
     async def add(self, piece: Piece) -> None:
+        await self._begin(piece.cached_tokens)
         delta = piece.delta
         if delta.reasoning:
             await self._switch(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""})
@@ -309,6 +318,7 @@ class MessageBuilder:
 
     async def finish(self, outcome: Outcome) -> dict[str, Any]:
         """The whole message; after an execution error, the error event that ends the stream instead."""
+        await self._begin(outcome.usage.cached_tokens)
         if outcome.finish_reason in ("error", "cancelled"):  # failed, or cut short by shutdown
             error = (_error_event(execution_error(outcome.error).message) if outcome.finish_reason == "error"
                      else _error_event(INTERRUPTED.message, "overloaded_error"))

@@ -42,6 +42,7 @@ class Piece:
     delta: ParsedDelta
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # requests that score their prompt
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (known from the first token on)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class Generation:
         self._stream: RequestStream | None = None
         self._submitted_at = 0.0
         self.outcome: Outcome | None = None
+        self.cached_tokens = 0  # prompt tokens read from the prefix cache, once the request has started
 
     @property
     def prompt_tokens(self) -> int:
@@ -193,6 +195,8 @@ class Generation:
         """Parsed output as it is generated; `outcome` is set once this ends."""
         assert self._stream is not None, "use Generation as an async context manager"
         async for event in self._stream:
+            if event.cached_tokens is not None:
+                self.cached_tokens = event.cached_tokens
             if event.token_ids and self._record.ttft_s is None:
                 self._record.ttft_s = time.monotonic() - self._submitted_at
             try:
@@ -206,6 +210,7 @@ class Generation:
                 return
             if event.finish_reason is not None:
                 usage = event.usage or Usage(self.prompt_tokens, 0, 0)
+                self.cached_tokens = usage.cached_tokens
                 if event.finish_reason == "error":
                     self._fail(event.error or "execution error", usage)
                 else:
@@ -214,7 +219,7 @@ class Generation:
                 self._record.record_usage(usage)
             delta = with_call_ids(delta, self._call_ids)
             if delta or event.logprobs or event.prompt_logprobs:
-                yield Piece(delta, event.logprobs, event.prompt_logprobs)
+                yield Piece(delta, event.logprobs, event.prompt_logprobs, self.cached_tokens)
             if self.outcome is not None:
                 return
         # The runtime always ends a stream with a final event; reaching here is a runtime fault.
