@@ -48,15 +48,17 @@ class ExportRequest:
 
 
 @dataclass(frozen=True)
-class ExportResult:
-    path: Path
-    plan: ExportPlan
+class RecipeChoice:
+    """The recipe that serves a checkpoint, and which rule chose it (the plan prints it)."""
+
+    recipe: Recipe
+    reason: str
 
 
 @dataclass(frozen=True)
-class RecipeChoice:
-    recipe: Recipe
-    reason: str  # why this recipe, for the plan
+class ExportResult:
+    path: Path
+    plan: ExportPlan
 
 
 def choose_recipe(registry: Registry, source: ModelSource, checkpoint: Checkpoint, forced: str | None) -> RecipeChoice:

@@ -55,18 +55,17 @@ class Reservation:
         return bool(self.decoders or self.chunks)
 
 
+@dataclass(eq=False)
 class StepBuilder:
     """Builds and reserves candidate steps for one scheduler (its catalog, chunk size, page size,
     fairness limits and service prices, its KV-cache manager)."""
 
-    def __init__(self, capacities: GraphCapacities, prefill_chunk_size: int, page_tokens: int,
-                 fairness: FairnessLimits, prices: ServicePrices, kv: KvCacheManager):
-        self.capacities = capacities
-        self.prefill_chunk_size = prefill_chunk_size
-        self.page_tokens = page_tokens
-        self.fairness = fairness
-        self.prices = prices
-        self.kv = kv
+    capacities: GraphCapacities
+    prefill_chunk_size: int
+    page_tokens: int
+    fairness: FairnessLimits
+    prices: ServicePrices
+    kv: KvCacheManager
 
     def candidates(self, live: Sequence[Request], seq: int) -> list[CandidateStep]:
         """The possible next steps over the running requests: all decodes, prompt chunks up to
