@@ -1,6 +1,7 @@
 """Service prices through a real `flare run` of SmolLM2-135M-Instruct (real weights, the CPU): a
-short chat keeps within three times its idle latency behind one long prompt, behind long prompts
-holding every state row, and behind a request of many choices (#45 item 5); the cap on live
+short chat from one client is served ahead of another client's long prompt, long prompts holding
+every state row, and a request of many choices (#45 item 5) — checked by the tokens the load
+advances while the chat runs, which a loaded test machine does not change; the cap on live
 requests per client address holds one client's requests back while another's are served.
 
 Loads are sent over raw sockets and never read; hanging up cancels them, after which every state
@@ -11,8 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,6 +22,7 @@ from server_process import ServerProcess, wait_until
 
 SERVED = "smollm2"
 ROWS = 4  # the smollm2_core fixture's --max-concurrency
+CHUNK = 256  # and its --prefill-chunk-size
 LONG_PROMPT = " ".join(f"lorem{i} ipsum" for i in range(235))  # ~1,900 tokens: the fixture's context is 2,048
 SHORT_CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "What is the capital of France?"}],
               "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -38,11 +38,11 @@ def server(tmp_path_factory, smollm2_core) -> Iterator[ServerProcess]:
         process.stop()
 
 
-def chat_latency(server: ServerProcess) -> float:
-    started = time.perf_counter()
+def chat(server: ServerProcess) -> dict:
+    """The short chat's usage."""
     reply = server.post("/v1/chat/completions", SHORT_CHAT)
     assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 16, reply.body
-    return time.perf_counter() - started
+    return reply.json()["usage"]
 
 
 @contextmanager
@@ -80,18 +80,26 @@ LOADS = {
 }
 
 
+def step_tokens(server: ServerProcess) -> float:
+    """Tokens the model steps computed so far, every kind together (decode rows, prompt tokens)."""
+    return sum(value for name, value in server.metrics().items() if name.startswith("flare_step_tokens_total"))
+
+
 @pytest.mark.parametrize("name", LOADS)
-def test_a_short_chat_keeps_within_three_times_its_idle_latency(server, name):
-    """Medians of three: the chat's latency idle, and under three fresh starts of the load (the
-    step in flight when the chat arrives varies from one run to the next)."""
-    idle = statistics.median(chat_latency(server) for _ in range(3))
+def test_a_short_chat_is_served_ahead_of_another_clients_load(server, name):
+    """While the short chat runs, the other client's load advances by at most a few prompt chunks'
+    worth of tokens (the step in flight when it arrives, and those around the two /metrics reads):
+    the chat is admitted, prefilled and decoded ahead of it, in steps of its own. Before service
+    prices it waited for the whole load (54 s, 420 s and 99 s on the CPU demo core; the latency
+    figures are benchmarks/short_chat_under_load.py's, in docs/benchmarks.md). Counted in tokens,
+    not seconds, so a loaded test machine cannot change the verdict."""
     bodies, live = LOADS[name]
-    loaded = []
-    for _ in range(3):
-        with load(server, bodies, source="127.0.0.2"):   # another client than the chat's
-            wait_live(server, live)
-            loaded.append(chat_latency(server))
-    assert statistics.median(loaded) <= 3 * idle, f"{name}: {loaded} s against {idle:.2f} s idle"
+    with load(server, bodies, source="127.0.0.2"):   # another client than the chat's
+        wait_live(server, live)
+        before = step_tokens(server)
+        usage = chat(server)
+        others = step_tokens(server) - before - usage["completion_tokens"] - usage["prompt_tokens"]
+    assert others <= 5 * CHUNK, f"{name}: {others:.0f} tokens of the load ran while the chat did"
 
 
 def test_a_client_at_its_cap_waits_while_another_client_is_served(tmp_path, smollm2_core):
@@ -103,7 +111,7 @@ def test_a_client_at_its_cap_waits_while_another_client_is_served(tmp_path, smol
         with load(process, [story] * 3, source="127.0.0.2"):
             # Rows are free: the cap holds two of them back (one snapshot of both gauges).
             process.wait_metrics({"flare_slots_live": 1.0, "flare_requests_waiting": 2.0}, timeout=120)
-            chat_latency(process)                                  # another address is served meanwhile
+            chat(process)                                          # another address is served meanwhile
             assert process.metrics()["flare_requests_waiting"] == 2
     finally:
         process.stop()
