@@ -388,8 +388,9 @@ class Scheduler:
         """Admit waiting requests while a state row and the pages for their first chunk (plus one
         page of headroom per running request) are available: the one another gave its row up
         for first, then those that gave theirs up, then the starving ones, then in order of
-        submission, a client at its cap on live requests passed over. With every row taken, a starving waiting request
-        takes the row of the live request of the lowest urgency (see `_yield_row`)."""
+        submission, a client at its cap on live requests passed over. With every row taken, a
+        starving waiting request takes the row of the live request of the lowest urgency
+        (see `_yield_row`)."""
         page_tokens = self.config.page_tokens
         while self._waiting:
             request = self._next_waiting()
