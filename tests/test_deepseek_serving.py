@@ -133,7 +133,8 @@ def test_export_plans_and_manifests(served):
     assert "recipe        deepseek-v3.1 0.1.0 (DeepseekV3ForCausalLM)" in deepseek.plan
     assert "cache scheme  mla-latent" in deepseek.plan
     assert "note          multi-token prediction (MTP) layers are not loaded: model.layers.3" in deepseek.plan
-    assert "recipe        kimi-k2 0.1.0 (DeepseekV3ForCausalLM), chosen as the recipe for DeepseekV3ForCausalLM with model_type kimi_k2" in kimi.plan
+    assert ("recipe        kimi-k2 0.1.0 (DeepseekV3ForCausalLM), chosen as the recipe for DeepseekV3ForCausalLM "
+            "with model_type kimi_k2") in kimi.plan
     assert "MTP" not in kimi.plan
     core = Path(deepseek.plan.strip().splitlines()[-1])
     manifest = open_core(core).manifest

@@ -13,8 +13,8 @@ e**(-age / memory_s)), so that a price tells how a group fares now, not since it
 are the step cost estimator's seconds on the scheduler's clock (the estimated durations of the
 steps it issued), so prices are deterministic for a given sequence of steps. A price grows while
 its request waits, the faster the cheaper its own work: a short chat behind one long prompt's
-chunk gains tens of units a step, the long prompt a fraction of one. It falls as its request is served at its own pace. A group is what the engine
-says shares one price: the requests of one client address (so one client's eight long prompts or
+chunk gains tens of units a step, the long prompt a fraction of one. It falls as its request is
+served at its own pace. A group is what the engine says shares one price: the requests of one client address (so one client's eight long prompts or
 sixty choices weigh as one client against another's chat, while the many requests of one
 benchmark client compare by their own units alone), or a request and its `n` choices.
 """
@@ -22,7 +22,7 @@ benchmark client compare by their own units alone), or a request and its `n` cho
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
@@ -38,7 +38,7 @@ class _Group:
 
 
 class ServicePrices:
-    """The scheduler's clock and each request group's service (see the module docstring)."""
+    """Each request group's recent service, on the scheduler's clock (see the module docstring)."""
 
     def __init__(self, estimator: StepCostEstimator, capacities: GraphCapacities, prefill_chunk_size: int,
                  memory_s: float = 10.0):
@@ -46,7 +46,6 @@ class ServicePrices:
         self.memory_s = memory_s
         self.capacities = capacities
         self.prefill_chunk_size = prefill_chunk_size
-        self.clock_s = 0.0
         self._groups: dict[str, _Group] = {}
         self._estimates: dict[tuple[StepKind, int], float] = {}  # this planning round's, see refresh()
 
@@ -84,6 +83,15 @@ class ServicePrices:
         capacity = self.capacities.covering(StepKind.PREFILL, tokens) or self.capacities.largest(StepKind.PREFILL)
         return self._estimate(StepKind.PREFILL, capacity)
 
+    def served(self, restoring: Iterable[Request], decoders: Iterable[Request],
+               chunks: Iterable[tuple[Request, int]]) -> dict[Request, float]:
+        """What a step serves each of its requests, as alone cost: a restore, a decode row, or a
+        prompt chunk of so many tokens."""
+        served = {r: self.restore_s() for r in restoring}
+        served.update((r, self.decode_s()) for r in decoders)
+        served.update((r, self.chunk_s(tokens)) for r, tokens in chunks)
+        return served
+
     def unit_s(self, request: Request) -> float:
         """The request's next unit of work run alone: its next prompt chunk (a waiting request's
         first), or one decode row."""
@@ -102,7 +110,6 @@ class ServicePrices:
 
     def advance(self, step_s: float, served: Mapping[Request, float]) -> None:
         """A step of `step_s` was issued, serving each request in `served` work worth that much alone."""
-        self.clock_s += step_s
         kept = math.exp(-step_s / self.memory_s)
         for group in self._groups.values():
             group.elapsed_s = group.elapsed_s * kept + step_s

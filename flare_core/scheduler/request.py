@@ -57,7 +57,7 @@ class Request:
     message_ends: tuple[int, ...]          # message-boundary token endpoints within the prompt, ascending
     order: int                      # submission order: lower is older and has priority
     score_prompt: bool = False      # every prompt position computed, never restored from the cache
-    group: str = ""                 # whose service prices it shares: the client request (its `n` choices)
+    group: str = ""                 # who shares its service price: its client address, or its own request
     client: str = ""                # the client's address, for the cap on live requests per client
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)

@@ -324,10 +324,8 @@ class Scheduler:
                         self.estimator.estimate(step.kind, step.capacity))
         members = {r.request_id: r for r in [*restoring, *reservation.decoders,
                                              *(c.request for c in reservation.chunks)]}
-        served = {r: self.prices.restore_s() for r in restoring}
-        served.update((r, self.prices.decode_s()) for r in reservation.decoders)
-        served.update((c.request, self.prices.chunk_s(c.end - c.start)) for c in reservation.chunks)
-        self.prices.advance(plan.estimated_s, served)
+        self.prices.advance(plan.estimated_s, self.prices.served(
+            restoring, reservation.decoders, ((c.request, c.end - c.start) for c in reservation.chunks)))
         for request in self._live:
             if request.request_id in members:
                 request.last_served_seq = seq
@@ -393,10 +391,11 @@ class Scheduler:
         (see `_yield_row`)."""
         page_tokens = self.config.page_tokens
         while self._waiting:
-            request = self._next_waiting()
+            floor = self._starving_floor()
+            request = self._next_waiting(floor)
             if request is None:
                 return
-            if not self.kv.free_state_rows and not (self._yield_row(request) and self.kv.free_state_rows):
+            if not self.kv.free_state_rows and not (self._yield_row(request, floor) and self.kv.free_state_rows):
                 return
             tokens = request.known_tokens()
             hit = NO_HIT if request.score_prompt else self.kv.lookup(request.request_id, tokens)
@@ -426,14 +425,14 @@ class Scheduler:
             request.waited_s = 0.0
             bisect.insort(self._live, request, key=lambda r: r.order)
 
-    def _next_waiting(self) -> Request | None:
-        """The waiting request to admit next, or None when every one's client is at its cap."""
+    def _next_waiting(self, floor: float) -> Request | None:
+        """The waiting request to admit next (`floor`: the urgency from which one starves), or
+        None when every one's client is at its cap."""
         cap = self.config.max_live_per_client
         live = Counter(r.client for r in self._live) if cap is not None else Counter()
         allowed = [r for r in self._waiting if cap is None or not r.client or live[r.client] < cap]
         if not allowed:
             return None
-        floor = self._starving_floor()
         return max(allowed, key=lambda r: (r is self._promised, r.yielded, self._steps.urgency(r) >= floor, -r.order))
 
     def _starving_floor(self) -> float:
@@ -444,21 +443,20 @@ class Scheduler:
             return math.inf
         return self.config.fairness.starving_ratio * urgencies[(len(urgencies) - 1) // 2]
 
-    def _yield_row(self, request: Request) -> bool:
+    def _yield_row(self, request: Request, floor: float) -> bool:
         """Every state row is taken: if `request` starves against the live requests (its urgency
-        `starving_ratio` times their lower median's or more), the running request of the lowest
-        urgency that has not yielded before gives its row up (preempted: its pages return at its
-        fence, what it computed stays in the prefix cache, and it is admitted again first). Only
-        with a prefix cache (without one, the preempted request would compute everything again),
-        and one row at a time. Whether a row was given up."""
+        at `floor`, `starving_ratio` times their lower median's, or more), the running request of
+        the lowest urgency that has not yielded before gives its row up (preempted: its pages
+        return at its fence, what it computed stays in the prefix cache, and it is admitted again
+        first). Only with a prefix cache (without one, the preempted request would compute
+        everything again), and one row at a time. Whether a row was given up."""
         if (self.kv.prefix_stats is None or self._promised is not None
                 or any(r.status is RequestStatus.PREEMPTED for r in self._live)):
             return False
-        running = [r for r in self._live if r.status is RequestStatus.RUNNING]
-        if self._steps.urgency(request) < self._starving_floor():
+        if self._steps.urgency(request) < floor:
             return False
-        victims = [r for r in running if not r.yielded and r.group != request.group and r.restore is None
-                   and r.num_planned_samples < r.max_tokens]
+        victims = [r for r in self._live if r.status is RequestStatus.RUNNING and not r.yielded
+                   and r.group != request.group and r.restore is None and r.num_planned_samples < r.max_tokens]
         if not victims:
             return False
         victim = min(victims, key=lambda r: (self._steps.urgency(r), -r.order))

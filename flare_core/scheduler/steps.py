@@ -2,10 +2,10 @@
 victims each would take.
 
 `StepBuilder.candidates` proposes the possible next steps over the running requests (all decodes;
-prompt chunks up to the chunk size, most urgent first; with a mixed catalog, all decodes plus the
-chunks that fill each mixed capacity beside them), each, while a client starves, with the highest
-service price it leaves to the ready requests. `StepBuilder.reserve` works out what committing one would
-take, changing nothing: the pages its entries would get from the KV-cache manager, oldest
+prompt chunks up to the chunk size, a starving client's first; with a mixed catalog, all decodes
+plus the chunks that fill each mixed capacity beside them), each, while a client starves, with the
+highest service price it leaves to the ready requests. `StepBuilder.reserve` works out what
+committing one would take, changing nothing: the pages its entries would get from the KV-cache manager, oldest
 request first, and the younger running requests it would preempt where pages are short. The
 scheduler ranks the candidates, reserves them in rank order and commits the first that runs.
 """
@@ -141,9 +141,7 @@ class StepBuilder:
         assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
         worst_price = 0.0
         if weigh:
-            served = {r: self.prices.restore_s() for r in restoring}
-            served.update((r, self.prices.decode_s()) for r in decoders)
-            served.update((c.request, self.prices.chunk_s(c.end - c.start)) for c in chunks)
+            served = self.prices.served(restoring, decoders, ((c.request, c.end - c.start) for c in chunks))
             step_s = self.prices.estimator.estimate(kind, capacity)
             worst_price = max(self.prices.price(r, step_s, served.get(r, 0.0)) for r in weigh)
         served_overdue = sum(r in overdue for r in decoders) + sum(c.request in overdue for c in chunks)
