@@ -169,7 +169,6 @@ class Generation:
         self._stream: RequestStream | None = None
         self._submitted_at = 0.0
         self.outcome: Outcome | None = None
-        self.cached_tokens = 0  # prompt tokens read from the prefix cache, once the request has started
 
     @property
     def prompt_tokens(self) -> int:
@@ -194,9 +193,10 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Parsed output as it is generated; `outcome` is set once this ends."""
         assert self._stream is not None, "use Generation as an async context manager"
+        cached_tokens = 0  # prompt tokens read from the prefix cache: on the first token's event, and the last's
         async for event in self._stream:
             if event.cached_tokens is not None:
-                self.cached_tokens = event.cached_tokens
+                cached_tokens = event.cached_tokens
             if event.token_ids and self._record.ttft_s is None:
                 self._record.ttft_s = time.monotonic() - self._submitted_at
             try:
@@ -204,13 +204,12 @@ class Generation:
                 if event.finish_reason is not None:
                     delta = delta + self._parser.finish()
             except Exception as exc:  # noqa: BLE001 - a parser fault ends this response alone
-                _log.exception("output parsing failed", request_id=self._record.request_id)
                 self._stream.cancel()
-                self._fail(f"output parsing failed: {type(exc).__name__}: {exc}", event.usage)
+                self._fail(f"output parsing failed: {type(exc).__name__}: {exc}", event.usage, traceback=True)
                 return
             if event.finish_reason is not None:
                 usage = event.usage or Usage(self.prompt_tokens, 0, 0)
-                self.cached_tokens = usage.cached_tokens
+                cached_tokens = usage.cached_tokens
                 if event.finish_reason == "error":
                     self._fail(event.error or "execution error", usage)
                 else:
@@ -219,16 +218,17 @@ class Generation:
                 self._record.record_usage(usage)
             delta = with_call_ids(delta, self._call_ids)
             if delta or event.logprobs or event.prompt_logprobs:
-                yield Piece(delta, event.logprobs, event.prompt_logprobs, self.cached_tokens)
+                yield Piece(delta, event.logprobs, event.prompt_logprobs, cached_tokens)
             if self.outcome is not None:
                 return
         # The runtime always ends a stream with a final event; reaching here is a runtime fault.
         self._fail("the request stream ended early")
 
-    def _fail(self, cause: str, usage: Usage | None = None) -> None:
-        """End as failed: `cause` goes to the server log under the request id, the id alone to the client."""
+    def _fail(self, cause: str, usage: Usage | None = None, traceback: bool = False) -> None:
+        """End as failed: `cause` goes to the server log under the request id (with the traceback
+        of the exception being handled, when asked), the id alone to the client."""
         request_id = self._record.request_id
-        _log.error("generation_failed", request_id=request_id, cause=cause)
+        _log.error("generation_failed", request_id=request_id, cause=cause, exc_info=traceback)
         self.outcome = Outcome("error", usage or Usage(self.prompt_tokens, 0, 0),
                                error=f"the server log has the cause under request id {request_id}")
         self._record.finish_reason = "error"
