@@ -173,3 +173,14 @@ def smollm2_reference_tokenizer(smollm2_gguf):
 def smollm2_core(session_flare, smollm2_gguf) -> Path:
     return session_flare.export(smollm2_gguf, "--dtype", "float32", "--max-concurrency", "4",
                                 "--context-length", "2048", "--prefill-chunk-size", "256")
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_core, session_flare, tmp_path_factory):
+    """A `flare run` of the SmolLM2 core, one per test module."""
+    from server_process import ServerProcess
+
+    server = ServerProcess(session_flare.config_path, smollm2_core, tmp_path_factory.mktemp("smollm2") / "run.log",
+                           "--no-dashboard").wait_ready()
+    yield server
+    server.stop()

@@ -13,17 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import write_config
-from server_process import STARTUP_TIMEOUT_S, ServerProcess, wait_until
+from server_process import STARTUP_TIMEOUT_S, wait_until
 
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_core, session_flare, tmp_path_factory):
-    server = ServerProcess(session_flare.config_path, smollm2_core, tmp_path_factory.mktemp("smollm2") / "run.log",
-                           "--no-dashboard").wait_ready()
-    yield server
-    server.stop()
 
 
 def test_greedy_answer_names_paris(smollm2_server, smollm2_reference_tokenizer):

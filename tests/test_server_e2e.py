@@ -727,11 +727,14 @@ def test_forced_tool_calls_through_every_sdk(oai, claude):
     [call] = named.choices[0].message.tool_calls
     assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
     assert _valid_call("get_time", json.loads(call.function.arguments))
+    # Compact JSON, as response_format writes it: no whitespace but the ", " and ": " separators.
+    assert json.dumps(json.loads(call.function.arguments)) == call.function.arguments
     required = oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS, temperature=0,
                                            tool_choice="required", parallel_tool_calls=False,
                                            reasoning_effort="none", max_tokens=100)
     [call] = required.choices[0].message.tool_calls
     assert _valid_call(call.function.name, json.loads(call.function.arguments))
+    assert json.dumps(json.loads(call.function.arguments)) == call.function.arguments
     streamed = oai.chat.completions.create(model=SERVED, messages=messages, tools=FORCED_TOOLS, temperature=0,
                                            tool_choice="required", parallel_tool_calls=False,
                                            reasoning_effort="none", max_tokens=100, stream=True)

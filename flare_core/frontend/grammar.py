@@ -136,6 +136,18 @@ class Grammars:
             return self._compiler
 
 
+def compact_json_ebnf(schema: Any, field: str) -> str:
+    """The EBNF grammar (root rule `root`) of JSON that `schema` allows, in the compact form, for a
+    part of a structural tag (a forced call's arguments); GrammarError naming `field` when xgrammar
+    cannot read the schema."""
+    import xgrammar
+
+    try:
+        return str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(field, _xgrammar_reason(exc)) from None
+
+
 def _xgrammar_reason(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return _XGRAMMAR_PREFIX.sub("", text, count=1) or text

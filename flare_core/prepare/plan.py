@@ -63,6 +63,7 @@ class ExportPlan:
     cache_scheme: CacheScheme
     template: str
     tokenizer: str
+    tools: str = ""  # who describes a request's tools to the model and which parser reads the calls
     notes: tuple[str, ...] = ()
     tables: tuple[EmbeddingTable, ...] = ()
     recipe_reason: str = ""  # why this recipe (flare_core.prepare.export.choose_recipe)
@@ -92,6 +93,7 @@ class ExportPlan:
                f"--embedding-table-storage), not loaded onto the device"] if self.tables else []),
             f"tokenizer     {self.tokenizer}",
             f"template      {self.template}",
+            *([f"tools         {self.tools}"] if self.tools else []),
         ]
         lines += [f"note          {n}" for n in self.notes]
         return lines

@@ -43,7 +43,8 @@ _PROMPT_FIELDS = (
     Field("messages", "array", "the conversation; a final assistant message is continued (prefill)",
           required=True),
     Field("system", "any", "the system prompt", shape="string or array"),
-    Field("tools", "array", "tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tools", "array", "tools: described by the chat template, or by Flare's generic format where "
+          "the recipe declares none (see /v1/models tool_calls); calls parsed by the core's tool parser"),
     Field("tool_choice", "object", 'type "auto" (default), "none", "any" or "tool" (with name): forced calls are '
           "written in the core's tool-call format, arguments constrained to the tool's input_schema"),
     Field("thinking", "object", 'type "enabled" / "adaptive" turns the template\'s thinking on, "disabled" off'),

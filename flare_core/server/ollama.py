@@ -71,7 +71,8 @@ _COMMON_FIELDS = (
 CHAT_SPEC = RequestSpec("POST /api/chat", (
     *_COMMON_FIELDS,
     Field("messages", "array", "the conversation; none: a load request, answered at once"),
-    Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tools", "array", "function tools: described by the chat template, or by Flare's generic format where "
+          "the recipe declares none (see /v1/models tool_calls); calls parsed by the core's tool parser"),
 ))
 GENERATE_SPEC = RequestSpec("POST /api/generate", (
     *_COMMON_FIELDS,

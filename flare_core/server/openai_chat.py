@@ -28,7 +28,8 @@ from flare_core.server.validation import invalid
 SPEC = RequestSpec("POST /v1/chat/completions", (
     Field("model", "string", "a served model name; absent: the first"),
     Field("messages", "array", "the conversation, rendered by the core's chat template", required=True),
-    Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tools", "array", "function tools: described by the chat template, or by Flare's generic format where "
+          "the recipe declares none (see /v1/models tool_calls); calls parsed by the core's tool parser"),
     Field("tool_choice", "any", '"auto" (default), "none", "required" or {"type": "function", "function": {"name"}}: '
           "forced calls are written in the core's tool-call format, arguments constrained to the tool's schema",
           shape="string or object"),

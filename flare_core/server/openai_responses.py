@@ -44,7 +44,8 @@ SPEC = RequestSpec("POST /v1/responses", (
     Field("input", "any", "the conversation: a string (one user message) or input items", required=True,
           shape="string or array"),
     Field("instructions", "string", "a system message before the input"),
-    Field("tools", "array", "function tools: rendered by the template, calls parsed by the core's tool parser"),
+    Field("tools", "array", "function tools: described by the chat template, or by Flare's generic format where "
+          "the recipe declares none (see /v1/models tool_calls); calls parsed by the core's tool parser"),
     Field("tool_choice", "any", '"auto" (default), "none", "required" or {"type": "function", "name"}: forced '
           "calls are written in the core's tool-call format, arguments constrained to the tool's schema",
           shape="string or object"),

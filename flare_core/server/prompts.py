@@ -16,6 +16,7 @@ from typing import Any
 
 from flare_core.contract import TemplateOptionError
 from flare_core.frontend import ForgedLiteral, Frontend, RenderedPrompt, TemplateError
+from flare_core.frontend.generic_tools import written_out
 from flare_core.server.errors import ApiError
 from flare_core.server.validation import (as_object, get_list, get_object, get_str, invalid, is_integers, json_type,
                                           parse_json_string)
@@ -79,7 +80,9 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
     """Render template messages with the core's chat template and tokenize them.
 
     With `continue_final_message` the last (assistant) message is left open, so generation
-    continues its text (Anthropic prefill, vLLM's continue_final_message)."""
+    continues its text (Anthropic prefill, vLLM's continue_final_message). On a core that takes
+    Flare's generic tool format the tools and the tool history are written into the messages and
+    the template sees neither."""
     template = frontend.chat_template
     if template is None:
         raise ApiError(400, "this core has no chat template, so chat endpoints are unavailable; "
@@ -89,6 +92,8 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
     # Client strings keep special-token spellings as text; only the template's markup is special.
     tokenizer = frontend.tokenizer
     messages, tools = _escaped(frontend, messages, "messages"), _escaped(frontend, tools, "tools")
+    if frontend.describes_tools:
+        messages, tools = written_out(messages, tools), None
     try:
         rendered = template.render(messages, tools=tools or None,
                                    add_generation_prompt=not continue_final_message, **options)

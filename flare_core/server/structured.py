@@ -21,7 +21,7 @@ from typing import Any
 
 from flare_core.contract import ToolCallFormat
 from flare_core.frontend import Frontend
-from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec
+from flare_core.frontend.grammar import GrammarError, GrammarKind, GrammarSpec, compact_json_ebnf
 from flare_core.requests import GenerationRequest
 from flare_core.server.spec import Field
 from flare_core.server.validation import invalid, json_type, parse_json_string
@@ -140,7 +140,7 @@ def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | Non
         return None
     parser = frontend.tool_parser
     if parser is None or parser.call_format is None:
-        why = "this core has no tool parser" if parser is None else \
+        why = "this core takes no tools (it has no chat template)" if parser is None else \
             f"this core's tool parser {parser.id!r} cannot write them"
         raise invalid("tool_choice", f"forcing a tool call is not available: {why}")
     call_format, tags = parser.call_format, []
@@ -163,10 +163,19 @@ def tool_calls_spec(frontend: Frontend, tools: Sequence[Mapping[str, Any]] | Non
 def _call_tag(call_format: ToolCallFormat, name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
     """The xgrammar tag of one call of tool `name` whose arguments follow `schema`."""
     begin, end = call_format.around(name)
-    # At most one whitespace character between JSON tokens: a model cannot pad forever.
-    arguments = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
-    if call_format.arguments != "json":
-        arguments["style"] = call_format.arguments  # xgrammar writes the schema in that style
+    arguments: dict[str, Any]
+    if call_format.arguments == "json":
+        # Compact JSON, as response_format writes it: a model cannot pad with whitespace.
+        try:
+            arguments = {"type": "grammar", "grammar": compact_json_ebnf(schema, "tools")}
+        except GrammarError as exc:
+            raise invalid("tools", f"the parameters of tool {json.dumps(name)} cannot be compiled into a grammar: "
+                                   f"{exc.problem}") from None
+    else:
+        # xgrammar writes the schema in that style; at most one whitespace character between
+        # tokens, so that a model cannot pad forever (values sit between newlines).
+        arguments = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1,
+                     "style": call_format.arguments}
     head, index, tail = begin.partition("{index}")
     if not index:
         return {"type": "tag", "begin": begin, "content": arguments, "end": end}
