@@ -186,6 +186,8 @@ def _acceptor(trust_publisher: bool):
 @click.pass_context
 def inspect(ctx, core, trust_publisher, as_json) -> None:
     """Print a core's manifest and verify its signature and hashes."""
+    from flare_core.frontend.generic_tools import describe_way
+
     runtime_core = open_verified_core(_config(ctx), core, trust_publisher)
     m = runtime_core.manifest
     if as_json:
@@ -203,6 +205,7 @@ def inspect(ctx, core, trust_publisher, as_json) -> None:
             click.echo(f"template      none: prompt encoder {m['frontend']['prompt_encoder']}")
         else:
             click.echo(f"template      {m['frontend']['chat_template']} (patch {m['frontend']['template_patch']})")
+        click.echo(f"tools         {describe_way(m['frontend'])}")
         click.echo(f"payloads      {len(m['payloads'])} tensors, {len(m['assets'])} assets")
         click.echo(f"publisher     {runtime_core.publisher.fingerprint}")
         click.echo(f"created       {m['created']} by flare {m['flare_version']}, contract {m['contract_version']}")

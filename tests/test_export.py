@@ -27,6 +27,7 @@ def test_export_inspect_convert_roundtrip(flare, qwen3_checkpoint, tmp_path):
     assert "capacities    max_concurrency=4 prefill_chunk_size=512 context_length=2048 page_tokens=64" in out
     assert "graphs        decode batch 1,2,4; prefill tokens 64,128,256,512 (mixed steps too" in out
     assert "patch qwen3-v2" in out
+    assert "tools         the recipe's format: its chat template describes them, parser 'hermes' reads" in out
     core = Path(out.strip().splitlines()[-1])
     assert core.is_dir() and core.parent == flare.config_path.parent / "cores"
 

@@ -44,6 +44,7 @@ def test_plan_names_what_was_dequantized(tmp_path, smollm2_gguf):
     assert "GGUF quantized tensors (Q4_1 x210, Q8_0 x1) dequantized to bfloat16" in plan
     assert "tokenizer.json converted from its metadata" in plan
     assert "+ patch smollm2-v1" in plan
+    assert "tools         Flare's generic format (the recipe names no tool parser)" in plan  # its template has none
     core = Path(plan.strip().splitlines()[-1])
     manifest = open_core(core).manifest
     assert manifest["dtype"] == "bfloat16" and manifest["capacities"]["context_length"] == 1024

@@ -77,6 +77,7 @@ def test_the_core_carries_no_template_and_names_its_encoder(server, session_flar
     _, core, _ = server
     shown = session_flare("inspect", str(core)).output
     assert "template      none: prompt encoder deepseek-v4" in shown
+    assert "tools         the recipe's format: its prompt encoder describes them, parser 'deepseek-v4-tools'" in shown
     manifest = json.loads(session_flare("inspect", str(core), "--json").output.split("\nverified:")[0])
     assert manifest["frontend"]["prompt_encoder"] == "deepseek-v4" and manifest["frontend"]["chat_template"] is None
 

@@ -24,27 +24,29 @@ from typing import Any
 GENERIC_TOOL_PARSER = "hermes"
 
 # What the plan and /v1/models say about a core's way with tools.
-DESCRIBED_BY_TEMPLATE = "chat_template"
+DESCRIBED_BY_RECIPE = "recipe"  # its chat template or prompt encoder
 DESCRIBED_BY_FLARE = "flare"
 
 
-def tool_way(tool_parser: str | None, chat_template: bool) -> tuple[str | None, str | None]:
-    """(the parser that reads a core's calls, who describes the tools to the model) for a core whose
-    recipe names `tool_parser` and that has a Jinja chat template or not; (None, None): no tools."""
-    if tool_parser is not None:
-        return tool_parser, DESCRIBED_BY_TEMPLATE
-    if chat_template:
+def tool_way(frontend: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(the parser that reads a core's calls, who describes the tools to the model) from a core
+    manifest's `frontend` settings; (None, None): the core takes no tools (no tool parser and no
+    chat template: a prompt encoder renders its conversations)."""
+    if frontend.get("tool_parser") is not None:
+        return frontend["tool_parser"], DESCRIBED_BY_RECIPE
+    if frontend.get("chat_template") and not frontend.get("prompt_encoder"):
         return GENERIC_TOOL_PARSER, DESCRIBED_BY_FLARE
     return None, None
 
 
-def describe_way(tool_parser: str | None, chat_template: bool) -> str:
-    """The plan's line on tools."""
-    parser, described_by = tool_way(tool_parser, chat_template)
+def describe_way(frontend: Mapping[str, Any]) -> str:
+    """What `flare export` and `flare inspect` say about a core's tools."""
+    parser, described_by = tool_way(frontend)
     if parser is None:
-        return "none (no chat template: the recipe's prompt encoder takes no tools)"
-    if described_by == DESCRIBED_BY_TEMPLATE:
-        return f"the recipe's format: the chat template describes them, parser {parser!r} reads the calls"
+        return "none (no tool parser, and a prompt encoder instead of a chat template)"
+    if described_by == DESCRIBED_BY_RECIPE:
+        renderer = "prompt encoder" if frontend.get("prompt_encoder") else "chat template"
+        return f"the recipe's format: its {renderer} describes them, parser {parser!r} reads the calls"
     return ("Flare's generic format (the recipe names no tool parser): tools described in a system block, "
             "calls written as <tool_call> JSON blocks, read by parser 'hermes'")
 

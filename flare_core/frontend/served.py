@@ -40,8 +40,7 @@ class Frontend:
                 vocab_size: int | None = None) -> Frontend:
         """From a core manifest's `frontend` settings; the parsers it names must be installed.
         `vocab_size`: the model's vocabulary rows (default: the tokenizer's ids)."""
-        tool_parser, described_by = tool_way(settings.get("tool_parser"),
-                                             bool(settings.get("chat_template")) and not settings.get("prompt_encoder"))
+        tool_parser, described_by = tool_way(settings)
         named = {}
         for kind, parser_id in (("reasoning_parser", settings.get("reasoning_parser")), ("tool_parser", tool_parser)):
             if parser_id is not None and parser_id not in parsers:

@@ -19,7 +19,7 @@ from flare_core.contract import CARRIED_PREFIX, CONTRACT_VERSION, EmbeddingTable
 from flare_core.ops.tables import table_skeleton
 from flare_core.plugins import Registry
 from flare_core.frontend.generic_tools import describe_way
-from flare_core.prepare.assets import TEMPLATE_ASSET, TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
+from flare_core.prepare.assets import TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
@@ -207,7 +207,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         architecture=architecture, dtype=request.dtype, parameters=parameters,
         weight_bytes=weight_bytes, capacities=capacities, cache_scheme=scheme, tables=declared,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
-        tools=describe_way(recipe.frontend.tool_parser, TEMPLATE_ASSET in assets.files),
+        tools=describe_way(assets.manifest_entry(recipe.frontend)),
         notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
         + rank_notes + quantize_notes + kv_notes,
     )

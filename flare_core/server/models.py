@@ -4,8 +4,9 @@ OpenAI and Anthropic clients both read /v1/models, so each object carries both v
 (OpenAI: object, created, owned_by; Anthropic: type, display_name, created_at), plus vLLM's
 max_model_len (the core's context length) and vocab_size (token ids a prompt may hold are
 below it; `flare bench` draws its synthetic prompts from that range), and Flare's `tool_calls`:
-which parser reads the model's tool calls and who describes the tools to it ("chat_template", or
-"flare": Flare's generic format, for a recipe that declares none), null where no tools are taken.
+which parser reads the model's tool calls and who describes the tools to it ("recipe": its chat
+template or prompt encoder, or "flare": Flare's generic format, for a recipe that declares none),
+null where no tools are taken.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from flare_core.frontend.generic_tools import DESCRIBED_BY_FLARE, DESCRIBED_BY_TEMPLATE
+from flare_core.frontend.generic_tools import DESCRIBED_BY_FLARE, DESCRIBED_BY_RECIPE
 from flare_core.server.errors import ApiError
 from flare_core.server.state import STATE, ServerState
 
@@ -40,7 +41,7 @@ def model_card(state: ServerState, name: str) -> dict[str, Any]:
     tool_calls = None
     if frontend.tool_parser is not None:
         tool_calls = {"parser": frontend.tool_parser.id,
-                      "described_by": DESCRIBED_BY_FLARE if frontend.describes_tools else DESCRIBED_BY_TEMPLATE}
+                      "described_by": DESCRIBED_BY_FLARE if frontend.describes_tools else DESCRIBED_BY_RECIPE}
     created_at = datetime.datetime.fromtimestamp(info.created, datetime.timezone.utc).isoformat()
     return {"id": name, "object": "model", "created": info.created, "owned_by": "flare",
             "type": "model", "display_name": name, "created_at": created_at,
