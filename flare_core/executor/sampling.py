@@ -84,6 +84,19 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return uniform.log_().neg_()
 
 
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor, seeded: torch.Tensor, unseeded_seed: torch.Tensor) -> torch.Tensor:
+    """The noise key [B] of each row's draw: its (seed, step) when seeded, else the call's random
+    value and the row's index."""
+    rows = torch.arange(seeds.shape[0], dtype=torch.int64, device=seeds.device)
+    return noise_keys(torch.where(seeded, seeds, unseeded_seed), torch.where(seeded, steps, rows | _UNSEEDED_STEP_BIT))
+
+
+def uniform_noise(keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """U [B] float32 in (0, 1), one per row key, apart from the token noise of the same keys."""
+    words = _hash32(keys ^ salt)
+    return (words >> (32 - _UNIFORM_BITS)).to(torch.float32).add_(0.5).mul_(2.0 ** -_UNIFORM_BITS)
+
+
 # A single row's argmax over the vocabulary runs in slices of it. Compiled, a row's arg-reduction
 # is one Triton program (Inductor splits sums and maxima over many programs, never argmax): on
 # the H200, at one row of 151,936 logits, the compiled windowed sampler took 169 us whole and 88 us
@@ -163,13 +176,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     every intermediate has a shape fixed by (B, V, candidates), and no generator is touched —
     all randomness comes from the seed tensors.
     """
-    batch, vocab = logits.shape
     greedy_ids = first_argmax(logits)
     weights = filter_weights(logits, temperature, top_k, top_p, min_p, candidates)
-    rows = torch.arange(batch, dtype=torch.int64, device=logits.device)
-    keys = noise_keys(torch.where(seeded, seeds, unseeded_seed),
-                      torch.where(seeded, steps, rows | _UNSEEDED_STEP_BIT))
-    sampled_ids = first_argmax(weights / exponential_noise(keys, vocab))
+    keys = row_keys(seeds, steps, seeded, unseeded_seed)
+    sampled_ids = first_argmax(weights / exponential_noise(keys, logits.shape[-1]))
     return torch.where(temperature > 0, sampled_ids, greedy_ids)
 
 
