@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from flare_core.config import Config, ConfigError, load_config
+from flare_core.config import SPEC_METHODS, Config, ConfigError, load_config
 
 
 class FlareCommandError(click.ClickException):
@@ -341,7 +341,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                hint: Callable[[str], str] | None = None, embedding_table_storage: str | None = None,
                embedding_table_cache_size: str | None = None, mixed_steps: bool = True,
                allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-               max_live_per_client: int | None = None) -> None:
+               max_live_per_client: int | None = None, spec_method: str | None = None,
+               spec_draft_tokens: int | None = None) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
@@ -423,7 +424,10 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                                       queue_capacity=config.server.queue_capacity, prefix_cache=prefix_cache,
                                       served_names=served_names or None, telemetry=telemetry,
                                       compile_model=compile_model, leader=leader, mixed_steps=mixed_steps,
-                                      max_live_per_client=max_live_per_client or config.server.max_live_per_client)
+                                      max_live_per_client=max_live_per_client or config.server.max_live_per_client,
+                                      spec_method=spec_method or config.server.spec_method,
+                                      spec_draft_tokens=config.server.spec_draft_tokens if spec_draft_tokens is None
+                                      else spec_draft_tokens)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
             raise FlareCommandError(str(exc)) from exc
         if leader is not None:
@@ -483,6 +487,13 @@ _SERVE_OPTIONS = [
     click.option("--max-live-per-client", type=click.IntRange(min=1), default=None,
                  help="Live requests one client address may hold at once (default: no cap; server."
                       "max_live_per_client)."),
+    click.option("--spec-method", type=click.Choice(SPEC_METHODS), default=None,
+                 help="Speculative decoding: propose draft tokens by looking the output's last tokens up in the "
+                      "prompt and output (prompt-lookup); each decode row checks them in one step (default: off; "
+                      "server.spec_method)."),
+    click.option("--spec-draft-tokens", type=click.IntRange(min=0), default=None,
+                 help="Draft tokens a decode row checks at most with --spec-method (default 4; 0: off; "
+                      "server.spec_draft_tokens)."),
     click.option("--memory-limit", default=None, help="Device memory: occupied size 30G, reserve -30G, or 0.8."),
     click.option("--kv-cache-limit", default=None, help="KV page pool: a size (20G) or 'context'."),
     click.option("--embedding-table-storage", type=click.Choice(["disk", "ram"]), default=None,
@@ -537,7 +548,8 @@ def _serving(config: Config, options: dict) -> dict:
                 embedding_table_storage=options["embedding_table_storage"],
                 embedding_table_cache_size=options["embedding_table_cache_size"],
                 allowed_hosts=options["allowed_hosts"], allowed_origins=options["allowed_origins"],
-                max_live_per_client=options["max_live_per_client"])
+                max_live_per_client=options["max_live_per_client"], spec_method=options["spec_method"],
+                spec_draft_tokens=options["spec_draft_tokens"])
 
 
 DEMO_NAME = "flare-demo"

@@ -61,6 +61,10 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 32
 BODY_BYTES_BASE = 1 << 20
 
 
+# Ways speculative decoding proposes draft tokens (`flare run --spec-method`).
+SPEC_METHODS = ("prompt-lookup",)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -85,6 +89,10 @@ class ServerConfig:
     # scheduler's service prices already share the engine fairly between requests; this caps
     # what one address can hold besides (flare_core.scheduler).
     max_live_per_client: int | None = None
+    # Speculative decoding: how draft tokens are proposed ("prompt-lookup"; None: off) and at most
+    # how many a decode row checks (flare_core.scheduler.proposals).
+    spec_method: str | None = None
+    spec_draft_tokens: int = 4
     # A streaming client that accepts no bytes for this long is treated as gone (its request is cancelled).
     send_timeout_s: float = 30.0
     # Threads that render chat templates and tokenize prompts, off the event loop.
@@ -102,8 +110,10 @@ class ServerConfig:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
                 raise ConfigError(f"server.{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, tuple(v.strip() for v in value))
+        if self.spec_method not in (None, *SPEC_METHODS):
+            raise ConfigError(f"server.spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
         for name in ("queue_capacity", "max_body_bytes", "frontend_workers", "body_min_bytes_per_s",
-                     "uploads_per_client", "max_live_per_client"):
+                     "uploads_per_client", "max_live_per_client", "spec_draft_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"server.{name} must be a positive integer, got {value!r}")

@@ -26,7 +26,7 @@ from flare_core.requests import GenerationRequest, SamplingParams
 
 
 def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_model: bool = False,
-                kv_pages: int | None = None) -> Engine:
+                kv_pages: int | None = None, **options) -> Engine:
     from flare_core.cli import open_verified_core
 
     config = load_config(flare.config_path)
@@ -36,7 +36,7 @@ def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_mode
         loaded.capacities.page_tokens))
     kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", kv_limit)
     return build_engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
-                        compile_model=compile_model)
+                        compile_model=compile_model, **options)
 
 
 REQUESTS = [

@@ -23,6 +23,7 @@ from flare_core.requests import EngineInfo
 from flare_core.engine.load import LoadedCore
 from flare_core.engine.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
+from flare_core.scheduler.proposals import PromptLookup
 
 if TYPE_CHECKING:
     from flare_core.observability.telemetry import Telemetry
@@ -36,14 +37,17 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
                  frames_in_flight: int | None = None, leader: RankLeader | None = None,
-                 mixed_steps: bool = True, max_live_per_client: int | None = None) -> Engine:
+                 mixed_steps: bool = True, max_live_per_client: int | None = None, spec_method: str | None = None,
+                 spec_draft_tokens: int = 0) -> Engine:
     """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
     executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
     executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
     of a core split over tensor-parallel ranks (flare_core.engine.tensor_parallel), which build
     the same executor and follow its steps. Without `mixed_steps` the scheduler is given no mixed
     capacities: a step then decodes or computes prompt chunks, never both. `max_live_per_client`:
-    live requests one client address may hold (None: no cap)."""
+    live requests one client address may hold (None: no cap). `spec_method`: how draft tokens are
+    proposed for speculative decoding ("prompt-lookup"), at most `spec_draft_tokens` per decode row
+    (None or 0: off); only for a cache scheme without continuation state, which cannot roll back."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
         raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
@@ -93,10 +97,18 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     pages = PageAllocator(kv.num_pages)
     prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),
                          snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None
+    proposer = None
+    if spec_method is not None and spec_draft_tokens > 0:
+        if loaded.cache_scheme.state:
+            raise ValueError(f"speculative decoding (--spec-method) needs a cache without continuation state: this "
+                             f"core's scheme {loaded.cache_scheme.name!r} keeps some, which cannot roll back refused "
+                             f"drafts yet")
+        proposer = PromptLookup()
     scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
                                           prefill_chunk_size=capacities.prefill_chunk_size,
                                           capacities=catalog, page_tokens=page_tokens,
-                                          max_live_per_client=max_live_per_client),
+                                          max_live_per_client=max_live_per_client, proposer=proposer,
+                                          draft_tokens=spec_draft_tokens if proposer is not None else 0),
                           KvCacheManager(pages, max_concurrency, page_tokens, prefix))
     core = EngineCore(scheduler, executor, tokenizer=loaded.tokenizer,
                       core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),

@@ -63,7 +63,7 @@ class EngineCore:
                                   message_ends=tuple(m for m in request.message_ends
                                                      if 0 < m <= len(request.prompt_ids)),
                                   score_prompt=request.prompt_logprobs is not None, group=request.client or group,
-                                  client=request.client)
+                                  client=request.client, speculate=live.speculates)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             self.refuse(request_id, request, "error", error=f"invalid request: {type(exc).__name__}: {exc}")
@@ -186,7 +186,6 @@ class EngineCore:
             event = live.prompt_scores(scores) if live is not None and not live.finished else None
             if event is not None:
                 self._activity.events.append((live.request_id, event))
-        row_of = {h: i for i, h in enumerate(plan.samples)}
         now = time.monotonic()
         sampled = []
         for token in confirmed:
@@ -195,14 +194,15 @@ class EngineCore:
                 continue
             sampled.append(live.request_id)
             try:
-                self._take_token(live, token.token, row_of[token.handle], output, now)
+                self._take_token(live, token.token, token.row, output, now)
             except Exception as exc:  # noqa: BLE001 - its output processing failed: that request alone ends
                 log.exception("request output failed", request_id=live.request_id)
                 self._finish(live, "error", error=f"output processing failed: {type(exc).__name__}: {exc}")
         prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefills)
         read_s = time.perf_counter() - started - (frame.waited_s - waited)
         self._activity.steps.append(StepStats(
-            plan.kind.value, plan.capacity, frame.duration, len(plan.decodes) + prefill_tokens, prefill_tokens,
+            plan.kind.value, plan.capacity, frame.duration,
+            sum(1 + len(d.drafts) for d in plan.decodes) + prefill_tokens, prefill_tokens,
             tuple(sampled), HostTimes(frame.host.schedule_s, frame.host.launch_s, read_s, frame.waited_s)))
 
     def _note_first_work(self, plan: StepPlan) -> None:

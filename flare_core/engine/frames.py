@@ -8,6 +8,7 @@ frame's tokens is the only place the engine core blocks on the device."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,13 @@ def step_sampling(plan: StepPlan, lives: Sequence[LiveRequest | None], scheduler
     # The scheduler holds each request's confirmed output tokens and counts its samples planned
     # so far, this plan's included: seeded sampling continues its stream from there.
     states = [scheduler.request(h.request_id) for h in samples]
+    # A decode with drafts samples once per position: its rows continue the stream one step each.
+    rows_of = Counter(samples)
+    seen: Counter = Counter()
+    steps = []
+    for handle, state in zip(samples, states):
+        steps.append(state.num_planned_samples - rows_of[handle] + seen[handle])
+        seen[handle] += 1
     for handle, live, state in zip(samples, lives, states):
         if live is not None and live.request.sampling.penalised and live.penalty_handle != handle:
             live.penalties = executor.penalties.start(handle.state_row, live.request.prompt_ids, state.outputs)
@@ -91,7 +99,7 @@ def step_sampling(plan: StepPlan, lives: Sequence[LiveRequest | None], scheduler
     asking = [live for live in lives if live is not None and live.request.logprobs]
     return StepSampling(
         params=[live.request.sampling if live else _FINISHED_ROW for live in lives],
-        steps=[state.num_planned_samples - 1 for state in states],
+        steps=steps,
         penalties=[live.penalties if live else None for live in lives],
         logprobs=bool(asking),
         top_logprobs=max((live.request.top_logprobs for live in asking), default=0),

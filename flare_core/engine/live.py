@@ -39,6 +39,12 @@ class LiveRequest:
         return cls(request_id, request, output, submitted, matcher)
 
     @property
+    def speculates(self) -> bool:
+        """Whether its decode rows may check draft tokens: not with a grammar or penalties, whose
+        state at each drafted position would have to count the drafts before it (not built yet)."""
+        return self.matcher is None and not self.request.sampling.penalised
+
+    @property
     def generated(self) -> int:
         return self.output.generated
 

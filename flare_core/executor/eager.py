@@ -26,6 +26,11 @@ def scores_prompt(plan: StepPlan) -> bool:
     return any(chunk.prompt_targets for chunk in plan.prefills)
 
 
+def checks_drafts(plan: StepPlan) -> bool:
+    """Whether some decode of `plan` checks draft tokens (logits at every token it feeds)."""
+    return any(decode.drafts for decode in plan.decodes)
+
+
 class EagerRunner:
     def __init__(self, model: torch.nn.Module, state: DeviceState, sampler: Sampler,
                  plan_attention: Callable[[Sequences], AttentionBackend] | None = None):
@@ -75,47 +80,54 @@ class EagerRunner:
 
     def _scores(self, plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, tuple[PromptScores, ...]]:
         """Split the forward's logits: each scoring chunk's rows become its PromptScores; what is
-        returned keeps one row per step row (its last token), as for any other step."""
-        if not scores_prompt(plan):
+        returned keeps the rows that may sample: every row of each decode (one, or one per token
+        it feeds when it checks drafts), the last of each chunk."""
+        if not scores_prompt(plan) and not checks_drafts(plan):
             return logits, ()
-        scores, last_rows, row = [], list(range(len(plan.decodes))), len(plan.decodes)
+        decode_rows = sum(1 + len(decode.drafts) for decode in plan.decodes)
+        scores, kept_rows, row = [], list(range(decode_rows)), decode_rows
         for chunk in plan.prefills:
             width = chunk.end - chunk.start if chunk.prompt_targets else 1
             if chunk.prompt_targets:
                 scores.append(PromptScores.of(chunk.handle.request_id, chunk.start, logits[row:row + width],
                                               chunk.prompt_targets, MAX_TOP_LOGPROBS))
             row += width
-            last_rows.append(row - 1)
-        return logits.index_select(0, to_device(last_rows, torch.int64, self.state.device)), tuple(scores)
+            kept_rows.append(row - 1)
+        return logits.index_select(0, to_device(kept_rows, torch.int64, self.state.device)), tuple(scores)
 
     def _sequences(self, plan: StepPlan) -> Sequences:
         """(new tokens, cached tokens before, pages) per row: decodes first, then prefill chunks."""
         page_tokens = self.state.page_tokens
-        sequences: Sequences = [(1, e.position, e.page_table[:e.position // page_tokens + 1]) for e in plan.decodes]
+        sequences: Sequences = [(1 + len(e.drafts), e.position, e.page_table[:(e.position + len(e.drafts)) // page_tokens + 1])
+                                for e in plan.decodes]
         sequences += [(c.end - c.start, c.start, c.page_table[:-(-c.end // page_tokens)]) for c in plan.prefills]
         return sequences
 
     def _input_ids(self, plan: StepPlan) -> torch.Tensor:
-        """Token ids of the step's rows (decodes, then prompt chunks). A decode whose input the host
-        has not seen yet (sampled by the previous, still running step) reads it on the device."""
+        """Token ids of the step's rows (decodes with their drafts, then prompt chunks). A decode
+        whose input the host has not seen yet (sampled by the previous, still running step) reads
+        it on the device."""
         device = self.state.device
-        known = [e.input_token for e in plan.decodes]
-        tokens = [0 if t is None else t for t in known] + [t for c in plan.prefills for t in c.tokens]
+        tokens, missing, rows = [], [], []
+        for entry in plan.decodes:
+            if entry.input_token is None:
+                missing.append(len(tokens))
+                rows.append(entry.handle.state_row)
+            tokens += [0 if entry.input_token is None else entry.input_token, *entry.drafts]
+        tokens += [t for c in plan.prefills for t in c.tokens]
         ids = to_device(tokens, torch.int64, device)
-        missing = [i for i, t in enumerate(known) if t is None]
         if missing:
-            rows = [plan.decodes[i].handle.state_row for i in missing]
             ids[to_device(missing, torch.int64, device)] = self.state.last_sampled[to_device(rows, torch.int64, device)]
         return ids
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits of every row of the step (each decode, then each prefill chunk's last token;
-        every token of a chunk that scores its prompt)."""
+        every token of a decode that checks drafts and of a chunk that scores its prompt)."""
         state = self.state
         sequences = self._sequences(plan)
         state_rows = [e.handle.state_row for e in plan.decodes] + [c.handle.state_row for c in plan.prefills] \
             if state.scheme.state else ()
-        every_row = [False] * len(plan.decodes) + [bool(chunk.prompt_targets) for chunk in plan.prefills]
+        every_row = [bool(e.drafts) for e in plan.decodes] + [bool(chunk.prompt_targets) for chunk in plan.prefills]
         batch = AttentionBatch.build(sequences, state.page_tokens, state.device, every_row, state_rows)
         attention = self._plan_attention(sequences) if self._plan_attention is not None else None
         return self.model(self._input_ids(plan), batch.positions(),

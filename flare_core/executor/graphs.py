@@ -39,7 +39,7 @@ import torch
 
 from flare_core.contract import CacheScheme
 from flare_core.executor.backends import kernels_for
-from flare_core.executor.eager import EagerRunner, Sequences, scores_prompt
+from flare_core.executor.eager import EagerRunner, Sequences, checks_drafts, scores_prompt
 from flare_core.executor.runner import HostCopies, ModelRunner
 from flare_core.executor.state import DeviceState
 from flare_core.executor.storage import TORCH_DTYPES
@@ -584,9 +584,9 @@ class GraphRunner:
         """The smallest captured graph that covers the step, or None: the step runs eagerly.
         Decode graphs cover decode-only steps; prefill graphs cover steps with prompt chunks,
         with decode rows beside them (mixed steps: each decode row is a one-token request);
-        both after restoring resume points. Steps that sample a prompt's stored logits or score
-        prompts (logits at every token of some chunks) run eagerly."""
-        if any(r.logits_row is not None for r in plan.restores) or scores_prompt(plan):
+        both after restoring resume points. Steps that sample a prompt's stored logits, score
+        prompts or check drafts (logits at every token of some rows) run eagerly."""
+        if any(r.logits_row is not None for r in plan.restores) or scores_prompt(plan) or checks_drafts(plan):
             return None
         if plan.prefills:
             tokens = len(plan.decodes) + sum(c.end - c.start for c in plan.prefills)

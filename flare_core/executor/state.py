@@ -87,11 +87,13 @@ class DeviceState:
                         layer[chunk.handle.state_row].zero_()
 
     def finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
-        """Take the resume points the chunks save (`logits`: the step's rows, decodes first); return
-        the rows that sample (each decode, then each chunk that ends its prompt)."""
-        rows = list(range(len(plan.decodes)))
+        """Take the resume points the chunks save (`logits`: the step's rows, decodes first, each
+        with one row per token it samples); return the rows that sample (the decodes', then each
+        chunk's that ends its prompt)."""
+        decode_rows = sum(1 + len(decode.drafts) for decode in plan.decodes)
+        rows = list(range(decode_rows))
         for i, chunk in enumerate(plan.prefills):
-            row = len(plan.decodes) + i
+            row = decode_rows + i
             if chunk.save is not None:
                 self._save(chunk, logits[row])
             if chunk.samples:

@@ -76,7 +76,13 @@ class RuntimeMetrics:
                                buckets=_TTFT_BUCKETS, registry=r)
         self._itl = Histogram("flare_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
                               buckets=_ITL_BUCKETS, registry=r)
+        self._spec_proposed = Counter("flare_spec_proposed_tokens", "Draft tokens decode rows checked "
+                                      "(speculative decoding).", registry=r)
+        self._spec_accepted = Counter("flare_spec_accepted_tokens", "Draft tokens the target model's samples "
+                                      "confirmed (speculative decoding).", registry=r)
+        self._spec_rounds = Counter("flare_spec_rounds", "Decode rows that checked draft tokens.", registry=r)
         self._prefix_seen = (0, 0, 0)  # the prefix cache's lookups, hits and reused tokens counted so far
+        self._spec_seen = (0, 0, 0)  # draft tokens checked and kept, and rounds, counted so far
 
     def record(self, activity: Activity) -> None:
         """Count what the engine core reported (flare_core.engine.stats.Activity)."""
@@ -98,6 +104,11 @@ class RuntimeMetrics:
             self._prefix_seen = (stats.lookups, stats.hits, stats.reused_tokens)
         resources = activity.resources
         if resources is not None:
+            proposed, accepted, rounds = self._spec_seen
+            self._spec_proposed.inc(resources.drafts - proposed)
+            self._spec_accepted.inc(resources.accepted_drafts - accepted)
+            self._spec_rounds.inc(resources.draft_rounds - rounds)
+            self._spec_seen = (resources.drafts, resources.accepted_drafts, resources.draft_rounds)
             self._live_slots.set(resources.live)
             self._free_slots.set(resources.state_rows - resources.live)
             self._free_pages.set(resources.free_pages)

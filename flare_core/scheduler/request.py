@@ -59,6 +59,7 @@ class Request:
     score_prompt: bool = False      # every prompt position computed, never restored from the cache
     group: str = ""                 # who shares its service price: its client address, or its own request
     client: str = ""                # the client's address, for the cap on live requests per client
+    speculate: bool = False         # its decode rows may check draft tokens (speculative decoding)
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -76,6 +77,9 @@ class Request:
     yielded: bool = False           # gave its state row up once to a starving waiting request
     last_served_seq: int = -1
     waited_s: float = 0.0           # estimated seconds of the steps issued since it last advanced
+    drafts: tuple[int, ...] = ()    # proposed for the step being planned
+    verifying: bool = False         # a step checking its drafts is in flight: where it stands is not known
+    plain_until: int = 0            # it decodes without drafts until it has planned this many samples
 
     @property
     def prompt_len(self) -> int:
@@ -106,7 +110,14 @@ class Request:
 
     def can_decode(self) -> bool:
         return (self.status is RequestStatus.RUNNING and self.prefill_done and self.restore is None
+                and not self.verifying and not self.waits_to_speculate()
                 and self.num_planned_samples < self.max_tokens)
+
+    def waits_to_speculate(self) -> bool:
+        """A request that speculates proposes from the tokens the host knows: while a step of it
+        is in flight it sits out rather than decode without drafts, unless its last proposals
+        came to nothing (then it decodes plainly, steps in flight or not, until `plain_until`)."""
+        return self.speculate and self.in_flight > 0 and self.num_planned_samples >= self.plain_until
 
     def can_prefill(self) -> bool:
         return self.status is RequestStatus.RUNNING and not self.prefill_done
@@ -116,3 +127,6 @@ class Request:
         self.target = self.num_computed = self.num_written = self.num_planned_samples = 0
         self.boundaries = ()
         self.restore = None
+        self.drafts = ()
+        self.verifying = False
+        self.plain_until = 0

@@ -28,8 +28,15 @@ from flare_core.kv.prefix import NO_HIT, ResumeStorage
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
 from flare_core.scheduler.policy import FairnessLimits, GraphCapacities, chunk_end, rank
 from flare_core.scheduler.prices import ServicePrices
+from flare_core.scheduler.proposals import Proposer
 from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
 from flare_core.scheduler.steps import Reservation, StepBuilder
+
+
+# Samples a speculating request decodes without drafts after a round that kept none (or had none
+# to check), before it waits for a readback to propose again: a guess that keeps failing does not
+# cost its request every other step (with two steps in flight).
+PLAIN_AFTER_MISS = 16
 
 
 @dataclass(frozen=True)
@@ -40,12 +47,19 @@ class SchedulerConfig:
     page_tokens: int = 64
     fairness: FairnessLimits = field(default_factory=FairnessLimits)
     max_live_per_client: int | None = None  # live requests one client address may hold (None: no cap)
+    # Speculative decoding: up to `draft_tokens` tokens `proposer` guesses, checked in a request's
+    # decode row (0: off). Only for a cache without continuation state (it cannot roll back yet).
+    proposer: Proposer | None = None
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"SchedulerConfig max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.page_tokens < 1:
             raise ValueError(f"SchedulerConfig page_tokens must be >= 1, got {self.page_tokens}")
+        if self.draft_tokens < 0 or (self.draft_tokens > 0) != (self.proposer is not None):
+            raise ValueError(f"SchedulerConfig draft_tokens ({self.draft_tokens}) must be >= 0, and > 0 exactly "
+                             f"when a proposer is given")
         if self.max_live_per_client is not None and self.max_live_per_client < 1:
             raise ValueError(f"SchedulerConfig max_live_per_client must be >= 1, got {self.max_live_per_client}")
         if self.prefill_chunk_size < self.page_tokens or self.prefill_chunk_size % self.page_tokens:
@@ -61,12 +75,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DecodeEntry:
-    """Feed one token at `position` and sample the next."""
+    """Feed one token at `position` and sample the next. With `drafts` (speculative decoding),
+    feed them too, at position + 1 on, and sample after each: `complete` keeps the drafts the
+    samples confirm (sample i equal to draft i) and the sample after the last one kept."""
 
     handle: RequestHandle
     position: int
     input_token: int | None         # None: the token sampled for this state row by the previous plan (on device)
     page_table: tuple[int, ...]
+    drafts: tuple[int, ...] = ()    # only with a known input_token
 
 
 @dataclass(frozen=True)
@@ -104,9 +121,10 @@ class StepPlan:
 
     @property
     def samples(self) -> tuple[RequestHandle, ...]:
-        """Restores with stored logits, then decodes, then sampling prefill chunks."""
+        """Restores with stored logits, then decodes (a decode with drafts once per position it
+        samples), then sampling prefill chunks."""
         return (tuple(r.handle for r in self.restores if r.logits_row is not None)
-                + tuple(d.handle for d in self.decodes)
+                + tuple(d.handle for d in self.decodes for _ in range(1 + len(d.drafts)))
                 + tuple(p.handle for p in self.prefills if p.samples))
 
 
@@ -120,6 +138,7 @@ class StepResult:
 class SampledToken:
     handle: RequestHandle
     token: int
+    row: int  # its row of the step's samples (plan.samples order)
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,9 @@ class Resources:
     request_page_refs: int      # references held on pages by anything but the cache (page tables,
     #                             hits held by waiting requests, reserved resume point copies)
     preemptions: int            # requests preempted so far (for pages, or for a starving waiting request)
+    drafts: int = 0             # draft tokens checked so far (speculative decoding)
+    accepted_drafts: int = 0    # of them, those the target model's samples confirmed
+    draft_rounds: int = 0       # decode rows that checked drafts
 
 
 class Scheduler:
@@ -163,18 +185,20 @@ class Scheduler:
         self._next_seq = 0
         self._next_order = 0
         self.preemptions = 0    # requests preempted so far (a metric)
+        self.drafts = self.accepted_drafts = self.draft_rounds = 0  # checked, kept, rows that checked (metrics)
 
     # ---- requests -----------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
                message_ends: Sequence[int] = (), score_prompt: bool = False, group: str | None = None,
-               client: str = "") -> None:
+               client: str = "", speculate: bool = False) -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
         (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
         reuse) and its chunks carry their prompt targets. Requests of one `group` (the engine's:
         one client address; default: the request alone) share their service price; `client` (an
-        address) is what the cap on live requests per client counts. The caller has already
-        checked the context limit."""
+        address) is what the cap on live requests per client counts. With `speculate` (and a
+        proposer configured) its decode rows check draft tokens. The caller has already checked
+        the context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt = tuple(prompt)
@@ -192,7 +216,8 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
                              f"max_tokens {max_tokens}) but the cache has {self.kv.num_pages}")
         request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
-                          group=group or request_id, client=client, kv=self.kv.open(request_id))
+                          group=group or request_id, client=client, kv=self.kv.open(request_id),
+                          speculate=speculate and self.config.proposer is not None)
         self._next_order += 1
         self._requests[request_id] = request
         self.prices.join(request)
@@ -253,7 +278,8 @@ class Scheduler:
         return Resources(live=self.num_live, waiting=self.num_waiting, steps_in_flight=len(self._in_flight),
                          state_rows=kv.state_rows, free_state_rows=kv.free_state_rows, pages=kv.num_pages,
                          free_pages=kv.free_pages, cached_pages=kv.cached_pages,
-                         request_page_refs=kv.request_page_refs, preemptions=self.preemptions)
+                         request_page_refs=kv.request_page_refs, preemptions=self.preemptions,
+                         drafts=self.drafts, accepted_drafts=self.accepted_drafts, draft_rounds=self.draft_rounds)
 
     # ---- planning -----------------------------------------------------------------------
     #
@@ -271,6 +297,7 @@ class Scheduler:
         self._admit()
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan
+        self._propose()
         while True:
             candidates = self._steps.candidates(self._live, seq)
             blocked: Reservation | None = None
@@ -287,6 +314,21 @@ class Scheduler:
                 self._preempt(victim)
         return self._commit(seq, restoring, Reservation()) if restoring else None   # restores alone
 
+    def _propose(self) -> None:
+        """Draft tokens for the requests that speculate and could decode next: those with no step
+        in flight (their last token known), up to their remaining budget less the token the
+        step samples anyway. One whose proposer has nothing decodes plainly for PLAIN_AFTER_MISS
+        samples before it waits for a readback to propose again."""
+        proposer = self.config.proposer
+        for request in self._live:
+            request.drafts = ()
+            width = min(self.config.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
+            if proposer is not None and request.speculate and request.in_flight == 0 and width > 0 \
+                    and request.can_decode():
+                request.drafts = proposer.propose(request.known_tokens(), width)
+                if not request.drafts:
+                    request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+
     def _commit(self, seq: int, restoring: list[Request], reservation: Reservation) -> StepPlan:
         """Issue `reservation` as plan `seq`: preempt its victims, append its pages, advance its
         requests' state and record the plan as in flight."""
@@ -297,9 +339,12 @@ class Scheduler:
         for request in reservation.decoders:
             position = request.num_computed
             assert request.handle is not None, "a running request holds a state row"
-            decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.kv.page_table))
-            request.num_computed += 1
-            request.num_planned_samples += 1
+            drafts = reservation.drafts.get(request.request_id, ())
+            decodes.append(DecodeEntry(request.handle, position, request.token_at(position), request.kv.page_table,
+                                       drafts))
+            request.num_computed += 1 + len(drafts)
+            request.num_planned_samples += 1 + len(drafts)
+            request.verifying = bool(drafts)
         prefills = []
         for chunk in reservation.chunks:
             request, start, end = chunk.request, chunk.start, chunk.end
@@ -366,12 +411,13 @@ class Scheduler:
             request = self._requests[decode.handle.request_id]
             request.num_written = max(request.num_written, decode.position + 1)
 
+        refused = self._verify(plan, result.tokens)
         emitted = []
-        for handle, token in zip(samples, result.tokens):
+        for row, (handle, token) in enumerate(zip(samples, result.tokens)):
             request = self._requests[handle.request_id]
-            if request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+            if row not in refused and request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
                 request.outputs.append(token)
-                emitted.append(SampledToken(handle, token))
+                emitted.append(SampledToken(handle, token, row))
 
         for request in members:
             self.kv.cache_written(request.request_id, request, request.num_written)
@@ -379,6 +425,33 @@ class Scheduler:
             if request.in_flight == 0 and request.status in (RequestStatus.PREEMPTED, RequestStatus.STOPPED):
                 self._release(request)
         return emitted
+
+    def _verify(self, plan: StepPlan, tokens: Sequence[int]) -> set[int]:
+        """Settle the drafts of `plan`'s decodes: a draft is kept while the sample before it equals
+        it; the request then stands after its kept drafts and the sample that follows them (what
+        it planned beyond is given back: positions to compute, samples to draw, and its records
+        there are overwritten when it decodes on). Returns the sample rows to drop."""
+        refused: set[int] = set()
+        row = sum(1 for r in plan.restores if r.logits_row is not None)  # the decodes' rows come next
+        for decode in plan.decodes:
+            drafts = decode.drafts
+            if drafts:
+                request = self._requests[decode.handle.request_id]
+                kept = 0
+                while kept < len(drafts) and tokens[row + kept] == drafts[kept]:
+                    kept += 1
+                refused.update(range(row + kept + 1, row + len(drafts) + 1))
+                request.num_written = max(request.num_written, decode.position + 1 + kept)
+                request.num_computed -= len(drafts) - kept
+                request.num_planned_samples -= len(drafts) - kept
+                request.verifying = False
+                if not kept:
+                    request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+                self.drafts += len(drafts)
+                self.accepted_drafts += kept
+                self.draft_rounds += 1
+            row += 1 + len(drafts)
+        return refused
 
     # ---- admission, pages, release ------------------------------------------------------
 

@@ -49,6 +49,7 @@ class Reservation:
     chunks: list[Chunk] = field(default_factory=list)
     pages: dict[str, int] = field(default_factory=dict)
     victims: list[Request] = field(default_factory=list)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # decoders' drafts that got their pages
 
     @property
     def runs(self) -> bool:
@@ -167,10 +168,12 @@ class StepBuilder:
         decode runs only with the page for its position, a chunk is shortened to the pages it
         would get. An entry short of pages names younger running requests outside the step as
         victims (preempted only if this reservation is committed), unless pages enough return at
-        the fences of steps in flight."""
+        the fences of steps in flight. A decoder's drafts get pages only where they are free
+        (drafts beyond them are dropped): a guess never preempts anyone."""
         reservation = Reservation()
         page_tokens = self.page_tokens
-        entries = [(r, r.num_computed + 1) for r in candidate.decoders] + [(c.request, c.end) for c in candidate.chunks]
+        entries = [(r, r.num_computed + 1 + len(r.drafts)) for r in candidate.decoders] + \
+            [(c.request, c.end) for c in candidate.chunks]
         available = self.kv.obtainable(sum(max(pages_for_tokens(end, page_tokens) - len(r.kv.page_table), 0)
                                            for r, end in entries))
         granted = set(protected)
@@ -191,6 +194,16 @@ class StepBuilder:
                 self._choose_victims(request, deficit, granted, victims, live)
             return (held + got) * page_tokens
 
+        def take_spare(request: Request, tokens: int) -> int:
+            """Free pages only, toward covering [0, tokens); returns the positions covered."""
+            nonlocal available
+            held = len(request.kv.page_table) + reservation.pages.get(request.request_id, 0)
+            got = min(max(pages_for_tokens(tokens, page_tokens) - held, 0), available)
+            available -= got
+            if got:
+                reservation.pages[request.request_id] = reservation.pages.get(request.request_id, 0) + got
+            return (held + got) * page_tokens
+
         for request in candidate.decoders:
             if request.request_id in victims:
                 continue
@@ -198,6 +211,10 @@ class StepBuilder:
             if take(request, position + 1) > position:
                 reservation.decoders.append(request)
                 granted.add(request.request_id)
+                if request.drafts:
+                    room = take_spare(request, position + 1 + len(request.drafts)) - position - 1
+                    if room > 0:
+                        reservation.drafts[request.request_id] = request.drafts[:room]
         for chunk in candidate.chunks:
             if chunk.request.request_id in victims:
                 continue

@@ -1,0 +1,104 @@
+"""Speculative decoding with prompt-lookup drafts, served: SmolLM2's real weights give the same
+tokens and logprobs with it as without it — greedy, seeded sampling (coupled verification), with
+stops, budgets, penalties and a tight page pool, with one or two steps in flight — while its decode
+rows keep about two and a half drafts per round on a copy-heavy prompt."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from openai import OpenAI
+
+from flare_core.requests import GenerationRequest, SamplingParams
+from server_process import ServerProcess
+from test_engine_frames import make_engine, run_requests
+
+MODEL = "smollm2-135m-instruct.q4_1"
+PARAGRAPH = ("The lighthouse stood on a narrow rock at the mouth of the bay. Every evening the keeper climbed the "
+             "one hundred and twelve steps, trimmed the wick, polished the great lens and lit the lamp. Ships "
+             "coming home from the north saw its beam long before they saw the coast, and the fishermen said "
+             "that no boat had been lost on the rocks since the light was built.")
+REWRITE = [{"role": "user", "content": "Rewrite this paragraph exactly, changing only 'lighthouse' to 'beacon':\n\n"
+            + PARAGRAPH}]
+SPECULATION = dict(spec_method="prompt-lookup", spec_draft_tokens=4)
+ROOMY = 64  # pages of 64 tokens (SmolLM2's float32 page is 2.8 MiB): every request's whole context at once
+
+
+@pytest.fixture(scope="module")
+def rewrite_ids(smollm2_reference_tokenizer) -> tuple[int, ...]:
+    return tuple(smollm2_reference_tokenizer.apply_chat_template(REWRITE, add_generation_prompt=True, tokenize=True,
+                                                                 return_dict=False))
+
+
+def _requests(prompt: tuple[int, ...], stop_at: int | None = None) -> list[GenerationRequest]:
+    greedy = SamplingParams(temperature=0.0)
+    return [
+        GenerationRequest(prompt_ids=prompt, max_tokens=90, sampling=greedy, logprobs=True, top_logprobs=2),
+        GenerationRequest(prompt_ids=prompt, max_tokens=90, sampling=SamplingParams(temperature=0.8, seed=5)),
+        # Penalties are not speculated (their history would have to count the drafts): unchanged.
+        GenerationRequest(prompt_ids=prompt, max_tokens=40, sampling=SamplingParams(temperature=0.0,
+                                                                                    frequency_penalty=0.5)),
+        GenerationRequest(prompt_ids=prompt, max_tokens=7, sampling=greedy),  # a budget inside a round
+        GenerationRequest(prompt_ids=prompt, max_tokens=90, sampling=greedy,
+                          stop_token_ids=() if stop_at is None else (stop_at,)),
+    ]
+
+
+@pytest.mark.parametrize("frames", [1, 2])
+def test_speculation_changes_no_token(session_flare, smollm2_core, rewrite_ids, frames):
+    plain = make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY)
+    reference = asyncio.run(run_requests(plain, _requests(rewrite_ids)))
+    stop_at = reference[0][0][30]  # a token the greedy answer writes, likely inside a round of kept drafts
+    reference[4] = asyncio.run(run_requests(make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY),
+                                            _requests(rewrite_ids, stop_at)[4:]))[0]
+    engine = make_engine(session_flare, smollm2_core, frames=frames, kv_pages=ROOMY, **SPECULATION)
+    results = asyncio.run(run_requests(engine, _requests(rewrite_ids, stop_at)))
+    for (tokens, logprobs, reason, usage), expected in zip(results, reference):
+        assert tokens == expected[0] and reason == expected[2] and usage.completion_tokens == expected[3].completion_tokens
+        # Logprobs as computed in other batches (a row of drafts beside others): equal to float error.
+        assert [(lp[0], lp[2]) for lp in logprobs] == [(lp[0], lp[2]) for lp in expected[1]]
+        assert all(abs(lp[1] - ref[1]) < 1e-3 for lp, ref in zip(logprobs, expected[1]))
+    assert results[4][2] == "stop" and len(results[4][0]) < 90
+    resources = engine.resources()
+    assert resources.draft_rounds > 0 and resources.accepted_drafts >= resources.draft_rounds, resources
+    assert resources.live == 0 and resources.request_page_refs == 0 and resources.steps_in_flight == 0
+    assert resources.free_pages + resources.cached_pages == resources.pages
+
+
+def test_a_tight_page_pool_preempts_and_still_changes_no_token(session_flare, qwen3_core):
+    """Four requests of 350 tokens (the tiny random Qwen3, whose outputs repeat) in a pool of 16
+    pages (they need 24): requests are preempted and come back, drafts take free pages only, and
+    the tokens equal those of a roomy run without speculation."""
+    requests = [GenerationRequest(prompt_ids=tuple(range(5 + 40 * i, 105 + 40 * i)), max_tokens=250, ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.0)) for i in range(4)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, qwen3_core, frames=1), requests))
+    tight = make_engine(session_flare, qwen3_core, frames=2, kv_pages=16, **SPECULATION)
+    results = asyncio.run(run_requests(tight, requests))
+    assert [r[0] for r in results] == [r[0] for r in reference]
+    resources = tight.resources()
+    assert resources.preemptions > 0 and resources.accepted_drafts > 0, resources
+    assert resources.free_pages + resources.cached_pages == resources.pages
+
+
+def test_flare_run_speculates_and_counts_its_drafts(session_flare, smollm2_core, smollm2_server, tmp_path):
+    """`flare run --spec-method prompt-lookup`: the same answer as a server without it, through the
+    openai SDK, and /metrics counts the drafts checked and kept (about 2.5 kept per round here)."""
+    server = ServerProcess(session_flare.config_path, smollm2_core, tmp_path / "run.log", "--no-dashboard",
+                           "--spec-method", "prompt-lookup", "--spec-draft-tokens", "4").wait_ready()
+    try:
+        answers = []
+        for url in (smollm2_server.url, server.url):
+            client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            reply = client.chat.completions.create(model=MODEL, messages=REWRITE, max_tokens=100, temperature=0,
+                                                   logprobs=True)
+            answers.append([(t.token, t.logprob) for t in reply.choices[0].logprobs.content])
+        assert [t for t, _ in answers[0]] == [t for t, _ in answers[1]] and len(answers[0]) > 60
+        assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(*answers))
+        metrics = {line.split()[0]: float(line.split()[1]) for line in server.get("/metrics").body.decode().splitlines()
+                   if line.startswith("flare_spec_") and line.split()[0].endswith("_total")}
+        rounds, kept = metrics["flare_spec_rounds_total"], metrics["flare_spec_accepted_tokens_total"]
+        assert rounds > 0 and metrics["flare_spec_proposed_tokens_total"] >= kept
+        assert kept / rounds >= 2.0, metrics
+    finally:
+        server.stop()
