@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from flare_core.config import SPEC_METHODS, Config, ConfigError, load_config
+from flare_core.config import MAX_DRAFT_TOKENS, SPEC_METHODS, Config, ConfigError, load_config
 
 
 class FlareCommandError(click.ClickException):
@@ -491,8 +491,8 @@ _SERVE_OPTIONS = [
                  help="Speculative decoding: propose draft tokens by looking the output's last tokens up in the "
                       "prompt and output (prompt-lookup); each decode row checks them in one step (default: off; "
                       "server.spec_method)."),
-    click.option("--spec-draft-tokens", type=click.IntRange(min=0), default=None,
-                 help="Draft tokens a decode row checks at most with --spec-method (default 4; 0: off; "
+    click.option("--spec-draft-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
+                 help="Draft tokens a decode row checks at most with --spec-method (default 4, at most 16; 0: off; "
                       "server.spec_draft_tokens)."),
     click.option("--memory-limit", default=None, help="Device memory: occupied size 30G, reserve -30G, or 0.8."),
     click.option("--kv-cache-limit", default=None, help="KV page pool: a size (20G) or 'context'."),

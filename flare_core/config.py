@@ -61,8 +61,10 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 32
 BODY_BYTES_BASE = 1 << 20
 
 
-# Ways speculative decoding proposes draft tokens (`flare run --spec-method`).
+# Ways speculative decoding proposes draft tokens (`flare run --spec-method`), and the most a
+# decode row checks: past a few, a draft's chance of being kept is small and the row's cost grows.
 SPEC_METHODS = ("prompt-lookup",)
+MAX_DRAFT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -112,8 +114,12 @@ class ServerConfig:
             object.__setattr__(self, name, tuple(v.strip() for v in value))
         if self.spec_method not in (None, *SPEC_METHODS):
             raise ConfigError(f"server.spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
+        tokens = self.spec_draft_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"server.spec_draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] (0: off), "
+                              f"got {tokens!r}")
         for name in ("queue_capacity", "max_body_bytes", "frontend_workers", "body_min_bytes_per_s",
-                     "uploads_per_client", "max_live_per_client", "spec_draft_tokens"):
+                     "uploads_per_client", "max_live_per_client"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"server.{name} must be a positive integer, got {value!r}")

@@ -140,3 +140,23 @@ def test_prompt_lookup_accepts_two_drafts_per_round_rewriting_a_paragraph(smollm
     kept = replay(PromptLookup(), prompt, output, width=4)
     assert len(output) >= 60 and "the keeper climbed the" in tokenizer.decode(output), tokenizer.decode(output)
     assert sum(kept) / len(kept) >= 2.0, (kept, tokenizer.decode(output))
+
+
+def test_speculation_settings_are_checked(tmp_path):
+    from flare_core.config import ConfigError, load_config
+    from flare_core.scheduler import GraphCapacities, SchedulerConfig
+
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nspec_method = "draft"\n')
+    with pytest.raises(ConfigError, match="server.spec_method must be one of prompt-lookup"):
+        load_config(path)
+    path.write_text('[server]\nspec_method = "prompt-lookup"\nspec_draft_tokens = 17\n')
+    with pytest.raises(ConfigError, match=r"server.spec_draft_tokens must be an integer in \[0, 16\]"):
+        load_config(path)
+    path.write_text('[server]\nspec_method = "prompt-lookup"\nspec_draft_tokens = 0\n')
+    assert load_config(path).server.spec_draft_tokens == 0  # off, as --spec-draft-tokens 0
+    capacities = GraphCapacities(decode=(1,), prefill=(64,))
+    for proposer, tokens in ((None, 2), (PromptLookup(), 0), (PromptLookup(), -1)):
+        with pytest.raises(ValueError, match="draft_tokens"):
+            SchedulerConfig(max_concurrency=1, prefill_chunk_size=64, capacities=capacities, proposer=proposer,
+                            draft_tokens=tokens)
