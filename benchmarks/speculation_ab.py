@@ -60,7 +60,8 @@ def main() -> None:
         rounds = after["flare_spec_rounds_total"] - before["flare_spec_rounds_total"]
         kept = after["flare_spec_accepted_tokens_total"] - before["flare_spec_accepted_tokens_total"]
         plain_s, spec_s = statistics.median(times["plain"]), statistics.median(times["spec"])
-        row = {"prompt": name, "output_tokens": len(answers["plain"]), "same_tokens": answers["plain"] == answers["spec"],
+        row = {"prompt": name, "output_tokens": len(answers["plain"]),
+               "same_tokens": answers["plain"] == answers["spec"],
                "plain_s": round(plain_s, 3), "spec_s": round(spec_s, 3), "speedup": round(plain_s / spec_s, 2),
                "kept_per_round": round(kept / rounds, 2) if rounds else None, "rounds": int(rounds)}
         rows.append(row)

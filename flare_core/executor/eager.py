@@ -98,8 +98,8 @@ class EagerRunner:
     def _sequences(self, plan: StepPlan) -> Sequences:
         """(new tokens, cached tokens before, pages) per row: decodes first, then prefill chunks."""
         page_tokens = self.state.page_tokens
-        sequences: Sequences = [(1 + len(e.drafts), e.position, e.page_table[:(e.position + len(e.drafts)) // page_tokens + 1])
-                                for e in plan.decodes]
+        sequences: Sequences = [(1 + len(e.drafts), e.position,
+                                 e.page_table[:(e.position + len(e.drafts)) // page_tokens + 1]) for e in plan.decodes]
         sequences += [(c.end - c.start, c.start, c.page_table[:-(-c.end // page_tokens)]) for c in plan.prefills]
         return sequences
 

@@ -84,7 +84,8 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return uniform.log_().neg_()
 
 
-def row_keys(seeds: torch.Tensor, steps: torch.Tensor, seeded: torch.Tensor, unseeded_seed: torch.Tensor) -> torch.Tensor:
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor, seeded: torch.Tensor,
+             unseeded_seed: torch.Tensor) -> torch.Tensor:
     """The noise key [B] of each row's draw: its (seed, step) when seeded, else the call's random
     value and the row's index."""
     rows = torch.arange(seeds.shape[0], dtype=torch.int64, device=seeds.device)

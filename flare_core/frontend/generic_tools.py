@@ -64,7 +64,8 @@ def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
             + "\nEach call's results come back to you in a <tool_response> block.")
 
 
-def written_out(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+def written_out(messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
     """Template messages (flare_core.server.prompts) with `tools` described in the system message
     and past tool calls and results written as text, for a template that is given neither."""
     written: list[dict[str, Any]] = []
