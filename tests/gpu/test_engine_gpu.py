@@ -144,3 +144,18 @@ def test_grammars_on_cuda(session_flare, bf16_core):
         value = json.loads(text_of(engine, tokens))
         assert set(value) == {"ok", "n", "tag"} and reason == "stop"
     assert runs[0][-len(REQUESTS):] == reference
+
+
+def test_speculation_on_cuda(session_flare, bf16_core):
+    """Prompt-lookup speculation on the CUDA executor: decode rows with drafts run eagerly (FlashInfer
+    prefill planning over their tokens) beside captured steps; greedy tokens equal a run without it
+    (the random model's outputs repeat, so drafts are kept)."""
+    requests = [REQUESTS[0].__class__(prompt_ids=tuple(range(5 + 40 * i, 105 + 40 * i)) * 2, max_tokens=120,
+                                      ignore_eos=True, sampling=REQUESTS[0].sampling) for i in range(4)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, bf16_core, 2, "cuda", False), requests))
+    engine = make_engine(session_flare, bf16_core, 2, "cuda", False, spec_method="prompt-lookup", spec_draft_tokens=4)
+    results = asyncio.run(run_requests(engine, requests))
+    assert [r[0] for r in results] == [r[0] for r in reference]
+    resources = engine.resources()
+    assert resources.draft_rounds > 0 and resources.accepted_drafts > 0, resources
+    assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
