@@ -153,6 +153,15 @@ def test_render_scheduler_pane_shares_step_time():
     assert rows["prefill"] == ["prefill", "128", "1", "30.00", "30.00", "50.0%"]
     assert rows["mixed"] == ["mixed", "64", "1", "20.00", "20.00", "33.3%"]
     assert rows["decode"] == ["decode", "2", "1", "10.00", "10.00", "16.7%"]
+    assert not any("speculative" in line for line in lines)
+
+
+def test_scheduler_pane_shows_how_many_drafts_are_kept():
+    clock = Clock()
+    telemetry = _served_two_requests(clock)
+    telemetry.record_drafts(rounds=40, drafts=160, kept=117)
+    lines = render_lines(telemetry.snapshot(), Pane.SCHEDULER, 100, 20)
+    assert "speculative decoding: 40 decode rows checked 160 drafts, kept 117 (2.92 per row, 73%)" in lines
 
 
 def test_render_requests_pane_with_gaps():

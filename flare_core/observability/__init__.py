@@ -4,8 +4,9 @@ into text lines, the live terminal view). Both read the engine core's Activity r
 
 from flare_core.observability.logsink import LogSink
 from flare_core.observability.screen import Pane, render_lines
-from flare_core.observability.telemetry import PageCounts, RequestRow, StepBucket, Telemetry, TelemetrySnapshot
+from flare_core.observability.telemetry import (DraftCounts, PageCounts, RequestRow, StepBucket, Telemetry,
+                                                TelemetrySnapshot)
 from flare_core.observability.terminal import Dashboard, parse_keys
 
-__all__ = ["Dashboard", "LogSink", "PageCounts", "Pane", "RequestRow", "StepBucket", "Telemetry",
+__all__ = ["Dashboard", "DraftCounts", "LogSink", "PageCounts", "Pane", "RequestRow", "StepBucket", "Telemetry",
            "TelemetrySnapshot", "parse_keys", "render_lines"]

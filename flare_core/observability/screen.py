@@ -78,6 +78,10 @@ def _scheduler(s: TelemetrySnapshot) -> list[str]:
                      f"{share:>14.1f}%")
     if not s.buckets:
         lines.append("no steps yet")
+    if s.drafts is not None:
+        d = s.drafts
+        lines += ["", f"speculative decoding: {d.rounds} decode rows checked {d.drafts} drafts, kept {d.kept} "
+                      f"({d.kept / d.rounds:.2f} per row, {100.0 * d.kept / max(d.drafts, 1):.0f}%)"]
     return lines
 
 

@@ -69,6 +69,15 @@ class PageCounts:
 
 
 @dataclass(frozen=True)
+class DraftCounts:
+    """Speculative decoding so far: decode rows that checked drafts, drafts checked, drafts kept."""
+
+    rounds: int
+    drafts: int
+    kept: int
+
+
+@dataclass(frozen=True)
 class TelemetrySnapshot:
     taken_at: float
     started_at: float
@@ -88,6 +97,7 @@ class TelemetrySnapshot:
     pages: PageCounts | None
     buckets: tuple[StepBucket, ...]  # by kind, then capacity
     requests: tuple[RequestRow, ...]  # live ones in submission order, then finished ones, newest first
+    drafts: DraftCounts | None = None  # None: no row checked drafts yet
 
 
 @dataclass
@@ -139,6 +149,7 @@ class Telemetry:
         self._prompt_tokens = 0
         self._reused_tokens = 0
         self._pages: PageCounts | None = None
+        self._drafts: DraftCounts | None = None
 
     # ---- model thread ------------------------------------------------------------------------
 
@@ -158,6 +169,13 @@ class Telemetry:
                              sampled=step.sampled, **pages)
         for finished in activity.finished:
             self.request_finished(finished.request_id, finished.reason, **pages)
+        if resources.draft_rounds:
+            self.record_drafts(resources.draft_rounds, resources.drafts, resources.accepted_drafts)
+
+    def record_drafts(self, rounds: int, drafts: int, kept: int) -> None:
+        """Speculative decoding's totals so far (decode rows that checked drafts, drafts, kept)."""
+        with self._lock:
+            self._drafts = DraftCounts(rounds, drafts, kept)
 
     def request_queued(self, request_id: str, prompt_tokens: int) -> None:
         with self._lock:
@@ -250,7 +268,7 @@ class Telemetry:
                 queued=queued, active=len(live) - queued, completed=self._finish_counts["completed"],
                 cancelled=self._finish_counts["cancelled"], failed=self._finish_counts["failed"],
                 prompt_tokens=self._prompt_tokens, reused_tokens=self._reused_tokens, pages=self._pages,
-                buckets=buckets, requests=tuple(live + finished))
+                buckets=buckets, requests=tuple(live + finished), drafts=self._drafts)
 
     def _trim(self, now: float) -> None:
         while self._recent and self._recent[0][0] <= now - self._window_s:
