@@ -36,9 +36,9 @@ def _requests(prompt: tuple[int, ...], stop_at: int | None = None) -> list[Gener
     return [
         GenerationRequest(prompt_ids=prompt, max_tokens=90, sampling=greedy, logprobs=True, top_logprobs=2),
         GenerationRequest(prompt_ids=prompt, max_tokens=90, sampling=SamplingParams(temperature=0.8, seed=5)),
-        # Penalties are not speculated (their history would have to count the drafts): unchanged.
-        GenerationRequest(prompt_ids=prompt, max_tokens=40, sampling=SamplingParams(temperature=0.0,
-                                                                                    frequency_penalty=0.5)),
+        # Penalties: each drafted position's history counts the drafts before it.
+        GenerationRequest(prompt_ids=prompt, max_tokens=60, sampling=SamplingParams(
+            temperature=0.7, seed=2, frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.05)),
         GenerationRequest(prompt_ids=prompt, max_tokens=7, sampling=greedy),  # a budget inside a round
         GenerationRequest(prompt_ids=prompt, max_tokens=90, sampling=greedy,
                           stop_token_ids=() if stop_at is None else (stop_at,)),
@@ -61,6 +61,10 @@ def test_speculation_changes_no_token(session_flare, smollm2_core, rewrite_ids, 
         assert [(lp[0], lp[2]) for lp in logprobs] == [(lp[0], lp[2]) for lp in expected[1]]
         assert all(abs(lp[1] - ref[1]) < 1e-3 for lp, ref in zip(logprobs, expected[1]))
     assert results[4][2] == "stop" and len(results[4][0]) < 90
+    if frames == 1:  # the penalised request alone: it speculates, and its drafts are kept
+        alone = make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY, **SPECULATION)
+        assert asyncio.run(run_requests(alone, _requests(rewrite_ids)[2:3]))[0][0] == reference[2][0]
+        assert alone.resources().accepted_drafts > 0, alone.resources()
     resources = engine.resources()
     assert resources.draft_rounds > 0 and resources.accepted_drafts >= resources.draft_rounds, resources
     assert resources.live == 0 and resources.request_page_refs == 0 and resources.steps_in_flight == 0

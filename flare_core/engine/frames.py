@@ -85,22 +85,33 @@ def step_sampling(plan: StepPlan, lives: Sequence[LiveRequest | None], scheduler
     # The scheduler holds each request's confirmed output tokens and counts its samples planned
     # so far, this plan's included: seeded sampling continues its stream from there.
     states = [scheduler.request(h.request_id) for h in samples]
-    # A decode with drafts samples once per position: its rows continue the stream one step each.
-    rows_of = Counter(samples)
-    seen: Counter = Counter()
-    steps = []
-    for handle, state in zip(samples, states):
-        steps.append(state.num_planned_samples - rows_of[handle] + seen[handle])
-        seen[handle] += 1
     for handle, live, state in zip(samples, lives, states):
         if live is not None and live.request.sampling.penalised and live.penalty_handle != handle:
             live.penalties = executor.penalties.start(handle.state_row, live.request.prompt_ids, state.outputs)
             live.penalty_handle = handle
+    # A decode with drafts samples once per position: row i continues the seeded stream i steps on,
+    # and its penalties count the drafts before it as output.
+    drafts_of = {d.handle: d.drafts for d in plan.decodes if d.drafts}
+    rows_of = Counter(samples)
+    seen: Counter = Counter()
+    steps, penalties = [], []
+    for handle, live, state in zip(samples, lives, states):
+        position = seen[handle]
+        seen[handle] += 1
+        steps.append(state.num_planned_samples - rows_of[handle] + position)
+        history = live.penalties if live is not None else None
+        if history is not None and position > 0:
+            history = history.plus(drafts_of[handle][:position])
+        penalties.append(history)
+    for handle in drafts_of:
+        live = lives[samples.index(handle)]
+        if live is not None and live.penalties is not None:
+            live.penalty_handle = None  # the step counts every row's token: start the history over next time
     asking = [live for live in lives if live is not None and live.request.logprobs]
     return StepSampling(
         params=[live.request.sampling if live else _FINISHED_ROW for live in lives],
         steps=steps,
-        penalties=[live.penalties if live else None for live in lives],
+        penalties=penalties,
         logprobs=bool(asking),
         top_logprobs=max((live.request.top_logprobs for live in asking), default=0),
         masks=masks,

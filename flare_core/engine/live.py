@@ -40,9 +40,9 @@ class LiveRequest:
 
     @property
     def speculates(self) -> bool:
-        """Whether its decode rows may check draft tokens: not with a grammar or penalties, whose
-        state at each drafted position would have to count the drafts before it (not built yet)."""
-        return self.matcher is None and not self.request.sampling.penalised
+        """Whether its decode rows may check draft tokens: not with a grammar, whose state at each
+        drafted position would have to follow the drafts before it (not built yet)."""
+        return self.matcher is None
 
     @property
     def generated(self) -> int:

@@ -220,6 +220,15 @@ class PenaltyState:
         ids = to_device(list(token_ids), torch.long, self.output_counts.device)
         self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
+    def plus(self, token_ids: Sequence[int]) -> PenaltyState:
+        """This history with `token_ids` generated after it, in tensors of its own (the history a
+        drafted position sees: the drafts before it count as output)."""
+        state = PenaltyState.__new__(PenaltyState)
+        state.vocab_size, state.in_prompt, state.output_counts = self.vocab_size, self.in_prompt, \
+            self.output_counts.clone()
+        state.extend(token_ids)
+        return state
+
     def _check_ids(self, ids: Sequence[int], name: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
