@@ -21,6 +21,7 @@ import torch
 
 from flare_core.engine.frames import Frame, step_sampling
 from flare_core.engine.live import LiveRequest
+from flare_core.engine.masks import refused_by_grammars, token_masks
 from flare_core.engine.stats import Activity, Finished, HostTimes, StepStats
 from flare_core.executor import Executor
 from flare_core.frontend import Tokenizer
@@ -63,7 +64,7 @@ class EngineCore:
                                   message_ends=tuple(m for m in request.message_ends
                                                      if 0 < m <= len(request.prompt_ids)),
                                   score_prompt=request.prompt_logprobs is not None, group=request.client or group,
-                                  client=request.client, speculate=live.speculates)
+                                  client=request.client)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             self.refuse(request_id, request, "error", error=f"invalid request: {type(exc).__name__}: {exc}")
@@ -138,38 +139,29 @@ class EngineCore:
         lives = [self._live.get(h.request_id) for h in plan.samples]
         masks = None
         if any(live is not None and live.matcher is not None for live in lives):
-            masks = lambda: self._token_masks(lives, in_flight)  # noqa: E731 - called once the forward is enqueued
+            masks = lambda: self._token_masks(plan, lives, in_flight)  # noqa: E731 - called once the forward is enqueued
         frame = Frame.launch(self.executor, plan, step_sampling(plan, lives, self.scheduler, self.executor, masks),
                              self._cuda)
         blocked = sum(f.waited_s for f in in_flight) - waited  # counted as the waits of those frames
         frame.host = HostTimes(schedule_s=schedule_s, launch_s=time.perf_counter() - started - blocked)
         return frame
 
-    def _token_masks(self, lives: list[LiveRequest | None], in_flight: tuple[Frame, ...]) -> torch.Tensor:
-        """The bitmasks of the tokens each sampling row may take (int32 [rows, words]; all bits
-        set for rows without a grammar). The executor calls this once the step's forward is
-        enqueued: a matcher must first see the token its request sampled in the step still in
-        flight, so that step's tokens are waited for here, while the device runs this step's
-        forward (rather than the request sitting out every other step)."""
+    def _token_masks(self, plan: StepPlan, lives: list[LiveRequest | None],
+                     in_flight: tuple[Frame, ...]) -> torch.Tensor:
+        """The step's token bitmasks (flare_core.engine.masks), once the matchers have seen the
+        tokens of the steps in flight: those are waited for here, while the device runs this
+        step's forward (rather than the request sitting out every other step)."""
         for frame in in_flight:
             self._advance_matchers(frame)
-        masks = torch.full((len(lives), self._mask_words), -1, dtype=torch.int32, pin_memory=self._cuda)
-        for row, live in enumerate(lives):
-            # A request that ended in the step just read samples once more, for nothing.
-            if live is not None and live.matcher is not None and not live.finished:
-                live.matcher.fill(masks, row)
-        return masks
+        return token_masks(plan, lives, self._mask_words, self._cuda)
 
     def _advance_matchers(self, frame: Frame) -> None:
-        """Advance the grammar matchers of `frame`'s requests by the tokens it sampled (once). A
-        token its grammar refuses ends that request alone."""
-        if frame.matchers_advanced:
-            return
-        frame.matchers_advanced = True
-        for handle, token in zip(frame.plan.samples, frame.wait()):
-            live = self._live.get(handle.request_id)
-            if live is not None and live.matcher is not None and not live.finished and not live.matcher.accept(token):
-                log.error("token sampled against its grammar", request_id=handle.request_id, token=token)
+        """Advance the grammar matchers of `frame`'s requests by its tokens (once); a token its
+        grammar refuses ends that request alone."""
+        if not frame.matchers_advanced:
+            frame.matchers_advanced = True
+            for live, token in refused_by_grammars(frame.plan, frame.wait(), self._live):
+                log.error("token sampled against its grammar", request_id=live.request_id, token=token)
                 self._finish(live, "error", error=f"output processing failed: token {token} was sampled "
                                                   "against the request's grammar")
 

@@ -39,12 +39,6 @@ class LiveRequest:
         return cls(request_id, request, output, submitted, matcher)
 
     @property
-    def speculates(self) -> bool:
-        """Whether its decode rows may check draft tokens: not with a grammar, whose state at each
-        drafted position would have to follow the drafts before it (not built yet)."""
-        return self.matcher is None
-
-    @property
     def generated(self) -> int:
         return self.output.generated
 

@@ -165,6 +165,13 @@ class GrammarMatcher:
         self._starts_after = grammar.starts_after
         self.active = grammar.starts_after is None
 
+    def forked(self) -> GrammarMatcher:
+        """A copy at the same place, to advance without moving this one (the drafted positions of
+        speculative decoding)."""
+        copy = GrammarMatcher.__new__(GrammarMatcher)
+        copy._matcher, copy._starts_after, copy.active = self._matcher.fork(), self._starts_after, self.active
+        return copy
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and has accepted a stop token: nothing may follow."""

@@ -12,6 +12,7 @@ from flare_core.scheduler.scheduler import (
     SchedulerConfig,
     StepPlan,
     StepResult,
+    kept_drafts,
 )
 
 __all__ = [
@@ -19,5 +20,5 @@ __all__ = [
     "Candidate", "FairnessLimits", "GraphCapacities", "chunk_end", "rank",
     "Request", "RequestHandle", "RequestStatus", "Restore",
     "DecodeEntry", "PrefillChunk", "Resources", "SampledToken", "Scheduler", "SchedulerConfig", "StepPlan",
-    "StepResult",
+    "StepResult", "kept_drafts",
 ]

@@ -162,6 +162,22 @@ class Resources:
     draft_rounds: int = 0       # decode rows that checked drafts
 
 
+def kept_drafts(plan: StepPlan, tokens: Sequence[int]) -> list[tuple[DecodeEntry, int, int]]:
+    """(decode, its first sample row, drafts kept) for each decode of `plan` with drafts, given
+    the step's sampled `tokens` (plan.samples order): a draft is kept while the sample before it
+    equals it."""
+    outcomes = []
+    row = sum(1 for r in plan.restores if r.logits_row is not None)  # the decodes' rows come next
+    for decode in plan.decodes:
+        if decode.drafts:
+            kept = 0
+            while kept < len(decode.drafts) and tokens[row + kept] == decode.drafts[kept]:
+                kept += 1
+            outcomes.append((decode, row, kept))
+        row += 1 + len(decode.drafts)
+    return outcomes
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KvCacheManager, estimator: StepCostEstimator | None = None) -> None:
         if kv.page_tokens != config.page_tokens:
@@ -191,14 +207,13 @@ class Scheduler:
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
                message_ends: Sequence[int] = (), score_prompt: bool = False, group: str | None = None,
-               client: str = "", speculate: bool = False) -> None:
+               client: str = "") -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
         (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
         reuse) and its chunks carry their prompt targets. Requests of one `group` (the engine's:
         one client address; default: the request alone) share their service price; `client` (an
-        address) is what the cap on live requests per client counts. With `speculate` (and a
-        proposer configured) its decode rows check draft tokens. The caller has already checked
-        the context limit."""
+        address) is what the cap on live requests per client counts. With a proposer configured,
+        its decode rows check draft tokens. The caller has already checked the context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt = tuple(prompt)
@@ -217,7 +232,7 @@ class Scheduler:
                              f"max_tokens {max_tokens}) but the cache has {self.kv.num_pages}")
         request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
                           group=group or request_id, client=client, kv=self.kv.open(request_id),
-                          speculate=speculate and self.config.proposer is not None)
+                          speculate=self.config.proposer is not None)
         self._next_order += 1
         self._requests[request_id] = request
         self.prices.join(request)
@@ -427,30 +442,23 @@ class Scheduler:
         return emitted
 
     def _verify(self, plan: StepPlan, tokens: Sequence[int]) -> set[int]:
-        """Settle the drafts of `plan`'s decodes: a draft is kept while the sample before it equals
-        it; the request then stands after its kept drafts and the sample that follows them (what
-        it planned beyond is given back: positions to compute, samples to draw, and its records
-        there are overwritten when it decodes on). Returns the sample rows to drop."""
+        """Settle the drafts of `plan`'s decodes (`kept_drafts`): the request then stands after its
+        kept drafts and the sample that follows them (what it planned beyond is given back:
+        positions to compute, samples to draw, and its records there are overwritten when it
+        decodes on). Returns the sample rows to drop."""
         refused: set[int] = set()
-        row = sum(1 for r in plan.restores if r.logits_row is not None)  # the decodes' rows come next
-        for decode in plan.decodes:
-            drafts = decode.drafts
-            if drafts:
-                request = self._requests[decode.handle.request_id]
-                kept = 0
-                while kept < len(drafts) and tokens[row + kept] == drafts[kept]:
-                    kept += 1
-                refused.update(range(row + kept + 1, row + len(drafts) + 1))
-                request.num_written = max(request.num_written, decode.position + 1 + kept)
-                request.num_computed -= len(drafts) - kept
-                request.num_planned_samples -= len(drafts) - kept
-                request.verifying = False
-                if not kept:
-                    request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
-                self.drafts += len(drafts)
-                self.accepted_drafts += kept
-                self.draft_rounds += 1
-            row += 1 + len(drafts)
+        for decode, row, kept in kept_drafts(plan, tokens):
+            request = self._requests[decode.handle.request_id]
+            refused.update(range(row + kept + 1, row + len(decode.drafts) + 1))
+            request.num_written = max(request.num_written, decode.position + 1 + kept)
+            request.num_computed -= len(decode.drafts) - kept
+            request.num_planned_samples -= len(decode.drafts) - kept
+            request.verifying = False
+            if not kept:
+                request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+            self.drafts += len(decode.drafts)
+            self.accepted_drafts += kept
+            self.draft_rounds += 1
         return refused
 
     # ---- admission, pages, release ------------------------------------------------------
