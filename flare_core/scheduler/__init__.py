@@ -12,8 +12,8 @@ from flare_core.scheduler.scheduler import (
     SchedulerConfig,
     StepPlan,
     StepResult,
-    kept_drafts,
 )
+from flare_core.scheduler.speculation import kept_drafts
 
 __all__ = [
     "CostPrior", "StepCostEstimator", "StepKind",

@@ -29,14 +29,9 @@ from flare_core.scheduler.estimates import StepCostEstimator, StepKind
 from flare_core.scheduler.policy import FairnessLimits, GraphCapacities, chunk_end, rank
 from flare_core.scheduler.prices import ServicePrices
 from flare_core.scheduler.proposals import Proposer
+from flare_core.scheduler.speculation import Speculation
 from flare_core.scheduler.request import Request, RequestHandle, RequestStatus, Restore
 from flare_core.scheduler.steps import Reservation, StepBuilder
-
-
-# Samples a speculating request decodes without drafts after a round that kept none (or had none
-# to check), before it waits for a readback to propose again: a guess that keeps failing does not
-# cost its request every other step (with two steps in flight).
-PLAIN_AFTER_MISS = 16
 
 
 @dataclass(frozen=True)
@@ -162,20 +157,21 @@ class Resources:
     draft_rounds: int = 0       # decode rows that checked drafts
 
 
-def kept_drafts(plan: StepPlan, tokens: Sequence[int]) -> list[tuple[DecodeEntry, int, int]]:
-    """(decode, its first sample row, drafts kept) for each decode of `plan` with drafts, given
-    the step's sampled `tokens` (plan.samples order): a draft is kept while the sample before it
-    equals it."""
-    outcomes = []
-    row = sum(1 for r in plan.restores if r.logits_row is not None)  # the decodes' rows come next
-    for decode in plan.decodes:
-        if decode.drafts:
-            kept = 0
-            while kept < len(decode.drafts) and tokens[row + kept] == decode.drafts[kept]:
-                kept += 1
-            outcomes.append((decode, row, kept))
-        row += 1 + len(decode.drafts)
-    return outcomes
+def _check_submission(request_id: str, prompt: tuple[int, ...], max_tokens: int, message_ends: tuple[int, ...],
+                      pages: int, cache_pages: int) -> None:
+    """ValueError naming what of a submitted request the scheduler cannot take (`pages`: what it
+    needs at most; `cache_pages`: the pool's)."""
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: prompt must hold at least one token")
+    if max_tokens < 1:
+        raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+    ends = list(message_ends)
+    if ends != sorted(set(ends)) or (ends and (ends[0] < 1 or ends[-1] > len(prompt))):
+        raise ValueError(f"request {request_id!r}: message_ends must be increasing endpoints in "
+                         f"1..{len(prompt)}, got {message_ends}")
+    if pages > cache_pages:
+        raise ValueError(f"request {request_id!r} needs {pages} pages (prompt {len(prompt)} + "
+                         f"max_tokens {max_tokens}) but the cache has {cache_pages}")
 
 
 class Scheduler:
@@ -201,7 +197,7 @@ class Scheduler:
         self._next_seq = 0
         self._next_order = 0
         self.preemptions = 0    # requests preempted so far (a metric)
-        self.drafts = self.accepted_drafts = self.draft_rounds = 0  # checked, kept, rows that checked (metrics)
+        self.speculation = Speculation(config.proposer, config.draft_tokens) if config.proposer else None
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -216,23 +212,12 @@ class Scheduler:
         its decode rows check draft tokens. The caller has already checked the context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
-        prompt = tuple(prompt)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: prompt must hold at least one token")
-        if max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        message_ends = tuple(message_ends)
-        ends = list(message_ends)
-        if ends != sorted(set(ends)) or (ends and (ends[0] < 1 or ends[-1] > len(prompt))):
-            raise ValueError(f"request {request_id!r}: message_ends must be increasing endpoints in "
-                             f"1..{len(prompt)}, got {message_ends}")
-        need = request_page_need(len(prompt), max_tokens, self.config.page_tokens)
-        if need > self.kv.num_pages:
-            raise ValueError(f"request {request_id!r} needs {need} pages (prompt {len(prompt)} + "
-                             f"max_tokens {max_tokens}) but the cache has {self.kv.num_pages}")
+        prompt, message_ends = tuple(prompt), tuple(message_ends)
+        _check_submission(request_id, prompt, max_tokens, message_ends,
+                          request_page_need(len(prompt), max_tokens, self.config.page_tokens), self.kv.num_pages)
         request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
                           group=group or request_id, client=client, kv=self.kv.open(request_id),
-                          speculate=self.config.proposer is not None)
+                          speculate=self.speculation is not None)
         self._next_order += 1
         self._requests[request_id] = request
         self.prices.join(request)
@@ -294,7 +279,7 @@ class Scheduler:
                          state_rows=kv.state_rows, free_state_rows=kv.free_state_rows, pages=kv.num_pages,
                          free_pages=kv.free_pages, cached_pages=kv.cached_pages,
                          request_page_refs=kv.request_page_refs, preemptions=self.preemptions,
-                         drafts=self.drafts, accepted_drafts=self.accepted_drafts, draft_rounds=self.draft_rounds)
+                         **(self.speculation.counts() if self.speculation else {}))
 
     # ---- planning -----------------------------------------------------------------------
     #
@@ -312,7 +297,8 @@ class Scheduler:
         self._admit()
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan
-        self._propose()
+        if self.speculation is not None:
+            self.speculation.propose(self._live)
         while True:
             candidates = self._steps.candidates(self._live, seq)
             blocked: Reservation | None = None
@@ -328,21 +314,6 @@ class Scheduler:
             for victim in blocked.victims:  # their pages return now, or at their fence
                 self._preempt(victim)
         return self._commit(seq, restoring, Reservation()) if restoring else None   # restores alone
-
-    def _propose(self) -> None:
-        """Draft tokens for the requests that speculate and could decode next: those with no step
-        in flight (their last token known), up to their remaining budget less the token the
-        step samples anyway. One whose proposer has nothing decodes plainly for PLAIN_AFTER_MISS
-        samples before it waits for a readback to propose again."""
-        proposer = self.config.proposer
-        for request in self._live:
-            request.drafts = ()
-            width = min(self.config.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
-            if proposer is not None and request.speculate and request.in_flight == 0 and width > 0 \
-                    and request.can_decode():
-                request.drafts = proposer.propose(request.known_tokens(), width)
-                if not request.drafts:
-                    request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
 
     def _commit(self, seq: int, restoring: list[Request], reservation: Reservation) -> StepPlan:
         """Issue `reservation` as plan `seq`: preempt its victims, append its pages, advance its
@@ -426,11 +397,11 @@ class Scheduler:
             request = self._requests[decode.handle.request_id]
             request.num_written = max(request.num_written, decode.position + 1)
 
-        refused = self._verify(plan, result.tokens)
+        dropped = self.speculation.settle(plan, result.tokens, self.request) if self.speculation else set()
         emitted = []
         for row, (handle, token) in enumerate(zip(samples, result.tokens)):
             request = self._requests[handle.request_id]
-            if row not in refused and request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+            if row not in dropped and request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
                 request.outputs.append(token)
                 emitted.append(SampledToken(handle, token, row))
 
@@ -440,26 +411,6 @@ class Scheduler:
             if request.in_flight == 0 and request.status in (RequestStatus.PREEMPTED, RequestStatus.STOPPED):
                 self._release(request)
         return emitted
-
-    def _verify(self, plan: StepPlan, tokens: Sequence[int]) -> set[int]:
-        """Settle the drafts of `plan`'s decodes (`kept_drafts`): the request then stands after its
-        kept drafts and the sample that follows them (what it planned beyond is given back:
-        positions to compute, samples to draw, and its records there are overwritten when it
-        decodes on). Returns the sample rows to drop."""
-        refused: set[int] = set()
-        for decode, row, kept in kept_drafts(plan, tokens):
-            request = self._requests[decode.handle.request_id]
-            refused.update(range(row + kept + 1, row + len(decode.drafts) + 1))
-            request.num_written = max(request.num_written, decode.position + 1 + kept)
-            request.num_computed -= len(decode.drafts) - kept
-            request.num_planned_samples -= len(decode.drafts) - kept
-            request.verifying = False
-            if not kept:
-                request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
-            self.drafts += len(decode.drafts)
-            self.accepted_drafts += kept
-            self.draft_rounds += 1
-        return refused
 
     # ---- admission, pages, release ------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""Speculative decoding in the scheduler: which requests get draft tokens for the step being
+planned, and what a step that checked drafts settles (flare_core.scheduler.proposals proposes
+them; the executor samples every drafted position as plain decoding would).
+
+A request proposes only with no step of it in flight (its last token known to the host). With two
+steps in flight it sits its next step out to do so (`Request.waits_to_speculate`), unless its last
+round kept nothing or had nothing to check: it then decodes plainly for PLAIN_AFTER_MISS samples,
+so that a guess that keeps failing does not cost it every other step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flare_core.scheduler.proposals import Proposer
+from flare_core.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from flare_core.scheduler.scheduler import DecodeEntry, StepPlan
+
+PLAIN_AFTER_MISS = 16
+
+
+def kept_drafts(plan: StepPlan, tokens: Sequence[int]) -> list[tuple[DecodeEntry, int, int]]:
+    """(decode, its first sample row, drafts kept) for each decode of `plan` with drafts, given
+    the step's sampled `tokens` (plan.samples order): a draft is kept while the sample before it
+    equals it."""
+    outcomes = []
+    row = sum(1 for r in plan.restores if r.logits_row is not None)  # the decodes' rows come next
+    for decode in plan.decodes:
+        if decode.drafts:
+            kept = 0
+            while kept < len(decode.drafts) and tokens[row + kept] == decode.drafts[kept]:
+                kept += 1
+            outcomes.append((decode, row, kept))
+        row += 1 + len(decode.drafts)
+    return outcomes
+
+
+@dataclass(eq=False)
+class Speculation:
+    """Up to `draft_tokens` drafts per decode row from `proposer`, and the totals so far: drafts
+    checked, drafts kept, decode rows that checked some (metrics)."""
+
+    proposer: Proposer
+    draft_tokens: int
+    drafts: int = 0
+    kept: int = 0
+    rounds: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """The totals as `Resources` fields."""
+        return {"drafts": self.drafts, "accepted_drafts": self.kept, "draft_rounds": self.rounds}
+
+    def propose(self, live: Sequence[Request]) -> None:
+        """Set each live request's drafts for the step being planned (none for most): those that
+        could decode with no step in flight get up to their remaining budget less the token the
+        step samples anyway."""
+        for request in live:
+            request.drafts = ()
+            width = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
+            if request.speculate and request.in_flight == 0 and width > 0 and request.can_decode():
+                request.drafts = self.proposer.propose(request.known_tokens(), width)
+                if not request.drafts:
+                    request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+
+    def settle(self, plan: StepPlan, tokens: Sequence[int], request_of: Callable[[str], Request]) -> set[int]:
+        """The drafts of `plan`'s decodes checked (`kept_drafts`): each request then stands after its
+        kept drafts and the sample that follows them, what it planned beyond given back (positions
+        to compute, samples to draw; its records there are overwritten as it decodes on). Returns
+        the sample rows to drop."""
+        dropped: set[int] = set()
+        for decode, row, kept in kept_drafts(plan, tokens):
+            request = request_of(decode.handle.request_id)
+            dropped.update(range(row + kept + 1, row + len(decode.drafts) + 1))
+            request.num_written = max(request.num_written, decode.position + 1 + kept)
+            request.num_computed -= len(decode.drafts) - kept
+            request.num_planned_samples -= len(decode.drafts) - kept
+            request.verifying = False
+            if not kept:
+                request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+            self.drafts += len(decode.drafts)
+            self.kept += kept
+            self.rounds += 1
+        return dropped
