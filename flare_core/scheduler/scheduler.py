@@ -174,6 +174,23 @@ def _check_submission(request_id: str, prompt: tuple[int, ...], max_tokens: int,
                          f"max_tokens {max_tokens}) but the cache has {cache_pages}")
 
 
+def _boundaries(kv: KvCacheManager, request: Request, start: int, target: int) -> tuple[int, ...]:
+    """Chunk ends forced so a state snapshot can be taken exactly there."""
+    if not kv.continuation_state:
+        return ()
+    ends = set(request.message_ends)
+    ends.add(request.prompt_len)
+    return tuple(sorted(e for e in ends if start < e < target))
+
+
+def _reserve_save(kv: KvCacheManager, request: Request, end: int) -> ResumeStorage | None:
+    """The resume point a chunk ending at `end` saves: at the prompt's end or a forced boundary."""
+    prompt_end = end == request.prompt_len
+    if not prompt_end and end not in request.boundaries:
+        return None
+    return kv.reserve_resume_point(request.request_id, request.prompt, end, prompt_end)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KvCacheManager, estimator: StepCostEstimator | None = None) -> None:
         if kv.page_tokens != config.page_tokens:
@@ -338,7 +355,7 @@ class Scheduler:
             targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
             assert request.handle is not None, "a running request holds a state row"
             prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
-                                         request.kv.page_table, samples, self._reserve_save(request, end), targets))
+                                         request.kv.page_table, samples, _reserve_save(self.kv, request, end), targets))
             request.num_computed = end
             request.num_planned_samples += samples
         restores = []
@@ -432,7 +449,7 @@ class Scheduler:
             tokens = request.known_tokens()
             hit = NO_HIT if request.score_prompt else self.kv.lookup(request.request_id, tokens)
             target = len(tokens)
-            boundaries = self._boundaries(request, hit.num_tokens, target)
+            boundaries = _boundaries(self.kv, request, hit.num_tokens, target)
             end = target if hit.exact else chunk_end(hit.num_tokens, target, self.config.prefill_chunk_size,
                                                      page_tokens, boundaries)
             assert end is not None, "a request short of its target has a next chunk"
@@ -496,20 +513,6 @@ class Scheduler:
         self._promised = request
         self._preempt(victim)
         return True
-
-    def _boundaries(self, request: Request, start: int, target: int) -> tuple[int, ...]:
-        """Chunk ends forced so a state snapshot can be taken exactly there."""
-        if not self.kv.continuation_state:
-            return ()
-        ends = set(request.message_ends)
-        ends.add(request.prompt_len)
-        return tuple(sorted(e for e in ends if start < e < target))
-
-    def _reserve_save(self, request: Request, end: int) -> ResumeStorage | None:
-        prompt_end = end == request.prompt_len
-        if not prompt_end and end not in request.boundaries:
-            return None
-        return self.kv.reserve_resume_point(request.request_id, request.prompt, end, prompt_end)
 
     def _preempt(self, request: Request) -> None:
         request.status = RequestStatus.PREEMPTED
