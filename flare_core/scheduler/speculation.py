@@ -3,9 +3,11 @@ planned, and what a step that checked drafts settles (flare_core.scheduler.propo
 them; the executor samples every drafted position as plain decoding would).
 
 A request proposes only with no step of it in flight (its last token known to the host). With two
-steps in flight it sits its next step out to do so (`Request.waits_to_speculate`), unless its last
-round kept nothing or had nothing to check: it then decodes plainly for PLAIN_AFTER_MISS samples,
-so that a guess that keeps failing does not cost it every other step.
+steps in flight it sits its next step out to do so (`Request.waits_to_speculate`): a round then
+takes two step slots and gives 1 + kept tokens where plain decoding gives 2, so unless its last
+round kept MIN_KEPT_TO_WAIT drafts or more (or when it had nothing to check), it decodes plainly
+for PLAIN_AFTER_MISS samples before it waits to propose again. (With one step in flight nothing
+waits: every step proposes.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from flare_core.scheduler.scheduler import DecodeEntry, StepPlan
 
 PLAIN_AFTER_MISS = 16
+MIN_KEPT_TO_WAIT = 2
 
 
 def kept_drafts(plan: StepPlan, tokens: Sequence[int]) -> list[tuple[DecodeEntry, int, int]]:
@@ -79,7 +82,7 @@ class Speculation:
             request.num_computed -= len(decode.drafts) - kept
             request.num_planned_samples -= len(decode.drafts) - kept
             request.verifying = False
-            if not kept:
+            if kept < MIN_KEPT_TO_WAIT:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
             self.drafts += len(decode.drafts)
             self.kept += kept
