@@ -640,6 +640,20 @@ def test_forced_calls_need_a_declared_call_format_but_counting_does_not(state):
     assert parse_messages_request(state, body, "rid").request.grammar.kind.value == "structural_tag"
 
 
+def test_tools_on_a_core_that_reads_no_calls_are_refused(state):
+    """A core with no tool parser and no chat template for Flare to describe tools with (a prompt
+    encoder without a tool format) refuses tools with a 400 rather than drop them."""
+    import dataclasses
+
+    silent = dataclasses.replace(state.frontend, tool_parser=None)
+    with pytest.raises(ApiError) as refused:
+        chat_prompt(silent, [{"role": "user", "content": "hi"}], tools=TOOLS, options={})
+    error = refused.value
+    assert error.status == 400
+    assert error.param == "tools" and "takes no tools" in error.message, error.message
+    assert chat_prompt(silent, [{"role": "user", "content": "hi"}], tools=None, options={}).ids
+
+
 @pytest.mark.parametrize("parser_id", ["hermes", "deepseek-v3-tools", "deepseek-v3.1-tools", "kimi-k2-tools", "qwen3-xml"])
 def test_forced_calls_in_each_declared_format_are_read_back_by_its_parser(state, parser_id):
     """Two calls written as the parser's call_format says: the grammar a forced "required" builds

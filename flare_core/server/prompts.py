@@ -91,6 +91,9 @@ def chat_prompt(frontend: Frontend, messages: Sequence[Mapping[str, Any]], *, to
         raise invalid("messages", "must contain at least one message")
     # Client strings keep special-token spellings as text; only the template's markup is special.
     tokenizer = frontend.tokenizer
+    if tools and frontend.tool_parser is None:  # a prompt encoder with no tool format: none would be read
+        raise invalid("tools", "this core takes no tools: its recipe renders prompts with an encoder and reads "
+                               "no tool calls")
     messages, tools = _escaped(frontend, messages, "messages"), _escaped(frontend, tools, "tools")
     if frontend.describes_tools:
         messages, tools = written_out(messages, tools), None
