@@ -13,12 +13,9 @@ from openai import OpenAI
 from flare_core.requests import GenerationRequest, SamplingParams
 from server_process import ServerProcess
 from test_engine_frames import make_engine, run_requests
+from test_speculative import PARAGRAPH
 
 MODEL = "smollm2-135m-instruct.q4_1"
-PARAGRAPH = ("The lighthouse stood on a narrow rock at the mouth of the bay. Every evening the keeper climbed the "
-             "one hundred and twelve steps, trimmed the wick, polished the great lens and lit the lamp. Ships "
-             "coming home from the north saw its beam long before they saw the coast, and the fishermen said "
-             "that no boat had been lost on the rocks since the light was built.")
 REWRITE = [{"role": "user", "content": "Rewrite this paragraph exactly, changing only 'lighthouse' to 'beacon':\n\n"
             + PARAGRAPH}]
 SPECULATION = dict(spec_method="prompt-lookup", spec_draft_tokens=4)

@@ -91,7 +91,7 @@ def step_sampling(plan: StepPlan, lives: Sequence[LiveRequest | None], scheduler
             live.penalty_handle = handle
     # A decode with drafts samples once per position: row i continues the seeded stream i steps on,
     # and its penalties count the drafts before it as output.
-    drafts_of = {d.handle: d.drafts for d in plan.decodes if d.drafts}
+    drafts_of = plan.drafts_of
     rows_of = Counter(samples)
     seen: Counter = Counter()
     steps, penalties = [], []

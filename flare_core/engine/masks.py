@@ -14,14 +14,14 @@ import torch
 
 from flare_core.engine.live import LiveRequest
 from flare_core.frontend.grammar import GrammarMatcher
-from flare_core.scheduler import RequestHandle, StepPlan, kept_drafts
+from flare_core.scheduler import RequestHandle, StepPlan, dropped_rows
 
 
 def token_masks(plan: StepPlan, lives: Sequence[LiveRequest | None], words: int, pin: bool) -> torch.Tensor:
     """int32 [rows, words]: the tokens each of `plan`'s sample rows may take (`lives[i]`: row i's
     request; all bits set for rows without a grammar)."""
     masks = torch.full((len(lives), words), -1, dtype=torch.int32, pin_memory=pin)
-    drafts_of = {d.handle: d.drafts for d in plan.decodes if d.drafts}
+    drafts_of = plan.drafts_of
     drafted: dict[RequestHandle, tuple[GrammarMatcher | None, int]] = {}  # fork (None: refused), rows done
     for row, (handle, live) in enumerate(zip(plan.samples, lives)):
         # A request that ended in the step just read samples once more, for nothing.
@@ -44,8 +44,7 @@ def refused_by_grammars(plan: StepPlan, tokens: Sequence[int],
     """Advance the matchers of `plan`'s live requests by the tokens it sampled (`tokens`, in
     plan.samples order; of a decode with drafts, those kept); yields each request whose grammar
     refuses its token, with that token."""
-    dropped = {row for decode, first, kept in kept_drafts(plan, tokens)
-               for row in range(first + kept + 1, first + len(decode.drafts) + 1)}
+    dropped = dropped_rows(plan, tokens)
     for row, (handle, token) in enumerate(zip(plan.samples, tokens)):
         request = live.get(handle.request_id)
         if row in dropped or request is None or request.matcher is None or request.finished:

@@ -13,12 +13,12 @@ from flare_core.scheduler.scheduler import (
     StepPlan,
     StepResult,
 )
-from flare_core.scheduler.speculation import kept_drafts
+from flare_core.scheduler.speculation import dropped_rows
 
 __all__ = [
     "CostPrior", "StepCostEstimator", "StepKind",
     "Candidate", "FairnessLimits", "GraphCapacities", "chunk_end", "rank",
     "Request", "RequestHandle", "RequestStatus", "Restore",
     "DecodeEntry", "PrefillChunk", "Resources", "SampledToken", "Scheduler", "SchedulerConfig", "StepPlan",
-    "StepResult", "kept_drafts",
+    "StepResult", "dropped_rows",
 ]

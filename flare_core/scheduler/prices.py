@@ -14,9 +14,10 @@ are the step cost estimator's seconds on the scheduler's clock (the estimated du
 steps it issued), so prices are deterministic for a given sequence of steps. A price grows while
 its request waits, the faster the cheaper its own work: a short chat behind one long prompt's
 chunk gains tens of units a step, the long prompt a fraction of one. It falls as its request is
-served at its own pace. A group is what the engine says shares one price: the requests of one client address (so one client's eight long prompts or
-sixty choices weigh as one client against another's chat, while the many requests of one
-benchmark client compare by their own units alone), or a request and its `n` choices.
+served at its own pace. A group is what the engine says shares one price: the requests of one
+client address (so one client's eight long prompts or sixty choices weigh as one client against
+another's chat, while the many requests of one benchmark client compare by their own units
+alone), or a request and its `n` choices.
 """
 
 from __future__ import annotations

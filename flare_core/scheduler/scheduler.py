@@ -115,6 +115,11 @@ class StepPlan:
     estimated_s: float
 
     @property
+    def drafts_of(self) -> dict[RequestHandle, tuple[int, ...]]:
+        """The drafts of its decodes that check some, by request handle."""
+        return {d.handle: d.drafts for d in self.decodes if d.drafts}
+
+    @property
     def samples(self) -> tuple[RequestHandle, ...]:
         """Restores with stored logits, then decodes (a decode with drafts once per position it
         samples), then sampling prefill chunks."""

@@ -42,6 +42,16 @@ def kept_drafts(plan: StepPlan, tokens: Sequence[int]) -> list[tuple[DecodeEntry
     return outcomes
 
 
+def _dropped(decode: DecodeEntry, row: int, kept: int) -> range:
+    """The sample rows of `decode` (from `row`) past the one after its kept drafts: dropped."""
+    return range(row + kept + 1, row + len(decode.drafts) + 1)
+
+
+def dropped_rows(plan: StepPlan, tokens: Sequence[int]) -> set[int]:
+    """The sample rows of `plan` that its decodes' drafts leave unused (see `kept_drafts`)."""
+    return {row for decode, first, kept in kept_drafts(plan, tokens) for row in _dropped(decode, first, kept)}
+
+
 @dataclass(eq=False)
 class Speculation:
     """Up to `draft_tokens` drafts per decode row from `proposer`, and the totals so far: drafts
@@ -77,7 +87,7 @@ class Speculation:
         dropped: set[int] = set()
         for decode, row, kept in kept_drafts(plan, tokens):
             request = request_of(decode.handle.request_id)
-            dropped.update(range(row + kept + 1, row + len(decode.drafts) + 1))
+            dropped.update(_dropped(decode, row, kept))
             request.num_written = max(request.num_written, decode.position + 1 + kept)
             request.num_computed -= len(decode.drafts) - kept
             request.num_planned_samples -= len(decode.drafts) - kept

@@ -172,21 +172,22 @@ class StepBuilder:
         (drafts beyond them are dropped): a guess never preempts anyone."""
         reservation = Reservation()
         page_tokens = self.page_tokens
-        entries = [(r, r.num_computed + 1 + len(r.drafts)) for r in candidate.decoders] + \
-            [(c.request, c.end) for c in candidate.chunks]
+        entries = [(r, r.num_computed + 1) for r in candidate.decoders] + [(c.request, c.end) for c in candidate.chunks]
         available = self.kv.obtainable(sum(max(pages_for_tokens(end, page_tokens) - len(r.kv.page_table), 0)
                                            for r, end in entries))
         granted = set(protected)
         victims: dict[str, Request] = {}
         deficit = 0
+        free = self.kv.free_pages  # left once the entries have had theirs (taken free first; drafts come last)
 
         def take(request: Request, tokens: int) -> int:
             """Pages toward covering [0, tokens) for `request`; returns the positions covered."""
-            nonlocal available, deficit
+            nonlocal available, deficit, free
             held = len(request.kv.page_table)
             need = pages_for_tokens(tokens, page_tokens) - held
             got = min(max(need, 0), available)
             available -= got
+            free = max(free - got, 0)
             if got:
                 reservation.pages[request.request_id] = got
             if got < need:
@@ -195,11 +196,12 @@ class StepBuilder:
             return (held + got) * page_tokens
 
         def take_spare(request: Request, tokens: int) -> int:
-            """Free pages only, toward covering [0, tokens); returns the positions covered."""
-            nonlocal available
+            """Free pages only (none the prefix cache or a waiting request's hit would give up),
+            toward covering [0, tokens); returns the positions covered."""
+            nonlocal free
             held = len(request.kv.page_table) + reservation.pages.get(request.request_id, 0)
-            got = min(max(pages_for_tokens(tokens, page_tokens) - held, 0), available)
-            available -= got
+            got = min(max(pages_for_tokens(tokens, page_tokens) - held, 0), free)
+            free -= got
             if got:
                 reservation.pages[request.request_id] = reservation.pages.get(request.request_id, 0) + got
             return (held + got) * page_tokens
@@ -211,10 +213,6 @@ class StepBuilder:
             if take(request, position + 1) > position:
                 reservation.decoders.append(request)
                 granted.add(request.request_id)
-                if request.drafts:
-                    room = take_spare(request, position + 1 + len(request.drafts)) - position - 1
-                    if room > 0:
-                        reservation.drafts[request.request_id] = request.drafts[:room]
         for chunk in candidate.chunks:
             if chunk.request.request_id in victims:
                 continue
@@ -222,6 +220,12 @@ class StepBuilder:
             if end > chunk.start:
                 reservation.chunks.append(Chunk(chunk.request, chunk.start, end))
                 granted.add(chunk.request.request_id)
+        for request in reservation.decoders:  # drafts last: from the free pages the step leaves
+            if request.drafts:
+                position = request.num_computed
+                room = take_spare(request, position + 1 + len(request.drafts)) - position - 1
+                if room > 0:
+                    reservation.drafts[request.request_id] = request.drafts[:room]
         reservation.victims = list(victims.values())
         return reservation
 
