@@ -305,11 +305,17 @@ class CacheSchemeFactory:
 
 
 GRAPH_KINDS = ("prefill", "decode", "mixed", "speculative")
+# Token capacities of speculative rounds: decode steps whose rows check draft tokens, one token per
+# row and per draft. A round gains when checking drafts costs little more than one token per
+# row, i.e. while the step's matmuls stay bound by reading the weights: with 64 tokens each weight
+# byte feeds 64 multiply-adds, a fifth of the ~300 FLOP per byte where Hopper's tensor cores
+# start to bound a step. Steps past 64 tokens check no drafts.
+SPECULATIVE_TOKENS = (8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """One captured graph: its kind and its capacity (tokens for prefill, requests for decode)."""
+    """One captured graph: its kind and its capacity (requests for decode, tokens for the others)."""
 
     kind: str
     capacity: int
@@ -339,10 +345,13 @@ class Capacities:
                  f"must be at least page_tokens ({self.page_tokens})")
 
     def graph_catalog(self) -> tuple[GraphSpec, ...]:
-        """Decode batch capacities 1, 2, 4, ... up to max_concurrency and prefill token capacities
-        64, 128, 256, ... up to prefill_chunk_size (the largest is always included)."""
+        """Decode batch capacities 1, 2, 4, ... up to max_concurrency, prefill token capacities
+        64, 128, 256, ... up to prefill_chunk_size (the largest is always included), and the
+        token capacities of speculative rounds (SPECULATIVE_TOKENS; captured only when a server
+        speculates)."""
         graphs = [GraphSpec("decode", c) for c in _doubling(1, self.max_concurrency)]
         graphs += [GraphSpec("prefill", c) for c in _doubling(64, self.prefill_chunk_size)]
+        graphs += [GraphSpec("speculative", c) for c in SPECULATIVE_TOKENS]
         return tuple(graphs)
 
 

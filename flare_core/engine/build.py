@@ -73,19 +73,31 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_rows=snapshot_rows,
                          num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
+    proposer = None
+    if spec_method is not None and spec_draft_tokens > 0:
+        if loaded.cache_scheme.state:
+            raise ValueError(f"speculative decoding (--spec-method) needs a cache without continuation state: this "
+                             f"core's scheme {loaded.cache_scheme.name!r} keeps some, which cannot roll back refused "
+                             f"drafts yet")
+        proposer = PromptLookup()
     if leader is not None and loaded.device.type != "cpu":
         raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
                          f"path (--device cpu) serves such cores so far")
     if loaded.device.type == "cuda":
         from flare_core.executor.graphs import cuda_runner
 
-        # Decode graphs up to the smallest one that holds every live request of this server.
+        # Decode graphs up to the smallest one that holds every live request of this server, and
+        # speculative rounds up to the smallest that holds every row with all its drafts.
         covering = catalog.covering(StepKind.DECODE, max_concurrency)
+        rounds = catalog.covering(StepKind.SPECULATIVE, max_concurrency * (1 + spec_draft_tokens)) \
+            or catalog.largest(StepKind.SPECULATIVE)
         executor = cuda_runner(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
                                  decode_capacities=tuple(c for c in catalog.decode if c <= covering),
                                  prefill_capacities=catalog.prefill, context_length=capacities.context_length,
                                  compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
-                                 dtype=loaded.dtype)
+                                 dtype=loaded.dtype,
+                                 speculative_capacities=tuple(c for c in catalog.speculative if c <= rounds)
+                                 if proposer is not None else ())
         kv = plan_kv()
         executor.resize_cache(kv.num_pages)
     else:
@@ -97,13 +109,6 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     pages = PageAllocator(kv.num_pages)
     prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),
                          snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None
-    proposer = None
-    if spec_method is not None and spec_draft_tokens > 0:
-        if loaded.cache_scheme.state:
-            raise ValueError(f"speculative decoding (--spec-method) needs a cache without continuation state: this "
-                             f"core's scheme {loaded.cache_scheme.name!r} keeps some, which cannot roll back refused "
-                             f"drafts yet")
-        proposer = PromptLookup()
     scheduler = Scheduler(SchedulerConfig(max_concurrency=max_concurrency,
                                           prefill_chunk_size=capacities.prefill_chunk_size,
                                           capacities=catalog, page_tokens=page_tokens,

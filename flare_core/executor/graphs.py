@@ -3,9 +3,11 @@ graph catalog, all sharing one memory pool: decode batch capacities (rows) and p
 capacities (prompt chunks of several requests; a mixed step's decode rows join its chunks as
 one-token requests). Matmuls of one token (the capacity-1 decode graph: a single request
 decoding) run a Triton GEMV kernel (flare_core.kernels.gemv) when the model was built with it
-(flare_core.ops.serving). Steps no graph
-covers (steps that restore a prompt's stored logits or score prompts, prompt chunks of kernels
-without prefill graphs) run the same model eagerly over FlashInfer paged prefill.
+(flare_core.ops.serving). Speculative rounds (decode steps whose rows check draft tokens) replay
+graphs of their token capacities: each decode row is a request of its input token and its drafts,
+with logits, and samples, at every token. Steps no graph covers (steps that restore a prompt's
+stored logits or score prompts, prompt chunks of kernels without prefill graphs, drafts beside
+prompt chunks) run the same model eagerly over FlashInfer paged prefill.
 
 A step pads to the smallest covering capacity. Padding rows and tokens read and write a scratch
 page that no request owns, so a replay never touches live cache pages beyond its own rows.
@@ -29,9 +31,11 @@ over them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -108,12 +112,14 @@ class _Inputs:
 # the row (a decode row, in a prefill graph one of the first requests) reads its token from the
 # step before, on the device, instead; `last_token_index`
 # (prefill): the flattened index of each request's last token, whose logits the row gets;
+# `first_token` (speculative graphs, whose rows are tokens): the index of the first token of the
+# row's decode (the drafts after it and up to the row count as output in the row's penalties);
 # `state_rows`: the state row of each row that samples (the scratch row for padding and, in prefill
 # graphs, for chunks that do not end their prompts); `chunk_state_rows` (prefill, schemes with
 # continuation state): each request's state row, which its recurrent layers continue; `positions`
 # and `cache_indices` (decode); then the sampling columns and the unseeded key (column 0).
-INT_INPUTS = ("ids", "from_device", "last_token_index", "state_rows", "chunk_state_rows", "positions",
-              "cache_indices", *INT_COLUMNS, "key")
+INT_INPUTS = ("ids", "from_device", "last_token_index", "first_token", "state_rows", "chunk_state_rows",
+              "positions", "cache_indices", *INT_COLUMNS, "key")
 # The float inputs (the sampling columns of those names) and their values on rows that sample
 # without them (padding, greedy steps).
 FLOAT_INPUTS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition": 1.0, "frequency": 0.0,
@@ -199,21 +205,24 @@ def prefill_graph_requests(capacity: int, rows: int, state: bool) -> int:
 def prefill_step_inputs(decodes, chunks, capacity: int, requests: int, page_tokens: int, scratch_page: int,
                         scratch_row: int) -> PrefillStepInputs:
     """The inputs of a prefill graph for a step of `decodes` (DecodeEntry) and `chunks`
-    (PrefillChunk). A decode row is the one-token chunk [position, position + 1) of its request:
-    its token comes from the host, or with `from_device` from the token its state row sampled
-    last (on the device: the step before may still be running). Logits rows follow the requests
+    (PrefillChunk). A decode row is the chunk [position, position + 1 + drafts) of its request
+    (one token unless it checks drafts, see `speculative_step_inputs`): its token comes from the
+    host, or with `from_device` from the token its state row sampled last (on the device: the
+    step before may still be running); its drafts follow. Logits rows follow the requests
     (decodes first), as the eager executor's do."""
     count = len(decodes) + len(chunks)
-    used = len(decodes) + sum(c.end - c.start for c in chunks)
+    lengths = [1 + len(e.drafts) for e in decodes] + [c.end - c.start for c in chunks]
+    used = sum(lengths)
     assert used <= capacity and count < requests, \
-        f"a step of {count} rows and {used} tokens exceeds a prefill graph of {requests - 1} rows, {capacity} tokens"
+        f"a step of {count} rows and {used} tokens exceeds a graph of {requests - 1} rows, {capacity} tokens"
     pad = capacity - used
-    ids = [0 if e.input_token is None else e.input_token for e in decodes] + [t for c in chunks for t in c.tokens]
-    positions = [e.position for e in decodes] + [p for c in chunks for p in range(c.start, c.end)]
-    indices = [cache_index(e.page_table, e.position, page_tokens) for e in decodes]
-    indices += [cache_index(c.page_table, p, page_tokens) for c in chunks for p in range(c.start, c.end)]
+    ids = [t for e in decodes for t in (0 if e.input_token is None else e.input_token, *e.drafts)]
+    ids += [t for c in chunks for t in c.tokens]
+    spans = [(e.page_table, e.position, e.position + 1 + len(e.drafts)) for e in decodes]
+    spans += [(c.page_table, c.start, c.end) for c in chunks]
+    positions = [p for _, start, end in spans for p in range(start, end)]
+    indices = [cache_index(pages, p, page_tokens) for pages, start, end in spans for p in range(start, end)]
     # Padding tokens go to the scratch page (its records wrap around: nothing reads them).
-    lengths = [1] * len(decodes) + [c.end - c.start for c in chunks]
     unused = requests - count
     empty = unused - 1
     return PrefillStepInputs(
@@ -230,10 +239,41 @@ def prefill_step_inputs(decodes, chunks, capacity: int, requests: int, page_toke
         lengths=lengths + [pad],
         # The padding request holds at least one token (the kernels take no empty last request with pages).
         attention=PagedLayout.from_requests(
-            [e.position + 1 for e in decodes] + [c.end for c in chunks] + [max(pad, 1)] + [1] * empty,
+            [end for _, _, end in spans] + [max(pad, 1)] + [1] * empty,
             lengths + [pad] + [0] * empty,
             [e.page_table for e in decodes] + [c.page_table for c in chunks]
             + [[scratch_page] * -(-max(pad, 1) // page_tokens)] + [[scratch_page]] * empty, page_tokens))
+
+
+def speculative_step_inputs(decodes, capacity: int, requests: int, page_tokens: int, scratch_page: int,
+                            scratch_row: int) -> PrefillStepInputs:
+    """The inputs of a speculative graph of `capacity` tokens over `requests` requests for a
+    step of `decodes` (DecodeEntry; some check drafts): the tokens and attention of a prefill
+    graph (`prefill_step_inputs`), whose rows are here its tokens, each with a logits row: for
+    each token, `from_device` (a decode's first token, when the host has not seen its input),
+    its decode's `state_rows` and `first_token`; padding tokens sample for the scratch row."""
+    step = prefill_step_inputs(decodes, (), capacity, requests, page_tokens, scratch_page, scratch_row)
+    from_device: list[int] = []
+    state_rows: list[int] = []
+    first_token: list[int] = []
+    for e in decodes:
+        first_token += [len(state_rows)] * (1 + len(e.drafts))
+        from_device += [int(e.input_token is None)] + [0] * len(e.drafts)
+        state_rows += [e.handle.state_row] * (1 + len(e.drafts))
+    pad = capacity - len(state_rows)
+    rows = {"from_device": from_device + [0] * pad, "state_rows": state_rows + [scratch_row] * pad,
+            "first_token": first_token + list(range(len(first_token), capacity))}
+    return dataclasses.replace(step, rows=rows)
+
+
+def drafts_before(ids: torch.Tensor, first_token: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [T, vocab]: for each token t of a speculative step, how often each token id occurs
+    among the drafts of its decode up to t (the tokens (first_token[t], t] of `ids` [T]), which
+    its penalties count as output, as plain decoding would have generated them."""
+    index = torch.arange(ids.shape[0], device=ids.device)
+    counted = (index[None, :] > first_token[:, None]) & (index[None, :] <= index[:, None])
+    counts = torch.zeros(ids.shape[0], vocab, dtype=torch.int32, device=ids.device)
+    return counts.scatter_add_(1, ids[None, :].expand(ids.shape[0], -1), counted.to(torch.int32))
 
 
 def decode_step_inputs(decodes, capacity: int, page_tokens: int, scratch_page: int,
@@ -286,9 +326,11 @@ class _Graph:
     A prefill graph holds `capacity` tokens (`tokens_in`) of up to `requests - 1` requests
     (decode rows of one token each, then prompt chunks: `prefill_step_inputs`); its rows are the
     requests, the last one (and any unused ones) padding: it owns the tokens beyond the step's,
-    over the scratch page."""
+    over the scratch page. A speculative graph is laid out as a prefill graph over decode rows
+    only, each with its drafts (`speculative_step_inputs`), and its rows are its `capacity`
+    tokens: every token has a logits row and samples."""
 
-    kind: str  # "decode" or "prefill"
+    kind: str  # "decode", "prefill" or "speculative"
     capacity: int
     forward: torch.cuda.CUDAGraph
     samplers: _Samplers
@@ -305,8 +347,53 @@ class _Graph:
     mixed_replays: int = 0  # of a prefill graph: replays with decode rows beside the chunks
 
     @property
-    def requests(self) -> int:
+    def rows(self) -> int:
+        """Its logits rows, which its input columns hold one entry each for."""
         return self.ints.width
+
+
+def capture_samplers(logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool, state: DeviceState,
+                     sample_windowed, drafted: Callable[[], torch.Tensor] | None = None) -> _Samplers:
+    """The samplers of a graph's `logits` rows, reading their columns from `ints` and `floats`
+    and recording into `state`; `sample_windowed`: `sample_rows`, compiled or not, for the
+    windowed samplers; `drafted()`: counts that the rows' penalties add to their histories (a
+    speculative round's drafts, `drafts_before`)."""
+    rows = ints["state_rows"]
+    vocab = logits.shape[-1]
+    penalties, last_sampled = state.penalties, state.last_sampled
+    # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
+    # the tokens must survive the replays of other graphs until the engine has read them.
+    tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+
+    def recorded(sampled: torch.Tensor) -> torch.Tensor:
+        tokens.copy_(sampled)
+        last_sampled.index_put_((rows,), sampled)
+        return tokens
+
+    def sampled(working: torch.Tensor, sample, candidates: int) -> torch.Tensor:
+        return recorded(sample(
+            working, temperature=floats["temperature"], top_k=ints["top_k"], top_p=floats["top_p"],
+            min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"] != 0,
+            unseeded_seed=ints["key"][0], candidates=candidates))
+
+    def penalised(sample, candidates: int) -> torch.Tensor:
+        counts = penalties.output_counts[rows]
+        if drafted is not None:
+            counts = counts + drafted()
+        working = penalise(logits, penalties.in_prompt[rows], counts,
+                           floats["repetition"], floats["frequency"], floats["presence"])
+        chosen = sampled(working, sample, candidates)
+        penalties.record(rows, chosen)  # the histories of the rows that have penalties
+        return chosen
+
+    windowed = min(GRAPH_SAMPLING_WINDOW, vocab)
+    graphs = [captured(fn, pool)[0] for fn in (
+        lambda: recorded(logits.argmax(dim=-1)),
+        lambda: sampled(logits, sample_windowed, windowed),
+        lambda: sampled(logits, sample_rows, vocab),
+        lambda: penalised(sample_windowed, windowed),
+        lambda: penalised(sample_rows, vocab))]
+    return _Samplers(*graphs, tokens)
 
 
 class CudaAttention:
@@ -347,7 +434,8 @@ class GraphRunner:
 
     def __init__(self, model: torch.nn.Module, state: DeviceState, attention: CudaAttention, sampler: Sampler,
                  copies: HostCopies, *, decode_capacities: tuple[int, ...], prefill_capacities: tuple[int, ...],
-                 context_length: int, compiled: bool, prefill_chunk_size: int, triton_attention: bool = True):
+                 context_length: int, compiled: bool, prefill_chunk_size: int, triton_attention: bool = True,
+                 speculative_capacities: tuple[int, ...] = ()):
         assert state.scratch_page is not None, "graphs pad onto a scratch page: DeviceState(scratch_page=True)"
         self.model, self.state, self.attention, self.sampler, self.copies = model, state, attention, sampler, copies
         self.device, self.page_tokens = state.device, state.page_tokens
@@ -365,8 +453,10 @@ class GraphRunner:
         self._sample_rows = torch.compile(sample_rows, dynamic=True) if compiled else sample_rows
         self.decode_graphs: dict[int, _Graph] = {}  # by batch capacity (rows)
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
+        self.speculative_graphs: dict[int, _Graph] = {}  # speculative rounds by token capacity
         self._decode_capacities = decode_capacities
         self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
+        self._speculative_capacities = speculative_capacities if self.kernels.graph_prefill else ()
         self.compile_s = self.capture_s = 0.0
         self.graph_bytes = 0  # what the first warm-up and capture took beyond the state (compilation, the pool)
         self._warmed = False
@@ -385,6 +475,8 @@ class GraphRunner:
         compiled = f"torch.compile {self.compile_s:.1f} s, " if self.compile_s else "not compiled, "
         prefill = (f"prompt chunks (with decode rows beside them) of {sorted(self.prefill_graphs)} tokens"
                    if self.prefill_graphs else "no prompt-chunk graphs (eager FlashInfer prefill)")
+        if self.speculative_graphs:
+            prefill += f", speculative rounds of {sorted(self.speculative_graphs)} tokens"
         return (f"CUDA graphs for decode batches {sorted(self.decode_graphs)} and {prefill}, sampling inside "
                 f"({compiled}captured in {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB)")
 
@@ -409,6 +501,7 @@ class GraphRunner:
         """Drop the captured graphs (and the memory pool they share)."""
         self.decode_graphs.clear()
         self.prefill_graphs.clear()
+        self.speculative_graphs.clear()
 
     # ---- compile and capture ---------------------------------------------------------------
 
@@ -458,6 +551,10 @@ class GraphRunner:
             graph = self._capture_prefill(capacity, pool)
             pool = graph.forward.pool()
             self.prefill_graphs[capacity] = graph
+        for capacity in sorted(self._speculative_capacities, reverse=True):
+            graph = self._capture_prefill(capacity, pool, speculative=True)
+            pool = graph.forward.pool()
+            self.speculative_graphs[capacity] = graph
         for capacity in sorted(self._decode_capacities, reverse=True):
             graph = self._capture_decode(capacity, pool)
             pool = graph.forward.pool()
@@ -465,7 +562,8 @@ class GraphRunner:
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - started  # over every capture, `resize_cache`'s included
         log.info("captured CUDA graphs", decode_capacities=sorted(self.decode_graphs),
-                 prefill_capacities=sorted(self.prefill_graphs), seconds=round(self.capture_s, 2))
+                 prefill_capacities=sorted(self.prefill_graphs),
+                 speculative_capacities=sorted(self.speculative_graphs), seconds=round(self.capture_s, 2))
 
     def _int_inputs(self, width: int) -> _Inputs:
         defaults = dict.fromkeys(INT_INPUTS, 0)
@@ -495,10 +593,13 @@ class GraphRunner:
             return self.model(ids, ints["positions"], context)
 
         forward_graph, logits = captured(forward, pool)
-        samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
+        samplers = capture_samplers(logits, ints, floats, forward_graph.pool(), self.state, self._sample_rows)
         return _Graph("decode", capacity, forward_graph, samplers, ints, floats, logits, attention, context)
 
-    def _capture_prefill(self, capacity: int, pool) -> _Graph:
+    def _capture_prefill(self, capacity: int, pool, speculative: bool = False) -> _Graph:
+        """A prefill graph of `capacity` tokens, or with `speculative` a speculative round of
+        that many: decode rows only, each a request of its input token and drafts, whose rows are
+        its tokens, each with a logits row (`speculative_step_inputs`)."""
         device = self.device
         state = bool(self.state.scheme.state)
         requests = prefill_graph_requests(capacity, self.scratch_row, state)
@@ -507,73 +608,45 @@ class GraphRunner:
             graph=(requests, (requests - 1) * self._pages_per_context + pad_pages + requests)))
         tokens_in = _Inputs({"ids": 0, "positions": 0, "cache_indices": self.scratch_page * self.page_tokens},
                             capacity, torch.int64, device)
-        ints = self._int_inputs(requests)
+        rows = capacity if speculative else requests
+        ints = self._int_inputs(rows)
         ints["last_token_index"].fill_(capacity - 1)
-        floats = _Inputs(FLOAT_INPUTS, requests, torch.float32, device)
+        floats = _Inputs(FLOAT_INPUTS, rows, torch.float32, device)
         # Only slot_mapping and logits_indices are read on the FlashInfer path, and the chunk
         # layout and state rows by recurrent layers; the rest describes the capture's layout (all
         # tokens in the padding request).
         chunks = _ChunkLayout(capacity, requests, device) if state else None
         batch = AttentionBatch(
-            query_start=chunks.query_start if state else
+            query_start=chunks.query_start if chunks is not None else
             torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
             kv_lens=torch.tensor([capacity] + [1] * (requests - 1), dtype=torch.int32, device=device),
             page_table=torch.full((requests, 1), self.scratch_page, dtype=torch.int32, device=device),
-            slot_mapping=tokens_in["cache_indices"], logits_indices=ints["last_token_index"],
+            slot_mapping=tokens_in["cache_indices"],
+            logits_indices=torch.arange(capacity, device=device) if speculative else ints["last_token_index"],
             page_tokens=self.page_tokens,
             query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1),
             state_rows=ints["chunk_state_rows"] if state else None,
-            chunk_indices=chunks.chunk_indices if state else None)
+            chunk_indices=chunks.chunk_indices if chunks is not None else None)
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._prefill_step((), (), capacity, requests).attention, self.scale)
         last_sampled, head = self.state.last_sampled, min(capacity, requests)
 
         def forward() -> torch.Tensor:
-            # Decode rows (the first requests, one token each) may read their token on the device.
             ids = tokens_in["ids"]
-            sampled = last_sampled[ints["state_rows"][:head]]
-            ids = torch.cat([torch.where(ints["from_device"][:head] != 0, sampled, ids[:head]), ids[head:]])
+            if speculative:  # a row reads its token on the device where `from_device` says
+                ids = torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ids)
+            else:  # decode rows (the first requests, one token each) may read their token on the device
+                sampled = last_sampled[ints["state_rows"][:head]]
+                ids = torch.cat([torch.where(ints["from_device"][:head] != 0, sampled, ids[:head]), ids[head:]])
             return self.model(ids, tokens_in["positions"], context)
 
         forward_graph, logits = captured(forward, pool)
-        samplers = self._capture_samplers(logits, ints, floats, forward_graph.pool())
-        return _Graph("prefill", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
-                      tokens_in, chunks)
-
-    def _capture_samplers(self, logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool) -> _Samplers:
-        rows = ints["state_rows"]
         vocab = logits.shape[-1]
-        penalties, last_sampled = self.state.penalties, self.state.last_sampled
-        # Outside the graphs' shared pool: a pool block may be another graph's scratch memory, and
-        # the tokens must survive the replays of other graphs until the engine has read them.
-        tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device)
-
-        def recorded(sampled: torch.Tensor) -> torch.Tensor:
-            tokens.copy_(sampled)
-            last_sampled.index_put_((rows,), sampled)
-            return tokens
-
-        def sampled(working: torch.Tensor, sample, candidates: int) -> torch.Tensor:
-            return recorded(sample(
-                working, temperature=floats["temperature"], top_k=ints["top_k"], top_p=floats["top_p"],
-                min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"] != 0,
-                unseeded_seed=ints["key"][0], candidates=candidates))
-
-        def penalised(sample, candidates: int) -> torch.Tensor:
-            working = penalise(logits, penalties.in_prompt[rows], penalties.output_counts[rows],
-                               floats["repetition"], floats["frequency"], floats["presence"])
-            chosen = sampled(working, sample, candidates)
-            penalties.record(rows, chosen)  # the histories of the rows that have penalties
-            return chosen
-
-        windowed = min(GRAPH_SAMPLING_WINDOW, vocab)
-        graphs = [captured(fn, pool)[0] for fn in (
-            lambda: recorded(logits.argmax(dim=-1)),
-            lambda: sampled(logits, self._sample_rows, windowed),
-            lambda: sampled(logits, sample_rows, vocab),
-            lambda: penalised(self._sample_rows, windowed),
-            lambda: penalised(sample_rows, vocab))]
-        return _Samplers(*graphs, tokens)
+        drafted = (lambda: drafts_before(tokens_in["ids"], ints["first_token"], vocab)) if speculative else None
+        samplers = capture_samplers(logits, ints, floats, forward_graph.pool(), self.state, self._sample_rows,
+                                    drafted)
+        return _Graph("speculative" if speculative else "prefill", capacity, forward_graph, samplers, ints, floats,
+                      logits, attention, context, tokens_in, chunks)
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -584,10 +657,15 @@ class GraphRunner:
         """The smallest captured graph that covers the step, or None: the step runs eagerly.
         Decode graphs cover decode-only steps; prefill graphs cover steps with prompt chunks,
         with decode rows beside them (mixed steps: each decode row is a one-token request);
-        both after restoring resume points. Steps that sample a prompt's stored logits, score
-        prompts or check drafts (logits at every token of some rows) run eagerly."""
-        if any(r.logits_row is not None for r in plan.restores) or scores_prompt(plan) or checks_drafts(plan):
+        speculative graphs cover decode-only steps whose rows check drafts; all after restoring
+        resume points. Steps that sample a prompt's stored logits, score prompts or check drafts
+        beside prompt chunks run eagerly."""
+        if any(r.logits_row is not None for r in plan.restores) or scores_prompt(plan):
             return None
+        if checks_drafts(plan):
+            tokens = sum(1 + len(d.drafts) for d in plan.decodes)
+            fitting = [c for c in sorted(self.speculative_graphs) if c >= tokens]
+            return self.speculative_graphs[fitting[0]] if fitting and not plan.prefills else None
         if plan.prefills:
             tokens = len(plan.decodes) + sum(c.end - c.start for c in plan.prefills)
             return next((self.prefill_graphs[c] for c in sorted(self.prefill_graphs) if c >= tokens), None)
@@ -635,14 +713,16 @@ class GraphRunner:
         resume points its chunks save. Returns the rows that sample (DeviceState.finish_chunks)."""
         self.state.restore(plan)  # no stored logits here (`_graph_for`): pages and state rows only
         self.state.start_chunks(plan)
-        ints = self._decode_inputs(graph, plan) if graph.kind == "decode" else self._prefill_inputs(graph, plan)
+        inputs = {"decode": self._decode_inputs, "prefill": self._prefill_inputs,
+                  "speculative": self._speculative_inputs}[graph.kind]
+        ints = inputs(graph, plan)
         floats = {}
         if sampling is not None and not (sampling.greedy and not sampling.penalised):
             # Sampling columns go to the rows that sample, in plan.samples order: every decode
-            # row, then the chunks that end their prompts (rows after the decode rows).
-            decodes = len(plan.decodes)
+            # row (of a speculative graph: every token), then the chunks that end their prompts.
+            decodes = sum(1 + len(d.drafts) for d in plan.decodes)
             where = list(range(decodes)) + [decodes + i for i, chunk in enumerate(plan.prefills) if chunk.samples]
-            width = graph.requests
+            width = graph.rows
             columns = row_columns(sampling.params, sampling.steps)
             ints.update((name, scatter(columns[name], where, width, 0)) for name in INT_COLUMNS)
             ints["key"] = [self.sampler.unseeded_seed()] + [0] * (width - 1)
@@ -666,10 +746,20 @@ class GraphRunner:
         return prefill_step_inputs(decodes, chunks, capacity, requests, self.page_tokens, self.scratch_page,
                                    self.scratch_row)
 
+    def _speculative_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
+        """Upload the step's tokens (each decode's input and drafts) and plan their attention;
+        return the tokens' sampling inputs by name."""
+        step = speculative_step_inputs(plan.decodes, graph.capacity, graph.context.batch.num_requests,
+                                       self.page_tokens, self.scratch_page, self.scratch_row)
+        assert graph.tokens_in is not None
+        graph.tokens_in.upload(step.tokens)
+        graph.attention.plan(step.attention, self.scale)
+        return step.rows
+
     def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
         """Upload the step's tokens (decode rows', then the chunks') and plan their attention;
         return the requests' inputs by name."""
-        step = self._prefill_step(plan.decodes, plan.prefills, graph.capacity, graph.requests)
+        step = self._prefill_step(plan.decodes, plan.prefills, graph.capacity, graph.rows)
         graph.tokens_in.upload(step.tokens)
         graph.attention.plan(step.attention, self.scale)
         inputs = {name: step.rows[name] for name in ("last_token_index", "state_rows", "from_device")}
@@ -683,10 +773,12 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                 num_snapshot_rows: int, num_logits_rows: int, vocab_size: int, device: torch.device,
                 decode_capacities: tuple[int, ...], context_length: int, prefill_capacities: tuple[int, ...] = (),
                 compile_model: bool = False, triton_attention: bool = True, prefill_chunk_size: int = 0,
-                seed: int = 0, dtype: torch.dtype | None = None) -> ModelRunner:
+                seed: int = 0, dtype: torch.dtype | None = None,
+                speculative_capacities: tuple[int, ...] = ()) -> ModelRunner:
     """The CUDA runner over `num_pages` pages: `model` (built for serving: flare_core.ops.serving)
     called as it is, or through `CompiledDecoder` with `compile_model`, warmed and captured.
-    `dtype`: the model's activation dtype (the attention queries')."""
+    `dtype`: the model's activation dtype (the attention queries'). `speculative_capacities`:
+    the token capacities of speculative rounds to capture (none unless the server speculates)."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
                         device=device, scratch_page=True)
@@ -697,7 +789,7 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
     graphs = GraphRunner(forward, state, attention, sampler, copies, decode_capacities=decode_capacities,
                          prefill_capacities=prefill_capacities, context_length=context_length,
                          compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
-                         triton_attention=triton_attention)
+                         triton_attention=triton_attention, speculative_capacities=speculative_capacities)
     runner = ModelRunner(state, sampler, EagerRunner(forward, state, sampler, attention.plan_prefill), copies, graphs)
     graphs.prepare()
     return runner

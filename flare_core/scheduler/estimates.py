@@ -21,6 +21,7 @@ class StepKind(str, enum.Enum):
     DECODE = "decode"     # capacity = batch rows, one token per request
     PREFILL = "prefill"   # capacity = tokens of packed prompt chunks
     MIXED = "mixed"       # capacity = tokens: one per decode row plus prompt chunk tokens
+    SPECULATIVE = "speculative"  # capacity = tokens: each decode row's, and the drafts some rows check
     RESTORE = "restore"   # no forward pass: only restore copies and sampling from stored logits
 
 

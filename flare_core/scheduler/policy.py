@@ -23,37 +23,40 @@ def _capacities(values: Iterable[int], field: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class GraphCapacities:
     """The captured graph catalog as data: decode batch capacities (rows), prefill token
-    capacities, and optional mixed token capacities (decode rows + prompt tokens in one graph)."""
+    capacities, optional mixed token capacities (decode rows + prompt tokens in one graph), and
+    speculative token capacities (decode steps whose rows check draft tokens: one token per row
+    and one per draft; none: no step checks drafts)."""
 
     decode: tuple[int, ...]
     prefill: tuple[int, ...]
     mixed: tuple[int, ...] = ()
+    speculative: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decode", _capacities(self.decode, "decode"))
         object.__setattr__(self, "prefill", _capacities(self.prefill, "prefill"))
         object.__setattr__(self, "mixed", _capacities(self.mixed, "mixed"))
+        object.__setattr__(self, "speculative", _capacities(self.speculative, "speculative"))
         if not self.decode or not self.prefill:
             raise ValueError("GraphCapacities needs at least one decode and one prefill capacity")
 
     @classmethod
     def from_specs(cls, specs: Iterable[object]) -> GraphCapacities:
-        """From contract graph specs (objects with `kind` and `capacity`); kinds this scheduler
-        does not plan (e.g. speculative) are ignored. Without mixed specs, the mixed capacities
-        are the prefill ones: both executors run a step of decode rows and prompt chunks as a
+        """From contract graph specs (objects with `kind` and `capacity`). Without mixed specs,
+        the mixed capacities are the prefill ones: both executors run a step of decode rows and prompt chunks as a
         prefill step whose decode rows are one-token requests (the CUDA executor in the prefill
         graph of its token count), so decoding goes on while prompts are prefilled."""
-        by_kind: dict[str, list[int]] = {"decode": [], "prefill": [], "mixed": []}
+        by_kind: dict[str, list[int]] = {"decode": [], "prefill": [], "mixed": [], "speculative": []}
         for spec in specs:
             kind, capacity = getattr(spec, "kind"), getattr(spec, "capacity")
             if kind in by_kind:
                 by_kind[kind].append(capacity)
         by_kind["mixed"] = by_kind["mixed"] or by_kind["prefill"]
-        return cls(*(tuple(sorted(set(by_kind[k]))) for k in ("decode", "prefill", "mixed")))
+        return cls(*(tuple(sorted(set(by_kind[k]))) for k in ("decode", "prefill", "mixed", "speculative")))
 
     def of(self, kind: StepKind) -> tuple[int, ...]:
         return {StepKind.DECODE: self.decode, StepKind.PREFILL: self.prefill,
-                StepKind.MIXED: self.mixed}.get(kind, ())
+                StepKind.MIXED: self.mixed, StepKind.SPECULATIVE: self.speculative}.get(kind, ())
 
     def covering(self, kind: StepKind, size: int) -> int | None:
         """Smallest capacity of `kind` that holds `size`, or None if none does."""

@@ -219,7 +219,7 @@ class Scheduler:
         self._next_seq = 0
         self._next_order = 0
         self.preemptions = 0    # requests preempted so far (a metric)
-        self.speculation = Speculation(config.proposer, config.draft_tokens) if config.proposer else None
+        self.speculation = Speculation.of(config)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -239,7 +239,7 @@ class Scheduler:
                           request_page_need(len(prompt), max_tokens, self.config.page_tokens), self.kv.num_pages)
         request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
                           group=group or request_id, client=client, kv=self.kv.open(request_id),
-                          speculate=self.speculation is not None)
+                          speculate=self.config.proposer is not None)
         self._next_order += 1
         self._requests[request_id] = request
         self.prices.join(request)
@@ -301,7 +301,7 @@ class Scheduler:
                          state_rows=kv.state_rows, free_state_rows=kv.free_state_rows, pages=kv.num_pages,
                          free_pages=kv.free_pages, cached_pages=kv.cached_pages,
                          request_page_refs=kv.request_page_refs, preemptions=self.preemptions,
-                         **(self.speculation.counts() if self.speculation else {}))
+                         **self.speculation.counts())
 
     # ---- planning -----------------------------------------------------------------------
     #
@@ -319,8 +319,7 @@ class Scheduler:
         self._admit()
         restoring = [r for r in self._live if r.status is RequestStatus.RUNNING and r.restore is not None]
         protected = {r.request_id for r in restoring}  # their restore runs in this plan
-        if self.speculation is not None:
-            self.speculation.propose(self._live)
+        self.speculation.propose(self._live)
         while True:
             candidates = self._steps.candidates(self._live, seq)
             blocked: Reservation | None = None
@@ -343,6 +342,7 @@ class Scheduler:
         for victim in reservation.victims:
             self._preempt(victim)
         self.kv.extend(reservation.pages)
+        self.speculation.placed(reservation.decoders, reservation.drafts)
         decodes = []
         for request in reservation.decoders:
             position = request.num_computed
@@ -372,7 +372,8 @@ class Scheduler:
                 request.num_planned_samples += 1
             request.restore = None
 
-        step = self._steps.candidate(tuple(reservation.decoders), tuple(reservation.chunks))
+        step = self._steps.candidate(tuple(reservation.decoders), tuple(reservation.chunks),
+                                     drafts=sum(len(d) for d in reservation.drafts.values()))
         plan = StepPlan(seq, step.kind, step.capacity, tuple(restores), tuple(decodes), tuple(prefills),
                         self.estimator.estimate(step.kind, step.capacity))
         members = {r.request_id: r for r in [*restoring, *reservation.decoders,
@@ -419,7 +420,7 @@ class Scheduler:
             request = self._requests[decode.handle.request_id]
             request.num_written = max(request.num_written, decode.position + 1)
 
-        dropped = self.speculation.settle(plan, result.tokens, self.request) if self.speculation else set()
+        dropped = self.speculation.settle(plan, result.tokens, self.request)
         emitted = []
         for row, (handle, token) in enumerate(zip(samples, result.tokens)):
             request = self._requests[handle.request_id]

@@ -7,7 +7,10 @@ steps in flight it sits its next step out to do so (`Request.waits_to_speculate`
 takes two step slots and gives 1 + kept tokens where plain decoding gives 2, so unless its last
 round kept MIN_KEPT_TO_WAIT drafts or more (or when it had nothing to check), it decodes plainly
 for PLAIN_AFTER_MISS samples before it waits to propose again. (With one step in flight nothing
-waits: every step proposes.)
+waits: every step proposes.) Drafts ride only in steps that hold them (`StepBuilder.reserve`: no
+prompt chunks, rows and drafts within the largest speculative capacity, `max_tokens`): a request
+whose proposal found no room decodes plainly for PLAIN_AFTER_MISS samples too, and while the
+running requests alone fill that capacity, none proposes.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flare_core.scheduler.estimates import StepKind
 from flare_core.scheduler.proposals import Proposer
-from flare_core.scheduler.request import Request
+from flare_core.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from flare_core.scheduler.scheduler import DecodeEntry, StepPlan
+    from flare_core.scheduler.scheduler import DecodeEntry, SchedulerConfig, StepPlan
 
 PLAIN_AFTER_MISS = 16
 MIN_KEPT_TO_WAIT = 2
@@ -54,14 +58,20 @@ def dropped_rows(plan: StepPlan, tokens: Sequence[int]) -> set[int]:
 
 @dataclass(eq=False)
 class Speculation:
-    """Up to `draft_tokens` drafts per decode row from `proposer`, and the totals so far: drafts
-    checked, drafts kept, decode rows that checked some (metrics)."""
+    """Up to `draft_tokens` drafts per decode row from `proposer` (None: the scheduler does not
+    speculate), in steps of at most `max_tokens` tokens, and the totals so far: drafts checked,
+    drafts kept, decode rows that checked some (metrics)."""
 
-    proposer: Proposer
+    proposer: Proposer | None
     draft_tokens: int
+    max_tokens: int
     drafts: int = 0
     kept: int = 0
     rounds: int = 0
+
+    @classmethod
+    def of(cls, config: SchedulerConfig) -> Speculation:
+        return cls(config.proposer, config.draft_tokens, config.capacities.largest(StepKind.SPECULATIVE))
 
     def counts(self) -> dict[str, int]:
         """The totals as `Resources` fields."""
@@ -71,13 +81,25 @@ class Speculation:
         """Set each live request's drafts for the step being planned (none for most): those that
         could decode with no step in flight get up to their remaining budget less the token the
         step samples anyway."""
+        if self.proposer is None:
+            return
+        crowded = sum(r.status is RequestStatus.RUNNING for r in live) >= self.max_tokens
         for request in live:
             request.drafts = ()
             width = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
-            if request.speculate and request.in_flight == 0 and width > 0 and request.can_decode():
+            if crowded and request.speculate:
+                request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+            elif request.speculate and request.in_flight == 0 and width > 0 and request.can_decode():
                 request.drafts = self.proposer.propose(request.known_tokens(), width)
                 if not request.drafts:
                     request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
+
+    def placed(self, decoders: Sequence[Request], granted: dict[str, tuple[int, ...]]) -> None:
+        """Of the step's `decoders`, those whose proposal got no drafts `granted` (no room in the
+        step) decode plainly for a while rather than sit out steps waiting for a round."""
+        for request in decoders:
+            if request.drafts and request.request_id not in granted:
+                request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
 
     def settle(self, plan: StepPlan, tokens: Sequence[int], request_of: Callable[[str], Request]) -> set[int]:
         """The drafts of `plan`'s decodes checked (`kept_drafts`): each request then stands after its

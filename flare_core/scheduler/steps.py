@@ -130,14 +130,15 @@ class StepBuilder:
 
     def candidate(self, decoders: tuple[Request, ...], chunks: tuple[Chunk, ...],
                   weigh: Collection[Request] = (), overdue: Collection[Request] = (),
-                  deferred: int = 0, restoring: Collection[Request] = ()) -> CandidateStep:
-        """The step over `decoders` and `chunks`, leaving `deferred` ready decode rows out: its
-        kind, the graph capacity that covers it, its useful tokens, the highest price it leaves
-        to the requests in `weigh` (the `restoring` ones served by any step) and the `overdue`
-        requests it serves, each computed here once."""
-        tokens = len(decoders) + sum(c.end - c.start for c in chunks)
-        kind = (StepKind.MIXED if decoders and chunks else StepKind.DECODE if decoders
-                else StepKind.PREFILL if chunks else StepKind.RESTORE)
+                  deferred: int = 0, restoring: Collection[Request] = (), drafts: int = 0) -> CandidateStep:
+        """The step over `decoders` and `chunks` (and `drafts` the decoders check: a speculative
+        round), leaving `deferred` ready decode rows out: its kind, the graph capacity that covers
+        it, its useful tokens, the highest price it leaves to the requests in `weigh` (the
+        `restoring` ones served by any step) and the `overdue` requests it serves, each computed
+        here once."""
+        tokens = len(decoders) + drafts + sum(c.end - c.start for c in chunks)
+        kind = (StepKind.SPECULATIVE if drafts else StepKind.MIXED if decoders and chunks
+                else StepKind.DECODE if decoders else StepKind.PREFILL if chunks else StepKind.RESTORE)
         capacity = 0 if kind is StepKind.RESTORE else self.capacities.covering(kind, tokens)
         assert capacity is not None, f"no {kind.value} capacity covers {tokens}"
         worst_price = 0.0
@@ -169,7 +170,9 @@ class StepBuilder:
         would get. An entry short of pages names younger running requests outside the step as
         victims (preempted only if this reservation is committed), unless pages enough return at
         the fences of steps in flight. A decoder's drafts get pages only where they are free
-        (drafts beyond them are dropped): a guess never preempts anyone."""
+        (drafts beyond them are dropped): a guess never preempts anyone. Drafts ride only in steps
+        without prompt chunks, up to the largest speculative capacity (rows and drafts, oldest
+        request first)."""
         reservation = Reservation()
         page_tokens = self.page_tokens
         entries = [(r, r.num_computed + 1) for r in candidate.decoders] + [(c.request, c.end) for c in candidate.chunks]
@@ -220,12 +223,17 @@ class StepBuilder:
             if end > chunk.start:
                 reservation.chunks.append(Chunk(chunk.request, chunk.start, end))
                 granted.add(chunk.request.request_id)
-        for request in reservation.decoders:  # drafts last: from the free pages the step leaves
-            if request.drafts:
+        # Drafts last: from the free pages the step leaves, within the tokens of a speculative graph.
+        tokens_left = 0 if reservation.chunks else \
+            self.capacities.largest(StepKind.SPECULATIVE) - len(reservation.decoders)
+        for request in reservation.decoders:
+            if request.drafts and tokens_left > 0:
                 position = request.num_computed
-                room = take_spare(request, position + 1 + len(request.drafts)) - position - 1
+                wanted = min(len(request.drafts), tokens_left)
+                room = min(take_spare(request, position + 1 + wanted) - position - 1, wanted)
                 if room > 0:
                     reservation.drafts[request.request_id] = request.drafts[:room]
+                    tokens_left -= room
         reservation.victims = list(victims.values())
         return reservation
 

@@ -146,16 +146,29 @@ def test_grammars_on_cuda(session_flare, bf16_core):
     assert runs[0][-len(REQUESTS):] == reference
 
 
-def test_speculation_on_cuda(session_flare, bf16_core):
-    """Prompt-lookup speculation on the CUDA executor: decode rows with drafts run eagerly (FlashInfer
-    prefill planning over their tokens) beside captured steps; greedy tokens equal a run without it
-    (the random model's outputs repeat, so drafts are kept)."""
+@pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
+def test_speculation_on_cuda(session_flare, bf16_core, compile_model):
+    """Prompt-lookup speculation on the CUDA executor: rounds replay the speculative graphs
+    (each decode row with its drafts, a logits row and a sample at every token) beside the
+    captured decode and prefill steps; greedy tokens, penalised greedy tokens and seeded samples
+    equal a run without it (the random model's outputs repeat, so drafts are kept)."""
+    from flare_core.requests import SamplingParams
+
+    samplings = [REQUESTS[0].sampling] * 3 + [
+        SamplingParams(temperature=0.0, frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.05),
+        SamplingParams(temperature=0.8, top_k=5, seed=11)]
     requests = [REQUESTS[0].__class__(prompt_ids=tuple(range(5 + 40 * i, 105 + 40 * i)) * 2, max_tokens=120,
-                                      ignore_eos=True, sampling=REQUESTS[0].sampling) for i in range(4)]
-    reference = asyncio.run(run_requests(make_engine(session_flare, bf16_core, 2, "cuda", False), requests))
-    engine = make_engine(session_flare, bf16_core, 2, "cuda", False, spec_method="prompt-lookup", spec_draft_tokens=4)
+                                      ignore_eos=True, sampling=sampling) for i, sampling in enumerate(samplings)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, bf16_core, 2, "cuda", compile_model), requests))
+    engine = make_engine(session_flare, bf16_core, 2, "cuda", compile_model, spec_method="prompt-lookup",
+                         spec_draft_tokens=4)
+    graphs = engine.core.executor.graphs
+    assert sorted(graphs.speculative_graphs) == [8, 16, 32]  # 4 rows of 1 + 4 tokens fit in 32
+    assert "speculative rounds of [8, 16, 32] tokens" in engine.executor_summary()
     results = asyncio.run(run_requests(engine, requests))
-    assert [r[0] for r in results] == [r[0] for r in reference]
+    for index, (got, want) in enumerate(zip(results, reference)):
+        assert got[0] == want[0], f"request {index} ({samplings[index]}) differs"
     resources = engine.resources()
     assert resources.draft_rounds > 0 and resources.accepted_drafts > 0, resources
+    assert sum(g.replays for g in graphs.speculative_graphs.values()) > 0
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
