@@ -6,7 +6,9 @@ prompts, 256 output tokens each (ignore_eos); reports the median gap between a r
 --host-split, the host's time per step split into planning (the scheduler), launching (inputs,
 attention plans, replays), reading back (output processing, events) and waiting for the device
 (each step's HostTimes): a host that seldom waits sets the step time itself. The engine core is
-driven step by step on the benchmark's own thread (EngineCore.step).
+driven step by step on the benchmark's own thread (EngineCore.step). Several concurrencies
+(`--concurrency 1,64`) run one after another on one engine; with `--spec-method` the engine
+speculates (each result then counts the drafts checked and kept while it ran).
 
     python3 benchmarks/engine_steps.py --config /tmp/flare-bench/config.toml --core qwen3-8b-random \
         --concurrency 64 --json-schema benchmarks/note_schema.json [--profile | --host-split]
@@ -40,20 +42,21 @@ from flare_core.requests import GenerationRequest, SamplingParams
 
 
 def run(core: EngineCore, rounds: list[list[GenerationRequest]], kernel_profile: Path | None,
-        profile: cProfile.Profile | None) -> list[tuple[list[list[float]], dict[str, float]]]:
+        profile: cProfile.Profile | None, first: int = 0) -> list[tuple[list[list[float]], dict[str, float]]]:
     """Per round (its requests run together, the rounds one after another on one engine core,
     driven step by step on this thread): per request, the arrival times of its token events,
     and the round's host time per step by phase (HostTimes of the steps read back). The last
     round runs under the torch profiler when `kernel_profile` names a file for its per-kernel
-    table; `profile` profiles the steps' host code."""
+    table; `profile` profiles the steps' host code. Rounds are numbered from `first` (their
+    request ids)."""
     results = []
-    for index, requests in enumerate(rounds):
+    for index, requests in enumerate(rounds, start=first):
         arrivals: dict[str, list[float]] = {}
         totals = {"steps": 0, "schedule": 0.0, "launch": 0.0, "read": 0.0, "wait": 0.0}
         for i, request in enumerate(requests):
             core.add(f"r{index}.{i}", request)
             arrivals[f"r{index}.{i}"] = []
-        tracing = kernel_profile is not None and index == len(rounds) - 1
+        tracing = kernel_profile is not None and index == first + len(rounds) - 1
         if tracing:
             from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -92,15 +95,18 @@ def itl(arrivals: list[list[float]]) -> dict:
     has its first token, until the first one ends."""
     start, end = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if start <= a and b <= end]
-    return {"tokens": sum(len(a) for a in arrivals), "decode_itl_median_ms": round(statistics.median(gaps) * 1e3, 3),
-            "decode_itl_mean_ms": round(statistics.fmean(gaps) * 1e3, 3)}
+    tokens = sum(len(a) for a in arrivals)
+    span = max(a[-1] for a in arrivals) - min(a[0] for a in arrivals)
+    return {"tokens": tokens, "decode_itl_median_ms": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
+            "decode_itl_mean_ms": round(statistics.fmean(gaps) * 1e3, 3) if gaps else None,
+            "output_tok_s_after_first_tokens": round(tokens / span, 1) if span > 0 else None}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--core", required=True)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", default="64", help="one, or several one after another: 1,64")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--json-schema", type=Path)
@@ -112,13 +118,18 @@ def main() -> None:
     parser.add_argument("--host-split", action="store_true",
                         help="time the model thread's planning, launching, reading back and waiting")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--spec-method", choices=["prompt-lookup"])
+    parser.add_argument("--spec-draft-tokens", type=int, default=4)
     args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     config = load_config(args.config)
     device = torch.device(args.device)
     loaded = load_core(open_verified_core(config, args.core, trust_publisher=True), load_registry(), device)
-    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, args.concurrency, device, "0.9", None)
+    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, max(concurrencies), device, "0.9", None)
     profile = cProfile.Profile()
-    engine = build_engine(loaded, kv, load_registry(), max_concurrency=args.concurrency, queue_capacity=0)
+    engine = build_engine(loaded, kv, load_registry(), max_concurrency=max(concurrencies), queue_capacity=0,
+                          spec_method=args.spec_method, spec_draft_tokens=args.spec_draft_tokens)
+    print(engine.executor_summary(), flush=True)
     grammar = None
     if args.json_schema is not None:
         spec = GrammarSpec(GrammarKind.JSON_SCHEMA, args.json_schema.read_text(), "--json-schema")
@@ -126,14 +137,21 @@ def main() -> None:
     rng = random.Random(0)
     vocab = engine.frontend.tokenizer.vocab_size
     settings = args.sampling or ["temperature=1.0"]
+    shapes = [(concurrency, setting) for concurrency in concurrencies for setting in settings]
     rounds = [[GenerationRequest(prompt_ids=tuple(rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)),
                                  max_tokens=args.output_len, ignore_eos=True, grammar=grammar,
                                  sampling=replace(sampling_settings(setting), seed=i))
-               for i in range(args.concurrency)] for setting in settings]
-    results = run(engine.core, rounds, args.kernel_profile, profile if args.profile else None)
-    for setting, (arrivals, phases) in zip(settings, results):
-        result = {"concurrency": args.concurrency, "grammar": grammar is not None, "profiled": args.profile,
-                  "sampling": setting, **itl(arrivals)}
+               for i in range(concurrency)] for concurrency, setting in shapes]
+    for index, ((concurrency, setting), requests) in enumerate(zip(shapes, rounds)):
+        before = engine.resources()
+        (arrivals, phases), = run(engine.core, [requests], args.kernel_profile, profile if args.profile else None,
+                                  first=index)
+        after = engine.resources()
+        result = {"concurrency": concurrency, "grammar": grammar is not None, "profiled": args.profile,
+                  "sampling": setting, "spec_method": args.spec_method, **itl(arrivals)}
+        if args.spec_method:
+            result.update({name: getattr(after, name) - getattr(before, name)
+                           for name in ("drafts", "accepted_drafts", "draft_rounds")})
         if args.host_split:
             steps = phases.pop("steps")
             result["host_ms_per_step"] = {name: round(1e3 * seconds / steps, 4) for name, seconds in phases.items()}
