@@ -23,9 +23,14 @@ from prompt_lookup_acceptance import PROMPTS
 
 
 def spec_counters(url: str) -> dict[str, float]:
+    """The speculative counters' totals (rounds summed over their widths)."""
     text = urllib.request.urlopen(url + "/metrics").read().decode()
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("flare_spec_") and line.split()[0].endswith("_total")}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split()[0] if line.startswith("flare_spec_") else ""
+        if name.endswith("_total"):
+            totals[name] = totals.get(name, 0.0) + float(line.split()[-1])
+    return totals
 
 
 def ask(url: str, model: str, request: str, max_tokens: int) -> tuple[float, list[str]]:

@@ -159,9 +159,10 @@ def test_render_scheduler_pane_shares_step_time():
 def test_scheduler_pane_shows_how_many_drafts_are_kept():
     clock = Clock()
     telemetry = _served_two_requests(clock)
-    telemetry.record_drafts(rounds=40, drafts=160, kept=117)
+    telemetry.record_drafts(rounds=40, drafts=160, kept=117, widths=(0, 0, 4, 0, 36))
     lines = render_lines(telemetry.snapshot(), Pane.SCHEDULER, 100, 20)
     assert "speculative decoding: 40 decode rows checked 160 drafts, kept 117 (2.92 per row, 73%)" in lines
+    assert "  3.92 tokens per round; rows by drafts checked: 2: 4, 4: 36" in lines
 
 
 def test_render_requests_pane_with_gaps():

@@ -160,3 +160,51 @@ def test_speculation_settings_are_checked(tmp_path):
         with pytest.raises(ValueError, match="draft_tokens"):
             SchedulerConfig(max_concurrency=1, prefill_chunk_size=64, capacities=capacities, proposer=proposer,
                             draft_tokens=tokens)
+
+
+def test_acceptance_by_depth_censors_what_a_round_did_not_check():
+    from flare_core.scheduler.request import Acceptance
+
+    acceptance = Acceptance()
+    acceptance.record(4, 4)   # all four kept
+    acceptance.record(4, 1)   # the second refused: depths 3 and 4 unchecked
+    acceptance.record(2, 2)   # a round cut to two drafts (the request's last tokens): depths 3, 4 unchecked
+    assert acceptance.checked == [3, 3, 1, 1] and acceptance.kept == [3, 2, 1, 1]
+    chain = [(3 + 1) / (3 + 2), (2 + 1) / (3 + 2), (1 + 1) / (1 + 2), (1 + 1) / (1 + 2)]
+    expected = 1 + chain[0] + chain[0] * chain[1] + chain[0] * chain[1] * chain[2] \
+        + chain[0] * chain[1] * chain[2] * chain[3]
+    assert acceptance.expected_tokens(4) == pytest.approx(expected)
+    four = chain[0] * chain[1] * chain[2] * chain[3]  # depths 5 and 6, never checked, count one half each
+    assert acceptance.expected_tokens(6) == pytest.approx(expected + four * 0.5 + four * 0.25)
+    assert Acceptance().expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_each_request_gets_the_width_of_the_most_tokens_per_cost():
+    """From its drafts kept by depth and the measured cost of rounds against plain decode steps:
+    a request that copies gets the widest round, one whose drafts are refused none; rounds that
+    cost more than their drafts bring, or that pass the speculative capacities, are not planned."""
+    from flare_core.scheduler import GraphCapacities, StepKind
+    from flare_core.scheduler.estimates import StepCostEstimator
+    from flare_core.scheduler.request import Request
+    from flare_core.scheduler.speculation import Speculation
+
+    capacities = GraphCapacities(decode=(1, 2, 4, 8, 16), prefill=(64,), speculative=(8, 16, 32, 64))
+    estimator = StepCostEstimator()
+    for capacity in (1, 2, 4, 8, 16):
+        estimator.observe(StepKind.DECODE, capacity, 0.006)
+    for capacity in (8, 16, 32, 64):
+        estimator.observe(StepKind.SPECULATIVE, capacity, 0.007)  # 1.17x a decode step, as on the H100
+    speculation = Speculation(PromptLookup(), 8, capacities, estimator)
+    copier, refused, fresh = (Request(name, (1, 2), 100, (), 0) for name in ("copier", "refused", "fresh"))
+    for _ in range(20):
+        copier.acceptance.record(8, 8)
+        refused.acceptance.record(8, 0)
+    assert speculation.width(copier, 8, rows=1) == 8
+    assert speculation.width(refused, 8, rows=1) == 0
+    assert speculation.width(fresh, 8, rows=1) >= 1  # untried: its drafts count one half per depth
+    assert speculation.width(copier, 8, rows=13) == 3  # 13 rows of 1 + 3 tokens fill the 64-token graph
+    assert speculation.width(copier, 8, rows=64) == 0
+    for capacity in (8, 16, 32, 64):
+        estimator.observe(StepKind.SPECULATIVE, capacity, 0.1)  # rounds now cost 16x a step
+        estimator.observe(StepKind.SPECULATIVE, capacity, 0.1)
+    assert speculation.width(copier, 8, rows=1) == 0

@@ -127,8 +127,14 @@ def test_flare_run_speculates_and_counts_its_drafts(session_flare, smollm2_core,
             answers.append([(t.token, t.logprob) for t in reply.choices[0].logprobs.content])
         assert [t for t, _ in answers[0]] == [t for t, _ in answers[1]] and len(answers[0]) > 60
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(*answers))
-        metrics = {line.split()[0]: float(line.split()[1]) for line in server.get("/metrics").body.decode().splitlines()
-                   if line.startswith("flare_spec_") and line.split()[0].endswith("_total")}
+        metrics: dict[str, float] = {}
+        for line in server.get("/metrics").body.decode().splitlines():  # rounds: one series per width
+            if line.startswith("flare_spec_") and line.split("{")[0].split()[0].endswith("_total"):
+                name = line.split("{")[0].split()[0]
+                metrics[name] = metrics.get(name, 0.0) + float(line.split()[-1])
+        widths = [line for line in server.get("/metrics").body.decode().splitlines()
+                  if line.startswith("flare_spec_rounds_total{width=")]
+        assert widths and all(1 <= int(line.split('"')[1]) <= 4 for line in widths), widths
         rounds, kept = metrics["flare_spec_rounds_total"], metrics["flare_spec_accepted_tokens_total"]
         assert rounds > 0 and metrics["flare_spec_proposed_tokens_total"] >= kept
         assert kept / rounds >= 2.0, metrics

@@ -80,9 +80,11 @@ class RuntimeMetrics:
                                       "(speculative decoding).", registry=r)
         self._spec_accepted = Counter("flare_spec_accepted_tokens", "Draft tokens the target model's samples "
                                       "confirmed (speculative decoding).", registry=r)
-        self._spec_rounds = Counter("flare_spec_rounds", "Decode rows that checked draft tokens.", registry=r)
+        self._spec_rounds = Counter("flare_spec_rounds", "Decode rows that checked draft tokens, by how many "
+                                    "(speculative decoding).", ["width"], registry=r)
         self._prefix_seen = (0, 0, 0)  # the prefix cache's lookups, hits and reused tokens counted so far
-        self._spec_seen = (0, 0, 0)  # draft tokens checked and kept, and rounds, counted so far
+        # Draft tokens checked and kept, and rounds by width, counted so far.
+        self._spec_seen: tuple[int, int, tuple[int, ...]] = (0, 0, ())
 
     def record(self, activity: Activity) -> None:
         """Count what the engine core reported (flare_core.engine.stats.Activity)."""
@@ -104,11 +106,14 @@ class RuntimeMetrics:
             self._prefix_seen = (stats.lookups, stats.hits, stats.reused_tokens)
         resources = activity.resources
         if resources is not None:
-            proposed, accepted, rounds = self._spec_seen
+            proposed, accepted, widths = self._spec_seen
             self._spec_proposed.inc(resources.drafts - proposed)
             self._spec_accepted.inc(resources.accepted_drafts - accepted)
-            self._spec_rounds.inc(resources.draft_rounds - rounds)
-            self._spec_seen = (resources.drafts, resources.accepted_drafts, resources.draft_rounds)
+            for width, rounds in enumerate(resources.draft_widths):
+                seen = widths[width] if width < len(widths) else 0
+                if rounds > seen:
+                    self._spec_rounds.labels(width=str(width)).inc(rounds - seen)
+            self._spec_seen = (resources.drafts, resources.accepted_drafts, resources.draft_widths)
             self._live_slots.set(resources.live)
             self._free_slots.set(resources.state_rows - resources.live)
             self._free_pages.set(resources.free_pages)

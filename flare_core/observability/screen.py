@@ -80,8 +80,10 @@ def _scheduler(s: TelemetrySnapshot) -> list[str]:
         lines.append("no steps yet")
     if s.drafts is not None:
         d = s.drafts
+        widths = ", ".join(f"{width}: {rows}" for width, rows in enumerate(d.widths) if rows)
         lines += ["", f"speculative decoding: {d.rounds} decode rows checked {d.drafts} drafts, kept {d.kept} "
-                      f"({d.kept / d.rounds:.2f} per row, {100.0 * d.kept / max(d.drafts, 1):.0f}%)"]
+                      f"({d.kept / d.rounds:.2f} per row, {100.0 * d.kept / max(d.drafts, 1):.0f}%)",
+                  f"  {1 + d.kept / d.rounds:.2f} tokens per round; rows by drafts checked: {widths or '-'}"]
     return lines
 
 

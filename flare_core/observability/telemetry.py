@@ -70,11 +70,13 @@ class PageCounts:
 
 @dataclass(frozen=True)
 class DraftCounts:
-    """Speculative decoding so far: decode rows that checked drafts, drafts checked, drafts kept."""
+    """Speculative decoding so far: decode rows that checked drafts, drafts checked, drafts kept,
+    and the rows by how many drafts they checked (index: drafts)."""
 
     rounds: int
     drafts: int
     kept: int
+    widths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,12 +172,14 @@ class Telemetry:
         for finished in activity.finished:
             self.request_finished(finished.request_id, finished.reason, **pages)
         if resources.draft_rounds:
-            self.record_drafts(resources.draft_rounds, resources.drafts, resources.accepted_drafts)
+            self.record_drafts(resources.draft_rounds, resources.drafts, resources.accepted_drafts,
+                               resources.draft_widths)
 
-    def record_drafts(self, rounds: int, drafts: int, kept: int) -> None:
-        """Speculative decoding's totals so far (decode rows that checked drafts, drafts, kept)."""
+    def record_drafts(self, rounds: int, drafts: int, kept: int, widths: tuple[int, ...] = ()) -> None:
+        """Speculative decoding's totals so far (decode rows that checked drafts, drafts, kept, rows
+        by their drafts)."""
         with self._lock:
-            self._drafts = DraftCounts(rounds, drafts, kept)
+            self._drafts = DraftCounts(rounds, drafts, kept, widths)
 
     def request_queued(self, request_id: str, prompt_tokens: int) -> None:
         with self._lock:

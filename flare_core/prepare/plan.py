@@ -73,6 +73,7 @@ class ExportPlan:
         graphs = self.capacities.graph_catalog()
         decode = ",".join(str(g.capacity) for g in graphs if g.kind == "decode")
         prefill = ",".join(str(g.capacity) for g in graphs if g.kind == "prefill")
+        speculative = ",".join(str(g.capacity) for g in graphs if g.kind == "speculative")
         page_bytes = self.cache_scheme.page_bytes(c.page_tokens)
         full_context_pages = -(-c.context_length // c.page_tokens)
         lines = [
@@ -84,7 +85,7 @@ class ExportPlan:
             f"capacities    max_concurrency={c.max_concurrency} prefill_chunk_size={c.prefill_chunk_size} "
             f"context_length={c.context_length} page_tokens={c.page_tokens}",
             f"graphs        decode batch {decode}; prefill tokens {prefill} (mixed steps too: decode rows beside "
-            f"prompt chunks)",
+            f"prompt chunks); speculative rounds {speculative} tokens (with --spec-method)",
             f"cache scheme  {self.cache_scheme.name}: {_kib(page_bytes)} per {c.page_tokens}-token page, "
             f"{_gib(page_bytes * full_context_pages)} per full context",
             *([f"tables        {len(self.tables)} embedding table(s), {sum(t.rows for t in self.tables):,} rows of "

@@ -50,6 +50,38 @@ class Restore:
 
 
 @dataclass(eq=False)
+class Acceptance:
+    """A request's drafts by depth (speculative decoding): `checked[d]` counts its rounds that
+    checked draft d + 1 with every draft before it kept, `kept[d]` those that kept it too. A round
+    says nothing of depths past its own width or its first refused draft (censored, not refused)."""
+
+    checked: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+
+    def record(self, width: int, kept: int) -> None:
+        """A round of `width` drafts kept its first `kept`."""
+        while len(self.checked) < width:
+            self.checked.append(0)
+            self.kept.append(0)
+        for depth in range(min(kept + 1, width)):
+            self.checked[depth] += 1
+        for depth in range(kept):
+            self.kept[depth] += 1
+
+    def expected_tokens(self, width: int) -> float:
+        """Tokens a round of `width` drafts is expected to give (its sample after the kept drafts
+        included): 1 + the sum over depths of the chance that every draft up to it is kept, each
+        depth's chance given the one before estimated with a uniform prior ((kept + 1) / (checked
+        + 2)), so that depths never checked count one half."""
+        tokens, chain = 1.0, 1.0
+        for depth in range(width):
+            checked, kept = (self.checked[depth], self.kept[depth]) if depth < len(self.checked) else (0, 0)
+            chain *= (kept + 1) / (checked + 2)
+            tokens += chain
+        return tokens
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt: tuple[int, ...]
@@ -80,6 +112,7 @@ class Request:
     drafts: tuple[int, ...] = ()    # proposed for the step being planned
     verifying: bool = False         # a step checking its drafts is in flight: where it stands is not known
     plain_until: int = 0            # it decodes without drafts until it has planned this many samples
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts kept by depth, over its life
 
     @property
     def prompt_len(self) -> int:

@@ -160,6 +160,7 @@ class Resources:
     drafts: int = 0             # draft tokens checked so far (speculative decoding)
     accepted_drafts: int = 0    # of them, those the target model's samples confirmed
     draft_rounds: int = 0       # decode rows that checked drafts
+    draft_widths: tuple[int, ...] = ()  # of them, by how many drafts they checked (index: drafts)
 
 
 def _check_submission(request_id: str, prompt: tuple[int, ...], max_tokens: int, message_ends: tuple[int, ...],
@@ -219,7 +220,7 @@ class Scheduler:
         self._next_seq = 0
         self._next_order = 0
         self.preemptions = 0    # requests preempted so far (a metric)
-        self.speculation = Speculation.of(config)
+        self.speculation = Speculation.of(config, self.estimator)
 
     # ---- requests -----------------------------------------------------------------------
 

@@ -11,15 +11,24 @@ waits: every step proposes.) Drafts ride only in steps that hold them (`StepBuil
 prompt chunks, rows and drafts within the largest speculative capacity, `max_tokens`): a request
 whose proposal found no room decodes plainly for PLAIN_AFTER_MISS samples too, and while the
 running requests alone fill that capacity, none proposes.
+
+Each request's width is its own (`Speculation.width`): of 0 (no round) to `draft_tokens` drafts,
+the one that gives the most tokens per unit of cost, its tokens expected from the drafts it kept
+by depth so far (`Acceptance`), the cost of a round against a plain decode step of the running
+rows from the scheduler's measured step costs (`round_cost`). A request whose drafts are seldom
+kept, or a batch whose rounds cost what their drafts would bring, decodes plainly; one that
+copies its input widens its rounds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from flare_core.scheduler.estimates import StepKind
+from flare_core.scheduler.estimates import StepCostEstimator, StepKind
+from flare_core.scheduler.policy import GraphCapacities
 from flare_core.scheduler.proposals import Proposer
 from flare_core.scheduler.request import Request, RequestStatus
 
@@ -59,23 +68,50 @@ def dropped_rows(plan: StepPlan, tokens: Sequence[int]) -> set[int]:
 @dataclass(eq=False)
 class Speculation:
     """Up to `draft_tokens` drafts per decode row from `proposer` (None: the scheduler does not
-    speculate), in steps of at most `max_tokens` tokens, and the totals so far: drafts checked,
-    drafts kept, decode rows that checked some (metrics)."""
+    speculate), in steps within the speculative capacities of `capacities`, priced by
+    `estimator`; and the totals so far: drafts checked, drafts kept, decode rows that checked
+    some (metrics)."""
 
     proposer: Proposer | None
     draft_tokens: int
-    max_tokens: int
+    capacities: GraphCapacities
+    estimator: StepCostEstimator
     drafts: int = 0
     kept: int = 0
     rounds: int = 0
+    widths: list[int] = field(default_factory=list)  # rounds by their drafts (index)
 
     @classmethod
-    def of(cls, config: SchedulerConfig) -> Speculation:
-        return cls(config.proposer, config.draft_tokens, config.capacities.largest(StepKind.SPECULATIVE))
+    def of(cls, config: SchedulerConfig, estimator: StepCostEstimator) -> Speculation:
+        return cls(config.proposer, config.draft_tokens, config.capacities, estimator)
 
-    def counts(self) -> dict[str, int]:
+    def round_cost(self, rows: int, width: int) -> float:
+        """What a round of `rows` decode rows each checking `width` drafts costs against a plain
+        decode step of them (the estimator's figures; infinite past the speculative capacities)."""
+        tokens = self.capacities.covering(StepKind.SPECULATIVE, rows * (1 + width))
+        plain = self.capacities.covering(StepKind.DECODE, rows)
+        if tokens is None or plain is None:
+            return math.inf
+        return self.estimator.estimate(StepKind.SPECULATIVE, tokens) / self.estimator.estimate(StepKind.DECODE, plain)
+
+    def width(self, request: Request, most: int, rows: int) -> int:
+        """The drafts `request` should check in a round beside `rows` decode rows (0: none): of
+        widths up to `most`, the one of the most expected tokens per unit of cost, a plain step
+        giving one token at cost 1."""
+        best, rate = 0, 1.0
+        for width in range(1, most + 1):
+            cost = self.round_cost(rows, width)
+            if math.isinf(cost):
+                break
+            tokens = request.acceptance.expected_tokens(width) / cost
+            if tokens > rate:
+                best, rate = width, tokens
+        return best
+
+    def counts(self) -> dict[str, Any]:
         """The totals as `Resources` fields."""
-        return {"drafts": self.drafts, "accepted_drafts": self.kept, "draft_rounds": self.rounds}
+        return {"drafts": self.drafts, "accepted_drafts": self.kept, "draft_rounds": self.rounds,
+                "draft_widths": tuple(self.widths)}
 
     def propose(self, live: Sequence[Request]) -> None:
         """Set each live request's drafts for the step being planned (none for most): those that
@@ -83,14 +119,16 @@ class Speculation:
         step samples anyway."""
         if self.proposer is None:
             return
-        crowded = sum(r.status is RequestStatus.RUNNING for r in live) >= self.max_tokens
+        rows = sum(r.status is RequestStatus.RUNNING for r in live)
+        crowded = rows >= self.capacities.largest(StepKind.SPECULATIVE)
         for request in live:
             request.drafts = ()
             width = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
             if crowded and request.speculate:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
             elif request.speculate and request.in_flight == 0 and width > 0 and request.can_decode():
-                request.drafts = self.proposer.propose(request.known_tokens(), width)
+                width = self.width(request, width, rows)
+                request.drafts = self.proposer.propose(request.known_tokens(), width) if width else ()
                 if not request.drafts:
                     request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
 
@@ -114,9 +152,12 @@ class Speculation:
             request.num_computed -= len(decode.drafts) - kept
             request.num_planned_samples -= len(decode.drafts) - kept
             request.verifying = False
+            request.acceptance.record(len(decode.drafts), kept)
             if kept < MIN_KEPT_TO_WAIT:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
             self.drafts += len(decode.drafts)
             self.kept += kept
             self.rounds += 1
+            self.widths += [0] * (len(decode.drafts) + 1 - len(self.widths))
+            self.widths[len(decode.drafts)] += 1
         return dropped
