@@ -62,8 +62,8 @@ def main() -> None:
                 times[label].append(seconds)
                 answers[label] = tokens
         after = spec_counters(args.spec)
-        rounds = after["flare_spec_rounds_total"] - before["flare_spec_rounds_total"]
-        kept = after["flare_spec_accepted_tokens_total"] - before["flare_spec_accepted_tokens_total"]
+        rounds, kept = (after.get(name, 0.0) - before.get(name, 0.0)
+                        for name in ("flare_spec_rounds_total", "flare_spec_accepted_tokens_total"))
         plain_s, spec_s = statistics.median(times["plain"]), statistics.median(times["spec"])
         row = {"prompt": name, "output_tokens": len(answers["plain"]),
                "same_tokens": answers["plain"] == answers["spec"],
