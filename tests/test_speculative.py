@@ -208,3 +208,24 @@ def test_each_request_gets_the_width_of_the_most_tokens_per_cost():
         estimator.observe(StepKind.SPECULATIVE, capacity, 0.1)  # rounds now cost 16x a step
         estimator.observe(StepKind.SPECULATIVE, capacity, 0.1)
     assert speculation.width(copier, 8, rows=1) == 0
+
+
+def test_a_request_that_stopped_proposing_tries_again_as_its_refusals_fade():
+    from flare_core.scheduler import GraphCapacities, StepKind
+    from flare_core.scheduler.estimates import StepCostEstimator
+    from flare_core.scheduler.request import Request
+    from flare_core.scheduler.speculation import Speculation
+
+    estimator = StepCostEstimator()
+    estimator.observe(StepKind.DECODE, 1, 0.006)
+    estimator.observe(StepKind.SPECULATIVE, 8, 0.007)
+    speculation = Speculation(PromptLookup(), 4, GraphCapacities(decode=(1,), prefill=(64,), speculative=(8,)),
+                              estimator)
+    request = Request("r", (1, 2), 100, (), 0)
+    for _ in range(40):
+        request.acceptance.record(4, 0)
+    stretches = 0
+    while speculation.width(request, 4, rows=1) == 0:
+        request.acceptance.fade()  # what each plain stretch does (Speculation.propose)
+        stretches += 1
+    assert 2 <= stretches <= 6 and request.acceptance.checked[0] <= 5

@@ -68,6 +68,12 @@ class Acceptance:
         for depth in range(kept):
             self.kept[depth] += 1
 
+    def fade(self) -> None:
+        """Halve what was seen (a request that stopped proposing on it tries again once the prior
+        outweighs its old refusals: its output may have turned to copying since)."""
+        self.checked = [count // 2 for count in self.checked]
+        self.kept = [min(kept, checked) for kept, checked in zip((k // 2 for k in self.kept), self.checked)]
+
     def expected_tokens(self, width: int) -> float:
         """Tokens a round of `width` drafts is expected to give (its sample after the kept drafts
         included): 1 + the sum over depths of the chance that every draft up to it is kept, each

@@ -129,6 +129,8 @@ class Speculation:
             elif request.speculate and request.in_flight == 0 and width > 0 and request.can_decode():
                 width = self.width(request, width, rows)
                 request.drafts = self.proposer.propose(request.known_tokens(), width) if width else ()
+                if not width:
+                    request.acceptance.fade()
                 if not request.drafts:
                     request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
 
