@@ -107,6 +107,25 @@ def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -
     return logits[sampling]
 
 
+def record_greedy(plan: StepPlan, logits: torch.Tensor, executors, in_flight: list) -> None:
+    """Take the greedy tokens of `plan` (its reference `logits`) as its samples on every executor
+    and queue it as in flight."""
+    tokens = logits.argmax(-1).tolist()
+    for executor in executors:
+        executor.record_sampled([h.state_row for h in plan.samples], torch.tensor(tokens))
+    in_flight.append((plan, tokens))
+
+
+def complete_oldest(scheduler: Scheduler, in_flight: list, generated: dict, limits: dict) -> None:
+    """Complete the oldest plan in flight with its tokens; a request that reached its limit ends."""
+    done, tokens = in_flight.pop(0)
+    for sampled in scheduler.complete(done, StepResult(tokens, 0.01)):
+        rid = sampled.handle.request_id
+        generated[rid] += 1
+        if generated[rid] == limits[rid]:
+            scheduler.finish(rid, "length")
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
 def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
     config, (reference, graph_like) = executors(family)
@@ -141,17 +160,9 @@ def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
                 seen["from device"] += sum(e.input_token is None for e in plan.decodes)
             else:
                 assert torch.equal(graph_like.run(plan), want)
-            tokens = want.argmax(-1).tolist()
-            for executor in (reference, graph_like):
-                executor.record_sampled([h.state_row for h in plan.samples], torch.tensor(tokens))
-            in_flight.append((plan, tokens))
+            record_greedy(plan, want, (reference, graph_like), in_flight)
         if in_flight and (plan is None or len(in_flight) == 2):  # two plans in flight, as the engine keeps
-            done, tokens = in_flight.pop(0)
-            for sampled in scheduler.complete(done, StepResult(tokens, 0.01)):
-                rid = sampled.handle.request_id
-                generated[rid] += 1
-                if generated[rid] == requests[rid][2]:
-                    scheduler.finish(rid, "length")
+            complete_oldest(scheduler, in_flight, generated, {rid: n for rid, (_, _, n) in requests.items()})
         elif plan is None and scheduler.is_idle() and issued > max(a for a, _, _ in requests.values()):
             break
     assert dict(generated) == {rid: n for rid, (_, _, n) in requests.items()}

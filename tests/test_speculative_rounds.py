@@ -27,7 +27,7 @@ from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.requests import SamplingParams
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind, StepPlan, StepResult
 
-from test_mixed_steps import PAGE_TOKENS, PAGES, ROWS, executors
+from test_mixed_steps import PAGE_TOKENS, PAGES, ROWS, complete_oldest, executors, record_greedy
 
 
 class EchoProposer:
@@ -120,17 +120,9 @@ def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps():
             else:
                 assert plan.kind is not StepKind.SPECULATIVE
                 graph_like.run(plan)
-            tokens = want.argmax(-1).tolist()
-            for executor in (reference, graph_like):
-                executor.record_sampled([h.state_row for h in plan.samples], torch.tensor(tokens))
-            in_flight.append((plan, tokens))
+            record_greedy(plan, want, (reference, graph_like), in_flight)
         if in_flight and (plan is None or len(in_flight) == 2):  # two plans in flight, as the engine keeps
-            done, tokens = in_flight.pop(0)
-            for sampled in scheduler.complete(done, StepResult(tokens, 0.01)):
-                rid = sampled.handle.request_id
-                generated[rid] += 1
-                if generated[rid] == lengths[rid][1]:
-                    scheduler.finish(rid, "length")
+            complete_oldest(scheduler, in_flight, generated, {rid: n for rid, (_, n) in lengths.items()})
         elif plan is None and scheduler.is_idle():
             break
     assert dict(generated) == {rid: n for rid, (_, n) in lengths.items()}
