@@ -8,7 +8,7 @@ takes two step slots and gives 1 + kept tokens where plain decoding gives 2, so 
 round kept MIN_KEPT_TO_WAIT drafts or more (or when it had nothing to check), it decodes plainly
 for PLAIN_AFTER_MISS samples before it waits to propose again. (With one step in flight nothing
 waits: every step proposes.) Drafts ride only in steps that hold them (`StepBuilder.reserve`: no
-prompt chunks, rows and drafts within the largest speculative capacity, `max_tokens`): a request
+prompt chunks, rows and drafts within the largest speculative capacity): a request
 whose proposal found no room decodes plainly for PLAIN_AFTER_MISS samples too, and while the
 running requests alone fill that capacity, none proposes.
 
@@ -123,11 +123,11 @@ class Speculation:
         crowded = rows >= self.capacities.largest(StepKind.SPECULATIVE)
         for request in live:
             request.drafts = ()
-            width = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
+            most = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
             if crowded and request.speculate:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
-            elif request.speculate and request.in_flight == 0 and width > 0 and request.can_decode():
-                width = self.width(request, width, rows)
+            elif request.speculate and request.in_flight == 0 and most > 0 and request.can_decode():
+                width = self.width(request, most, rows)
                 request.drafts = self.proposer.propose(request.known_tokens(), width) if width else ()
                 if not width:
                     request.acceptance.fade()
