@@ -342,7 +342,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                embedding_table_cache_size: str | None = None, mixed_steps: bool = True,
                allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
                max_live_per_client: int | None = None, spec_method: str | None = None,
-               spec_draft_tokens: int | None = None) -> None:
+               spec_draft_tokens: int | None = None, spec_draft_core: str | None = None) -> None:
     """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
@@ -359,6 +359,11 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     from flare_core.server.serve import ServeError, WorkerFailed, serve
 
     check_address_free(host or config.server.host, config.server.port if port is None else port)
+    spec_method = spec_method or config.server.spec_method
+    spec_draft_core = spec_draft_core or config.server.spec_draft_core
+    if (spec_method == "draft") != (spec_draft_core is not None):
+        raise FlareCommandError("--spec-method draft needs --spec-draft-core CORE2 (the draft core), and "
+                                "--spec-draft-core is read with --spec-method draft only")
     telemetry = logs = None
     if dashboard and sys.stderr.isatty():
         from flare_core.observability import LogSink, Telemetry
@@ -410,6 +415,11 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         try:
             with _timed(phases, "weights_s"):
                 loaded = load_core(runtime_core, registry, torch_device, tables=tables)
+                draft = None
+                if spec_draft_core is not None:
+                    draft_core = open_trusted_core(config, spec_draft_core, trust_publisher)
+                    verify_payload(draft_core)
+                    draft = load_core(draft_core, registry, torch_device)
         except CoreLoadError as exc:
             raise FlareCommandError(str(exc)) from exc
         capacities = loaded.capacities
@@ -425,7 +435,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                                       served_names=served_names or None, telemetry=telemetry,
                                       compile_model=compile_model, leader=leader, mixed_steps=mixed_steps,
                                       max_live_per_client=max_live_per_client or config.server.max_live_per_client,
-                                      spec_method=spec_method or config.server.spec_method,
+                                      spec_method=spec_method, spec_draft=draft,
                                       spec_draft_tokens=config.server.spec_draft_tokens if spec_draft_tokens is None
                                       else spec_draft_tokens)
         except (MemoryPlanError, ValueError, RuntimeError) as exc:
@@ -489,8 +499,12 @@ _SERVE_OPTIONS = [
                       "max_live_per_client)."),
     click.option("--spec-method", type=click.Choice(SPEC_METHODS), default=None,
                  help="Speculative decoding: propose draft tokens by looking the output's last tokens up in the "
-                      "prompt and output (prompt-lookup); each decode row checks them in one step (default: off; "
+                      "prompt and output (prompt-lookup), or by a draft core's greedy decoding (draft, with "
+                      "--spec-draft-core); each decode row checks them in one step (default: off; "
                       "server.spec_method)."),
+    click.option("--spec-draft-core", default=None,
+                 help="The draft core of --spec-method draft: a smaller model's core with the same tokenizer "
+                      "(a path, or a model name in the core cache; server.spec_draft_core)."),
     click.option("--spec-draft-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
                  help="Draft tokens a decode row checks at most with --spec-method (default 4, at most 16; 0: off; "
                       "server.spec_draft_tokens)."),
@@ -549,7 +563,7 @@ def _serving(config: Config, options: dict) -> dict:
                 embedding_table_cache_size=options["embedding_table_cache_size"],
                 allowed_hosts=options["allowed_hosts"], allowed_origins=options["allowed_origins"],
                 max_live_per_client=options["max_live_per_client"], spec_method=options["spec_method"],
-                spec_draft_tokens=options["spec_draft_tokens"])
+                spec_draft_tokens=options["spec_draft_tokens"], spec_draft_core=options["spec_draft_core"])
 
 
 DEMO_NAME = "flare-demo"

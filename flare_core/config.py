@@ -63,7 +63,7 @@ BODY_BYTES_BASE = 1 << 20
 
 # Ways speculative decoding proposes draft tokens (`flare run --spec-method`), and the most a
 # decode row checks: past a few, a draft's chance of being kept is small and the row's cost grows.
-SPEC_METHODS = ("prompt-lookup",)
+SPEC_METHODS = ("prompt-lookup", "draft")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -91,10 +91,13 @@ class ServerConfig:
     # scheduler's service prices already share the engine fairly between requests; this caps
     # what one address can hold besides (flare_core.scheduler).
     max_live_per_client: int | None = None
-    # Speculative decoding: how draft tokens are proposed ("prompt-lookup"; None: off) and at most
-    # how many a decode row checks (flare_core.scheduler.proposals).
+    # Speculative decoding: how draft tokens are proposed ("prompt-lookup", or "draft": a draft
+    # core's greedy guesses; None: off) and at most how many a decode row checks
+    # (flare_core.scheduler.proposals, flare_core.engine.drafting).
     spec_method: str | None = None
     spec_draft_tokens: int = 4
+    # The draft core of spec_method "draft": a core path, or a model name in the core cache.
+    spec_draft_core: str | None = None
     # A streaming client that accepts no bytes for this long is treated as gone (its request is cancelled).
     send_timeout_s: float = 30.0
     # Threads that render chat templates and tokenize prompts, off the event loop.
@@ -114,6 +117,9 @@ class ServerConfig:
             object.__setattr__(self, name, tuple(v.strip() for v in value))
         if self.spec_method not in (None, *SPEC_METHODS):
             raise ConfigError(f"server.spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
+        if (self.spec_method == "draft") != (self.spec_draft_core is not None):
+            raise ConfigError("server.spec_draft_core names the draft core of spec_method = \"draft\" and is read with "
+                              f"it only; got spec_method {self.spec_method!r}, spec_draft_core {self.spec_draft_core!r}")
         tokens = self.spec_draft_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"server.spec_draft_tokens must be an integer in [0, {MAX_DRAFT_TOKENS}] (0: off), "

@@ -23,7 +23,8 @@ from flare_core.requests import EngineInfo
 from flare_core.engine.load import LoadedCore
 from flare_core.engine.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
-from flare_core.scheduler.proposals import PromptLookup
+from flare_core.scheduler.proposals import PromptLookup, Proposer
+from flare_core.engine.drafting import DraftModel
 
 if TYPE_CHECKING:
     from flare_core.observability.telemetry import Telemetry
@@ -38,7 +39,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
                  frames_in_flight: int | None = None, leader: RankLeader | None = None,
                  mixed_steps: bool = True, max_live_per_client: int | None = None, spec_method: str | None = None,
-                 spec_draft_tokens: int = 0) -> Engine:
+                 spec_draft_tokens: int = 0, spec_draft: LoadedCore | None = None) -> Engine:
     """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
     executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
     executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
@@ -46,7 +47,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     the same executor and follow its steps. Without `mixed_steps` the scheduler is given no mixed
     capacities: a step then decodes or computes prompt chunks, never both. `max_live_per_client`:
     live requests one client address may hold (None: no cap). `spec_method`: how draft tokens are
-    proposed for speculative decoding ("prompt-lookup"), at most `spec_draft_tokens` per decode row
+    proposed for speculative decoding ("prompt-lookup", or "draft": the greedy guesses of the
+    core `spec_draft`, loaded on the same device), at most `spec_draft_tokens` per decode row
     (None or 0: off); only for a cache scheme without continuation state, which cannot roll back."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
@@ -73,13 +75,18 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     executor_args = dict(page_tokens=page_tokens, num_rows=max_concurrency, num_snapshot_rows=snapshot_rows,
                          num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
-    proposer = None
+    proposer: Proposer | None = None
     if spec_method is not None and spec_draft_tokens > 0:
         if loaded.cache_scheme.state:
             raise ValueError(f"speculative decoding (--spec-method) needs a cache without continuation state: this "
                              f"core's scheme {loaded.cache_scheme.name!r} keeps some, which cannot roll back refused "
                              f"drafts yet")
-        proposer = PromptLookup()
+        if spec_method == "draft":
+            if spec_draft is None:
+                raise ValueError("--spec-method draft needs a draft core (--spec-draft-core)")
+            proposer = DraftModel(spec_draft, loaded, max_concurrency, capacities.context_length + spec_draft_tokens)
+        else:
+            proposer = PromptLookup()
     if leader is not None and loaded.device.type != "cpu":
         raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
                          f"path (--device cpu) serves such cores so far")

@@ -77,6 +77,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's id, added tokens included (two tokenizers encode alike only if these agree)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

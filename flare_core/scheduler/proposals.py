@@ -2,8 +2,10 @@
 checked in one step by the target model (flare_core.executor.verification).
 
 A proposer reads the tokens a request holds (prompt, then output) and proposes up to `width` tokens
-to follow them; an empty proposal means "decode one token as usual". `PromptLookup` needs no
-weights: it finds the longest recent n-gram that ends the sequence earlier in it and proposes what
+to follow them; an empty proposal means "decode one token as usual". It is told which request asks
+(a proposer that keeps state per request, such as a draft model's cache, keys it by that); its
+proposals are guesses only, checked by coupled sampling, so a deterministic proposer keeps every
+output exactly as plain decoding's. `PromptLookup` needs no weights: it finds the longest recent n-gram that ends the sequence earlier in it and proposes what
 followed there, which pays off where the output copies its input (edits of a given text or code,
 quotes, structured rewrites).
 """
@@ -17,8 +19,9 @@ from typing import Protocol
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: Sequence[int], width: int) -> tuple[int, ...]:
-        """Up to `width` tokens guessed to follow `tokens` (none: no guess)."""
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+        """Up to `width` tokens guessed to follow `tokens`, the sequence of request `request_id`
+        (none: no guess)."""
         ...
 
 
@@ -36,7 +39,7 @@ class PromptLookup:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
-    def propose(self, tokens: Sequence[int], width: int) -> tuple[int, ...]:
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
         if width <= 0 or len(tokens) <= self.min_ngram:
             return ()
         # Token ids as 4-byte words, so that bytes.rfind runs the search in C; a hit at an offset that

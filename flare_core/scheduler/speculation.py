@@ -128,8 +128,9 @@ class Speculation:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
             elif request.speculate and request.in_flight == 0 and most > 0 and request.can_decode():
                 width = self.width(request, most, rows)
-                request.drafts = self.proposer.propose(request.known_tokens(), width) if width else ()
-                if not width:
+                if width:
+                    request.drafts = self.proposer.propose(request.known_tokens(), width, request.request_id)
+                else:
                     request.acceptance.fade()
                 if not request.drafts:
                     request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS

@@ -1,0 +1,84 @@
+"""A draft model as a proposer for speculative decoding (`flare run CORE --spec-method draft
+--spec-draft-core CORE2`): a second, smaller core with the same tokenizer guesses each request's
+next tokens by decoding greedily, and the served model checks them in one round.
+
+The draft core runs on the eager path over a page pool of its own, one row of pages per live
+request (`max_concurrency` rows, least recently proposing request's row reused first). A row
+remembers the tokens whose records its pages hold; a proposal computes only what the request's
+sequence holds beyond their common prefix (after a round: the target's own token and the drafts
+it kept, or the refused drafts overwritten), then decodes up to `width` tokens one at a time.
+Greedy drafts are deterministic, so coupled verification keeps the served output exactly what
+plain decoding gives (flare_core.executor.verification). The draft core's cache may keep no
+continuation state (its refused drafts could not be rolled back).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flare_core.engine.load import LoadedCore
+from flare_core.executor.runner import eager_runner
+from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepKind, StepPlan
+
+
+@dataclass(eq=False)
+class _Row:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # whose records the row's pages hold, in order
+
+
+class DraftModel:
+    def __init__(self, draft: LoadedCore, target: LoadedCore, rows: int, longest: int):
+        """Proposals from `draft` for requests of `target` (at most `rows` live at once, each up
+        to `longest` tokens with its drafts). ValueError naming --spec-draft-core where the draft
+        cannot serve: another vocabulary, continuation state, a split core."""
+        if draft.tokenizer.vocabulary() != target.tokenizer.vocabulary():
+            raise ValueError(f"--spec-draft-core {draft.core.path}: its tokenizer's vocabulary differs from the served "
+                             f"core's; a draft model must share the tokenizer")
+        if draft.cache_scheme.state:
+            raise ValueError(f"--spec-draft-core {draft.core.path}: its cache scheme {draft.cache_scheme.name!r} keeps "
+                             f"continuation state, which cannot roll back refused drafts")
+        if draft.tensor_parallel > 1:
+            raise ValueError(f"--spec-draft-core {draft.core.path}: a core split over tensor-parallel ranks cannot draft")
+        self.page_tokens = draft.capacities.page_tokens
+        self.pages_per_row = -(-longest // self.page_tokens)
+        self.vocab_size = target.tokenizer.vocab_size
+        self.runner = eager_runner(draft.model, draft.cache_scheme, num_pages=rows * self.pages_per_row,
+                                   page_tokens=self.page_tokens, num_rows=rows, num_snapshot_rows=0,
+                                   num_logits_rows=0, vocab_size=draft.model_config.vocab_size, device=draft.device)
+        self._rows: OrderedDict[str, _Row] = OrderedDict()  # by request, least recently proposing first
+        self._free = list(range(rows))
+
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+        if width <= 0 or not tokens or len(tokens) + width > self.pages_per_row * self.page_tokens:
+            return ()
+        row = self._row(request_id)
+        common = 0
+        for held, wanted in zip(row.tokens, tokens[:-1]):  # at least the last token is computed again
+            if held != wanted:
+                break
+            common += 1
+        handle = RequestHandle(request_id, row.index, 0)
+        pages = tuple(range(row.index * self.pages_per_row, (row.index + 1) * self.pages_per_row))
+        chunk = PrefillChunk(handle, common, len(tokens), tuple(tokens[common:]), pages, samples=True, save=None)
+        logits = self.runner.run(StepPlan(0, StepKind.PREFILL, 0, (), (), (chunk,), 0.0))
+        row.tokens = list(tokens)
+        drafts = [int(logits[0].argmax())]
+        while len(drafts) < width and drafts[-1] < self.vocab_size:
+            decode = DecodeEntry(handle, len(row.tokens), drafts[-1], pages)
+            logits = self.runner.run(StepPlan(0, StepKind.DECODE, 0, (), (decode,), (), 0.0))
+            row.tokens.append(drafts[-1])
+            drafts.append(int(logits[0].argmax()))
+        if drafts[-1] >= self.vocab_size:  # an id past the served vocabulary (a padded embedding) ends it
+            drafts.pop()
+        return tuple(drafts)
+
+    def _row(self, request_id: str) -> _Row:
+        """The request's row, or a new one: a free row, else the least recently proposing one's."""
+        row = self._rows.pop(request_id, None)
+        if row is None:
+            row = _Row(self._free.pop() if self._free else self._rows.popitem(last=False)[1].index)
+        self._rows[request_id] = row
+        return row

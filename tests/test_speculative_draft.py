@@ -1,0 +1,73 @@
+"""Speculative decoding with a draft core (`--spec-method draft --spec-draft-core CORE2`): another
+core with the same tokenizer decodes greedily ahead of each request, and its guesses are checked
+in one round. SmolLM2's real weights: the same tokens and logprobs as plain decoding with the
+served core itself as the draft (its greedy drafts kept) and with a different core (the same
+weights exported in bfloat16); a draft of another vocabulary is refused at start, naming the
+flag, and the flag goes with the method."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flare_core.cli import open_verified_core
+from flare_core.config import ConfigError, load_config
+from flare_core.engine.load import load_core
+from flare_core.plugins import load_registry
+from test_engine_frames import make_engine, run_requests
+from test_speculative_serving import ROOMY, _requests, rewrite_ids  # noqa: F401 - a fixture
+
+
+def loaded(flare, core):
+    config = load_config(flare.config_path)
+    return load_core(open_verified_core(config, str(core), trust_publisher=True), load_registry(), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def bf16_draft_core(session_flare, smollm2_gguf):
+    return session_flare.export(smollm2_gguf, "--dtype", "bfloat16", "--max-concurrency", "4",
+                                "--context-length", "2048", "--prefill-chunk-size", "256")
+
+
+@pytest.mark.parametrize("draft", ["itself", "bfloat16"])
+def test_a_draft_core_changes_no_token(session_flare, smollm2_core, bf16_draft_core, rewrite_ids, draft):
+    requests = [_requests(rewrite_ids)[i] for i in (0, 2)]  # greedy with logprobs; seeded with penalties
+    reference = asyncio.run(run_requests(make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY),
+                                         requests))
+    draft_core = smollm2_core if draft == "itself" else bf16_draft_core
+    engine = make_engine(session_flare, smollm2_core, frames=2, kv_pages=ROOMY, spec_method="draft",
+                         spec_draft_tokens=4, spec_draft=loaded(session_flare, draft_core))
+    results = asyncio.run(run_requests(engine, requests))
+    for (tokens, logprobs, reason, usage), expected in zip(results, reference):
+        assert tokens == expected[0] and reason == expected[2]
+        assert [(lp[0], lp[2]) for lp in logprobs] == [(lp[0], lp[2]) for lp in expected[1]]
+        assert all(abs(lp[1] - ref[1]) < 1e-3 for lp, ref in zip(logprobs, expected[1]))
+    resources = engine.resources()
+    assert resources.draft_rounds > 0 and resources.accepted_drafts > 0, resources
+    if draft == "itself":  # the served model's own greedy guesses: kept but where sampling chose otherwise
+        assert resources.accepted_drafts >= resources.draft_rounds * 2, resources
+    assert resources.live == 0 and resources.request_page_refs == 0 and resources.steps_in_flight == 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(session_flare, smollm2_core, qwen3_core):
+    with pytest.raises(ValueError, match=r"--spec-draft-core .*tokenizer's vocabulary differs"):
+        make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY, spec_method="draft", spec_draft_tokens=4,
+                    spec_draft=loaded(session_flare, qwen3_core))
+
+
+def test_the_draft_core_flag_goes_with_the_draft_method(session_flare, smollm2_core, tmp_path):
+    for flags in (["--spec-method", "draft"], ["--spec-draft-core", str(smollm2_core)]):
+        run = subprocess.run([sys.executable, "-m", "flare_core.cli", "--config", str(session_flare.config_path),
+                              "run", str(smollm2_core), "--device", "cpu", "--port", "0", "--no-dashboard", *flags],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "--spec-method draft needs --spec-draft-core" in run.stderr, run.stderr
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nspec_method = "draft"\n')
+    with pytest.raises(ConfigError, match="server.spec_draft_core"):
+        load_config(path)
+    path.write_text(f'[server]\nspec_method = "draft"\nspec_draft_core = "{smollm2_core}"\n')
+    assert load_config(path).server.spec_draft_core == str(smollm2_core)
