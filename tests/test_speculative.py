@@ -229,3 +229,21 @@ def test_a_request_that_stopped_proposing_tries_again_as_its_refusals_fade():
         request.acceptance.fade()  # what each plain stretch does (Speculation.propose)
         stretches += 1
     assert 2 <= stretches <= 6 and request.acceptance.checked[0] <= 5
+
+
+def test_rounds_are_tried_before_any_was_measured_however_fast_the_device():
+    """Before a speculative round has run, its cost is the prior scaled as decode steps measured
+    theirs: on a device whose decode steps take 0.3 ms, rounds are not priced at the prior's 8 ms
+    (which would keep any from being tried, and so measured)."""
+    from flare_core.scheduler import GraphCapacities, StepKind
+    from flare_core.scheduler.estimates import StepCostEstimator
+    from flare_core.scheduler.request import Request
+    from flare_core.scheduler.speculation import Speculation
+
+    estimator = StepCostEstimator()
+    for _ in range(3):
+        estimator.observe(StepKind.DECODE, 4, 0.0003)
+    speculation = Speculation(PromptLookup(), 4, GraphCapacities(decode=(1, 2, 4), prefill=(64,),
+                                                                 speculative=(8, 16, 32)), estimator)
+    assert speculation.round_cost(4, 4) < 1.2
+    assert speculation.width(Request("r", (1, 2), 100, (), 0), 4, rows=4) >= 1

@@ -47,6 +47,11 @@ class CostPrior:
 # two kinds share their buckets, so mixed steps are rated by what prefill steps measured (and
 # the reverse) rather than by the prior until one of their own has run.
 _BUCKET_KIND = {StepKind.MIXED: StepKind.PREFILL}
+# Until a speculative round has run, its prior is scaled as decode steps measured theirs: rounds
+# are decode steps of a few more tokens, and a prior left at its own scale would price them in
+# the prior's absolute seconds against measured decode steps (on a GPU, hundreds of times
+# faster), so that no round would ever be tried, and measured.
+_PRIOR_SCALE_KIND = {StepKind.SPECULATIVE: StepKind.DECODE}
 
 
 class StepCostEstimator:
@@ -74,7 +79,7 @@ class StepCostEstimator:
         observed = self._buckets.get((kind, capacity))
         if observed:
             return statistics.median(observed)
-        ratios = self._prior_ratios.get(kind)
+        ratios = self._prior_ratios.get(kind) or self._prior_ratios.get(_PRIOR_SCALE_KIND.get(kind, kind))
         scale = statistics.median(ratios) if ratios else 1.0
         return self.prior.seconds(kind, capacity) * scale
 
