@@ -247,3 +247,28 @@ def test_rounds_are_tried_before_any_was_measured_however_fast_the_device():
                                                                  speculative=(8, 16, 32)), estimator)
     assert speculation.round_cost(4, 4) < 1.2
     assert speculation.width(Request("r", (1, 2), 100, (), 0), 4, rows=4) >= 1
+
+
+def test_a_round_is_priced_with_what_its_proposals_take():
+    """A proposer that takes time (a draft model) makes rounds dearer: as much as a decode step
+    per draft token, and no round pays."""
+    from flare_core.scheduler import GraphCapacities, StepKind
+    from flare_core.scheduler.estimates import StepCostEstimator
+    from flare_core.scheduler.request import Request
+    from flare_core.scheduler.speculation import Speculation
+
+    class Slow(PromptLookup):
+        def seconds(self, width: int) -> float:
+            return width * 0.006
+
+    estimator = StepCostEstimator()
+    estimator.observe(StepKind.DECODE, 1, 0.006)
+    estimator.observe(StepKind.SPECULATIVE, 8, 0.007)
+    capacities = GraphCapacities(decode=(1,), prefill=(64,), speculative=(8,))
+    fast, slow = Speculation(PromptLookup(), 4, capacities, estimator), Speculation(Slow(), 4, capacities, estimator)
+    assert fast.round_cost(1, 4) == pytest.approx(7 / 6)
+    assert slow.round_cost(1, 4) == pytest.approx((0.007 + 4 * 0.006) / 0.006)
+    copier = Request("r", (1, 2), 100, (), 0)
+    for _ in range(20):
+        copier.acceptance.record(4, 4)
+    assert fast.width(copier, 4, rows=1) == 4 and slow.width(copier, 4, rows=1) == 0

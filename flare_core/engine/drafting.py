@@ -8,12 +8,14 @@ remembers the tokens whose records its pages hold; a proposal computes only what
 sequence holds beyond their common prefix (after a round: the target's own token and the drafts
 it kept, or the refused drafts overwritten), then decodes up to `width` tokens one at a time.
 Greedy drafts are deterministic, so coupled verification keeps the served output exactly what
-plain decoding gives (flare_core.executor.verification). The draft core's cache may keep no
+plain decoding gives (flare_core.executor.verification). What a proposal takes per draft token is
+measured (a moving average) and priced into each round (`seconds`). The draft core's cache may keep no
 continuation state (its refused drafts could not be rolled back).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,10 +52,15 @@ class DraftModel:
                                    num_logits_rows=0, vocab_size=draft.model_config.vocab_size, device=draft.device)
         self._rows: OrderedDict[str, _Row] = OrderedDict()  # by request, least recently proposing first
         self._free = list(range(rows))
+        self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
+
+    def seconds(self, width: int) -> float:
+        return width * self._token_s
 
     def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
         if width <= 0 or not tokens or len(tokens) + width > self.pages_per_row * self.page_tokens:
             return ()
+        started = time.perf_counter()
         row = self._row(request_id)
         common = 0
         for held, wanted in zip(row.tokens, tokens[:-1]):  # at least the last token is computed again
@@ -73,6 +80,9 @@ class DraftModel:
             drafts.append(int(logits[0].argmax()))
         if drafts[-1] >= self.vocab_size:  # an id past the served vocabulary (a padded embedding) ends it
             drafts.pop()
+        # Each proposal's host time includes its device time: every draft token is read back.
+        spent = (time.perf_counter() - started) / width
+        self._token_s = spent if self._token_s == 0.0 else 0.8 * self._token_s + 0.2 * spent
         return tuple(drafts)
 
     def _row(self, request_id: str) -> _Row:

@@ -24,6 +24,11 @@ class Proposer(Protocol):
         (none: no guess)."""
         ...
 
+    def seconds(self, width: int) -> float:
+        """What proposing `width` tokens for one request takes, as measured so far (the price of a
+        round counts it beside the step that checks them)."""
+        ...
+
 
 @dataclass(frozen=True)
 class PromptLookup:
@@ -38,6 +43,9 @@ class PromptLookup:
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    def seconds(self, width: int) -> float:
+        return 0.0  # a search in the host's memory, microseconds beside any step
 
     def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
         if width <= 0 or len(tokens) <= self.min_ngram:

@@ -87,12 +87,14 @@ class Speculation:
 
     def round_cost(self, rows: int, width: int) -> float:
         """What a round of `rows` decode rows each checking `width` drafts costs against a plain
-        decode step of them (the estimator's figures; infinite past the speculative capacities)."""
+        decode step of them: the step (the estimator's figures; infinite past the speculative
+        capacities) and the proposals (the proposer's own measure, one per row)."""
         tokens = self.capacities.covering(StepKind.SPECULATIVE, rows * (1 + width))
         plain = self.capacities.covering(StepKind.DECODE, rows)
-        if tokens is None or plain is None:
+        if tokens is None or plain is None or self.proposer is None:
             return math.inf
-        return self.estimator.estimate(StepKind.SPECULATIVE, tokens) / self.estimator.estimate(StepKind.DECODE, plain)
+        step = self.estimator.estimate(StepKind.SPECULATIVE, tokens) + rows * self.proposer.seconds(width)
+        return step / self.estimator.estimate(StepKind.DECODE, plain)
 
     def width(self, request: Request, most: int, rows: int) -> int:
         """The drafts `request` should check in a round beside `rows` decode rows (0: none): of
