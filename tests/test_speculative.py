@@ -199,15 +199,16 @@ def test_each_request_gets_the_width_of_the_most_tokens_per_cost():
     for _ in range(20):
         copier.acceptance.record(8, 8)
         refused.acceptance.record(8, 0)
-    assert speculation.width(copier, 8, rows=1) == 8
-    assert speculation.width(refused, 8, rows=1) == 0
-    assert speculation.width(fresh, 8, rows=1) >= 1  # untried: its drafts count one half per depth
-    assert speculation.width(copier, 8, rows=13) == 3  # 13 rows of 1 + 3 tokens fill the 64-token graph
-    assert speculation.width(copier, 8, rows=64) == 0
+    assert speculation.width(copier, speculation.round_costs(1, 8)) == 8
+    assert speculation.width(refused, speculation.round_costs(1, 8)) == 0
+    assert speculation.width(fresh, speculation.round_costs(1, 8)) >= 1  # untried: its drafts count one half per depth
+    # 13 rows of 1 + 3 tokens fill the 64-token graph.
+    assert speculation.width(copier, speculation.round_costs(13, 8)) == 3
+    assert speculation.width(copier, speculation.round_costs(64, 8)) == 0
     for capacity in (8, 16, 32, 64):
         estimator.observe(StepKind.SPECULATIVE, capacity, 0.1)  # rounds now cost 16x a step
         estimator.observe(StepKind.SPECULATIVE, capacity, 0.1)
-    assert speculation.width(copier, 8, rows=1) == 0
+    assert speculation.width(copier, speculation.round_costs(1, 8)) == 0
 
 
 def test_a_request_that_stopped_proposing_tries_again_as_its_refusals_fade():
@@ -225,7 +226,7 @@ def test_a_request_that_stopped_proposing_tries_again_as_its_refusals_fade():
     for _ in range(40):
         request.acceptance.record(4, 0)
     stretches = 0
-    while speculation.width(request, 4, rows=1) == 0:
+    while speculation.width(request, speculation.round_costs(1, 4)) == 0:
         request.acceptance.fade()  # what each plain stretch does (Speculation.propose)
         stretches += 1
     assert 2 <= stretches <= 6 and request.acceptance.checked[0] <= 5
@@ -246,7 +247,7 @@ def test_rounds_are_tried_before_any_was_measured_however_fast_the_device():
     speculation = Speculation(PromptLookup(), 4, GraphCapacities(decode=(1, 2, 4), prefill=(64,),
                                                                  speculative=(8, 16, 32)), estimator)
     assert speculation.round_cost(4, 4) < 1.2
-    assert speculation.width(Request("r", (1, 2), 100, (), 0), 4, rows=4) >= 1
+    assert speculation.width(Request("r", (1, 2), 100, (), 0), speculation.round_costs(4, 4)) >= 1
 
 
 def test_a_round_is_priced_with_what_its_proposals_take():
@@ -271,4 +272,4 @@ def test_a_round_is_priced_with_what_its_proposals_take():
     copier = Request("r", (1, 2), 100, (), 0)
     for _ in range(20):
         copier.acceptance.record(4, 4)
-    assert fast.width(copier, 4, rows=1) == 4 and slow.width(copier, 4, rows=1) == 0
+    assert fast.width(copier, fast.round_costs(1, 4)) == 4 and slow.width(copier, slow.round_costs(1, 4)) == 0

@@ -664,13 +664,10 @@ class GraphRunner:
             return None
         if checks_drafts(plan):
             tokens = sum(1 + len(d.drafts) for d in plan.decodes)
-            fitting = [c for c in sorted(self.speculative_graphs) if c >= tokens]
-            return self.speculative_graphs[fitting[0]] if fitting and not plan.prefills else None
+            return None if plan.prefills else _smallest(self.speculative_graphs, tokens)
         if plan.prefills:
-            tokens = len(plan.decodes) + sum(c.end - c.start for c in plan.prefills)
-            return next((self.prefill_graphs[c] for c in sorted(self.prefill_graphs) if c >= tokens), None)
-        rows = len(plan.decodes)
-        return next((self.decode_graphs[c] for c in sorted(self.decode_graphs) if c >= rows), None)
+            return _smallest(self.prefill_graphs, len(plan.decodes) + sum(c.end - c.start for c in plan.prefills))
+        return _smallest(self.decode_graphs, len(plan.decodes))
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
@@ -767,6 +764,11 @@ class GraphRunner:
             graph.chunks.upload(step.lengths)
             inputs["chunk_state_rows"] = step.rows["chunk_state_rows"]
         return inputs
+
+
+def _smallest(graphs: dict[int, _Graph], size: int) -> _Graph | None:
+    """The graph of the smallest capacity that holds `size`, or None."""
+    return next((graphs[c] for c in sorted(graphs) if c >= size), None)
 
 
 def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int, num_rows: int,

@@ -13,11 +13,11 @@ whose proposal found no room decodes plainly for PLAIN_AFTER_MISS samples too, a
 running requests alone fill that capacity, none proposes.
 
 Each request's width is its own (`Speculation.width`): of 0 (no round) to `draft_tokens` drafts,
-the one that gives the most tokens per unit of cost, its tokens expected from the drafts it kept
-by depth so far (`Acceptance`), the cost of a round against a plain decode step of the running
-rows from the scheduler's measured step costs (`round_cost`). A request whose drafts are seldom
-kept, or a batch whose rounds cost what their drafts would bring, decodes plainly; one that
-copies its input widens its rounds.
+the one that gives the most tokens per unit of cost, its tokens expected from the drafts it kept by
+depth so far (`Acceptance`), the cost of a round against a plain decode step of the running rows
+from the scheduler's measured step costs and the proposer's (`round_costs`, once per step). A
+request whose drafts are seldom kept, or a batch whose rounds cost what their drafts would bring,
+decodes plainly; one that copies its input widens its rounds.
 """
 
 from __future__ import annotations
@@ -85,26 +85,36 @@ class Speculation:
     def of(cls, config: SchedulerConfig, estimator: StepCostEstimator) -> Speculation:
         return cls(config.proposer, config.draft_tokens, config.capacities, estimator)
 
-    def round_cost(self, rows: int, width: int) -> float:
-        """What a round of `rows` decode rows each checking `width` drafts costs against a plain
-        decode step of them: the step (the estimator's figures; infinite past the speculative
-        capacities) and the proposals (the proposer's own measure, one per row)."""
-        tokens = self.capacities.covering(StepKind.SPECULATIVE, rows * (1 + width))
+    def round_costs(self, rows: int, most: int) -> list[float]:
+        """What a round of `rows` decode rows each checking w drafts costs against a plain decode
+        step of them, for w = 1 .. `most` (entry w - 1): the step (the estimator's figures) and
+        the proposals (the proposer's own measure, one per row); the list ends at the first width
+        past the speculative capacities."""
         plain = self.capacities.covering(StepKind.DECODE, rows)
-        if tokens is None or plain is None or self.proposer is None:
-            return math.inf
-        step = self.estimator.estimate(StepKind.SPECULATIVE, tokens) + rows * self.proposer.seconds(width)
-        return step / self.estimator.estimate(StepKind.DECODE, plain)
-
-    def width(self, request: Request, most: int, rows: int) -> int:
-        """The drafts `request` should check in a round beside `rows` decode rows (0: none): of
-        widths up to `most`, the one of the most expected tokens per unit of cost, a plain step
-        giving one token at cost 1."""
-        best, rate = 0, 1.0
+        if plain is None or self.proposer is None:
+            return []
+        step = self.estimator.estimate(StepKind.DECODE, plain)
+        costs = []
         for width in range(1, most + 1):
-            cost = self.round_cost(rows, width)
-            if math.isinf(cost):
+            tokens = self.capacities.covering(StepKind.SPECULATIVE, rows * (1 + width))
+            if tokens is None:
                 break
+            costs.append((self.estimator.estimate(StepKind.SPECULATIVE, tokens)
+                          + rows * self.proposer.seconds(width)) / step)
+        return costs
+
+    def round_cost(self, rows: int, width: int) -> float:
+        """`round_costs`' figure for one width (infinite past the speculative capacities)."""
+        costs = self.round_costs(rows, width)
+        return costs[-1] if len(costs) == width else math.inf
+
+    @staticmethod
+    def width(request: Request, costs: Sequence[float]) -> int:
+        """The drafts `request` should check in a round whose cost at w drafts is costs[w - 1]
+        (`round_costs`; 0: none): the width of the most expected tokens per unit of cost, a plain
+        step giving one token at cost 1."""
+        best, rate = 0, 1.0
+        for width, cost in enumerate(costs, start=1):
             tokens = request.acceptance.expected_tokens(width) / cost
             if tokens > rate:
                 best, rate = width, tokens
@@ -123,13 +133,14 @@ class Speculation:
             return
         rows = sum(r.status is RequestStatus.RUNNING for r in live)
         crowded = rows >= self.capacities.largest(StepKind.SPECULATIVE)
+        costs = [] if crowded else self.round_costs(rows, self.draft_tokens)  # the same for every request
         for request in live:
             request.drafts = ()
             most = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
             if crowded and request.speculate:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
             elif request.speculate and request.in_flight == 0 and most > 0 and request.can_decode():
-                width = self.width(request, most, rows)
+                width = self.width(request, costs[:most])
                 if width:
                     request.drafts = self.proposer.propose(request.known_tokens(), width, request.request_id)
                 else:
