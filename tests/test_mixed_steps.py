@@ -70,7 +70,7 @@ def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -
     requests = prefill_graph_requests(capacity, ROWS, state)
     step = prefill_step_inputs(plan.decodes, plan.prefills, capacity, requests, PAGE_TOKENS, PAGES, ROWS)
     device_state.restore(plan)
-    device_state.start_chunks(plan)
+    device_state.start_rows(plan)
     # The graph's token inputs, the decode rows' resolved as its forward resolves them.
     head = min(capacity, requests)
     ids = torch.tensor(step.tokens["ids"])

@@ -49,7 +49,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     live requests one client address may hold (None: no cap). `spec_method`: how draft tokens are
     proposed for speculative decoding ("prompt-lookup", or "draft": the greedy guesses of the
     core `spec_draft`, loaded on the same device), at most `spec_draft_tokens` per decode row
-    (None or 0: off); only for a cache scheme without continuation state, which cannot roll back."""
+    (None or 0: off)."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
         raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
@@ -77,16 +77,18 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                          device=loaded.device, seed=seed)
     proposer: Proposer | None = None
     if spec_method is not None and spec_draft_tokens > 0:
-        if loaded.cache_scheme.state:
-            raise ValueError(f"speculative decoding (--spec-method) needs a cache without continuation state: this "
-                             f"core's scheme {loaded.cache_scheme.name!r} keeps some, which cannot roll back refused "
-                             f"drafts yet")
         if spec_method == "draft":
             if spec_draft is None:
                 raise ValueError("--spec-method draft needs a draft core (--spec-draft-core)")
             proposer = DraftModel(spec_draft, loaded, max_concurrency, capacities.context_length + spec_draft_tokens)
         else:
             proposer = PromptLookup()
+    # Speculating over continuation state, the executor keeps each row as a round found it.
+    executor_args["round_saves"] = proposer is not None and bool(loaded.cache_scheme.state)
+    if executor_args["round_saves"] and loaded.device.type != "cpu":
+        raise ValueError(f"speculative decoding (--spec-method) over a cache with continuation state (this core's "
+                         f"scheme {loaded.cache_scheme.name!r}) runs on the CPU path only so far (--device cpu): "
+                         f"the speculative graphs do not lay out its rows' state yet")
     if leader is not None and loaded.device.type != "cpu":
         raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
                          f"path (--device cpu) serves such cores so far")

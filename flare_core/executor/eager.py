@@ -67,7 +67,7 @@ class EagerRunner:
         restored_logits = state.restore(plan)
         if not plan.decodes and not plan.prefills:
             return (torch.stack(restored_logits) if restored_logits else state.logits_store[:0]), ()
-        state.start_chunks(plan)
+        state.start_rows(plan)
         logits, scores = self._scores(plan, self._forward(plan))
         rows = state.finish_chunks(plan, logits)
         # Indexing with a host list would copy it synchronously (the host would wait for the step).

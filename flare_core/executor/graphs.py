@@ -709,7 +709,7 @@ class GraphRunner:
         """Upload the step's inputs, plan its attention and replay the forward graph; take the
         resume points its chunks save. Returns the rows that sample (DeviceState.finish_chunks)."""
         self.state.restore(plan)  # no stored logits here (`_graph_for`): pages and state rows only
-        self.state.start_chunks(plan)
+        self.state.start_rows(plan)
         inputs = {"decode": self._decode_inputs, "prefill": self._prefill_inputs,
                   "speculative": self._speculative_inputs}[graph.kind]
         ints = inputs(graph, plan)
@@ -776,14 +776,15 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                 decode_capacities: tuple[int, ...], context_length: int, prefill_capacities: tuple[int, ...] = (),
                 compile_model: bool = False, triton_attention: bool = True, prefill_chunk_size: int = 0,
                 seed: int = 0, dtype: torch.dtype | None = None,
-                speculative_capacities: tuple[int, ...] = ()) -> ModelRunner:
+                speculative_capacities: tuple[int, ...] = (), round_saves: bool = False) -> ModelRunner:
     """The CUDA runner over `num_pages` pages: `model` (built for serving: flare_core.ops.serving)
     called as it is, or through `CompiledDecoder` with `compile_model`, warmed and captured.
     `dtype`: the model's activation dtype (the attention queries'). `speculative_capacities`:
-    the token capacities of speculative rounds to capture (none unless the server speculates)."""
+    the token capacities of speculative rounds to capture (none unless the server speculates);
+    `round_saves`: it speculates over continuation state (DeviceState)."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
-                        device=device, scratch_page=True)
+                        device=device, scratch_page=True, round_saves=round_saves)
     sampler = Sampler(seed=seed, device=device)
     attention = CudaAttention(model, scheme, page_tokens, dtype, device)
     forward = CompiledDecoder(model) if compile_model else model

@@ -126,10 +126,11 @@ class ModelRunner:
 
 def eager_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int, num_rows: int,
                  num_snapshot_rows: int, num_logits_rows: int, vocab_size: int, device: torch.device,
-                 seed: int = 0) -> ModelRunner:
-    """The eager runner with plain-torch attention: the reference, and what `--device cpu` serves."""
+                 seed: int = 0, round_saves: bool = False) -> ModelRunner:
+    """The eager runner with plain-torch attention: the reference, and what `--device cpu` serves.
+    `round_saves`: the server speculates over continuation state (DeviceState)."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
-                        device=device)
+                        device=device, round_saves=round_saves)
     sampler = Sampler(seed=seed, device=device)
     return ModelRunner(state, sampler, EagerRunner(model, state, sampler), HostCopies(device))

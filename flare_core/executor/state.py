@@ -4,13 +4,19 @@ the weights, owned once and shared by the ways of running a step (eager, graph r
 * the cache storage: the scheme's paged stores and the live requests' continuation-state rows;
 * the snapshot rows and logits rows that prefix resume points hold;
 * the token each state row sampled last (the input of a decode whose token the host has not
-  confirmed yet) and the penalty histories.
+  confirmed yet) and the penalty histories;
+* with `round_saves` (a speculating server over continuation state), each state row as the
+  request's last speculative round found it: the round runs every draft through the row, and
+  where some are refused the request's next chunk starts again from there (`PrefillChunk.rewind`),
+  so the row holds exactly what its kept tokens leave — whatever the family keeps in it
+  (delta-rule and convolution state, sliding windows, compressors' pending groups).
 
 State tensors and `last_sampled` keep one row beyond the live ones, `scratch_row`, where the
 padding rows of a captured step write; a state made for captured graphs keeps one page beyond
 the scheduler's pool, `scratch_page`, likewise. The per-step bookkeeping both runners share is
 here too: restoring resume points before a step, zeroing the state row a request starts from,
-saving resume points after it, recording sampled tokens.
+saving resume points after it, keeping and taking back the rows of speculative rounds,
+recording sampled tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from flare_core.scheduler import PrefillChunk, StepPlan
 class DeviceState:
     def __init__(self, scheme: CacheScheme, *, num_pages: int, page_tokens: int, num_rows: int,
                  num_snapshot_rows: int, num_logits_rows: int, vocab_size: int, device: torch.device,
-                 scratch_page: bool = False):
+                 scratch_page: bool = False, round_saves: bool = False):
         """`num_pages`: the scheduler's pool (`scratch_page` adds one page beyond it)."""
         self.scheme = scheme
         self.page_tokens = page_tokens
@@ -43,6 +49,8 @@ class DeviceState:
         self._state = [s.name for s in scheme.state]
         self.snapshots = {s.name: [zeros((num_snapshot_rows, *s.shape), layer.dtype, device)
                                    for layer in self.storage[s.name]] for s in scheme.state}
+        self.round_saves = {s.name: [zeros((num_rows + 1, *s.shape), layer.dtype, device)
+                                     for layer in self.storage[s.name]] for s in scheme.state} if round_saves else {}
         self.logits_store = zeros((num_logits_rows, vocab_size), torch.float32, device)
         self.last_sampled = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
         self.penalties = PenaltyBook(num_rows + 1, vocab_size, device)
@@ -78,13 +86,22 @@ class DeviceState:
                 restored_logits.append(self.logits_store[restore.logits_row])
         return restored_logits
 
-    def start_chunks(self, plan: StepPlan) -> None:
-        """A fresh request (a chunk at position 0) starts from zeroed continuation state."""
+    def start_rows(self, plan: StepPlan) -> None:
+        """Set the continuation state rows the step starts from: a fresh request (a chunk at
+        position 0) from zeroes, a chunk that rewinds from its row as its last round found it;
+        and keep the rows of the decodes that check drafts as they are now."""
+        if not self._state:
+            return
         for chunk in plan.prefills:
             if chunk.start == 0:
                 for name in self._state:
                     for layer in self.storage[name]:
                         layer[chunk.handle.state_row].zero_()
+            elif chunk.rewind:
+                self._round_row(chunk.handle.state_row, keep=False)
+        for decode in plan.decodes:
+            if decode.drafts:
+                self._round_row(decode.handle.state_row, keep=True)
 
     def finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
         """Take the resume points the chunks save (`logits`: the step's rows, decodes first, each
@@ -124,6 +141,18 @@ class DeviceState:
         for name in self._paged:
             for layer in self.storage[name]:
                 layer[dst].copy_(layer[src])
+
+    def _round_row(self, state_row: int, keep: bool) -> None:
+        """Keep a state row before a round (`keep`), or take it back."""
+        if not self.round_saves:
+            raise RuntimeError("a speculative round over continuation state needs the rows kept before it: "
+                               "DeviceState(round_saves=True)")
+        for name in self._state:
+            for live, saved in zip(self.storage[name], self.round_saves[name]):
+                if keep:
+                    saved[state_row].copy_(live[state_row])
+                else:
+                    live[state_row].copy_(saved[state_row])
 
     def _snapshot_row(self, state_row: int, snapshot: int, restore: bool) -> None:
         for name in self._state:

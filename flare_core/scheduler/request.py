@@ -118,6 +118,7 @@ class Request:
     drafts: tuple[int, ...] = ()    # proposed for the step being planned
     verifying: bool = False         # a step checking its drafts is in flight: where it stands is not known
     plain_until: int = 0            # it decodes without drafts until it has planned this many samples
+    rewinds: bool = False           # its next chunk starts from its state row as its last round found it
     acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts kept by depth, over its life
 
     @property
@@ -169,3 +170,4 @@ class Request:
         self.drafts = ()
         self.verifying = False
         self.plain_until = 0
+        self.rewinds = False

@@ -43,9 +43,11 @@ class SchedulerConfig:
     fairness: FairnessLimits = field(default_factory=FairnessLimits)
     max_live_per_client: int | None = None  # live requests one client address may hold (None: no cap)
     # Speculative decoding: up to `draft_tokens` tokens `proposer` guesses, checked in a request's
-    # decode row (0: off). Only for a cache without continuation state (it cannot roll back yet).
+    # decode row (0: off). With `continuation_state` (the cache keeps some per request row), a
+    # round that refuses drafts is computed again up to what it kept (scheduler.speculation).
     proposer: Proposer | None = None
     draft_tokens: int = 0
+    continuation_state: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -87,7 +89,9 @@ class PrefillChunk:
     state row; otherwise the row continues (or was restored by this plan's Restore). If
     `samples`, sample the next token from the logits at end-1. If `save` is set, after the
     chunk: copy page_table[end // page_tokens] to save.tail_page, the state row handle.state_row to
-    save.snapshot_row, and the logits at end-1 to save.logits_row (each only when not None)."""
+    save.snapshot_row, and the logits at end-1 to save.logits_row (each only when not None).
+    With `rewind`, the state row starts as it was before the request's last speculative round
+    (the chunk computes again, from the round's first position, what the round kept)."""
 
     handle: RequestHandle
     start: int
@@ -99,6 +103,7 @@ class PrefillChunk:
     # Prompt tokens the chunk's rows predict, for requests that score their prompt: the logits at
     # start + i give the logprob of prompt_targets[i] (the prompt token at start + i + 1).
     prompt_targets: tuple[int, ...] = ()
+    rewind: bool = False
 
 
 @dataclass(frozen=True)
@@ -361,7 +366,9 @@ class Scheduler:
             targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
             assert request.handle is not None, "a running request holds a state row"
             prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
-                                         request.kv.page_table, samples, _reserve_save(self.kv, request, end), targets))
+                                         request.kv.page_table, samples, _reserve_save(self.kv, request, end), targets,
+                                         rewind=request.rewinds))
+            request.rewinds = False
             request.num_computed = end
             request.num_planned_samples += samples
         restores = []

@@ -18,6 +18,14 @@ depth so far (`Acceptance`), the cost of a round against a plain decode step of 
 from the scheduler's measured step costs and the proposer's (`round_costs`, once per step). A
 request whose drafts are seldom kept, or a batch whose rounds cost what their drafts would bring,
 decodes plainly; one that copies its input widens its rounds.
+
+Over a cache with continuation state (`SchedulerConfig.continuation_state`: recurrent and
+convolution state, sliding windows, compressors' pending groups) a round runs every draft through
+the request's state row, and no family's state can drop the refused ones again. So a round that
+refuses some is followed by a rewind: the request's next step is a chunk from the round's first
+position over what it kept and the sample after them (`PrefillChunk.rewind`), which starts from
+the row as the round found it (the executor keeps it, `DeviceState.round_saves`), and samples the
+next token as a plain decode would. Cache records past what was kept are simply overwritten.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ class Speculation:
     draft_tokens: int
     capacities: GraphCapacities
     estimator: StepCostEstimator
+    rewinds: bool = False  # a round that refuses drafts is computed again up to what it kept
     drafts: int = 0
     kept: int = 0
     rounds: int = 0
@@ -83,7 +92,8 @@ class Speculation:
 
     @classmethod
     def of(cls, config: SchedulerConfig, estimator: StepCostEstimator) -> Speculation:
-        return cls(config.proposer, config.draft_tokens, config.capacities, estimator)
+        return cls(config.proposer, config.draft_tokens, config.capacities, estimator,
+                   rewinds=config.continuation_state)
 
     def round_costs(self, rows: int, most: int) -> list[float]:
         """What a round of `rows` decode rows each checking w drafts costs against a plain decode
@@ -158,8 +168,9 @@ class Speculation:
     def settle(self, plan: StepPlan, tokens: Sequence[int], request_of: Callable[[str], Request]) -> set[int]:
         """The drafts of `plan`'s decodes checked (`kept_drafts`): each request then stands after its
         kept drafts and the sample that follows them, what it planned beyond given back (positions
-        to compute, samples to draw; its records there are overwritten as it decodes on). Returns
-        the sample rows to drop."""
+        to compute, samples to draw; its records there are overwritten as it decodes on); with
+        `rewinds`, one that refused some computes again from the round's position (the module
+        docstring). Returns the sample rows to drop."""
         dropped: set[int] = set()
         for decode, row, kept in kept_drafts(plan, tokens):
             request = request_of(decode.handle.request_id)
@@ -167,6 +178,11 @@ class Speculation:
             request.num_written = max(request.num_written, decode.position + 1 + kept)
             request.num_computed -= len(decode.drafts) - kept
             request.num_planned_samples -= len(decode.drafts) - kept
+            if self.rewinds and kept < len(decode.drafts):
+                # Its input, the kept drafts and the sample after them: a chunk that samples next.
+                request.num_computed = decode.position
+                request.target = decode.position + kept + 2
+                request.rewinds = True
             request.verifying = False
             request.acceptance.record(len(decode.drafts), kept)
             if kept < MIN_KEPT_TO_WAIT:

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from flare_core.plugins import load_registry
-from flare_testing.parity import (assert_logits_parity, check_preemption_resume, check_snapshot_resume,
+from flare_testing.parity import (WrongGuesses, assert_logits_parity, check_preemption_resume,
+                                  check_snapshot_resume, check_speculative_rollback, greedy_continuation,
                                   snapshot_serving)
 from flare_testing.deepseek import CSA_RATE, HCA_RATE, assert_core_matches, export_checkpoint, \
     random_v4_model, save_v4_as_published, tiny_v4_config as tiny_config, write_v4_checkpoint
@@ -74,10 +75,11 @@ def test_a_missing_tensor_is_named(reference):
         dict(map_weights(tiny_config(), partial, torch.float32))
 
 
-def serving_runtime(config, checkpoint, rows: int, num_pages: int):
+def serving_runtime(config, checkpoint, rows: int, num_pages: int, proposer=None):
     """A scheduler with a prefix cache that snapshots continuation state, over an eager executor of
-    the serving model (32-token pages)."""
-    return snapshot_serving(RECIPE, config, checkpoint, rows, num_pages, page_tokens=32)
+    the serving model (32-token pages); with a `proposer`, speculating up to 6 drafts per row."""
+    return snapshot_serving(RECIPE, config, checkpoint, rows, num_pages, page_tokens=32, proposer=proposer,
+                            draft_tokens=6 if proposer is not None else 0)
 
 
 def test_a_restored_snapshot_continues_exactly(reference):
@@ -99,6 +101,22 @@ def test_preempted_requests_resume_exactly(reference):
     scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=7)
     check_preemption_resume(model, scheduler, executor, config.vocab_size, [30 + 9 * i for i in range(rows)],
                             lowest_id=2)
+
+
+def test_speculative_rounds_roll_the_state_back_exactly(reference):
+    """Requests decode with drafts, some of them wrong, across compression windows and past the
+    sliding window: where a round refuses some, its request computes again from its state row as
+    the round found it (the window ring and the compressors' pending windows hold only what was
+    kept; records the refused drafts closed are written again), and every row sampled matches
+    the Transformers forward."""
+    model, checkpoint = reference
+    config = tiny_config()
+    rows = 3
+    guesses = WrongGuesses(greedy_continuation(model), config.vocab_size)
+    scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=48, proposer=guesses)
+    check_speculative_rollback(model, scheduler, executor, config.vocab_size, [11, 30, 45], lowest_id=2,
+                               max_tokens=30)
+    assert max(guesses.widths) > 1
 
 
 def test_export_plans_whole_records_per_page_and_serves_the_core(tmp_path):

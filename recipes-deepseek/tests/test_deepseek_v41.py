@@ -27,7 +27,7 @@ import torch
 
 from flare_core.plugins import load_registry
 from flare_testing.deepseek_v41 import TinyV41, checksum, run_chunks
-from flare_testing.parity import drive_greedy, serve_paged, snapshot_serving
+from flare_testing.parity import WrongGuesses, drive_greedy, recorded_continuation, serve_paged, snapshot_serving
 from flare_recipe_deepseek.v41_engram import compressed_token_map
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepseek-v41"
@@ -116,8 +116,9 @@ def test_the_scheme_shares_compressed_entries_per_ratio_and_keeps_windows_as_sta
         ("ngram_history", (3,), "int64", (1,))]
 
 
-def _serving(tiny, rows: int, num_pages: int):
-    return snapshot_serving(tiny.recipe(), tiny.config, tiny.checkpoint, rows, num_pages, page_tokens=16)
+def _serving(tiny, rows: int, num_pages: int, proposer=None):
+    return snapshot_serving(tiny.recipe(), tiny.config, tiny.checkpoint, rows, num_pages, page_tokens=16,
+                            proposer=proposer, draft_tokens=5 if proposer is not None else 0)
 
 
 def _assert_first_row(tiny, prompt: list[int], rows: list[torch.Tensor]) -> None:
@@ -174,6 +175,30 @@ def test_preempted_requests_resume_exactly(tiny):
         _assert_first_row(tiny, prompt, preempted[request_id])
         torch.testing.assert_close(torch.stack(preempted[request_id]), torch.stack(whole[request_id]), atol=1e-3,
                                    rtol=0)
+
+
+def test_speculative_rounds_roll_the_state_back_exactly(tiny):
+    """Three requests decode with drafts guessed from their plain run, some guesses wrong on
+    purpose: where a round refuses some, its request computes again from its state row as the
+    round found it (windows, open compression groups and the n-gram history hold only what was
+    kept), and each samples what it samples without speculation, row for row."""
+    ids, _ = tiny.sequence(1)
+    prompts = {f"r{i}": ids[:20 + 13 * i] for i in range(3)}
+    scheduler, executor, _ = _serving(tiny, rows=3, num_pages=48)
+    for request_id, prompt in prompts.items():
+        scheduler.submit(request_id, prompt, 30)
+    plain, _ = drive_greedy(scheduler, executor, 30)
+    sequences = [prompt + [int(row.argmax()) for row in plain[request_id]] for request_id, prompt in prompts.items()]
+    guesses = WrongGuesses(recorded_continuation(sequences), tiny.config.vocab_size)
+    scheduler, executor, _ = _serving(tiny, rows=3, num_pages=48, proposer=guesses)
+    for request_id, prompt in prompts.items():
+        scheduler.submit(request_id, prompt, 30)
+    drafted, _ = drive_greedy(scheduler, executor, 30)
+    counts = scheduler.resources()
+    assert max(guesses.widths) > 1 and 0 < counts.accepted_drafts < counts.drafts, counts
+    assert counts.live == 0 and counts.free_state_rows == 3
+    for request_id in prompts:
+        torch.testing.assert_close(torch.stack(drafted[request_id]), torch.stack(plain[request_id]), atol=1e-3, rtol=0)
 
 
 def test_the_recipe_derives_the_token_map_and_refuses_another_vocabulary():

@@ -15,7 +15,8 @@ from transformers import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
 from flare_core.plugins import load_registry
-from flare_testing.parity import assert_logits_parity
+from flare_testing.parity import (WrongGuesses, assert_logits_parity, check_speculative_rollback,
+                                  greedy_continuation, snapshot_serving)
 from flare_recipe_kimi.linear import build_model, checkpoint_name, map_weights
 
 # Layers: KDA, KDA, MLA, KDA; the first MLP dense, the others MoE with a shared expert.
@@ -55,6 +56,21 @@ def test_kimi_linear_logits_match_transformers(tmp_path, page_tokens):
     assert "model.layers.0.self_attn.q_conv1d.weight" in checkpoint  # Kimi Linear's names on disk
     assert_logits_parity(RECIPE, reference, checkpoint, KimiLinearConfig(**SMALL), page_tokens=page_tokens,
                          prompt_lens=(5, 70, 131, 1))
+
+
+def test_speculative_rounds_roll_the_state_back_exactly(tmp_path):
+    """Requests decode with drafts, some of them wrong: where a round refuses some, its request
+    computes again from its state row as the round found it (the KDA and convolution state hold
+    only what was kept), and every row sampled matches the Transformers forward."""
+    torch.manual_seed(0)
+    config = KimiLinearConfig(**SMALL)
+    reference = KimiLinearForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    guesses = WrongGuesses(greedy_continuation(reference), config.vocab_size)
+    scheduler, executor, _ = snapshot_serving(RECIPE, config, load_file(tmp_path / "model.safetensors"), 3, 64,
+                                              page_tokens=16, proposer=guesses, draft_tokens=4)
+    check_speculative_rollback(reference, scheduler, executor, config.vocab_size, [9, 30, 47], lowest_id=3)
+    assert max(guesses.widths) > 1
 
 
 def test_the_published_config_reads_as_kimi_linear_48b():

@@ -23,7 +23,8 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCa
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
 from flare_core.plugins import load_registry
-from flare_testing.parity import (assert_logits_parity, check_preemption_resume, check_snapshot_resume,
+from flare_testing.parity import (WrongGuesses, assert_logits_parity, check_preemption_resume,
+                                  check_snapshot_resume, check_speculative_rollback, greedy_continuation,
                                   snapshot_serving)
 from flare_recipe_qwen.modeling import build_model
 from flare_recipe_qwen.weights import map_weights
@@ -80,10 +81,11 @@ def test_qwen3_5_logits_match_transformers(tmp_path, family):
     assert_logits_parity(RECIPE, model, checkpoint, FAMILIES[family][1](), page_tokens=16, prompt_lens=(5, 70, 131, 1))
 
 
-def serving_runtime(config, checkpoint, rows: int, num_pages: int):
+def serving_runtime(config, checkpoint, rows: int, num_pages: int, proposer=None):
     """A scheduler with a prefix cache that snapshots continuation state, over an eager executor of
-    the serving model (16-token pages)."""
-    return snapshot_serving(RECIPE, config, checkpoint, rows, num_pages, page_tokens=16)
+    the serving model (16-token pages); with a `proposer`, speculating up to 4 drafts per row."""
+    return snapshot_serving(RECIPE, config, checkpoint, rows, num_pages, page_tokens=16, proposer=proposer,
+                            draft_tokens=4 if proposer is not None else 0)
 
 
 def test_a_restored_state_snapshot_continues_exactly(reference):
@@ -121,3 +123,16 @@ def test_qwen3_5_recipes_serve_the_text_model_of_the_published_config():
     served.layer_types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
     with pytest.raises(ContractError, match=r"layer_types.*recipe qwen3.5 implements linear_attention"):
         QWEN3_5.check_config(served)
+
+
+def test_speculative_rounds_roll_the_state_back_exactly(reference):
+    """Requests decode with drafts, some of them wrong: where a round refuses some, its request
+    computes again from its state row as the round found it (the delta-rule and convolution
+    state hold only what was kept), and every row sampled matches the Transformers forward."""
+    model, checkpoint = reference
+    config = FAMILIES["qwen3-next"][1]()
+    rows = 3
+    guesses = WrongGuesses(greedy_continuation(model), config.vocab_size)
+    scheduler, executor, _ = serving_runtime(config, checkpoint, rows, num_pages=64, proposer=guesses)
+    check_speculative_rollback(model, scheduler, executor, config.vocab_size, [9, 30, 47])
+    assert max(guesses.widths) > 1

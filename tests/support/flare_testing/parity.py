@@ -4,7 +4,7 @@ the runtime does, without a scheduler or a server."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -108,10 +108,11 @@ def drive_greedy(scheduler, executor, max_tokens: int) -> tuple[dict[str, list[t
         logits = executor.run(plan)
         tokens = logits.argmax(-1)
         executor.record_sampled([h.state_row for h in plan.samples], tokens)
-        for handle, row in zip(plan.samples, logits):
-            rows.setdefault(handle.request_id, []).append(row)
+        # The rows the scheduler keeps (a speculative round's past its first refused draft are not).
         for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
-            if len(rows[sampled.handle.request_id]) == max_tokens:
+            taken = rows.setdefault(sampled.handle.request_id, [])
+            taken.append(logits[sampled.row])
+            if len(taken) == max_tokens:
                 scheduler.finish(sampled.handle.request_id, "length")
     return rows, restores
 
@@ -158,10 +159,76 @@ def check_preemption_resume(model: torch.nn.Module, scheduler, executor, vocab_s
         assert_greedy_matches(model, prompt, sampled[request_id])
 
 
-def snapshot_serving(recipe, config, checkpoint, rows: int, num_pages: int, page_tokens: int):
+class WrongGuesses:
+    """A proposer (flare_core.scheduler.proposals.Proposer) for rollback tests: `continuation(tokens,
+    width)` guesses what follows (`greedy_continuation`, `recorded_continuation`), one guess wrong
+    on purpose — the one at depth len(tokens) % (width + 1), none when that is `width` — so that
+    rounds keep all, some and none of their drafts. `widths`: the width of every proposal made."""
+
+    def __init__(self, continuation: Callable[[list[int], int], list[int]], vocab_size: int):
+        self.continuation, self.vocab_size = continuation, vocab_size
+        self.widths: list[int] = []
+
+    def seconds(self, width: int) -> float:
+        return 0.0
+
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+        guesses = list(self.continuation(list(tokens), width))
+        wrong = len(tokens) % (width + 1)
+        if wrong < len(guesses):
+            guesses[wrong] = (guesses[wrong] + 1) % self.vocab_size
+        self.widths.append(width)
+        return tuple(guesses)
+
+
+def greedy_continuation(model: torch.nn.Module) -> Callable[[list[int], int], list[int]]:
+    """The Transformers `model`'s greedy continuation of a sequence."""
+    def continuation(tokens: list[int], width: int) -> list[int]:
+        sequence = list(tokens)
+        with torch.no_grad():
+            for _ in range(width):
+                sequence.append(int(model(torch.tensor([sequence])).logits[0, -1].argmax()))
+        return sequence[len(tokens):]
+    return continuation
+
+
+def recorded_continuation(sequences: Sequence[Sequence[int]]) -> Callable[[list[int], int], list[int]]:
+    """What follows a sequence in the first of `sequences` it begins (none if none does)."""
+    def continuation(tokens: list[int], width: int) -> list[int]:
+        for sequence in sequences:
+            if list(sequence[:len(tokens)]) == tokens:
+                return list(sequence[len(tokens):len(tokens) + width])
+        return []
+    return continuation
+
+
+def check_speculative_rollback(model: torch.nn.Module, scheduler, executor, vocab_size: int, lengths: Sequence[int],
+                               lowest_id: int = 0, seed: int = 6, max_tokens: int = 24) -> None:
+    """Requests of `lengths` prompt tokens decode with drafts from a `WrongGuesses` proposer
+    (`snapshot_serving(..., proposer=...)`): rounds keep all, some or none of them, and each that
+    refuses some is computed again from the state row as the round found it. Every row each
+    request samples from matches the reference `model`'s forward of its whole sequence, as plain
+    decoding's would, and every state row and page comes back."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = {f"r{i}": torch.randint(lowest_id, vocab_size, (n,), generator=generator).tolist()
+               for i, n in enumerate(lengths)}
+    for request_id, prompt in prompts.items():
+        scheduler.submit(request_id, prompt, max_tokens)
+    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
+    for request_id, prompt in prompts.items():
+        assert len(sampled[request_id]) == max_tokens
+        assert_greedy_matches(model, prompt, sampled[request_id])
+    counts = scheduler.resources()
+    assert counts.draft_rounds > 0 and 0 < counts.accepted_drafts < counts.drafts, counts
+    assert counts.live == 0 and counts.free_state_rows == counts.state_rows, counts
+
+
+def snapshot_serving(recipe, config, checkpoint, rows: int, num_pages: int, page_tokens: int, proposer=None,
+                     draft_tokens: int = 0):
     """(scheduler, executor, prefix cache): `recipe`'s float32 model of `checkpoint` on an eager
     CPU runner, under a scheduler (64-token prompt chunks) whose prefix cache snapshots
-    continuation state (two snapshot rows per request row, 8 logits rows)."""
+    continuation state (two snapshot rows per request row, 8 logits rows); with a `proposer`,
+    speculating up to `draft_tokens` drafts per row."""
     from flare_core.contract import Capacities
     from flare_core.executor.runner import eager_runner
     from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
@@ -174,11 +241,13 @@ def snapshot_serving(recipe, config, checkpoint, rows: int, num_pages: int, page
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     executor = eager_runner(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=rows,
                             num_snapshot_rows=2 * rows, num_logits_rows=8, vocab_size=config.vocab_size,
-                            device=torch.device("cpu"))
+                            device=torch.device("cpu"), round_saves=proposer is not None)
     pages = PageAllocator(num_pages)
     prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
                          logits_rows=8)
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=512, page_tokens=page_tokens)
     scheduler = Scheduler(SchedulerConfig(rows, 64, GraphCapacities.from_specs(capacities.graph_catalog()),
-                                          page_tokens), KvCacheManager(pages, rows, page_tokens, prefix))
+                                          page_tokens, proposer=proposer, draft_tokens=draft_tokens,
+                                          continuation_state=bool(scheme.state)),
+                          KvCacheManager(pages, rows, page_tokens, prefix))
     return scheduler, executor, prefix
