@@ -60,6 +60,9 @@ def test_a_draft_of_another_vocabulary_is_refused(session_flare, smollm2_core, q
 
 
 def test_the_draft_core_flag_goes_with_the_draft_method(session_flare, smollm2_core, tmp_path):
+    with pytest.raises(ValueError, match=r"--spec-draft-core\) goes with --spec-method draft"):
+        make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY, spec_method="prompt-lookup",
+                    spec_draft_tokens=4, spec_draft=loaded(session_flare, smollm2_core))
     for flags in (["--spec-method", "draft"], ["--spec-draft-core", str(smollm2_core)]):
         run = subprocess.run([sys.executable, "-m", "flare_core.cli", "--config", str(session_flare.config_path),
                               "run", str(smollm2_core), "--device", "cpu", "--port", "0", "--no-dashboard", *flags],

@@ -76,6 +76,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                          num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
     proposer: Proposer | None = None
+    if spec_draft is not None and spec_method != "draft":
+        raise ValueError("a draft core (--spec-draft-core) goes with --spec-method draft")
     if spec_method is not None and spec_draft_tokens > 0:
         if spec_method == "draft":
             if spec_draft is None:
