@@ -12,13 +12,14 @@ from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, linear_chunks
 
 def test_chunks_then_padding_then_empty_requests_with_the_index_padded_by_the_last_one():
     capacity, requests = 256, 6
-    layout = _ChunkLayout(capacity, requests, torch.device("cpu"))
+    layout = _ChunkLayout(capacity, requests, torch.device("cpu"), scratch_row=9)
     rows = capacity // LINEAR_CHUNK_TOKENS + requests  # every chunk the graph's tokens can make
     assert layout.chunk_indices.shape == (rows, 2)
 
-    # Two chunks of 130 and 5 tokens, then the padding request with the remaining 121.
-    layout.upload([130, 5, 121])
+    # Two chunks of 130 and 5 tokens (state rows 3 and 0), then the padding request with the remaining 121.
+    layout.upload([130, 5, 121], [3, 0])
     assert layout.query_start.tolist() == [0, 130, 135, 256, 256, 256, 256]
+    assert layout.state_rows.tolist() == [3, 0, 9, 9, 9, 9]  # padding and empty requests: the scratch row
     index = [tuple(r) for r in layout.chunk_indices.tolist()]
     real = linear_chunks([130, 5, 121])
     assert index[:len(real)] == real == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]
@@ -28,6 +29,7 @@ def test_chunks_then_padding_then_empty_requests_with_the_index_padded_by_the_la
 
 
 def test_the_captured_layout_puts_every_token_in_the_first_request():
-    layout = _ChunkLayout(128, 4, torch.device("cpu"))
+    layout = _ChunkLayout(128, 4, torch.device("cpu"), scratch_row=2)
     assert layout.query_start.tolist() == [0, 128, 128, 128, 128]
+    assert layout.state_rows.tolist() == [2, 2, 2, 2]
     assert [tuple(r) for r in layout.chunk_indices.tolist()] == [(0, 0), (0, 1)] + [(3, 0)] * 4

@@ -43,9 +43,10 @@ def qwen3_5_config():
                              linear_conv_kernel_dim=4, max_position_embeddings=512)
 
 
-def executors(family: str):
+def executors(family: str, round_saves: bool = False):
     """Two eager executors over one random model's weights (the reference, and the one the
-    prefill-graph layout drives), with the scratch page and row a CUDA executor keeps."""
+    prefill-graph layout drives), with the scratch page and row a CUDA executor keeps
+    (`round_saves`: for speculative rounds over continuation state)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=2) if family == "qwen3" else qwen3_5_config()
@@ -58,7 +59,8 @@ def executors(family: str):
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     pair = [eager_runner(load_prepared_weights(recipe.build_model(config, torch.float32), prepared, "cpu"), scheme,
                           num_pages=PAGES + 1, page_tokens=PAGE_TOKENS, num_rows=ROWS, num_snapshot_rows=0,
-                          num_logits_rows=0, vocab_size=config.vocab_size, device=torch.device("cpu"))
+                          num_logits_rows=0, vocab_size=config.vocab_size, device=torch.device("cpu"),
+                          round_saves=round_saves)
             for _ in range(2)]
     return config, pair
 
@@ -86,14 +88,16 @@ def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -
         new = qo[b + 1] - qo[b]
         if new:
             sequences.append((new, kv_len - new, layout.indices[indptr[b]:indptr[b + 1]].tolist()))
-    state_rows = step.rows["chunk_state_rows"][:len(sequences)] if state else ()
+    # The step's requests continue their rows; the padding request writes the scratch row.
+    state_rows = (step.chunk_state_rows + [ROWS] * len(sequences))[:len(sequences)] if state else ()
     built = AttentionBatch.build(sequences, PAGE_TOKENS, "cpu", state_rows=state_rows)
     assert built.slot_mapping.tolist() == step.tokens["cache_indices"]
     assert built.positions().tolist() == step.tokens["positions"]
     assert step.lengths == [n for n, _, _ in sequences] + [0] * (len(step.lengths) - len(sequences))
     if state:
-        chunk_layout = _ChunkLayout(capacity, requests, torch.device("cpu"))
-        chunk_layout.upload(step.lengths)
+        chunk_layout = _ChunkLayout(capacity, requests, torch.device("cpu"), ROWS)
+        chunk_layout.upload(step.lengths, step.chunk_state_rows)
+        assert chunk_layout.state_rows[:len(sequences)].tolist() == list(state_rows)
         assert chunk_layout.query_start[:len(sequences) + 1].tolist() == built.query_start.tolist()
         if built.chunk_indices is not None:
             chunks = built.chunk_indices.shape[0]

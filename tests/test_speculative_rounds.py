@@ -16,10 +16,11 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from flare_core.contract import Capacities
-from flare_core.executor.graphs import drafts_before, speculative_step_inputs
+from flare_core.executor.graphs import _ChunkLayout, drafts_before, prefill_graph_requests, speculative_step_inputs
 from flare_core.executor.runner import ModelRunner
 from flare_core.executor.sampling import apply_penalties, penalise
 from flare_core.kv import KvCacheManager, PageAllocator
@@ -44,11 +45,14 @@ class EchoProposer:
 
 
 def run_as_speculative_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -> torch.Tensor:
-    """Every logits row of a speculative graph of `capacity` tokens over `plan`."""
+    """Every logits row of a speculative graph of `capacity` tokens over `plan` (over continuation
+    state: each request's row from the graph's chunk layout)."""
     state = executor.state
-    requests = min(capacity, ROWS) + 1
+    recurrent = bool(state.scheme.state)
+    requests = prefill_graph_requests(capacity, ROWS, recurrent)
     step = speculative_step_inputs(plan.decodes, capacity, requests, PAGE_TOKENS, PAGES, ROWS)
     state.restore(plan)
+    state.start_rows(plan)
     ids = torch.tensor(step.tokens["ids"])
     from_device = torch.tensor(step.rows["from_device"]) != 0
     ids = torch.where(from_device, state.last_sampled[torch.tensor(step.rows["state_rows"])], ids)
@@ -58,7 +62,16 @@ def run_as_speculative_graph(executor: ModelRunner, plan: StepPlan, capacity: in
     indptr, qo = layout.indptr.tolist(), layout.qo_indptr.tolist()
     sequences = [(qo[b + 1] - qo[b], kv_len - (qo[b + 1] - qo[b]), layout.indices[indptr[b]:indptr[b + 1]].tolist())
                  for b, kv_len in enumerate(layout.kv_lens.tolist()) if qo[b + 1] > qo[b]]
-    built = AttentionBatch.build(sequences, PAGE_TOKENS, "cpu")
+    state_rows = ()
+    if recurrent:  # what the graph's layout hands the recurrent layers: rows and token spans per request
+        layout_rows = _ChunkLayout(capacity, requests, torch.device("cpu"), ROWS)
+        layout_rows.upload(step.lengths, step.chunk_state_rows)
+        state_rows = layout_rows.state_rows[:len(sequences)].tolist()
+        assert state_rows[:len(plan.decodes)] == [d.handle.state_row for d in plan.decodes]
+        assert set(state_rows[len(plan.decodes):]) <= {ROWS}  # the padding request: the scratch row
+    built = AttentionBatch.build(sequences, PAGE_TOKENS, "cpu", state_rows=state_rows)
+    if recurrent:
+        assert layout_rows.query_start[:len(sequences) + 1].tolist() == built.query_start.tolist()
     assert built.slot_mapping.tolist() == step.tokens["cache_indices"]
     assert built.positions().tolist() == step.tokens["positions"]
     batch = dataclasses.replace(built, logits_indices=torch.arange(capacity))
@@ -90,12 +103,17 @@ def penalties_agree(executor: ModelRunner, plan: StepPlan, capacity: int, logits
     assert torch.equal(graph_like, apply_penalties(logits[:used], params, histories))
 
 
-def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps():
-    config, (reference, graph_like) = executors("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps(family):
+    """Over a hybrid (qwen3.5) each round also keeps its rows before it and a partly refused one
+    is rewound (a chunk from the round's position, from the kept row) on both executors."""
+    recurrent = family == "qwen3.5"
+    config, (reference, graph_like) = executors(family, round_saves=recurrent)
     capacities = Capacities(max_concurrency=ROWS, prefill_chunk_size=128, context_length=512, page_tokens=PAGE_TOKENS)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
     assert catalog.speculative == (8, 16, 32, 64)
-    scheduler = Scheduler(SchedulerConfig(ROWS, 128, catalog, PAGE_TOKENS, proposer=EchoProposer(), draft_tokens=5),
+    scheduler = Scheduler(SchedulerConfig(ROWS, 128, catalog, PAGE_TOKENS, proposer=EchoProposer(), draft_tokens=5,
+                                          continuation_state=recurrent),
                           KvCacheManager(PageAllocator(PAGES), ROWS, PAGE_TOKENS))
     generator = torch.Generator().manual_seed(3)
     lengths = {"a": (30, 40), "b": (70, 45), "c": (9, 60), "d": (45, 50), "e": (20, 20)}
@@ -122,6 +140,7 @@ def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps():
                 seen["from device"] += sum(d.input_token is None for d in plan.decodes)
             else:
                 assert plan.kind is not StepKind.SPECULATIVE
+                seen["rewinds"] += sum(c.rewind for c in plan.prefills)
                 graph_like.run(plan)
             record_greedy(plan, want, (reference, graph_like), in_flight)
         if in_flight and (plan is None or len(in_flight) == 2):  # two plans in flight, as the engine keeps
@@ -132,6 +151,7 @@ def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps():
     resources = scheduler.resources()
     assert resources.accepted_drafts > 0 and resources.accepted_drafts < resources.drafts, resources
     assert seen["rounds"] >= 5 and seen["from device"] > 0, dict(seen)
+    assert (seen["rewinds"] > 0) == recurrent, dict(seen)
 
 
 def test_drafts_ride_only_in_decode_steps_that_fit_a_speculative_graph():

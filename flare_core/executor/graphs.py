@@ -14,9 +14,9 @@ page that no request owns, so a replay never touches live cache pages beyond its
 Between replays only buffer contents change: token ids, positions, cache indices, sampling
 columns, and the FlashInfer plan (made on the host from the scheduler's page tables before the
 replay). Recurrent layers (schemes with continuation state) read and write their requests'
-state rows through the `state_rows` input of decode graphs and `chunk_state_rows` of prefill
-graphs (padding rows: the scratch row); a prefill graph's `_ChunkLayout` tells them where each
-request's tokens start. Steps that restore prefix resume points without stored logits replay
+state rows through the `state_rows` input of decode graphs and the `_ChunkLayout` of prefill
+and speculative graphs, which tells them each request's state row (padding: the scratch row)
+and where its tokens start. Steps that restore prefix resume points without stored logits replay
 graphs too: the restores are copies made before the replay. Sampling runs in graphs as well,
 over the forward graph's logits (`_Samplers`): every request parameter, per-request seeds, and
 penalties read from the device state's history book.
@@ -115,11 +115,10 @@ class _Inputs:
 # `first_token` (speculative graphs, whose rows are tokens): the index of the first token of the
 # row's decode (the drafts after it and up to the row count as output in the row's penalties);
 # `state_rows`: the state row of each row that samples (the scratch row for padding and, in prefill
-# graphs, for chunks that do not end their prompts); `chunk_state_rows` (prefill, schemes with
-# continuation state): each request's state row, which its recurrent layers continue; `positions`
-# and `cache_indices` (decode); then the sampling columns and the unseeded key (column 0).
-INT_INPUTS = ("ids", "from_device", "last_token_index", "first_token", "state_rows", "chunk_state_rows",
-              "positions", "cache_indices", *INT_COLUMNS, "key")
+# graphs, for chunks that do not end their prompts); `positions` and `cache_indices` (decode);
+# then the sampling columns and the unseeded key (column 0).
+INT_INPUTS = ("ids", "from_device", "last_token_index", "first_token", "state_rows", "positions", "cache_indices",
+              *INT_COLUMNS, "key")
 # The float inputs (the sampling columns of those names) and their values on rows that sample
 # without them (padding, greedy steps).
 FLOAT_INPUTS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition": 1.0, "frequency": 0.0,
@@ -158,27 +157,33 @@ class _Samplers:
 
 
 class _ChunkLayout:
-    """Where a prefill graph's requests' tokens lie, for recurrent layers: `query_start` (int32
-    [requests + 1]) and the (request, chunk) index of their chunks (`chunk_indices`, int64, one
-    row per chunk the graph's tokens can make). Rows beyond the step's chunks name chunk 0 of
-    the last request, which is always empty: the chunked kernels load and store nothing for a
-    request without tokens, so those rows only pad the index to its captured size."""
+    """Where a prefill (or speculative) graph's requests' tokens lie and what they continue, for
+    recurrent layers: `query_start` (int32 [requests + 1]), the (request, chunk) index of their
+    chunks (`chunk_indices`, int64, one row per chunk the graph's tokens can make) and each
+    request's state row (`state_rows`, int64 [requests]; the scratch row for padding and empty
+    requests). Rows beyond the step's chunks name chunk 0 of the last request, which is always
+    empty: the chunked kernels load and store nothing for a request without tokens, so those
+    rows only pad the index to its captured size. (Per request, not per graph row: a speculative
+    graph's rows are its tokens, and it may hold more requests than tokens.)"""
 
-    def __init__(self, capacity: int, requests: int, device: torch.device):
-        self.requests = requests
+    def __init__(self, capacity: int, requests: int, device: torch.device, scratch_row: int):
+        self.requests, self.scratch_row = requests, scratch_row
         self.query_start = torch.zeros(requests + 1, dtype=torch.int32, device=device)
         self.chunk_indices = torch.zeros(capacity // LINEAR_CHUNK_TOKENS + requests, 2, dtype=torch.int64,
                                          device=device)
-        self.upload([capacity])
+        self.state_rows = torch.full((requests,), scratch_row, dtype=torch.int64, device=device)
+        self.upload([capacity], [])
 
-    def upload(self, lengths: list[int]) -> None:
-        """Lay out requests of `lengths` tokens (the step's chunks, then padding), the rest empty."""
+    def upload(self, lengths: list[int], state_rows: list[int]) -> None:
+        """Lay out requests of `lengths` tokens (the step's chunks, then padding) continuing
+        `state_rows` (the step's chunks'), the rest empty."""
         lengths = lengths + [0] * (self.requests - len(lengths))
         assert lengths[-1] == 0, "the last request of a prefill graph stays empty"
         chunks = linear_chunks(lengths)
         chunks += [(self.requests - 1, 0)] * (self.chunk_indices.shape[0] - len(chunks))
         upload(self.query_start, list(itertools.accumulate(lengths, initial=0)))
         upload(self.chunk_indices, chunks)
+        upload(self.state_rows, state_rows + [self.scratch_row] * (self.requests - len(state_rows)))
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,8 @@ class PrefillStepInputs:
     page); empty requests (no tokens) up to `requests`."""
 
     tokens: dict[str, list[int]]  # per token (TOKEN_INPUTS): ids, positions, cache indices
-    rows: dict[str, list[int]]    # per request: last_token_index, state_rows, chunk_state_rows, from_device
+    rows: dict[str, list[int]]    # per request: last_token_index, state_rows, from_device
+    chunk_state_rows: list[int]   # per request of the step: the state row its recurrent layers continue
     lengths: list[int]            # tokens per request: the step's rows, then the padding request
     attention: PagedLayout        # the requests for the attention kernels
 
@@ -232,11 +238,10 @@ def prefill_step_inputs(decodes, chunks, capacity: int, requests: int, page_toke
             "last_token_index": [end - 1 for end in itertools.accumulate(lengths)] + [capacity - 1] * unused,
             "state_rows": [e.handle.state_row for e in decodes]
             + [c.handle.state_row if c.samples else scratch_row for c in chunks] + [scratch_row] * unused,
-            "chunk_state_rows": [e.handle.state_row for e in decodes] + [c.handle.state_row for c in chunks]
-            + [scratch_row] * unused,
             "from_device": [int(e.input_token is None) for e in decodes] + [0] * (requests - len(decodes)),
         },
         lengths=lengths + [pad],
+        chunk_state_rows=[e.handle.state_row for e in decodes] + [c.handle.state_row for c in chunks],
         # The padding request holds at least one token (the kernels take no empty last request with pages).
         attention=PagedLayout.from_requests(
             [end for _, _, end in spans] + [max(pad, 1)] + [1] * empty,
@@ -567,8 +572,7 @@ class GraphRunner:
 
     def _int_inputs(self, width: int) -> _Inputs:
         defaults = dict.fromkeys(INT_INPUTS, 0)
-        defaults.update(state_rows=self.scratch_row, chunk_state_rows=self.scratch_row,
-                        cache_indices=self.scratch_page * self.page_tokens)
+        defaults.update(state_rows=self.scratch_row, cache_indices=self.scratch_page * self.page_tokens)
         return _Inputs(defaults, width, torch.int64, self.device)
 
     def _capture_decode(self, capacity: int, pool) -> _Graph:
@@ -615,7 +619,7 @@ class GraphRunner:
         # Only slot_mapping and logits_indices are read on the FlashInfer path, and the chunk
         # layout and state rows by recurrent layers; the rest describes the capture's layout (all
         # tokens in the padding request).
-        chunks = _ChunkLayout(capacity, requests, device) if state else None
+        chunks = _ChunkLayout(capacity, requests, device, self.scratch_row) if state else None
         batch = AttentionBatch(
             query_start=chunks.query_start if chunks is not None else
             torch.tensor([0] + [capacity] * requests, dtype=torch.int32, device=device),
@@ -625,7 +629,7 @@ class GraphRunner:
             logits_indices=torch.arange(capacity, device=device) if speculative else ints["last_token_index"],
             page_tokens=self.page_tokens,
             query_start_host=(0,) + (capacity,) * requests, kv_lens_host=(capacity,) + (1,) * (requests - 1),
-            state_rows=ints["chunk_state_rows"] if state else None,
+            state_rows=chunks.state_rows if chunks is not None else None,
             chunk_indices=chunks.chunk_indices if chunks is not None else None)
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._prefill_step((), (), capacity, requests).attention, self.scale)
@@ -751,6 +755,8 @@ class GraphRunner:
         assert graph.tokens_in is not None
         graph.tokens_in.upload(step.tokens)
         graph.attention.plan(step.attention, self.scale)
+        if graph.chunks is not None:
+            graph.chunks.upload(step.lengths, step.chunk_state_rows)
         return step.rows
 
     def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
@@ -759,11 +765,9 @@ class GraphRunner:
         step = self._prefill_step(plan.decodes, plan.prefills, graph.capacity, graph.rows)
         graph.tokens_in.upload(step.tokens)
         graph.attention.plan(step.attention, self.scale)
-        inputs = {name: step.rows[name] for name in ("last_token_index", "state_rows", "from_device")}
         if graph.chunks is not None:
-            graph.chunks.upload(step.lengths)
-            inputs["chunk_state_rows"] = step.rows["chunk_state_rows"]
-        return inputs
+            graph.chunks.upload(step.lengths, step.chunk_state_rows)
+        return step.rows
 
 
 def _smallest(graphs: dict[int, _Graph], size: int) -> _Graph | None:

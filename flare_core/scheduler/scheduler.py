@@ -202,6 +202,15 @@ def _reserve_save(kv: KvCacheManager, request: Request, end: int) -> ResumeStora
     return kv.reserve_resume_point(request.request_id, request.prompt, end, prompt_end)
 
 
+def _prefill_chunk(kv: KvCacheManager, request: Request, start: int, end: int) -> PrefillChunk:
+    """The chunk [start, end) of `request`: it samples where it ends the request's target, saves
+    a resume point where one is due, rewinds where the request's last round asks for it."""
+    assert request.handle is not None, "a running request holds a state row"
+    targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
+    return PrefillChunk(request.handle, start, end, request.tokens_between(start, end), request.kv.page_table,
+                        end == request.target, _reserve_save(kv, request, end), targets, rewind=request.rewinds)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KvCacheManager, estimator: StepCostEstimator | None = None) -> None:
         if kv.page_tokens != config.page_tokens:
@@ -361,16 +370,10 @@ class Scheduler:
             request.verifying = bool(drafts)
         prefills = []
         for chunk in reservation.chunks:
-            request, start, end = chunk.request, chunk.start, chunk.end
-            samples = end == request.target
-            targets = request.prompt[start + 1:end + 1] if request.score_prompt else ()
-            assert request.handle is not None, "a running request holds a state row"
-            prefills.append(PrefillChunk(request.handle, start, end, request.tokens_between(start, end),
-                                         request.kv.page_table, samples, _reserve_save(self.kv, request, end), targets,
-                                         rewind=request.rewinds))
-            request.rewinds = False
-            request.num_computed = end
-            request.num_planned_samples += samples
+            prefills.append(_prefill_chunk(self.kv, chunk.request, chunk.start, chunk.end))
+            chunk.request.num_computed = chunk.end
+            chunk.request.num_planned_samples += prefills[-1].samples
+            chunk.request.rewinds = False
         restores = []
         for request in restoring:
             restore = request.restore

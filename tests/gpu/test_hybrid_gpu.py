@@ -166,7 +166,7 @@ def test_conv_step_matches_convolution_and_shifts_rows_in_place(bias, dtype):
     assert torch.equal(conv_rows[untouched], before[untouched])
 
 
-def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
+def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128, proposer=None, draft_tokens: int = 0):
     from flare_core.contract import Capacities
     from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
     from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
@@ -174,7 +174,8 @@ def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128):
     caps = Capacities(max_concurrency=rows, prefill_chunk_size=chunk, context_length=2048)
     pages = PageAllocator(num_pages)
     prefix = PrefixCache(b"\x03" * 32, pages, 64, continuation_state=True, snapshot_rows=snapshots, logits_rows=16)
-    return Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64),
+    return Scheduler(SchedulerConfig(rows, chunk, GraphCapacities.from_specs(caps.graph_catalog()), 64,
+                                     proposer=proposer, draft_tokens=draft_tokens, continuation_state=True),
                      KvCacheManager(pages, rows, 64, prefix))
 
 
@@ -218,18 +219,17 @@ def two_waves(reference, graphs, schedulers):
     return waves, prefill_replays
 
 
-@pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
-def test_hybrid_graph_path_matches_cpu_reference(compile_model):
+def qwen3_5_models(devices):
+    """(config, the served Qwen3.5 model of SHAPE on each of `devices`): random bf16 weights with
+    unit-variance embeddings (clear-cut greedy choices), one-token matmuls on the GEMV kernel on CUDA."""
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
     from flare_core.ops.loading import load_prepared_weights
     from flare_core.ops.serving import ServingOptions, serving_model
-    from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
     from flare_recipe_qwen.recipes import QWEN3_5
     from flare_recipe_qwen.weights import map_weights
 
-    device = torch.device("cuda")
     config = Qwen3_5TextConfig(**SHAPE)
     torch.manual_seed(0)
     original = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
@@ -237,10 +237,17 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
         original.model.embed_tokens.weight.normal_(0.0, 1.0)
     prepared = dict(map_weights(config, {k: v.contiguous() for k, v in original.state_dict().items()},
                                 torch.bfloat16))
-    # The CPU reference, and the model the CUDA runner serves (one-token matmuls on the GEMV kernel).
-    models = [load_prepared_weights(serving_model(QWEN3_5, config, torch.bfloat16,
-                                                  ServingOptions(gemv=where.type == "cuda")), prepared, where)
-              for where in (torch.device("cpu"), device)]
+    return config, [load_prepared_weights(serving_model(QWEN3_5, config, torch.bfloat16,
+                                                        ServingOptions(gemv=where.type == "cuda")), prepared, where)
+                    for where in devices]
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["captured", "compiled"])
+def test_hybrid_graph_path_matches_cpu_reference(compile_model):
+    from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
+
+    # The CPU reference, and the model the CUDA runner serves.
+    config, models = qwen3_5_models((torch.device("cpu"), torch.device("cuda")))
     reference, graphs, schedulers = lockstep_executors(models, gated_deltanet_hybrid_scheme(config, "bfloat16"),
                                                        config.vocab_size, compile_model)
     assert sorted(graphs.graphs.prefill_graphs) == [64, 128], "prompt chunks replay prefill graphs too"
@@ -255,6 +262,45 @@ def test_hybrid_graph_path_matches_cpu_reference(compile_model):
     print(f"compared {[w.compared for w in waves]} logits rows, worst max|diff|/range "
           f"{max(w.worst for w in waves):.4f}, snapshots restored {waves[1].restored_snapshots}, "
           f"decode graphs replayed {sorted(replayed)}, prefill graph replays per wave {prefill_replays}")
+
+
+def test_speculative_rounds_over_continuation_state_on_cuda():
+    """Qwen3.5 shape on the CUDA runner, drafts guessed from a plain run with some wrong on
+    purpose: rounds replay speculative graphs (each request's state row from the graph's chunk
+    layout), a partly refused round is followed by a rewind (a chunk from the round's position,
+    from the row kept before it), and every request samples the tokens, and the logits up to the
+    kernels' bf16 differences, of the run without speculation."""
+    from flare_core.executor.graphs import cuda_runner
+    from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
+    from flare_testing.parity import WrongGuesses, drive_greedy, recorded_continuation
+
+    config, (model,) = qwen3_5_models((torch.device("cuda"),))
+    scheme = gated_deltanet_hybrid_scheme(config, "bfloat16")
+    generator = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(10, 4000, (n,), generator=generator).tolist() for i, n in enumerate((9, 70, 33))}
+
+    def serve(proposer):
+        runner = cuda_runner(model, scheme, num_pages=64, page_tokens=64, num_rows=4, num_snapshot_rows=8,
+                             num_logits_rows=16, vocab_size=config.vocab_size, device=torch.device("cuda"),
+                             decode_capacities=(1, 2, 4), prefill_capacities=(64, 128), context_length=2048,
+                             speculative_capacities=(8, 16, 32) if proposer else (), round_saves=proposer is not None)
+        scheduler = make_scheduler(64, 4, 8, proposer=proposer, draft_tokens=5 if proposer else 0)
+        for request_id, prompt in prompts.items():
+            scheduler.submit(request_id, prompt, 40)
+        return drive_greedy(scheduler, runner, 40)[0], runner, scheduler
+
+    plain, _, _ = serve(None)
+    sequences = [prompt + [int(row.argmax()) for row in plain[rid]] for rid, prompt in prompts.items()]
+    guesses = WrongGuesses(recorded_continuation(sequences), config.vocab_size)
+    drafted, runner, scheduler = serve(guesses)
+    counts = scheduler.resources()
+    assert counts.draft_rounds > 0 and 0 < counts.accepted_drafts < counts.drafts, counts
+    assert sum(g.replays for g in runner.graphs.speculative_graphs.values()) > 0
+    for rid in prompts:
+        assert [int(r.argmax()) for r in drafted[rid]] == [int(r.argmax()) for r in plain[rid]], rid
+        got, want = torch.stack(drafted[rid]).float(), torch.stack(plain[rid]).float()
+        assert (got - want).abs().max() <= 0.03 * (want.max() - want.min()), rid
+    assert counts.live == 0 and counts.free_state_rows == counts.state_rows
 
 
 # Kimi Linear's head geometry (KDA heads of 128, MLA with a 512-wide latent and 64 shared key
