@@ -147,17 +147,16 @@ class DeviceState:
         if not self.round_saves:
             raise RuntimeError("a speculative round over continuation state needs the rows kept before it: "
                                "DeviceState(round_saves=True)")
-        for name in self._state:
-            for live, saved in zip(self.storage[name], self.round_saves[name]):
-                if keep:
-                    saved[state_row].copy_(live[state_row])
-                else:
-                    live[state_row].copy_(saved[state_row])
+        self._copy_row(self.round_saves, state_row, state_row, restore=not keep)
 
     def _snapshot_row(self, state_row: int, snapshot: int, restore: bool) -> None:
+        self._copy_row(self.snapshots, state_row, snapshot, restore)
+
+    def _copy_row(self, saved: dict[str, list[torch.Tensor]], state_row: int, saved_row: int, restore: bool) -> None:
+        """Copy a live state row into row `saved_row` of the `saved` tensors, or back (`restore`)."""
         for name in self._state:
-            for live, saved in zip(self.storage[name], self.snapshots[name]):
+            for live, kept in zip(self.storage[name], saved[name]):
                 if restore:
-                    live[state_row].copy_(saved[snapshot])
+                    live[state_row].copy_(kept[saved_row])
                 else:
-                    saved[snapshot].copy_(live[state_row])
+                    kept[saved_row].copy_(live[state_row])

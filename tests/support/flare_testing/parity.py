@@ -144,16 +144,23 @@ def check_snapshot_resume(model: torch.nn.Module, scheduler, executor, vocab_siz
     assert_greedy_matches(model, second, again["second"])
 
 
-def check_preemption_resume(model: torch.nn.Module, scheduler, executor, vocab_size: int, lengths: Sequence[int],
-                            lowest_id: int = 0, seed: int = 4, max_tokens: int = 40) -> None:
-    """Requests of `lengths` prompt tokens, too many for the scheduler's pages at once: some are
-    preempted mid-decode, come back, and every row each samples from matches the reference."""
+def _serve_random_prompts(scheduler, executor, vocab_size: int, lengths: Sequence[int], lowest_id: int, seed: int,
+                          max_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Random prompts of `lengths` tokens (ids from `lowest_id`), driven greedily to `max_tokens`
+    each: the prompts and the rows each request sampled from (`drive_greedy`)."""
     generator = torch.Generator().manual_seed(seed)
     prompts = {f"r{i}": torch.randint(lowest_id, vocab_size, (n,), generator=generator).tolist()
                for i, n in enumerate(lengths)}
     for request_id, prompt in prompts.items():
         scheduler.submit(request_id, prompt, max_tokens)
-    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
+    return prompts, drive_greedy(scheduler, executor, max_tokens)[0]
+
+
+def check_preemption_resume(model: torch.nn.Module, scheduler, executor, vocab_size: int, lengths: Sequence[int],
+                            lowest_id: int = 0, seed: int = 4, max_tokens: int = 40) -> None:
+    """Requests of `lengths` prompt tokens, too many for the scheduler's pages at once: some are
+    preempted mid-decode, come back, and every row each samples from matches the reference."""
+    prompts, sampled = _serve_random_prompts(scheduler, executor, vocab_size, lengths, lowest_id, seed, max_tokens)
     assert scheduler.preemptions > 0
     for request_id, prompt in prompts.items():
         assert_greedy_matches(model, prompt, sampled[request_id])
@@ -209,12 +216,7 @@ def check_speculative_rollback(model: torch.nn.Module, scheduler, executor, voca
     refuses some is computed again from the state row as the round found it. Every row each
     request samples from matches the reference `model`'s forward of its whole sequence, as plain
     decoding's would, and every state row and page comes back."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = {f"r{i}": torch.randint(lowest_id, vocab_size, (n,), generator=generator).tolist()
-               for i, n in enumerate(lengths)}
-    for request_id, prompt in prompts.items():
-        scheduler.submit(request_id, prompt, max_tokens)
-    sampled, _ = drive_greedy(scheduler, executor, max_tokens)
+    prompts, sampled = _serve_random_prompts(scheduler, executor, vocab_size, lengths, lowest_id, seed, max_tokens)
     for request_id, prompt in prompts.items():
         assert len(sampled[request_id]) == max_tokens
         assert_greedy_matches(model, prompt, sampled[request_id])
