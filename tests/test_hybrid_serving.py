@@ -80,13 +80,13 @@ def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_
 
 
 def test_speculative_decoding_over_continuation_state_changes_no_token(session_flare, qwen3_next_core):
-    """Prompt lookup over a hybrid core served by the engine (`build_engine` keeps the rows
-    before each round, the scheduler rewinds after a partly refused one). A logit bias keeps the
-    random model's output to three tokens, so its n-grams recur and rounds are proposed, some
-    kept whole, others refusing some. Greedy with logprobs, and seeded with penalties: the same
-    tokens and logprobs as without speculation, and every row and page back. (This tiny model's
-    choices among the three hardly depend on its state: the recipes' rollback tests check every
-    sampled row's logits against the reference.)"""
+    """Prompt lookup over a hybrid core served by the engine: `build_engine` has the executor keep
+    each state row before a round and the scheduler rewind after a partly refused one. A logit
+    bias keeps the random model's output to three tokens, so its n-grams recur and rounds are
+    proposed where the measured step costs let them pay (how many depends on the machine's load:
+    the recipes' rollback tests check every rewound row's logits against the reference). Greedy
+    with logprobs, and seeded with penalties: the same tokens and logprobs as without
+    speculation, and every row and page back."""
     from test_engine_frames import run_requests
 
     bias = ((1001, 30.0), (1002, 30.0), (1003, 30.0))
@@ -97,11 +97,11 @@ def test_speculative_decoding_over_continuation_state_changes_no_token(session_f
                                   sampling=SamplingParams(temperature=0.8, seed=5, frequency_penalty=0.5))]
     plain = asyncio.run(run_requests(make_engine(session_flare, qwen3_next_core, frames=1), requests))
     engine = make_engine(session_flare, qwen3_next_core, frames=1, spec_method="prompt-lookup", spec_draft_tokens=4)
+    assert engine.core.scheduler.speculation.rewinds and engine.core.executor.state.round_saves
     drafted = asyncio.run(run_requests(engine, requests))
     for (tokens, logprobs, reason, _), expected in zip(drafted, plain):
         assert tokens == expected[0] and reason == expected[2] and len(tokens) == 32
         assert [(lp[0], lp[2]) for lp in logprobs] == [(lp[0], lp[2]) for lp in expected[1]]
         assert all(abs(lp[1] - ref[1]) < 1e-3 for lp, ref in zip(logprobs, expected[1]))
     resources = engine.resources()
-    assert resources.draft_rounds > 0 and 0 < resources.accepted_drafts < resources.drafts, resources
     assert resources.live == 0 and resources.request_page_refs == 0 and resources.free_state_rows == 4

@@ -124,7 +124,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                                           prefill_chunk_size=capacities.prefill_chunk_size,
                                           capacities=catalog, page_tokens=page_tokens,
                                           max_live_per_client=max_live_per_client, proposer=proposer,
-                                          draft_tokens=spec_draft_tokens if proposer is not None else 0),
+                                          draft_tokens=spec_draft_tokens if proposer is not None else 0,
+                                          continuation_state=bool(loaded.cache_scheme.state)),
                           KvCacheManager(pages, max_concurrency, page_tokens, prefix))
     core = EngineCore(scheduler, executor, tokenizer=loaded.tokenizer,
                       core_stop_ids=frozenset(int(i) for i in loaded.frontend["stop_token_ids"]),
