@@ -72,6 +72,9 @@ def recipes() -> None:
 @click.option("--prefill-chunk-size", type=int, help="Prompt tokens per prefill step (multiple of 64).")
 @click.option("--context-length", type=int, help="Longest prompt + generation, in tokens.")
 @click.option("--page-tokens", type=int, help="Tokens per KV page (multiple of 16).")
+@click.option("--speculative-tokens", callback=lambda ctx, param, value: _token_list(value),
+              help="Token capacities of the speculative rounds the core declares, ascending (default "
+                   "8,16,32,64; 'none': its servers cannot speculate).")
 @click.option("--recipe", "recipe_name", help="Use this recipe instead of choosing by alias/architecture.")
 @click.option("--offline", is_flag=True, help="Use the hub cache only; never download.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
@@ -84,8 +87,8 @@ def recipes() -> None:
               help="KV cache records: auto (the weights' dtype) or fp8_e4m3 (half the bytes of a 16-bit page; "
                    "K/V pages on CUDA and the CPU, latent (MLA) pages with --device cpu only).")
 @click.pass_context
-def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, recipe_name,
-           offline, no_progress, tensor_parallel, quantize, kv_dtype) -> None:
+def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, speculative_tokens,
+           recipe_name, offline, no_progress, tensor_parallel, quantize, kv_dtype) -> None:
     """Prepare MODEL (alias, Hugging Face repo id or checkpoint dir) into a runtime core."""
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
@@ -96,7 +99,7 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
         model=model, dtype=dtype or defaults.dtype,
         capacities=CapacityRequest(max_concurrency or defaults.max_concurrency,
                                    prefill_chunk_size or defaults.prefill_chunk_size,
-                                   context_length or defaults.context_length, page_tokens),
+                                   context_length or defaults.context_length, page_tokens, speculative_tokens),
         offline=offline, recipe=recipe_name, progress=not no_progress, tensor_parallel=tensor_parallel,
         quantize=quantize, kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     try:
@@ -104,6 +107,18 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
     except (ValueError, LookupError, OSError) as exc:
         raise FlareCommandError(f"export failed: {exc}") from exc
     click.echo(str(result.path))
+
+
+def _token_list(value: str | None) -> tuple[int, ...] | None:
+    """`--speculative-tokens`: comma-separated token counts, or 'none' (None: the default)."""
+    if value is None:
+        return None
+    if value.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: comma-separated token counts (8,16,32,64) or 'none'") from None
 
 
 def resolve_core_path(config: Config, core: str) -> Path:

@@ -148,6 +148,8 @@ def test_export_moe_and_third_party_llama(flare, qwen3_moe_checkpoint, tmp_path)
     ("corrupt", "corrupt or unreadable safetensors file"),
     ("context", "--context-length 4096 exceeds the model's max_position_embeddings 2048"),
     ("chunk", "--prefill-chunk-size: must be a multiple of 64, got 100"),
+    ("speculative", "--speculative-tokens: must be ascending without repeats, got [16, 8]"),
+    ("speculative-text", "'8;16': comma-separated token counts (8,16,32,64) or 'none'"),
     ("offline", "is not in the hub cache"),
 ])
 def test_export_errors_are_clear(flare, qwen3_checkpoint, tmp_path, case, message):
@@ -175,11 +177,15 @@ def test_export_errors_are_clear(flare, qwen3_checkpoint, tmp_path, case, messag
         args += ["--context-length", "4096"]
     elif case == "chunk":
         args += ["--prefill-chunk-size", "100"]
+    elif case == "speculative":
+        args += ["--speculative-tokens", "16,8"]
+    elif case == "speculative-text":
+        args += ["--speculative-tokens", "8;16"]
     elif case == "offline":
         model = "qwen3-0.6b"
         args += ["--offline"]
     result = flare("export", model, *args, expect_ok=False)
-    assert result.exit_code == 1
+    assert result.exit_code == (2 if case == "speculative-text" else 1)  # click's usage errors exit 2
     assert message in result.output
     assert not list((flare.config_path.parent / "cores").glob("*/core.safetensors"))
 
@@ -229,3 +235,40 @@ def test_cuda_refuses_a_float32_core_before_loading_weights(flare, qwen3_checkpo
     with pytest.raises(CoreLoadError, match=r"float32, which the CUDA path does not serve .* --device cpu, or "
                                             r"export the model again with --dtype bfloat16"):
         load_core(core, load_registry(), torch.device("cuda"))
+
+
+def test_the_core_declares_its_speculative_rounds(flare, qwen3_checkpoint):
+    """`--speculative-tokens` sets the token capacities of the speculative rounds a core declares:
+    its plan and manifest name them, a server captures and plans rounds only within them, and a
+    core that declares none refuses `--spec-method` at start."""
+    import functools
+
+    import torch
+
+    from flare_core.engine.build import build_engine
+    from flare_core.engine.load import load_core
+    from flare_core.engine.memory import plan_kv
+    from flare_core.cli import open_verified_core
+    from flare_core.config import load_config
+    from flare_core.plugins import load_registry
+
+    def engine(core, **options):
+        loaded = load_core(open_verified_core(load_config(flare.config_path), str(core), trust_publisher=True),
+                           load_registry(), torch.device("cpu"))
+        kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device("cpu"), "0.9", "16M")
+        return build_engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, compile_model=False,
+                            **options)
+
+    result = flare("export", qwen3_checkpoint, "--dtype", "float32", "--speculative-tokens", "8,16", "--no-progress")
+    assert "speculative rounds 8,16 tokens" in result.output
+    core = Path(result.output.strip().splitlines()[-1])
+    assert open_core(core).manifest["capacities"]["speculative_tokens"] == [8, 16]
+    served = engine(core, spec_method="prompt-lookup", spec_draft_tokens=4)
+    assert served.core.scheduler.config.capacities.speculative == (8, 16)
+    result = flare("export", qwen3_checkpoint, "--dtype", "float32", "--speculative-tokens", "none", "--no-progress")
+    assert "no speculative rounds (--speculative-tokens none)" in result.output
+    core = Path(result.output.strip().splitlines()[-1])
+    assert open_core(core).manifest["capacities"]["speculative_tokens"] == []
+    assert engine(core).core.scheduler.config.capacities.speculative == ()
+    with pytest.raises(ValueError, match="the core declares no speculative rounds"):
+        engine(core, spec_method="prompt-lookup", spec_draft_tokens=4)

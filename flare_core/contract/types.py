@@ -309,7 +309,8 @@ GRAPH_KINDS = ("prefill", "decode", "mixed", "speculative")
 # row and per draft. A round gains when checking drafts costs little more than one token per
 # row, i.e. while the step's matmuls stay bound by reading the weights: with 64 tokens each weight
 # byte feeds 64 multiply-adds, a fifth of the ~300 FLOP per byte where Hopper's tensor cores
-# start to bound a step. Steps past 64 tokens check no drafts.
+# start to bound a step. Steps past 64 tokens check no drafts. The default of
+# `Capacities.speculative_tokens` (`flare export --speculative-tokens`).
 SPECULATIVE_TOKENS = (8, 16, 32, 64)
 
 
@@ -333,10 +334,23 @@ class Capacities:
     prefill_chunk_size: int = 512
     context_length: int = 8192
     page_tokens: int = 64
+    # Token capacities of the speculative rounds the core declares (ascending; empty: none, the
+    # core's servers cannot speculate).
+    speculative_tokens: tuple[int, ...] = SPECULATIVE_TOKENS
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_positive_int(getattr(self, f.name), "Capacities", f.name)
+            if f.name != "speculative_tokens":
+                _check_positive_int(getattr(self, f.name), "Capacities", f.name)
+        _require(isinstance(self.speculative_tokens, (tuple, list)), "Capacities", "speculative_tokens",
+                 f"must be a sequence of token counts, got {self.speculative_tokens!r}")
+        object.__setattr__(self, "speculative_tokens", tuple(self.speculative_tokens))  # a manifest's list
+        for tokens in self.speculative_tokens:
+            _check_positive_int(tokens, "Capacities", "speculative_tokens")
+        _require(list(self.speculative_tokens) == sorted(set(self.speculative_tokens)), "Capacities",
+                 "speculative_tokens", f"must be ascending without repeats, got {list(self.speculative_tokens)}")
+        _require(all(t >= 2 for t in self.speculative_tokens), "Capacities", "speculative_tokens",
+                 f"each must hold a row and a draft (2 tokens or more), got {list(self.speculative_tokens)}")
         _require(self.prefill_chunk_size % 64 == 0, "Capacities", "prefill_chunk_size",
                  f"must be a multiple of 64, got {self.prefill_chunk_size}")
         _require(self.page_tokens % 16 == 0, "Capacities", "page_tokens",
@@ -347,11 +361,11 @@ class Capacities:
     def graph_catalog(self) -> tuple[GraphSpec, ...]:
         """Decode batch capacities 1, 2, 4, ... up to max_concurrency, prefill token capacities
         64, 128, 256, ... up to prefill_chunk_size (the largest is always included), and the
-        token capacities of speculative rounds (SPECULATIVE_TOKENS; captured only when a server
+        token capacities of speculative rounds (`speculative_tokens`; captured only when a server
         speculates)."""
         graphs = [GraphSpec("decode", c) for c in _doubling(1, self.max_concurrency)]
         graphs += [GraphSpec("prefill", c) for c in _doubling(64, self.prefill_chunk_size)]
-        graphs += [GraphSpec("speculative", c) for c in SPECULATIVE_TOKENS]
+        graphs += [GraphSpec("speculative", c) for c in self.speculative_tokens]
         return tuple(graphs)
 
 

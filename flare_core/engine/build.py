@@ -85,6 +85,9 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
             proposer = DraftModel(spec_draft, loaded, max_concurrency, capacities.context_length + spec_draft_tokens)
         else:
             proposer = PromptLookup()
+    if proposer is not None and not catalog.speculative:
+        raise ValueError("speculative decoding (--spec-method): the core declares no speculative rounds (exported "
+                         "with --speculative-tokens none); re-export it with their token capacities")
     # Speculating over continuation state, the executor keeps each row as a round found it.
     executor_args["round_saves"] = proposer is not None and bool(loaded.cache_scheme.state)
     if executor_args["round_saves"] and loaded.device.type != "cpu":

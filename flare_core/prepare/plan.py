@@ -20,6 +20,7 @@ class CapacityRequest:
     prefill_chunk_size: int | None = None
     context_length: int | None = None
     page_tokens: int | None = None
+    speculative_tokens: tuple[int, ...] | None = None
 
 
 def plan_capacities(recipe: Recipe, config: Any, request: CapacityRequest) -> Capacities:
@@ -85,7 +86,9 @@ class ExportPlan:
             f"capacities    max_concurrency={c.max_concurrency} prefill_chunk_size={c.prefill_chunk_size} "
             f"context_length={c.context_length} page_tokens={c.page_tokens}",
             f"graphs        decode batch {decode}; prefill tokens {prefill} (mixed steps too: decode rows beside "
-            f"prompt chunks); speculative rounds {speculative} tokens (with --spec-method)",
+            f"prompt chunks); "
+            + (f"speculative rounds {speculative} tokens (with --spec-method)" if speculative else
+               "no speculative rounds (--speculative-tokens none)"),
             f"cache scheme  {self.cache_scheme.name}: {_kib(page_bytes)} per {c.page_tokens}-token page, "
             f"{_gib(page_bytes * full_context_pages)} per full context",
             *([f"tables        {len(self.tables)} embedding table(s), {sum(t.rows for t in self.tables):,} rows of "
