@@ -211,6 +211,33 @@ def test_each_request_gets_the_width_of_the_most_tokens_per_cost():
     assert speculation.width(copier, speculation.round_costs(1, 8)) == 0
 
 
+def test_over_continuation_state_a_round_is_priced_with_its_rewind():
+    """Where a partly refused round is followed by a rewind (a chunk computing the kept tokens
+    again), its price counts the rewind's step beyond a plain one times the chance of it: a
+    request that keeps two drafts and never the third narrows its rounds to the two it keeps,
+    one that keeps everything keeps its width, and without rewinds neither changes."""
+    from flare_core.scheduler import GraphCapacities, StepKind
+    from flare_core.scheduler.estimates import StepCostEstimator
+    from flare_core.scheduler.request import Request
+    from flare_core.scheduler.speculation import Speculation
+
+    capacities = GraphCapacities(decode=(1, 2), prefill=(64,), speculative=(8,))
+    estimator = StepCostEstimator()
+    estimator.observe(StepKind.DECODE, 1, 0.006)
+    estimator.observe(StepKind.SPECULATIVE, 8, 0.007)
+    estimator.observe(StepKind.PREFILL, 64, 0.018)  # a rewind's step: 3x a decode step
+    plain, rewinding = (Speculation(PromptLookup(), 4, capacities, estimator, rewinds=r) for r in (False, True))
+    assert plain.rewind_costs(1, 4) == [] and rewinding.rewind_costs(1, 4) == pytest.approx([2.0] * 4)
+    two, copier = Request("two", (1, 2), 100, (), 0), Request("copier", (1, 2), 100, (), 0)
+    for _ in range(20):
+        two.acceptance.record(4, 2)
+        copier.acceptance.record(4, 4)
+    assert two.acceptance.chance_kept(2) > 0.9 and two.acceptance.chance_kept(3) < 0.05
+    assert plain.width(two, plain.round_costs(1, 4), plain.rewind_costs(1, 4)) == 4  # the fourth costs nothing
+    assert rewinding.width(two, rewinding.round_costs(1, 4), rewinding.rewind_costs(1, 4)) == 2
+    assert rewinding.width(copier, rewinding.round_costs(1, 4), rewinding.rewind_costs(1, 4)) == 4
+
+
 def test_a_request_that_stopped_proposing_tries_again_as_its_refusals_fade():
     from flare_core.scheduler import GraphCapacities, StepKind
     from flare_core.scheduler.estimates import StepCostEstimator

@@ -74,6 +74,15 @@ class Acceptance:
         self.checked = [count // 2 for count in self.checked]
         self.kept = [min(kept, checked) for kept, checked in zip((k // 2 for k in self.kept), self.checked)]
 
+    def chance_kept(self, width: int) -> float:
+        """The chance that a round of `width` drafts keeps them all (each depth's as in
+        `expected_tokens`)."""
+        chance = 1.0
+        for depth in range(width):
+            checked, kept = (self.checked[depth], self.kept[depth]) if depth < len(self.checked) else (0, 0)
+            chance *= (kept + 1) / (checked + 2)
+        return chance
+
     def expected_tokens(self, width: int) -> float:
         """Tokens a round of `width` drafts is expected to give (its sample after the kept drafts
         included): 1 + the sum over depths of the chance that every draft up to it is kept, each

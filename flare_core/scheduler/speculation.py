@@ -26,6 +26,9 @@ refuses some is followed by a rewind: the request's next step is a chunk from th
 position over what it kept and the sample after them (`PrefillChunk.rewind`), which starts from
 the row as the round found it (the executor keeps it, `DeviceState.round_saves`), and samples the
 next token as a plain decode would. Cache records past what was kept are simply overwritten.
+The width rule prices that: a round that may not keep all its drafts costs, besides itself, the
+chance of a rewind times what the rewind's step costs beyond the plain decode step it replaces
+(`rewind_costs`).
 """
 
 from __future__ import annotations
@@ -113,18 +116,36 @@ class Speculation:
                           + rows * self.proposer.seconds(width)) / step)
         return costs
 
+    def rewind_costs(self, rows: int, most: int) -> list[float]:
+        """What a rewind after a round of w = 1 .. `most` drafts costs beyond a plain decode step of
+        `rows` rows (entry w - 1; none without `rewinds`): its chunk of up to w + 1 tokens beside
+        the other rows' decodes, a step of rows + w tokens, against the decode step it replaces."""
+        plain = self.capacities.covering(StepKind.DECODE, rows)
+        if not self.rewinds or plain is None:
+            return []
+        step = self.estimator.estimate(StepKind.DECODE, plain)
+        costs = []
+        for width in range(1, most + 1):
+            tokens = self.capacities.covering(StepKind.PREFILL, rows + width)
+            rewind = self.estimator.estimate(StepKind.PREFILL, tokens) if tokens is not None else math.inf
+            costs.append(max(rewind - step, 0.0) / step)
+        return costs
+
     def round_cost(self, rows: int, width: int) -> float:
         """`round_costs`' figure for one width (infinite past the speculative capacities)."""
         costs = self.round_costs(rows, width)
         return costs[-1] if len(costs) == width else math.inf
 
     @staticmethod
-    def width(request: Request, costs: Sequence[float]) -> int:
+    def width(request: Request, costs: Sequence[float], rewinds: Sequence[float] = ()) -> int:
         """The drafts `request` should check in a round whose cost at w drafts is costs[w - 1]
-        (`round_costs`; 0: none): the width of the most expected tokens per unit of cost, a plain
-        step giving one token at cost 1."""
+        (`round_costs`; 0: none), plus, where given, rewinds[w - 1] (`rewind_costs`) times the
+        chance it does not keep them all: the width of the most expected tokens per unit of cost,
+        a plain step giving one token at cost 1."""
         best, rate = 0, 1.0
         for width, cost in enumerate(costs, start=1):
+            if width <= len(rewinds):
+                cost += (1.0 - request.acceptance.chance_kept(width)) * rewinds[width - 1]
             tokens = request.acceptance.expected_tokens(width) / cost
             if tokens > rate:
                 best, rate = width, tokens
@@ -144,13 +165,14 @@ class Speculation:
         rows = sum(r.status is RequestStatus.RUNNING for r in live)
         crowded = rows >= self.capacities.largest(StepKind.SPECULATIVE)
         costs = [] if crowded else self.round_costs(rows, self.draft_tokens)  # the same for every request
+        rewinds = [] if crowded else self.rewind_costs(rows, self.draft_tokens)
         for request in live:
             request.drafts = ()
             most = min(self.draft_tokens, request.max_tokens - request.num_planned_samples - 1)
             if crowded and request.speculate:
                 request.plain_until = request.num_planned_samples + PLAIN_AFTER_MISS
             elif request.speculate and request.in_flight == 0 and most > 0 and request.can_decode():
-                width = self.width(request, costs[:most])
+                width = self.width(request, costs[:most], rewinds[:most])
                 if width:
                     request.drafts = self.proposer.propose(request.known_tokens(), width, request.request_id)
                 else:
