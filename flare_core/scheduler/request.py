@@ -75,8 +75,9 @@ class Acceptance:
         self.kept = [min(kept, checked) for kept, checked in zip((k // 2 for k in self.kept), self.checked)]
 
     def chance_kept(self, width: int) -> float:
-        """The chance that a round of `width` drafts keeps them all (each depth's as in
-        `expected_tokens`)."""
+        """The chance that a round of `width` drafts keeps them all: the product over depths of
+        each depth's chance given the one before, estimated with a uniform prior ((kept + 1) /
+        (checked + 2)), so that a depth never checked counts one half."""
         chance = 1.0
         for depth in range(width):
             checked, kept = (self.checked[depth], self.kept[depth]) if depth < len(self.checked) else (0, 0)
@@ -85,15 +86,8 @@ class Acceptance:
 
     def expected_tokens(self, width: int) -> float:
         """Tokens a round of `width` drafts is expected to give (its sample after the kept drafts
-        included): 1 + the sum over depths of the chance that every draft up to it is kept, each
-        depth's chance given the one before estimated with a uniform prior ((kept + 1) / (checked
-        + 2)), so that depths never checked count one half."""
-        tokens, chain = 1.0, 1.0
-        for depth in range(width):
-            checked, kept = (self.checked[depth], self.kept[depth]) if depth < len(self.checked) else (0, 0)
-            chain *= (kept + 1) / (checked + 2)
-            tokens += chain
-        return tokens
+        included): 1 + the sum over depths of the chance that every draft up to it is kept."""
+        return 1.0 + sum(self.chance_kept(depth) for depth in range(1, width + 1))
 
 
 @dataclass(eq=False)
