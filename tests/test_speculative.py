@@ -273,7 +273,7 @@ def test_rounds_are_tried_before_any_was_measured_however_fast_the_device():
         estimator.observe(StepKind.DECODE, 4, 0.0003)
     speculation = Speculation(PromptLookup(), 4, GraphCapacities(decode=(1, 2, 4), prefill=(64,),
                                                                  speculative=(8, 16, 32)), estimator)
-    assert speculation.round_cost(4, 4) < 1.2
+    assert speculation.round_costs(4, 4)[3] < 1.2
     assert speculation.width(Request("r", (1, 2), 100, (), 0), speculation.round_costs(4, 4)) >= 1
 
 
@@ -294,8 +294,8 @@ def test_a_round_is_priced_with_what_its_proposals_take():
     estimator.observe(StepKind.SPECULATIVE, 8, 0.007)
     capacities = GraphCapacities(decode=(1,), prefill=(64,), speculative=(8,))
     fast, slow = Speculation(PromptLookup(), 4, capacities, estimator), Speculation(Slow(), 4, capacities, estimator)
-    assert fast.round_cost(1, 4) == pytest.approx(7 / 6)
-    assert slow.round_cost(1, 4) == pytest.approx((0.007 + 4 * 0.006) / 0.006)
+    assert fast.round_costs(1, 4)[3] == pytest.approx(7 / 6)
+    assert slow.round_costs(1, 4)[3] == pytest.approx((0.007 + 4 * 0.006) / 0.006)
     copier = Request("r", (1, 2), 100, (), 0)
     for _ in range(20):
         copier.acceptance.record(4, 4)

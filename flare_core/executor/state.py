@@ -97,11 +97,9 @@ class DeviceState:
                 for name in self._state:
                     for layer in self.storage[name]:
                         layer[chunk.handle.state_row].zero_()
-            elif chunk.rewind:
-                self._round_row(chunk.handle.state_row, keep=False)
-        for decode in plan.decodes:
-            if decode.drafts:
-                self._round_row(decode.handle.state_row, keep=True)
+        # One copy per state tensor layer for all of the step's rows (a round keeps every row it checks).
+        self._round_rows([c.handle.state_row for c in plan.prefills if c.rewind and c.start > 0], keep=False)
+        self._round_rows([d.handle.state_row for d in plan.decodes if d.drafts], keep=True)
 
     def finish_chunks(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
         """Take the resume points the chunks save (`logits`: the step's rows, decodes first, each
@@ -142,21 +140,26 @@ class DeviceState:
             for layer in self.storage[name]:
                 layer[dst].copy_(layer[src])
 
-    def _round_row(self, state_row: int, keep: bool) -> None:
-        """Keep a state row before a round (`keep`), or take it back."""
+    def _round_rows(self, state_rows: list[int], keep: bool) -> None:
+        """Keep state rows before a round (`keep`), or take them back."""
+        if not state_rows:
+            return
         if not self.round_saves:
             raise RuntimeError("a speculative round over continuation state needs the rows kept before it: "
                                "DeviceState(round_saves=True)")
-        self._copy_row(self.round_saves, state_row, state_row, restore=not keep)
+        self._copy_rows(self.round_saves, state_rows, state_rows, restore=not keep)
 
     def _snapshot_row(self, state_row: int, snapshot: int, restore: bool) -> None:
-        self._copy_row(self.snapshots, state_row, snapshot, restore)
+        self._copy_rows(self.snapshots, [state_row], [snapshot], restore)
 
-    def _copy_row(self, saved: dict[str, list[torch.Tensor]], state_row: int, saved_row: int, restore: bool) -> None:
-        """Copy a live state row into row `saved_row` of the `saved` tensors, or back (`restore`)."""
+    def _copy_rows(self, saved: dict[str, list[torch.Tensor]], state_rows: list[int], saved_rows: list[int],
+                   restore: bool) -> None:
+        """Copy live state rows into rows `saved_rows` of the `saved` tensors, or back (`restore`)."""
+        live_index = to_device(state_rows, torch.int64, self.device)
+        saved_index = live_index if saved_rows == state_rows else to_device(saved_rows, torch.int64, self.device)
         for name in self._state:
             for live, kept in zip(self.storage[name], saved[name]):
                 if restore:
-                    live[state_row].copy_(kept[saved_row])
+                    live.index_copy_(0, live_index, kept.index_select(0, saved_index))
                 else:
-                    kept[saved_row].copy_(live[state_row])
+                    kept.index_copy_(0, saved_index, live.index_select(0, live_index))

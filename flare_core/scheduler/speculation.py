@@ -103,10 +103,9 @@ class Speculation:
         step of them, for w = 1 .. `most` (entry w - 1): the step (the estimator's figures) and
         the proposals (the proposer's own measure, one per row); the list ends at the first width
         past the speculative capacities."""
-        plain = self.capacities.covering(StepKind.DECODE, rows)
-        if plain is None or self.proposer is None:
+        step = self._plain_step(rows)
+        if step is None or self.proposer is None:
             return []
-        step = self.estimator.estimate(StepKind.DECODE, plain)
         costs = []
         for width in range(1, most + 1):
             tokens = self.capacities.covering(StepKind.SPECULATIVE, rows * (1 + width))
@@ -120,10 +119,9 @@ class Speculation:
         """What a rewind after a round of w = 1 .. `most` drafts costs beyond a plain decode step of
         `rows` rows (entry w - 1; none without `rewinds`): its chunk of up to w + 1 tokens beside
         the other rows' decodes, a step of rows + w tokens, against the decode step it replaces."""
-        plain = self.capacities.covering(StepKind.DECODE, rows)
-        if not self.rewinds or plain is None:
+        step = self._plain_step(rows)
+        if not self.rewinds or step is None:
             return []
-        step = self.estimator.estimate(StepKind.DECODE, plain)
         costs = []
         for width in range(1, most + 1):
             tokens = self.capacities.covering(StepKind.PREFILL, rows + width)
@@ -131,10 +129,10 @@ class Speculation:
             costs.append(max(rewind - step, 0.0) / step)
         return costs
 
-    def round_cost(self, rows: int, width: int) -> float:
-        """`round_costs`' figure for one width (infinite past the speculative capacities)."""
-        costs = self.round_costs(rows, width)
-        return costs[-1] if len(costs) == width else math.inf
+    def _plain_step(self, rows: int) -> float | None:
+        """The estimated seconds of a plain decode step of `rows` rows (None past the capacities)."""
+        plain = self.capacities.covering(StepKind.DECODE, rows)
+        return None if plain is None else self.estimator.estimate(StepKind.DECODE, plain)
 
     @staticmethod
     def width(request: Request, costs: Sequence[float], rewinds: Sequence[float] = ()) -> int:
