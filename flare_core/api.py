@@ -21,6 +21,8 @@ from flare_core.contract import (
     Capacities,
     ContractError,
     DerivedShard,
+    DraftHead,
+    DraftHeadModel,
     ConversationRenderer,
     FrontendSpec,
     MapWeights,
@@ -74,10 +76,10 @@ from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigEr
 __all__ = [
     # The contract: what a plugin registers, as validated data.
     "SAMPLING_LIMITS", "Alias", "CacheScheme", "CacheSchemeFactory", "Capacities", "ContractError", "DerivedShard",
-    "FrontendSpec", "PagedStore", "Parser", "PromptEncoder", "Range", "Recipe", "SamplingPolicy", "StateTensor",
+    "DraftHead", "FrontendSpec", "PagedStore", "Parser", "PromptEncoder", "Range", "Recipe", "SamplingPolicy", "StateTensor",
     "TemplatePatch", "TensorParallelSpec", "ToolCallFormat", "MARK_TAG",
     # The protocols of what a plugin hands the runtime, and the data they exchange.
-    "BuildModel", "MapWeights", "RuntimeModel", "StreamingParser", "ConversationRenderer", "ParsedDelta",
+    "BuildModel", "DraftHeadModel", "MapWeights", "RuntimeModel", "StreamingParser", "ConversationRenderer", "ParsedDelta",
     "ToolCallDelta", "RenderedPrompt", "TemplateOptionError",
     # The hook marker of the `flare` entry-point group.
     "hookimpl",

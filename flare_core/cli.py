@@ -514,9 +514,9 @@ _SERVE_OPTIONS = [
                       "max_live_per_client)."),
     click.option("--spec-method", type=click.Choice(SPEC_METHODS), default=None,
                  help="Speculative decoding: propose draft tokens by looking the output's last tokens up in the "
-                      "prompt and output (prompt-lookup), or by a draft core's greedy decoding (draft, with "
-                      "--spec-draft-core); each decode row checks them in one step (default: off; "
-                      "server.spec_method)."),
+                      "prompt and output (prompt-lookup), by a draft core's greedy decoding (draft, with "
+                      "--spec-draft-core), or by the core's draft head, a checkpoint's multi-token-prediction "
+                      "layer (mtp); each decode row checks them in one step (default: off; server.spec_method)."),
     click.option("--spec-draft-core", default=None,
                  help="The draft core of --spec-method draft: a smaller model's core with the same tokenizer "
                       "(a path, or a model name in the core cache; server.spec_draft_core)."),

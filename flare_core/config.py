@@ -63,7 +63,7 @@ BODY_BYTES_BASE = 1 << 20
 
 # Ways speculative decoding proposes draft tokens (`flare run --spec-method`), and the most a
 # decode row checks: past a few, a draft's chance of being kept is small and the row's cost grows.
-SPEC_METHODS = ("prompt-lookup", "draft")
+SPEC_METHODS = ("prompt-lookup", "draft", "mtp")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -91,9 +91,9 @@ class ServerConfig:
     # scheduler's service prices already share the engine fairly between requests; this caps
     # what one address can hold besides (flare_core.scheduler).
     max_live_per_client: int | None = None
-    # Speculative decoding: how draft tokens are proposed ("prompt-lookup", or "draft": a draft
-    # core's greedy guesses; None: off) and at most how many a decode row checks
-    # (flare_core.scheduler.proposals, flare_core.engine.drafting).
+    # Speculative decoding: how draft tokens are proposed ("prompt-lookup"; "draft": a draft core's
+    # greedy guesses; "mtp": the core's draft head's; None: off) and at most how many a decode row
+    # checks (flare_core.scheduler.proposals, flare_core.engine.drafting, flare_core.engine.draft_heads).
     spec_method: str | None = None
     spec_draft_tokens: int = 4
     # The draft core of spec_method "draft": a core path, or a model name in the core cache.

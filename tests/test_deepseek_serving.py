@@ -4,15 +4,19 @@ templates and a small byte-level tokenizer holding their special tokens, exporte
 CLI and served by real `flare run` processes on the CPU eager path over the paged latent cache.
 Greedy output must equal Transformers `generate` on the same weights, for raw token prompts
 (several at once, one longer than the prefill chunk) and for chat prompts rendered by
-Transformers' own `apply_chat_template`.
+Transformers' own `apply_chat_template`. The DeepSeek core is also served with its MTP layer
+proposing draft tokens (`--spec-method mtp`): the same outputs.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -21,7 +25,7 @@ from transformers import DeepseekV3Config, PreTrainedTokenizerFast
 
 from conftest import FIXTURES, Flare, write_config
 from flare_core.core import open_core
-from flare_testing.deepseek import ascii_tokenizer_json, random_model, save_model, write_frontend
+from flare_testing.deepseek import add_mtp_layer, ascii_tokenizer_json, random_model, save_model, write_frontend
 from server_process import ServerProcess, stop_all
 
 MAX_TOKENS = 12
@@ -66,6 +70,9 @@ KIMI = Family(
     "[BOS]", "<|im_end|>", ())
 
 
+MTP_NAME = "tiny-deepseek-v3.1-mtp"
+
+
 @dataclass
 class Served:
     family: Family
@@ -75,6 +82,7 @@ class Served:
     stop_id: int
     directory: Path  # the checkpoint
     plan: str  # what `flare export` printed
+    config_path: Path  # the flare config it was exported and is served with
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -100,8 +108,11 @@ def prepare(flare: Flare, root: Path, family: Family) -> tuple[Path, torch.nn.Mo
     directory = root / family.name
     # Every id the model can produce is a token of the tokenizer, so generated text shows every id.
     vocab_size = len(Tokenizer.from_str(ascii_tokenizer_json(family.special_tokens)).get_vocab())
-    reference = random_model(DeepseekV3Config(**family.config, vocab_size=vocab_size), seed=11)
+    config = DeepseekV3Config(**family.config, vocab_size=vocab_size)
+    reference = random_model(config, seed=11)
     save_model(directory, reference, family.model_type)
+    if config.num_nextn_predict_layers:
+        add_mtp_layer(directory, config)
     write_frontend(directory, vocab_size=vocab_size, special_tokens=family.special_tokens,
                    chat_template=(FIXTURES / "chat_templates" / family.template).read_text(encoding="utf-8"),
                    bos_token=family.bos, eos_token=family.stop, stop_token=family.stop)
@@ -115,14 +126,17 @@ def served(tmp_path_factory) -> dict[str, Served]:
     root = tmp_path_factory.mktemp("deepseek-serving")
     flare = Flare(write_config(root / "flare"))
     prepared = {family.name: (family, *prepare(flare, root, family)) for family in (DEEPSEEK, KIMI)}
-    processes = {name: ServerProcess(flare.config_path, core, root / f"{name}.log", "--served-name", name)
+    # The DeepSeek core once more, its draft head proposing (MTP_NAME).
+    prepared[MTP_NAME] = prepared[DEEPSEEK.name]
+    processes = {name: ServerProcess(flare.config_path, core, root / f"{name}.log", "--served-name", name,
+                                     *(("--spec-method", "mtp", "--spec-draft-tokens", "3") if name == MTP_NAME else ()))
                  for name, (_, core, _, _) in prepared.items()}
     try:
         result = {}
         for name, (family, core, reference, plan) in prepared.items():
             tokenizer = Tokenizer.from_file(str(root / family.name / "tokenizer.json"))
             result[name] = Served(family, processes[name].wait_ready(), reference, tokenizer,
-                                  tokenizer.token_to_id(family.stop), root / family.name, plan)
+                                  tokenizer.token_to_id(family.stop), root / family.name, plan, flare.config_path)
         yield result
     finally:
         stop_all(processes.values())
@@ -132,12 +146,15 @@ def test_export_plans_and_manifests(served):
     deepseek, kimi = served[DEEPSEEK.name], served[KIMI.name]
     assert "recipe        deepseek-v3.1 0.1.0 (DeepseekV3ForCausalLM)" in deepseek.plan
     assert "cache scheme  mla-latent" in deepseek.plan
-    assert "note          multi-token prediction (MTP) layers are not loaded: model.layers.3" in deepseek.plan
+    assert "note          draft head: the checkpoint's multi-token-prediction module is stored" in deepseek.plan
+    assert "draft head    " in deepseek.plan and "(flare run --spec-method mtp)" in deepseek.plan
     assert ("recipe        kimi-k2 0.1.0 (DeepseekV3ForCausalLM), chosen as the recipe for DeepseekV3ForCausalLM "
             "with model_type kimi_k2") in kimi.plan
-    assert "MTP" not in kimi.plan
+    assert "draft head" not in kimi.plan
     core = Path(deepseek.plan.strip().splitlines()[-1])
     manifest = open_core(core).manifest
+    assert manifest["draft_head"]["tensors"] == sum(n.startswith("draft_head.") for n in open_core(core).tensor_names())
+    assert "draft_head" not in open_core(Path(kimi.plan.strip().splitlines()[-1])).manifest
     assert [s["name"] for s in manifest["cache_scheme"]["paged"]] == ["ckv", "kpe"]
     assert manifest["frontend"]["template_options"] == {"thinking": False}
     assert manifest["sampling"]["defaults"]["temperature"] == 0.6
@@ -150,7 +167,7 @@ def test_deepseek_checkpoint_without_recipe_is_ambiguous(served, tmp_path):
     assert "deepseek-v3, deepseek-v3.1" in result.output and "--recipe" in result.output
 
 
-@pytest.mark.parametrize("name", [DEEPSEEK.name, KIMI.name])
+@pytest.mark.parametrize("name", [DEEPSEEK.name, KIMI.name, MTP_NAME])
 def test_greedy_completions_match_transformers(served, name):
     server = served[name]
     generator = torch.Generator().manual_seed(3)
@@ -209,3 +226,24 @@ def test_second_chat_turn_reuses_the_first_turns_complete_messages(served, name)
     assert reusable >= 64
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert reusable <= cached < again.usage.prompt_tokens
+
+
+def test_the_draft_head_proposed_what_was_checked(served):
+    # Runs after the completions above on the MTP server (any order: it sends its own request first).
+    server = served[MTP_NAME]
+    prompt = torch.randint(1, 98, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    response = server.client().completions.create(model=MTP_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                  temperature=0, extra_body={"skip_special_tokens": False})
+    assert response.choices[0].text == server.expected(prompt)[0]
+    metrics = httpx.get(server.process.url + "/metrics", timeout=30).text
+    proposed = [line for line in metrics.splitlines() if line.startswith("flare_spec_proposed_tokens_total")]
+    assert proposed and float(proposed[0].split()[-1]) > 0, proposed
+
+
+def test_a_core_without_a_draft_head_refuses_mtp(served):
+    core = Path(served[KIMI.name].plan.strip().splitlines()[-1])
+    run = subprocess.run([sys.executable, "-m", "flare_core.cli", "--config", str(served[KIMI.name].config_path),
+                          "run", str(core), "--device", "cpu", "--port", "0", "--no-dashboard", "--trust-publisher",
+                          "--spec-method", "mtp"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "--spec-method mtp: the core carries no draft head" in run.stderr, run.stderr

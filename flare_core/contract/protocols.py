@@ -26,9 +26,31 @@ class RuntimeModel(Protocol):
     of `context.batch.query_start`; `positions` int64 [T]: each token's position in its request;
     `context` (flare_core.ops.attention.ForwardContext): the batch layout and the cache storage
     the model appends its records to and reads. Returns float32 logits [R, vocab] for the rows
-    `context.batch.logits_indices`. The model keeps no per-request state of its own."""
+    `context.batch.logits_indices`. The model keeps no per-request state of its own. The model of
+    a recipe that declares a draft head (`Recipe.draft_head`) also takes `final_hidden`, a callable
+    it hands the final hidden states of every token of the step ([T, hidden], after the final
+    norm) before it computes the logits."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class DraftHeadModel(Protocol):
+    """A draft head (`Recipe.draft_head`), an `nn.Module` called as
+
+        hidden = head(input_ids, positions, previous, context)
+
+    over positions j of requests laid out as for a serving model: `previous` [T, hidden] the served
+    model's final hidden state at j (or, guessing further ahead, the head's own output at the
+    position before), `input_ids` [T] the token at j + 1, `positions` [T] j. It appends its
+    records to the context's cache (its own, of the recipe's cache scheme with one layer per head
+    attention layer) and returns its hidden states [T, hidden]; `head.logits(hidden)` gives float32
+    logits [T, vocab] of its guesses of the tokens at j + 2."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor,
+                 context: ForwardContext) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class BuildModel(Protocol):
@@ -131,5 +153,5 @@ class ConversationRenderer(Protocol):
                add_generation_prompt: bool = False, **options: Any) -> RenderedPrompt: ...
 
 
-__all__ = ["BuildModel", "ConversationRenderer", "MapWeights", "ParsedDelta", "RenderedPrompt", "RuntimeModel",
+__all__ = ["BuildModel", "ConversationRenderer", "DraftHeadModel", "MapWeights", "ParsedDelta", "RenderedPrompt", "RuntimeModel",
            "StreamingParser", "TemplateOptionError", "ToolCallDelta"]

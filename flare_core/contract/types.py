@@ -18,6 +18,8 @@ from flare_core.contract.template_patch import TemplatePatch
 CONTRACT_VERSION = "1.0"
 # The core's name prefix of the checkpoint tensors a recipe carries unloaded (Recipe.carried_prefixes).
 CARRIED_PREFIX = "carried."
+# The core's name prefix of the prepared tensors of a recipe's draft head (Recipe.draft_head).
+DRAFT_HEAD_PREFIX = "draft_head."
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
@@ -574,6 +576,33 @@ class TensorParallelSpec:
 
 
 @dataclass(frozen=True)
+class DraftHead:
+    """A module a checkpoint ships beside its model to guess the tokens after the next one (DeepSeek
+    V3's multi-token-prediction layer), served as the draft proposer of `flare run --spec-method mtp`.
+
+    `shipped(config, checkpoint)`: whether the checkpoint (its config, its tensors by name)
+    carries the module (export stores it in the core only then). `build(config, dtype)`: the head with its parameters on the meta device
+    (flare_core.contract.protocols.DraftHeadModel: it reads the served model's final hidden states
+    and keeps its own records in a cache of the recipe's scheme with one layer per attention layer
+    of the head, `layers`). `map_weights(config, checkpoint, dtype)`: its prepared tensors from the
+    checkpoint, as a recipe's `map_weights` yields the model's; the core stores them under
+    `draft_head.<name>`."""
+
+    shipped: Callable[[Any], bool]
+    build: BuildModel
+    map_weights: MapWeights
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        _check_call(self.shipped, "DraftHead", "shipped", "shipped(config, checkpoint)", None, None)
+        _check_call(self.build, "DraftHead", "build", "build(config, dtype)", None, None)
+        _check_call(self.map_weights, "DraftHead", "map_weights", "map_weights(config, checkpoint, dtype)", None, None,
+                    None)
+        _require(isinstance(self.layers, int) and self.layers >= 1, "DraftHead", "layers",
+                 f"must be a positive int, got {self.layers!r}")
+
+
+@dataclass(frozen=True)
 class Recipe:
     """How to prepare and run one model family.
 
@@ -627,6 +656,8 @@ class Recipe:
     # to the export dtype) under `carried.<checkpoint name>`, and not loaded into the served model:
     # parts another feature reads (DeepSeek V4.1's DSpark draft layers, `mtp.`, for speculative decoding).
     carried_prefixes: tuple[str, ...] = ()
+    # The checkpoint's multi-token-prediction module as a draft proposer (`--spec-method mtp`).
+    draft_head: DraftHead | None = None
 
     def __post_init__(self) -> None:
         obj = f"Recipe({self.name!r})"
@@ -654,6 +685,8 @@ class Recipe:
         if self.tokenizer_tensors is not None:
             _check_call(self.tokenizer_tensors, obj, "tokenizer_tensors", "tokenizer_tensors(config, tokenizer_json) "
                         "or None", None, None)
+        _require(self.draft_head is None or isinstance(self.draft_head, DraftHead), obj, "draft_head",
+                 "must be a DraftHead or None")
         _require(isinstance(self.carried_prefixes, tuple) and all(isinstance(p, str) and p.endswith(".")
                                                                     for p in self.carried_prefixes),
                  obj, "carried_prefixes", f"must be a tuple of name prefixes ending in '.', got {self.carried_prefixes!r}")
@@ -668,7 +701,7 @@ class Recipe:
 ASSET_NAMES = ("tokenizer.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer_config.json")
 
 __all__ = [
-    "ASSET_NAMES", "Alias", "CARRIED_PREFIX", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
+    "ASSET_NAMES", "Alias", "CARRIED_PREFIX", "DRAFT_HEAD_PREFIX", "DraftHead", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "EmbeddingTable", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
     "DerivedShard", "TensorParallelSpec", "ToolCallFormat",

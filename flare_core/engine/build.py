@@ -20,11 +20,12 @@ from flare_core.plugins import Registry
 from flare_core.engine.core import EngineCore
 from flare_core.engine.service import Engine
 from flare_core.requests import EngineInfo
-from flare_core.engine.load import LoadedCore
+from flare_core.engine.load import LoadedCore, load_draft_head
 from flare_core.engine.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
 from flare_core.scheduler.proposals import PromptLookup, Proposer
 from flare_core.engine.drafting import DraftModel
+from flare_core.engine.draft_heads import HeadProposer, head_scheme
 
 if TYPE_CHECKING:
     from flare_core.observability.telemetry import Telemetry
@@ -47,9 +48,9 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
     the same executor and follow its steps. Without `mixed_steps` the scheduler is given no mixed
     capacities: a step then decodes or computes prompt chunks, never both. `max_live_per_client`:
     live requests one client address may hold (None: no cap). `spec_method`: how draft tokens are
-    proposed for speculative decoding ("prompt-lookup", or "draft": the greedy guesses of the
-    core `spec_draft`, loaded on the same device), at most `spec_draft_tokens` per decode row
-    (None or 0: off)."""
+    proposed for speculative decoding ("prompt-lookup"; "draft": the greedy guesses of the core
+    `spec_draft`, loaded on the same device; "mtp": those of the core's draft head), at most
+    `spec_draft_tokens` per decode row (None or 0: off)."""
     manifest, capacities = loaded.manifest, loaded.capacities
     if max_concurrency > capacities.max_concurrency:
         raise ValueError(f"--max-concurrency {max_concurrency} exceeds the core's prepared max_concurrency "
@@ -76,13 +77,17 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                          num_logits_rows=logits_rows, vocab_size=loaded.model_config.vocab_size,
                          device=loaded.device, seed=seed)
     proposer: Proposer | None = None
+    head: HeadProposer | None = None
     if spec_draft is not None and spec_method != "draft":
         raise ValueError("a draft core (--spec-draft-core) goes with --spec-method draft")
     if spec_method is not None and spec_draft_tokens > 0:
+        longest = capacities.context_length + spec_draft_tokens
         if spec_method == "draft":
             if spec_draft is None:
                 raise ValueError("--spec-method draft needs a draft core (--spec-draft-core)")
-            proposer = DraftModel(spec_draft, loaded, max_concurrency, capacities.context_length + spec_draft_tokens)
+            proposer = DraftModel(spec_draft, loaded, max_concurrency, longest)
+        elif spec_method == "mtp":
+            proposer = head = _head_proposer(loaded, registry, max_concurrency, longest, leader is not None)
         else:
             proposer = PromptLookup()
     if proposer is not None and not catalog.speculative:
@@ -116,7 +121,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
         executor.resize_cache(kv.num_pages)
     else:
         kv = plan_kv()
-        executor = eager_runner(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args)
+        executor = eager_runner(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args,
+                                final_hidden=head.record if head is not None else None)
         if leader is not None:
             executor = leader.lead(executor, dict(num_pages=kv.num_pages, **executor_args))
 
@@ -136,3 +142,19 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                       mask_words=frontend.grammars.words if frontend.grammars is not None else 0,
                       frames_in_flight=frames_in_flight or executor.frames_in_flight)
     return Engine(core, info=info, frontend=frontend, kv=kv, telemetry=telemetry, tables=loaded.tables)
+
+
+def _head_proposer(loaded: LoadedCore, registry: Registry, rows: int, longest: int, split: bool) -> HeadProposer:
+    """The core's draft head as the proposer of `--spec-method mtp`. ValueError naming the flag where
+    it cannot serve."""
+    if loaded.device.type != "cpu":
+        raise ValueError("--spec-method mtp runs on the CPU path only so far (--device cpu): the captured graphs "
+                         "do not hand the served model's hidden states to the draft head yet")
+    if split:
+        raise ValueError(f"--spec-method mtp: the core is split over {loaded.tensor_parallel} tensor-parallel ranks; "
+                         f"a draft head runs beside a whole model only")
+    head = load_draft_head(loaded, registry)
+    layers = registry.recipes[loaded.recipe_name].draft_head.layers  # load_draft_head found the recipe's head
+    return HeadProposer(head, head_scheme(loaded.cache_scheme, layers), rows=rows, longest=longest,
+                        page_tokens=loaded.capacities.page_tokens, vocab_size=loaded.tokenizer.vocab_size,
+                        device=loaded.device)

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from flare_core.contract import (CARRIED_PREFIX, CONTRACT_VERSION, CacheScheme, Capacities, PagedStore, Range,
-                                 SamplingPolicy, StateTensor)
+from flare_core.contract import (CARRIED_PREFIX, CONTRACT_VERSION, DRAFT_HEAD_PREFIX, CacheScheme, Capacities,
+                                 PagedStore, Range, SamplingPolicy, StateTensor)
 from flare_core.core import RuntimeCore
 from flare_core.frontend import ChatTemplate, ConversationRenderer, Tokenizer
 from flare_core.ops.loading import load_prepared_weights
@@ -136,8 +136,8 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
-    # Tensors the core carries for other features (Recipe.carried_prefixes) are not the model's.
-    tensor_names = [name for name in core.tensor_names() if not name.startswith(CARRIED_PREFIX)]
+    # Tensors the core carries for other features (Recipe.carried_prefixes, the draft head) are not the model's.
+    tensor_names = [name for name in core.tensor_names() if not name.startswith((CARRIED_PREFIX, DRAFT_HEAD_PREFIX))]
     options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
                              fp8_experts=tuple(quantized_experts(tensor_names)),
                              ranks=Ranks(rank, ranks) if ranks > 1 else None)
@@ -194,3 +194,17 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         identity=hashlib.sha256(core.manifest_bytes).digest(), tensor_parallel=ranks, tables=stores,
     )
 
+
+def load_draft_head(loaded: LoadedCore, registry: Registry) -> torch.nn.Module:
+    """The core's draft head (`Recipe.draft_head`, stored at export as `draft_head.<name>`) on the
+    served model's device. CoreLoadError naming --spec-method mtp where the core carries none."""
+    recipe = registry.recipes[loaded.recipe_name]
+    names = [name for name in loaded.core.tensor_names() if name.startswith(DRAFT_HEAD_PREFIX)]
+    if recipe.draft_head is None or not names:
+        raise CoreLoadError(f"--spec-method mtp: the core carries no draft head (recipe {recipe.name} "
+                            f"{'declares none' if recipe.draft_head is None else 'found none in the checkpoint'}; "
+                            f"a DeepSeek-V3 checkpoint with its multi-token-prediction layer exports one)")
+    head = recipe.draft_head.build(loaded.model_config, loaded.dtype)
+    tensors = loaded.core.load_tensors(device="cpu", names=names)
+    tensors = {name.removeprefix(DRAFT_HEAD_PREFIX): tensor.clone() for name, tensor in tensors.items()}
+    return load_prepared_weights(head, tensors, loaded.device)

@@ -6,6 +6,7 @@ per step (FlashInfer's paged prefill, `plan_attention`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,13 +34,17 @@ def checks_drafts(plan: StepPlan) -> bool:
 
 class EagerRunner:
     def __init__(self, model: torch.nn.Module, state: DeviceState, sampler: Sampler,
-                 plan_attention: Callable[[Sequences], AttentionBackend] | None = None):
+                 plan_attention: Callable[[Sequences], AttentionBackend] | None = None,
+                 final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None):
         """`plan_attention(sequences)` plans a kernel backend for a step's rows and returns it;
-        None: plain-torch attention (the reference)."""
+        None: plain-torch attention (the reference). `final_hidden(plan, hidden)` is handed the
+        final hidden states of every token a step computes (a draft head's input; the model
+        then takes `final_hidden`, flare_core.contract.RuntimeModel)."""
         self.model = model
         self.state = state
         self.sampler = sampler
         self._plan_attention = plan_attention
+        self._final_hidden = final_hidden
 
     def can_run(self, plan: StepPlan) -> bool:
         return True  # every step: the eager path is the fallback of no other
@@ -130,5 +135,8 @@ class EagerRunner:
         every_row = [bool(e.drafts) for e in plan.decodes] + [bool(chunk.prompt_targets) for chunk in plan.prefills]
         batch = AttentionBatch.build(sequences, state.page_tokens, state.device, every_row, state_rows)
         attention = self._plan_attention(sequences) if self._plan_attention is not None else None
-        return self.model(self._input_ids(plan), batch.positions(),
-                          ForwardContext(batch, state.storage, attention, layer_map=state.layer_map))
+        context = ForwardContext(batch, state.storage, attention, layer_map=state.layer_map)
+        if self._final_hidden is None:
+            return self.model(self._input_ids(plan), batch.positions(), context)
+        return self.model(self._input_ids(plan), batch.positions(), context,
+                          final_hidden=functools.partial(self._final_hidden, plan))

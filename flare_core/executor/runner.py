@@ -10,6 +10,7 @@ its way to the host. `eager_runner` builds the CPU runner (the reference); `cuda
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -126,11 +127,14 @@ class ModelRunner:
 
 def eager_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, page_tokens: int, num_rows: int,
                  num_snapshot_rows: int, num_logits_rows: int, vocab_size: int, device: torch.device,
-                 seed: int = 0, round_saves: bool = False) -> ModelRunner:
+                 seed: int = 0, round_saves: bool = False,
+                 final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None) -> ModelRunner:
     """The eager runner with plain-torch attention: the reference, and what `--device cpu` serves.
-    `round_saves`: the server speculates over continuation state (DeviceState)."""
+    `round_saves`: the server speculates over continuation state (DeviceState). `final_hidden`:
+    what is handed each step's final hidden states (EagerRunner)."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
                         device=device, round_saves=round_saves)
     sampler = Sampler(seed=seed, device=device)
-    return ModelRunner(state, sampler, EagerRunner(model, state, sampler), HostCopies(device))
+    return ModelRunner(state, sampler, EagerRunner(model, state, sampler, final_hidden=final_hidden),
+                       HostCopies(device))

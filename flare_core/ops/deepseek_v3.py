@@ -41,7 +41,7 @@ Weights: checkpoint tensors -> the prepared layout. Real DeepSeek-V3 / Kimi K2 c
 them: `self_attn.kv_b_proj.weight`, separate `gate_proj`/`up_proj`, one set of matrices per
 routed expert (`mlp.experts.{i}.gate_proj.weight`, ...). DeepSeek's checkpoints also carry the
 multi-token-prediction module as layer `model.layers.{num_hidden_layers}.*`; the serving model
-has no such layer, so nothing asks for those tensors and they are never read. The prepared layout:
+has no such layer: those tensors are the draft head's (`MultiTokenHead`, stored apart in the core). The prepared layout:
 
 * `self_attn.w_uk` = kv_b_proj rows of the no-rope key part, per head: [H, nope, kv_lora_rank]
 * `self_attn.w_uv` = kv_b_proj rows of the value part, per head, transposed: [H, kv_lora_rank, v]
@@ -71,7 +71,7 @@ from torch import Tensor, nn
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
-from flare_core.contract import Capacities, ContractError, DerivedShard, Recipe, TensorParallelSpec
+from flare_core.contract import Capacities, ContractError, DerivedShard, DraftHead, Recipe, TensorParallelSpec
 from flare_core.ops.attention import ForwardContext
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
@@ -260,20 +260,141 @@ def _check_routing_groups(config: Any, obj: str) -> None:
 
 
 def deepseek_v3_plan_notes(config: Any) -> tuple[str, ...]:
-    """What the export plan says about the parts of the checkpoint that are not loaded (export
-    itself says how fp8 weights are read)."""
-    return _mtp_notes(config)
-
-
-def _mtp_notes(config: Any) -> tuple[str, ...]:
-    mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
-    if mtp <= 0:
+    """What the export plan says about the checkpoint's multi-token-prediction layers beyond the
+    first, which the draft head does not read (export itself says whether it stored the draft
+    head, and how fp8 weights are read)."""
+    mtp, first = _mtp_layers(config), config.num_hidden_layers
+    if mtp <= 1:
         return ()
-    first = config.num_hidden_layers
-    layers = f"model.layers.{first}" if mtp == 1 else f"model.layers.{first}-{first + mtp - 1}"
-    return (f"multi-token prediction (MTP) layers are not loaded: {layers} ({mtp} module"
-            f"{'s' if mtp > 1 else ''}) stay in the checkpoint; the core serves the {first} decoder layers "
-            "without speculative decoding",)
+    rest = f"layer model.layers.{first + 1} is" if mtp == 2 else f"layers model.layers.{first + 1}-{first + mtp - 1} are"
+    return (f"multi-token prediction (MTP) {rest} not loaded: the draft head is the first, model.layers.{first}, "
+            f"used at every depth",)
+
+
+def _mtp_layers(config: Any) -> int:
+    return getattr(config, "num_nextn_predict_layers", 0) or 0
+
+
+def _ships_mtp(config: Any, checkpoint: Mapping[str, Tensor]) -> bool:
+    """The config declares an MTP layer and the checkpoint carries it (some re-publications of
+    DeepSeek checkpoints drop it and keep the config)."""
+    return _mtp_layers(config) > 0 and f"model.layers.{config.num_hidden_layers}.eh_proj.weight" in checkpoint
+
+
+class MultiTokenHead(nn.Module):
+    """DeepSeek-V3's multi-token-prediction (MTP) module as a draft head
+    (flare_core.contract.DraftHeadModel). The checkpoint stores it as decoder layer
+    `model.layers.{num_hidden_layers}` with its own embedding, `enorm` / `hnorm` norms, `eh_proj`
+    projection and `shared_head` (norm + output head) beside the layer's attention and MoE. At
+    position j it mixes the served model's final hidden state h_j with the embedding of token
+    j + 1 and runs one decoder layer over its own latent cache; its norm and head give the guess
+    of token j + 2 (DeepSeek-V3 technical report, section 2.2). Guessing further, its output at
+    j is fed back in place of h_{j+1} with its own guess as the token (one module used at every
+    depth).
+
+    Written from vLLM's `vllm/model_executor/models/deepseek_mtp.py` (commit 03356f8): the
+    order of the concatenation (embedding first), the embedding zeroed at position 0, the
+    chained hidden state taken before the shared head's norm, and the checkpoint's own embedding
+    and head read (SGLang's `deepseek_nextn.py` reads the served model's, which the technical
+    report says are shared). The decoder layer, norms and rotary embedding are Transformers'
+    modules: the layer is served as `build_deepseek_v3` serves a MoE layer (absorbed MLA, fused
+    shared experts), over a one-layer copy of the config, so `decoder` is a one-layer
+    `DecoderForServing` whose embedding, final norm and head are the module's own."""
+
+    def __init__(self, config: Any, dtype: torch.dtype):
+        super().__init__()
+        with torch.device("meta"):
+            self.enorm = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.hnorm = ds.DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.to(dtype)
+        self.decoder = build_deepseek_v3(_head_config(config), dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, previous: Tensor, context: ForwardContext) -> Tensor:
+        model = self.decoder.model
+        embedded = model.embed_tokens(input_ids).masked_fill((positions == 0)[:, None], 0.0)
+        hidden = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))[None]
+        cos, sin = model.rotary_emb(hidden, positions[None])
+        for index, layer in enumerate(model.layers):
+            hidden = layer(hidden, position_embeddings=(cos[0], sin[0]), context=context.for_layer(index))
+        return hidden[0]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return self.decoder.logits(hidden[None], rows)
+
+
+def _head_config(config: Any) -> Any:
+    """The config of the MTP layer as a model of its own: one MoE decoder layer, an untied head."""
+    values = config.to_dict()
+    values.update(num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0, tie_word_embeddings=False)
+    return DeepseekV3Config(**values)
+
+
+def build_deepseek_v3_head(config: Any, dtype: torch.dtype) -> MultiTokenHead:
+    return MultiTokenHead(config, dtype)
+
+
+class _LayerAsModel(Mapping[str, Tensor]):
+    """The checkpoint's MTP layer seen as the tensors of a one-layer model: `model.layers.0.X` is
+    `model.layers.{N}.X`, the embedding, final norm and head its own (`embed_tokens`,
+    `shared_head.norm`, `shared_head.head`), and the module's own tensors (`enorm`, ...) under
+    their plain names; fp8 weights' scales follow their weights' names."""
+
+    # (name in the one-layer model, name in the layer) for the parts that are not the decoder layer's
+    OWN = (("model.embed_tokens.", "embed_tokens."), ("model.norm.", "shared_head.norm."),
+           ("lm_head.", "shared_head.head."), ("enorm.", "enorm."), ("hnorm.", "hnorm."), ("eh_proj.", "eh_proj."))
+
+    def __init__(self, checkpoint: Mapping[str, Tensor], layer: int):
+        self.checkpoint, self.prefix = checkpoint, f"model.layers.{layer}."
+
+    def source(self, name: str) -> str:
+        for model_name, own in self.OWN:
+            if name.startswith(model_name):
+                return self.prefix + own + name[len(model_name):]
+        return self.prefix + name.removeprefix("model.layers.0.")
+
+    def _name(self, source: str) -> str:
+        rest = source[len(self.prefix):]
+        for model_name, own in self.OWN:
+            if rest.startswith(own):
+                return model_name + rest[len(own):]
+        return "model.layers.0." + rest
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.checkpoint[self.source(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.source(name) in self.checkpoint
+
+    def __iter__(self) -> Iterator[str]:
+        return (self._name(n) for n in self.checkpoint if n.startswith(self.prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def map_deepseek_v3_head_weights(config: Any, checkpoint: Mapping[str, Tensor],
+                                  dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """The MTP module's prepared tensors (MultiTokenHead's names) from the checkpoint's layer
+    `num_hidden_layers`, mapped as the model's layers are (absorbed MLA, fused and packed experts,
+    fp8 blocks dequantized)."""
+    layer = _LayerAsModel(checkpoint, config.num_hidden_layers)
+    try:
+        blocks = fp8_blocks(config)
+    except Fp8ConfigError as exc:
+        raise ValueError(f"config.json {exc}") from exc
+    source = DequantizedCheckpoint(layer, blocks)
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+        if name not in source:
+            raise ValueError(f"checkpoint lacks tensor {layer.source(name)!r} (needed for the MTP draft head)")
+        yield name, source[name].to(dtype)
+    for name, tensor in map_deepseek_v3_weights(_head_config(config), layer, dtype):
+        yield "decoder." + name, tensor
+
+
+DEEPSEEK_V3_DRAFT_HEAD = DraftHead(shipped=_ships_mtp, build=build_deepseek_v3_head,
+                                   map_weights=map_deepseek_v3_head_weights)
 
 
 # Attention heads split over tensor-parallel ranks (q_b_proj rows, the absorbed w_uk / w_uv, o_proj
@@ -299,4 +420,4 @@ def deepseek_v3_recipe(**fields: Any) -> Recipe:
     return Recipe(architectures=DEEPSEEK_V3_ARCHITECTURES, cache_scheme=DEEPSEEK_V3_CACHE_SCHEME,
                   capacities=Capacities(), build_model=build_deepseek_v3, map_weights=map_deepseek_v3_weights,
                   check_config=check_deepseek_v3_config, plan_notes=deepseek_v3_plan_notes,
-                  tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL, **fields)
+                  tensor_parallel=DEEPSEEK_V3_TENSOR_PARALLEL, draft_head=DEEPSEEK_V3_DRAFT_HEAD, **fields)

@@ -77,13 +77,19 @@ class DecoderForServing(nn.Module):
         # vocabulary (HeadSlice): its logits are gathered from every rank's slice.
         self.gather_logits: Callable[[Tensor], Tensor] | None = None
 
-    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        return self.run(input_ids, positions, context, None, self.logits)
+    def forward(self, input_ids: Tensor, positions: Tensor, context: ForwardContext,
+                final_hidden: Callable[[Tensor], None] | None = None) -> Tensor:
+        if final_hidden is None:  # (a family's own `run` may take no final_hidden: DeepSeek V4.1's)
+            return self.run(input_ids, positions, context, None, self.logits)
+        return self.run(input_ids, positions, context, None, self.logits, final_hidden=final_hidden)
 
     def run(self, input_ids: Tensor, positions: Tensor, context: ForwardContext,
-            groups: list[nn.Module] | None, logits: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+            groups: list[nn.Module] | None, logits: Callable[[Tensor, Tensor], Tensor],
+            final_hidden: Callable[[Tensor], None] | None = None) -> Tensor:
         """The step's logits, the decoder layers called one by one, or through `groups` (each
-        called with the layers' contexts) and `logits` as compiled by `CompiledDecoder`."""
+        called with the layers' contexts) and `logits` as compiled by `CompiledDecoder`.
+        `final_hidden` is handed every token's final hidden state [T, hidden] (after the final
+        norm: what a draft head reads, flare_core.contract.DraftHeadModel)."""
         with bound(context):  # compiled layers (CompiledDecoder) find the step's attention plan here
             hidden, arguments = self.layer_inputs(input_ids, positions)
             if groups is not None:
@@ -95,6 +101,8 @@ class DecoderForServing(nn.Module):
             else:
                 for index, layer in enumerate(self.model.layers):
                     hidden = layer(hidden, **arguments, context=context.for_layer(index))
+            if final_hidden is not None:
+                final_hidden(self.model.norm(hidden[0]))
             return logits(hidden, context.batch.logits_indices)
 
     def layer_inputs(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, dict[str, Any]]:

@@ -68,6 +68,9 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of  # from the index: no tensor is read
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
 

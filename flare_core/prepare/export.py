@@ -9,13 +9,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 import flare_core
 from flare_core.config import Config
-from flare_core.contract import CARRIED_PREFIX, CONTRACT_VERSION, EmbeddingTable, Recipe
+from flare_core.contract import CARRIED_PREFIX, CONTRACT_VERSION, DRAFT_HEAD_PREFIX, EmbeddingTable, Recipe
 from flare_core.ops.tables import table_skeleton
 from flare_core.plugins import Registry
 from flare_core.frontend.generic_tools import describe_way
@@ -209,7 +209,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         template=assets.template_description, tokenizer=assets.tokenizer_description,
         tools=describe_way(assets.manifest_entry(recipe.frontend)),
         notes=checkpoint.notes + assets.notes + (tuple(recipe.plan_notes(model_config)) if recipe.plan_notes else ())
-        + rank_notes + quantize_notes + kv_notes,
+        + rank_notes + quantize_notes + kv_notes + _draft_head_notes(recipe, model_config, checkpoint.tensors),
     )
     for line in plan.lines():
         echo(line)
@@ -227,6 +227,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
                           rank_skeleton, ranks, request.progress, derived, tensors.put)
         carried = _carry(recipe, checkpoint_tensors, torch_dtype, tensors)
+        head_tensors = _draft_head(recipe, model_config, checkpoint.tensors, torch_dtype, request.progress, tensors.put)
         fp8_count = 0
         if quantized:
             fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
@@ -243,6 +244,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             manifest["carried"] = {"prefixes": list(recipe.carried_prefixes), "tensors": carried}
             echo(f"carried       {carried} checkpoint tensors under {', '.join(recipe.carried_prefixes)} stored as "
                  f"{CARRIED_PREFIX}<name> in {request.dtype}, not loaded into the served model")
+        if head_tensors:
+            manifest["draft_head"] = {"tensors": head_tensors, "layers": recipe.draft_head.layers}
+            echo(f"draft head    {head_tensors} tensors stored as {DRAFT_HEAD_PREFIX}<name> in {request.dtype} "
+                 f"(flare run --spec-method mtp)")
         if fp8_count:
             manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
                                         "weights": fp8_count}
@@ -427,17 +432,23 @@ def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Te
     """Hand `keep` each prepared tensor as the recipe yields it (with those derived from the
     tokenizer), checked against `skeleton`; ExportError for a tensor the model lacks or misshapes,
     or one it needs and did not get."""
+    _keep_checked(itertools.chain(recipe.map_weights(model_config, checkpoint, dtype), derived.items()), skeleton,
+                  f"recipe {recipe.name}", "its model", progress, keep)
+
+
+def _keep_checked(named: Iterable[tuple[str, torch.Tensor]], skeleton: dict[str, torch.Tensor], who: str,
+                  model: str, progress: bool, keep: Callable[[str, torch.Tensor], None]) -> None:
     from tqdm import tqdm
 
     mapped: set[str] = set()
     bar = tqdm(total=len(skeleton), desc="mapping weights", unit="tensor", disable=not progress)
     try:
-        for name, tensor in itertools.chain(recipe.map_weights(model_config, checkpoint, dtype), derived.items()):
+        for name, tensor in named:
             expected = skeleton.get(name)
             if expected is None:
-                raise ExportError(f"recipe {recipe.name} produced tensor {name!r}, which its model does not have")
+                raise ExportError(f"{who} produced tensor {name!r}, which {model} does not have")
             if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
-                raise ExportError(f"tensor {name!r}: mapped to {tuple(tensor.shape)} {tensor.dtype}, the model "
+                raise ExportError(f"tensor {name!r}: mapped to {tuple(tensor.shape)} {tensor.dtype}, {model} "
                                   f"expects {tuple(expected.shape)} {expected.dtype}")
             keep(name, tensor)
             mapped.add(name)
@@ -446,8 +457,27 @@ def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Te
         bar.close()
     missing = sorted(set(skeleton) - mapped)
     if missing:
-        raise ExportError(f"recipe {recipe.name} did not produce {len(missing)} tensors the model needs, "
-                          f"e.g. {', '.join(missing[:5])}")
+        raise ExportError(f"{who} did not produce {len(missing)} tensors {model} needs, e.g. {', '.join(missing[:5])}")
+
+
+def _draft_head_notes(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    if recipe.draft_head is None or not recipe.draft_head.shipped(model_config, checkpoint):
+        return ()
+    return ("draft head: the checkpoint's multi-token-prediction module is stored in the core beside the model, "
+            "unquantized and whole (`flare run --spec-method mtp` proposes draft tokens with it)",)
+
+
+def _draft_head(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                progress: bool, keep: Callable[[str, torch.Tensor], None]) -> int:
+    """Stage the prepared tensors of the recipe's draft head as `draft_head.<name>` where the
+    checkpoint ships one (Recipe.draft_head); how many."""
+    head = recipe.draft_head
+    if head is None or not head.shipped(model_config, checkpoint):
+        return 0
+    skeleton = dict(head.build(model_config, dtype).state_dict())
+    _keep_checked(head.map_weights(model_config, checkpoint, dtype), skeleton, f"recipe {recipe.name}'s draft head",
+                  "the draft head", progress, lambda name, tensor: keep(DRAFT_HEAD_PREFIX + name, tensor))
+    return len(skeleton)
 
 
 def _describe_source(source: ModelSource) -> str:

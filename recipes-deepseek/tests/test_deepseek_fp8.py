@@ -227,5 +227,9 @@ def test_unsupported_quantization_is_rejected(quantization, field, message):
 
 
 def test_plan_notes_leave_fp8_to_export():
-    (mtp,) = DEEPSEEK_V3.plan_notes(v3_config(quantization_config=fp8_quantization_config()))
-    assert "MTP" in mtp  # the fp8 note is export's own, for every recipe (test_fp8_export_serves_...)
+    # The fp8 note is export's own, for every recipe (test_fp8_export_serves_...); the recipe's notes
+    # speak of MTP layers beyond the draft head only.
+    assert DEEPSEEK_V3.plan_notes(v3_config(quantization_config=fp8_quantization_config())) == ()
+    (mtp,) = DEEPSEEK_V3.plan_notes(v3_config(quantization_config=fp8_quantization_config(),
+                                              num_nextn_predict_layers=2))
+    assert "MTP" in mtp and "fp8" not in mtp

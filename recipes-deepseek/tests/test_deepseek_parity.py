@@ -131,7 +131,7 @@ class ReadRecorder(Mapping[str, torch.Tensor]):
         return len(self.tensors)
 
 
-def test_mtp_layers_are_not_read_and_the_plan_says_so(tmp_path):
+def test_the_served_model_reads_no_mtp_layer_and_the_draft_head_reads_only_it(tmp_path):
     config = v3_config()
     _, checkpoint = saved_checkpoint(config, tmp_path)
     # DeepSeek-V3 checkpoints store the MTP module as one more layer (here layer 3 of 3).
@@ -141,9 +141,14 @@ def test_mtp_layers_are_not_read_and_the_plan_says_so(tmp_path):
     recorder = ReadRecorder(checkpoint)
     dict(DEEPSEEK_V3.map_weights(config, recorder, torch.float32))
     assert not [n for n in recorder.read if n.startswith("model.layers.3.")]
-    (note,) = DEEPSEEK_V3.plan_notes(config)
-    assert "MTP" in note and "model.layers.3" in note and "not loaded" in note
-    assert DEEPSEEK_V3.plan_notes(v3_config(num_nextn_predict_layers=0)) == ()
+    head = DEEPSEEK_V3.draft_head
+    assert head.shipped(config, checkpoint) and not head.shipped(v3_config(num_nextn_predict_layers=0), checkpoint)
+    del checkpoint["model.layers.3.eh_proj.weight"]
+    assert not head.shipped(config, checkpoint)  # declared by the config, dropped from the checkpoint
+    # Layers past the first are not read: the plan says so.
+    assert DEEPSEEK_V3.plan_notes(config) == ()
+    (note,) = DEEPSEEK_V3.plan_notes(v3_config(num_nextn_predict_layers=2))
+    assert "MTP" in note and "model.layers.4-4" not in note and "model.layers.4" in note and "not loaded" in note
 
 
 def test_missing_checkpoint_tensor_is_named(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,6 +68,72 @@ def random_model(config: ds.DeepseekV3Config, seed: int = 0) -> ds.DeepseekV3For
     return scale_random_weights(model, ds.DeepseekV3Experts, ds.DeepseekV3TopkRouter)
 
 
+class MtpReference(torch.nn.Module):
+    """DeepSeek-V3's multi-token-prediction module over whole sequences, made of Transformers'
+    modules: the draft head's reference. A one-layer `DeepseekV3ForCausalLM` (its MoE layer; its
+    final norm and head standing for the module's `shared_head`) fed
+    eh_proj([enorm(embedding of the token at j + 1, zeroed at position 0); hnorm(h_j)]), as vLLM's
+    deepseek_mtp.py (commit 03356f8) computes it; random weights drawn as `random_model` draws them."""
+
+    def __init__(self, config: ds.DeepseekV3Config, seed: int = 1):
+        super().__init__()
+        values = config.to_dict() | dict(num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0,
+                                         tie_word_embeddings=False)
+        self.layer_model = random_model(ds.DeepseekV3Config(**values), seed)
+        hidden = config.hidden_size
+        self.enorm = ds.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hnorm = ds.DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():
+            self.enorm.weight.normal_(1.0, 0.1)
+            self.hnorm.weight.normal_(1.0, 0.1)
+            self.eh_proj.weight.normal_(0.0, (2 * hidden) ** -0.5)
+
+    @torch.no_grad()
+    def forward(self, previous: torch.Tensor, next_tokens: torch.Tensor,
+                origin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """At positions origin..origin+T-1, attending over those only: (logits [T, vocab], the
+        layer's output [T, hidden] before the norm)."""
+        positions = torch.arange(origin, origin + len(next_tokens))
+        embedded = self.layer_model.model.embed_tokens(next_tokens).masked_fill((positions == 0)[:, None], 0.0)
+        mixed = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        outputs: list[torch.Tensor] = []
+        hook = self.layer_model.model.layers[0].register_forward_hook(
+            lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output))
+        try:
+            logits = self.layer_model(inputs_embeds=mixed[None], position_ids=positions[None]).logits[0]
+        finally:
+            hook.remove()
+        return logits, outputs[0][0]
+
+    def drafts(self, model: torch.nn.Module, tokens: list[int], width: int, origin: int = 0) -> list[int]:
+        """The greedy guesses after `tokens` of this module over the served Transformers `model`'s
+        final hidden states from position `origin` on: its guess at the position before the last
+        token, then its own output fed back at each further position with its guess as the token."""
+        with torch.no_grad():  # the final hidden states are after the final norm
+            previous = model.model(torch.tensor([tokens])).last_hidden_state[0, origin:-1]
+        following, guesses = list(tokens[origin + 1:]), []
+        for _ in range(width):
+            logits, output = self(previous, torch.tensor(following), origin)
+            guesses.append(int(logits[-1].argmax()))
+            previous = torch.cat([previous, output[-1:]])
+            following.append(guesses[-1])
+        return guesses
+
+    def checkpoint_tensors(self, layer: int, directory: Path) -> dict[str, torch.Tensor]:
+        """Its weights named as a DeepSeek-V3 checkpoint stores the module: layer `layer`, with its
+        own embedding, shared_head (norm, head) and enorm / hnorm / eh_proj; experts one by one."""
+        self.layer_model.save_pretrained(directory)
+        own = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "shared_head.norm.weight",
+               "lm_head.weight": "shared_head.head.weight"}
+        prefix = f"model.layers.{layer}."
+        tensors = {prefix + own.get(name, name.removeprefix("model.layers.0.")): tensor
+                   for name, tensor in load_file(directory / "model.safetensors").items()}
+        for part in ("enorm", "hnorm", "eh_proj"):
+            tensors[f"{prefix}{part}.weight"] = getattr(self, part).weight.detach().clone()
+        return tensors
+
+
 def scale_random_weights(model: torch.nn.Module, experts: type, router: type) -> torch.nn.Module:
     """Redraw `model`'s weights in place as `random_model` draws them, for any model with
     DeepSeek-style packed experts (`gate_up_proj` / `down_proj`, `hidden_dim` / `intermediate_dim`)
@@ -97,6 +164,17 @@ def save_model(directory: Path, model: ds.DeepseekV3ForCausalLM, model_type: str
         config_file = directory / "config.json"
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_type": model_type}))
     return directory
+
+
+def add_mtp_layer(directory: Path, config: ds.DeepseekV3Config, seed: int = 1) -> MtpReference:
+    """Add a random multi-token-prediction layer to the checkpoint saved in `directory` (layer
+    `num_hidden_layers`, as DeepSeek publishes it); returns its reference."""
+    mtp = MtpReference(config, seed)
+    weights = Path(directory) / "model.safetensors"
+    with tempfile.TemporaryDirectory() as scratch:
+        tensors = load_file(weights) | mtp.checkpoint_tensors(config.num_hidden_layers, Path(scratch))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return mtp
 
 
 def write_frontend(directory: Path, *, vocab_size: int, special_tokens: Sequence[str], chat_template: str,

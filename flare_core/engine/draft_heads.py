@@ -1,0 +1,193 @@
+"""A core's draft head as a proposer for speculative decoding (`flare run CORE --spec-method mtp`):
+the multi-token-prediction module a checkpoint ships beside its model (`Recipe.draft_head`,
+DeepSeek V3's MTP layer) guesses each request's next tokens from the served model's final hidden
+states, and the served model checks them in one round.
+
+The head reads, at position j of a request, the served model's final hidden state h_j and token
+j + 1, and keeps records of its own (one cache row of pages per live request, least recently
+proposing request's row reused first). The served model hands the hidden states of every token it
+computes to `record` (the eager runner's `final_hidden`); the head computes its records as soon
+as the token after a position is certain (a prompt's tokens, the input of the request's next
+step), so what waits is at most one step's tokens per request. A proposal computes what still
+waits, up to the newest sampled token, and guesses on from its own output: greedy, so coupled
+verification keeps every output what plain decoding gives.
+
+Positions the served model never computed (a prompt read from the prefix cache) give the head no
+hidden state: its records then start at the first position it saw (`_Row.origin`), and it
+attends over those only; its guesses are worse there, the outputs the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flare_core.contract import CacheScheme
+from flare_core.executor.storage import allocate_cache_storage
+from flare_core.kernels.transfer import to_device
+from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.scheduler import StepPlan
+
+
+@dataclass(eq=False)
+class _Row:
+    index: int
+    origin: int = 0  # the position of the row's first record
+    computed: int = 0  # the records hold positions [origin, computed)
+    # The served model's final hidden states the head has not read yet: positions
+    # [start, start + len(fed)), with the tokens the served model was fed there.
+    start: int = 0
+    fed: list[int] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+    certain: int = 0  # of them, how many were fed tokens known to be the request's (not drafts)
+
+
+def head_scheme(scheme: CacheScheme, layers: int) -> CacheScheme:
+    """The served model's cache scheme cut to a head of `layers` attention layers. ValueError
+    where the scheme keeps continuation state or stores that cover only some layers."""
+    if scheme.state or any(store.layer_ids for store in scheme.paged):
+        raise ValueError(f"--spec-method mtp: the core's cache scheme {scheme.name!r} keeps continuation state or "
+                         f"stores of some layers only; a draft head reads a scheme of paged records in every layer")
+    return dataclasses.replace(scheme, paged=tuple(dataclasses.replace(s, layers=layers) for s in scheme.paged))
+
+
+class HeadProposer:
+    def __init__(self, head: torch.nn.Module, scheme: CacheScheme, *, rows: int, longest: int, page_tokens: int,
+                 vocab_size: int, device: torch.device):
+        """Proposals from `head` (flare_core.contract.DraftHeadModel) for at most `rows` live requests
+        of up to `longest` tokens with their drafts, its records in pages of `scheme` (the head's,
+        `head_scheme`); guesses at or past `vocab_size` (a padded head) end a proposal."""
+        self.head = head
+        self.page_tokens = page_tokens
+        self.pages_per_row = -(-longest // page_tokens)
+        self.vocab_size = vocab_size
+        self.device = device
+        self.storage = allocate_cache_storage(scheme, rows * self.pages_per_row, page_tokens, device)
+        self._rows: OrderedDict[str, _Row] = OrderedDict()  # by request, least recently used first
+        self._free = list(range(rows))
+        self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
+
+    def seconds(self, width: int) -> float:
+        return width * self._token_s
+
+    @torch.inference_mode()
+    def record(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Take the served model's final hidden states [T, hidden] of `plan`'s tokens (its decodes
+        with their drafts, then its prompt chunks, as the eager runner feeds them) and compute the
+        head's records of every position whose next token is now certain."""
+        groups: list[tuple[str, int, list[int], int]] = []  # (request, first position, fed tokens, certain)
+        for decode in plan.decodes:
+            # An input the host has not seen yet (sampled by a step still running) cannot be read
+            # after the position before it: that request's waiting states are dropped (-1).
+            fed = [-1 if decode.input_token is None else decode.input_token, *decode.drafts]
+            groups.append((decode.handle.request_id, decode.position, fed, 1))
+        for chunk in plan.prefills:
+            groups.append((chunk.handle.request_id, chunk.start, list(chunk.tokens), len(chunk.tokens)))
+        work, offset = [], 0
+        for request_id, first, fed, certain in groups:
+            row = self._row(request_id)
+            step_hidden = hidden[offset:offset + len(fed)]
+            offset += len(fed)
+            if fed[0] < 0:
+                row.hidden, row.fed, row.certain = None, [], 0
+                continue
+            self._take(row, first, fed, step_hidden, certain)
+            # Positions before the last certain token have their next token: the head can read them.
+            ready = row.certain - 1
+            if ready > 0:
+                work.append((row, ready, row.fed[1:ready + 1]))
+        if work:
+            self._run([(row, ready, tokens) for row, ready, tokens in work])
+
+    @torch.inference_mode()
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+        """Up to `width` greedy guesses to follow `tokens`: the head first reads what waits up to the
+        newest token (the served model computed every position before it), then guesses on."""
+        row = self._rows.get(request_id)
+        if row is None or width <= 0 or len(tokens) + width > self.pages_per_row * self.page_tokens:
+            return ()
+        last = len(tokens) - 1  # the newest token's position: the served model has not computed it
+        if row.hidden is None or not row.start <= last - 1 < row.start + len(row.fed):
+            return ()  # the hidden state at the position before the newest token never came
+        started = time.perf_counter()
+        self._rows.move_to_end(request_id)
+        ready = last - row.start
+        # The fed tokens there are the request's own (a round's kept drafts); the next ones come
+        # from `tokens`, which also hold the sample after the last kept one.
+        hidden = self._run([(row, ready, list(tokens[row.start + 1:last + 1]))])[0]
+        drafts = [int(self.head.logits(hidden[-1:]).argmax(dim=-1))]
+        committed = row.computed
+        while len(drafts) < width and drafts[-1] < self.vocab_size:
+            # Its own output stands in for the served model's hidden state one position on.
+            hidden = self._forward([(row, row.computed, hidden[-1:], [drafts[-1]])])[0]
+            row.computed += 1
+            drafts.append(int(self.head.logits(hidden).argmax(dim=-1)))
+        row.computed = committed  # the guessed positions' records are overwritten once certain
+        if drafts[-1] >= self.vocab_size:
+            drafts.pop()
+        spent = (time.perf_counter() - started) / width
+        self._token_s = spent if self._token_s == 0.0 else 0.8 * self._token_s + 0.2 * spent
+        return tuple(drafts)
+
+    def _take(self, row: _Row, first: int, fed: list[int], hidden: torch.Tensor, certain: int) -> None:
+        """Add a step's tokens from `first` to what waits: what waited at or after `first` was
+        computed again (a refused draft's position, a rewind), and what waited before it is now
+        certain (the request went on past it); a gap drops what waited."""
+        if row.hidden is not None and row.start <= first <= row.start + len(row.fed):
+            keep = first - row.start
+            row.fed = row.fed[:keep] + fed
+            row.hidden = torch.cat([row.hidden[:keep], hidden])
+            row.certain = keep + certain
+        else:  # a copy: a view would keep the whole step's hidden states alive
+            row.start, row.fed, row.hidden, row.certain = first, list(fed), hidden.clone(), certain
+
+    def _run(self, work: list[tuple[_Row, int, list[int]]]) -> list[torch.Tensor]:
+        """For each (row, n, next tokens): the head's records of the first n waiting positions, read
+        with the tokens after them; returns each row's head hidden states [n, hidden] and drops
+        those positions from what waits."""
+        batch = []
+        for row, n, next_tokens in work:
+            if row.computed != row.start or row.start < row.origin:
+                # Records past the first waiting position are stale (computed again); records
+                # before it with a gap between are of no use: start the row's records there.
+                if not row.origin <= row.start <= row.computed:
+                    row.origin = row.start
+                row.computed = row.start
+            batch.append((row, row.start, row.hidden[:n], next_tokens[:n]))
+        outputs = self._forward(batch)
+        for (row, n, _), _ in zip(work, outputs):
+            row.computed = row.start + n
+            row.start += n
+            row.fed = row.fed[n:]
+            row.hidden = row.hidden[n:].clone()
+            row.certain = max(row.certain - n, 0)
+        return outputs
+
+    def _forward(self, batch: list[tuple[_Row, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+        """One head forward over (row, first position, previous hidden [n, hidden], tokens) groups,
+        each appending records at positions first..first + n - 1 of its row; each group's output."""
+        sequences, positions, tokens = [], [], []
+        for row, first, previous, next_tokens in batch:
+            pages = range(row.index * self.pages_per_row, (row.index + 1) * self.pages_per_row)
+            count = len(next_tokens)
+            sequences.append((count, first - row.origin, tuple(pages)))
+            positions.extend(range(first, first + count))
+            tokens.extend(next_tokens)
+        context = ForwardContext(AttentionBatch.build(sequences, self.page_tokens, self.device), self.storage)
+        previous = torch.cat([group[2] for group in batch])
+        hidden = self.head(to_device(tokens, torch.int64, self.device), to_device(positions, torch.int64, self.device),
+                           previous, context)
+        return list(hidden.split([len(group[3]) for group in batch]))
+
+    def _row(self, request_id: str) -> _Row:
+        """The request's row, or a new one: a free row, else the least recently used one's."""
+        row = self._rows.pop(request_id, None)
+        if row is None:
+            row = _Row(self._free.pop() if self._free else self._rows.popitem(last=False)[1].index)
+        self._rows[request_id] = row
+        return row
