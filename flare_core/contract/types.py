@@ -578,28 +578,28 @@ class TensorParallelSpec:
 @dataclass(frozen=True)
 class DraftHead:
     """A module a checkpoint ships beside its model to guess the tokens after the next one (DeepSeek
-    V3's multi-token-prediction layer), served as the draft proposer of `flare run --spec-method mtp`.
+    V3's multi-token-prediction layer, Qwen3-Next's), served as the draft proposer of `flare run
+    --spec-method mtp`.
 
     `shipped(config, checkpoint)`: whether the checkpoint (its config, its tensors by name)
-    carries the module (export stores it in the core only then). `build(config, dtype)`: the head with its parameters on the meta device
-    (flare_core.contract.protocols.DraftHeadModel: it reads the served model's final hidden states
-    and keeps its own records in a cache of the recipe's scheme with one layer per attention layer
-    of the head, `layers`). `map_weights(config, checkpoint, dtype)`: its prepared tensors from the
-    checkpoint, as a recipe's `map_weights` yields the model's; the core stores them under
-    `draft_head.<name>`."""
+    carries the module (export stores it in the core only then). `build(config, dtype)`: the head
+    with its parameters on the meta device (flare_core.contract.protocols.DraftHeadModel: it reads
+    the served model's final hidden states). `config(config)`: the head as a model of its own (its
+    layers only), from which the recipe's cache scheme builds the head's cache. `map_weights(config,
+    checkpoint, dtype)`: its prepared tensors from the checkpoint, as a recipe's `map_weights`
+    yields the model's; the core stores them under `draft_head.<name>`."""
 
-    shipped: Callable[[Any], bool]
+    shipped: Callable[[Any, Mapping[str, Any]], bool]
     build: BuildModel
+    config: Callable[[Any], Any]
     map_weights: MapWeights
-    layers: int = 1
 
     def __post_init__(self) -> None:
         _check_call(self.shipped, "DraftHead", "shipped", "shipped(config, checkpoint)", None, None)
         _check_call(self.build, "DraftHead", "build", "build(config, dtype)", None, None)
+        _check_call(self.config, "DraftHead", "config", "config(config)", None)
         _check_call(self.map_weights, "DraftHead", "map_weights", "map_weights(config, checkpoint, dtype)", None, None,
                     None)
-        _require(isinstance(self.layers, int) and self.layers >= 1, "DraftHead", "layers",
-                 f"must be a positive int, got {self.layers!r}")
 
 
 @dataclass(frozen=True)

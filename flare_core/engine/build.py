@@ -154,7 +154,7 @@ def _head_proposer(loaded: LoadedCore, registry: Registry, rows: int, longest: i
         raise ValueError(f"--spec-method mtp: the core is split over {loaded.tensor_parallel} tensor-parallel ranks; "
                          f"a draft head runs beside a whole model only")
     head = load_draft_head(loaded, registry)
-    layers = registry.recipes[loaded.recipe_name].draft_head.layers  # load_draft_head found the recipe's head
-    return HeadProposer(head, head_scheme(loaded.cache_scheme, layers), rows=rows, longest=longest,
+    scheme = head_scheme(registry, registry.recipes[loaded.recipe_name], loaded.model_config, loaded.manifest["dtype"])
+    return HeadProposer(head, scheme, rows=rows, longest=longest,
                         page_tokens=loaded.capacities.page_tokens, vocab_size=loaded.tokenizer.vocab_size,
                         device=loaded.device)

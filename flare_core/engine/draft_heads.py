@@ -19,18 +19,19 @@ attends over those only; its guesses are worse there, the outputs the same.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from flare_core.contract import CacheScheme
+from flare_core.contract import CacheScheme, Recipe
+from flare_core.engine.drafting import RowsByRequest
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.kernels.transfer import to_device
 from flare_core.ops.attention import AttentionBatch, ForwardContext
+from flare_core.plugins import Registry
 from flare_core.scheduler import StepPlan
 
 
@@ -47,13 +48,16 @@ class _Row:
     certain: int = 0  # of them, how many were fed tokens known to be the request's (not drafts)
 
 
-def head_scheme(scheme: CacheScheme, layers: int) -> CacheScheme:
-    """The served model's cache scheme cut to a head of `layers` attention layers. ValueError
-    where the scheme keeps continuation state or stores that cover only some layers."""
-    if scheme.state or any(store.layer_ids for store in scheme.paged):
-        raise ValueError(f"--spec-method mtp: the core's cache scheme {scheme.name!r} keeps continuation state or "
-                         f"stores of some layers only; a draft head reads a scheme of paged records in every layer")
-    return dataclasses.replace(scheme, paged=tuple(dataclasses.replace(s, layers=layers) for s in scheme.paged))
+def head_scheme(registry: Registry, recipe: Recipe, config: Any, dtype: str) -> CacheScheme:
+    """The cache scheme of `recipe`'s draft head: the recipe's scheme built from the head's own
+    config. ValueError naming --spec-method mtp where it keeps continuation state (a head's
+    guesses past the next token could not be taken back)."""
+    assert recipe.draft_head is not None
+    scheme = registry.cache_schemes[recipe.cache_scheme].build(recipe.draft_head.config(config), dtype)
+    if scheme.state:
+        raise ValueError(f"--spec-method mtp: the draft head of recipe {recipe.name} keeps continuation state "
+                         f"({', '.join(s.name for s in scheme.state)}), which its guesses could not roll back")
+    return scheme
 
 
 class HeadProposer:
@@ -68,8 +72,7 @@ class HeadProposer:
         self.vocab_size = vocab_size
         self.device = device
         self.storage = allocate_cache_storage(scheme, rows * self.pages_per_row, page_tokens, device)
-        self._rows: OrderedDict[str, _Row] = OrderedDict()  # by request, least recently used first
-        self._free = list(range(rows))
+        self._rows = RowsByRequest(rows, _Row)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
 
     def seconds(self, width: int) -> float:
@@ -90,7 +93,7 @@ class HeadProposer:
             groups.append((chunk.handle.request_id, chunk.start, list(chunk.tokens), len(chunk.tokens)))
         work, offset = [], 0
         for request_id, first, fed, certain in groups:
-            row = self._row(request_id)
+            row = self._rows.take(request_id)
             step_hidden = hidden[offset:offset + len(fed)]
             offset += len(fed)
             if fed[0] < 0:
@@ -115,7 +118,6 @@ class HeadProposer:
         if row.hidden is None or not row.start <= last - 1 < row.start + len(row.fed):
             return ()  # the hidden state at the position before the newest token never came
         started = time.perf_counter()
-        self._rows.move_to_end(request_id)
         ready = last - row.start
         # The fed tokens there are the request's own (a round's kept drafts); the next ones come
         # from `tokens`, which also hold the sample after the last kept one.
@@ -183,11 +185,3 @@ class HeadProposer:
         hidden = self.head(to_device(tokens, torch.int64, self.device), to_device(positions, torch.int64, self.device),
                            previous, context)
         return list(hidden.split([len(group[3]) for group in batch]))
-
-    def _row(self, request_id: str) -> _Row:
-        """The request's row, or a new one: a free row, else the least recently used one's."""
-        row = self._rows.pop(request_id, None)
-        if row is None:
-            row = _Row(self._free.pop() if self._free else self._rows.popitem(last=False)[1].index)
-        self._rows[request_id] = row
-        return row

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Callable, Generic, Protocol, TypeVar
 
 from flare_core.engine.load import LoadedCore
 from flare_core.executor.runner import eager_runner
@@ -29,6 +30,37 @@ from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepK
 class _Row:
     index: int
     tokens: list[int] = field(default_factory=list)  # whose records the row's pages hold, in order
+
+
+class _Indexed(Protocol):
+    index: int
+
+
+R = TypeVar("R", bound=_Indexed)
+
+
+class RowsByRequest(Generic[R]):
+    """A proposer's pool of `rows` cache rows, each held by one request (least recently used
+    first): a request without a row takes a free one, else the least recently used request's."""
+
+    def __init__(self, rows: int, make: Callable[[int], R]):
+        self._make = make  # a fresh row of row index i
+        self._held: OrderedDict[str, R] = OrderedDict()
+        self._free = list(range(rows))
+
+    def get(self, request_id: str) -> R | None:
+        """The request's row (marked used), None where it holds none."""
+        if request_id in self._held:
+            self._held.move_to_end(request_id)
+        return self._held.get(request_id)
+
+    def take(self, request_id: str) -> R:
+        """The request's row (marked used), or a new one for it."""
+        row = self.get(request_id)
+        if row is None:
+            row = self._make(self._free.pop() if self._free else self._held.popitem(last=False)[1].index)
+            self._held[request_id] = row
+        return row
 
 
 class DraftModel:
@@ -50,8 +82,7 @@ class DraftModel:
         self.runner = eager_runner(draft.model, draft.cache_scheme, num_pages=rows * self.pages_per_row,
                                    page_tokens=self.page_tokens, num_rows=rows, num_snapshot_rows=0,
                                    num_logits_rows=0, vocab_size=draft.model_config.vocab_size, device=draft.device)
-        self._rows: OrderedDict[str, _Row] = OrderedDict()  # by request, least recently proposing first
-        self._free = list(range(rows))
+        self._rows = RowsByRequest(rows, _Row)  # least recently proposing request's reused first
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
 
     def seconds(self, width: int) -> float:
@@ -61,7 +92,7 @@ class DraftModel:
         if width <= 0 or not tokens or len(tokens) + width > self.pages_per_row * self.page_tokens:
             return ()
         started = time.perf_counter()
-        row = self._row(request_id)
+        row = self._rows.take(request_id)
         common = 0
         for held, wanted in zip(row.tokens, tokens[:-1]):  # at least the last token is computed again
             if held != wanted:
@@ -84,11 +115,3 @@ class DraftModel:
         spent = (time.perf_counter() - started) / width
         self._token_s = spent if self._token_s == 0.0 else 0.8 * self._token_s + 0.2 * spent
         return tuple(drafts)
-
-    def _row(self, request_id: str) -> _Row:
-        """The request's row, or a new one: a free row, else the least recently proposing one's."""
-        row = self._rows.pop(request_id, None)
-        if row is None:
-            row = _Row(self._free.pop() if self._free else self._rows.popitem(last=False)[1].index)
-        self._rows[request_id] = row
-        return row

@@ -393,7 +393,7 @@ def map_deepseek_v3_head_weights(config: Any, checkpoint: Mapping[str, Tensor],
         yield "decoder." + name, tensor
 
 
-DEEPSEEK_V3_DRAFT_HEAD = DraftHead(shipped=_ships_mtp, build=build_deepseek_v3_head,
+DEEPSEEK_V3_DRAFT_HEAD = DraftHead(shipped=_ships_mtp, build=build_deepseek_v3_head, config=_head_config,
                                    map_weights=map_deepseek_v3_head_weights)
 
 

@@ -245,7 +245,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             echo(f"carried       {carried} checkpoint tensors under {', '.join(recipe.carried_prefixes)} stored as "
                  f"{CARRIED_PREFIX}<name> in {request.dtype}, not loaded into the served model")
         if head_tensors:
-            manifest["draft_head"] = {"tensors": head_tensors, "layers": recipe.draft_head.layers}
+            manifest["draft_head"] = {"tensors": head_tensors}
             echo(f"draft head    {head_tensors} tensors stored as {DRAFT_HEAD_PREFIX}<name> in {request.dtype} "
                  f"(flare run --spec-method mtp)")
         if fp8_count:

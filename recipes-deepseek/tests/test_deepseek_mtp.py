@@ -23,7 +23,7 @@ from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3
 from flare_testing.deepseek import (MtpReference, add_mtp_layer, fp8_quantization_config, quantize_fp8_checkpoint,
                                     random_model, save_model)
-from flare_testing.parity import WrongGuesses, drive_greedy, greedy_continuation
+from flare_testing.parity import ObservedHead, WrongGuesses, drive_greedy, greedy_continuation
 from test_deepseek_parity import v3_config
 
 PAGE_TOKENS = 8
@@ -39,38 +39,22 @@ def mtp_checkpoint(config, tmp_path):
     return reference, mtp, checkpoint
 
 
-class Observed:
-    """The draft head as the scheduler's proposer, what it was asked and answered kept. With
-    `steer` (a `WrongGuesses`), the head is asked as the scheduler would ask it, but the drafts
-    handed on are the served model's own greedy continuation with one wrong on purpose, so that
-    rounds keep all, some and none of them (the random head's own guesses are almost never kept)."""
-
-    def __init__(self, head: HeadProposer, steer: WrongGuesses | None = None):
-        self.head, self.steer, self.proposals = head, steer, []
-
-    def seconds(self, width: int) -> float:
-        return self.head.seconds(width) if self.steer is None else 0.0
-
-    def propose(self, tokens, width, request_id=""):
-        drafts = self.head.propose(tokens, width, request_id)
-        self.proposals.append((list(tokens), drafts))
-        return drafts if self.steer is None else self.steer.propose(tokens, width, request_id)
-
-
 def serve(config, checkpoint, prompts, max_tokens, draft_tokens, steer=None, chunk=8, rows=2, prefix=False):
     """Serve `prompts` greedily on the eager CPU path, the draft head proposing up to `draft_tokens`
-    (0: plain decoding; `steer`: see Observed), one after another with a prefix cache (`prefix`);
+    (0: plain decoding; `steer`: see ObservedHead), one after another with a prefix cache (`prefix`);
     (sampled tokens by request, the observed proposer, the scheduler)."""
     dtype = torch.float32
     model = load_prepared_weights(DEEPSEEK_V3.build_model(config, dtype),
                                   dict(DEEPSEEK_V3.map_weights(config, checkpoint, dtype)), "cpu")
     head = load_prepared_weights(DEEPSEEK_V3.draft_head.build(config, dtype),
                                  dict(DEEPSEEK_V3.draft_head.map_weights(config, checkpoint, dtype)), "cpu")
-    scheme = load_registry().cache_schemes[DEEPSEEK_V3.cache_scheme].build(config, "float32")
+    registry = load_registry()
+    scheme = registry.cache_schemes[DEEPSEEK_V3.cache_scheme].build(config, "float32")
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=256, page_tokens=16)
-    proposer = Observed(HeadProposer(head, head_scheme(scheme, 1), rows=rows, longest=256 + draft_tokens,
-                                     page_tokens=PAGE_TOKENS, vocab_size=config.vocab_size,
-                                     device=torch.device("cpu")), steer) if draft_tokens else None
+    proposer = ObservedHead(HeadProposer(head, head_scheme(registry, DEEPSEEK_V3, config, "float32"), rows=rows,
+                                         longest=256 + draft_tokens, page_tokens=PAGE_TOKENS,
+                                         vocab_size=config.vocab_size, device=torch.device("cpu")),
+                            steer) if draft_tokens else None
     num_pages = rows * 256 // PAGE_TOKENS
     executor = eager_runner(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
                             num_snapshot_rows=0, num_logits_rows=0, vocab_size=config.vocab_size,
@@ -96,13 +80,6 @@ def prompts_of(config, lengths=(19, 11)):
     return [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def assert_guesses_match(proposer: Observed, reference, mtp: MtpReference, origin=lambda tokens: 0) -> None:
-    assert proposer.proposals, "the head was asked nothing"
-    for tokens, drafts in proposer.proposals:
-        assert drafts, f"no guess after {len(tokens)} tokens"
-        assert list(drafts) == mtp.drafts(reference, tokens, len(drafts), origin(tokens)), len(tokens)
-
-
 def test_draft_head_guesses_what_the_reference_module_computes_and_outputs_stay_plain(tmp_path):
     config = v3_config()
     reference, mtp, checkpoint = mtp_checkpoint(config, tmp_path)
@@ -110,7 +87,7 @@ def test_draft_head_guesses_what_the_reference_module_computes_and_outputs_stay_
     plain, _, _ = serve(config, checkpoint, prompts, 16, draft_tokens=0)
     speculated, proposer, scheduler = serve(config, checkpoint, prompts, 16, draft_tokens=3)
     assert speculated == plain
-    assert_guesses_match(proposer, reference, mtp)
+    proposer.assert_guesses(lambda tokens, width: mtp.drafts(reference, tokens, width))
     counts = scheduler.resources()
     assert counts.draft_rounds > 0 and counts.live == 0
 
@@ -128,7 +105,7 @@ def test_draft_head_reads_the_positions_rounds_keep(tmp_path):
     counts = scheduler.resources()
     assert 0 < counts.accepted_drafts < counts.drafts, counts
     assert len(proposer.proposals) >= 8
-    assert_guesses_match(proposer, reference, mtp)
+    proposer.assert_guesses(lambda tokens, width: mtp.drafts(reference, tokens, width))
 
 
 def test_draft_head_starts_where_the_prefix_cache_left_off(tmp_path):
@@ -145,7 +122,8 @@ def test_draft_head_starts_where_the_prefix_cache_left_off(tmp_path):
     assert scheduler.kv.prefix_stats.reused_tokens == 24
     second = prompts[1]
     assert any(tokens[:len(second)] == second for tokens, _ in proposer.proposals)
-    assert_guesses_match(proposer, reference, mtp, lambda tokens: 24 if tokens[:len(second)] == second else 0)
+    proposer.assert_guesses(lambda tokens, width: mtp.drafts(reference, tokens, width,
+                                                             24 if tokens[:len(second)] == second else 0))
 
 
 def test_an_fp8_checkpoints_mtp_layer_is_dequantized(tmp_path):

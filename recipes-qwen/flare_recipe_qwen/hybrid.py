@@ -48,14 +48,16 @@ def gated_deltanet_hybrid_scheme(config: Any, dtype: str) -> CacheScheme:
     conv_channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
         config.linear_num_value_heads * config.linear_value_head_dim
     record = (config.num_key_value_heads, config.head_dim)
+    # (A config of full-attention layers only, the MTP draft head's, keeps no state.)
+    state = () if not linear else (
+        StateTensor("conv", (conv_channels, config.linear_conv_kernel_dim - 1), dtype, len(linear), layer_ids=linear),
+        StateTensor("recurrent", (config.linear_num_value_heads, config.linear_key_head_dim,
+                                  config.linear_value_head_dim), "float32", len(linear), layer_ids=linear))
     return CacheScheme(
         name="gated-deltanet-hybrid",
         paged=(PagedStore("k", record, dtype, len(full), layer_ids=full),
                PagedStore("v", record, dtype, len(full), layer_ids=full)),
-        state=(StateTensor("conv", (conv_channels, config.linear_conv_kernel_dim - 1), dtype, len(linear),
-                           layer_ids=linear),
-               StateTensor("recurrent", (config.linear_num_value_heads, config.linear_key_head_dim,
-                                         config.linear_value_head_dim), "float32", len(linear), layer_ids=linear)),
+        state=state,
     )
 
 

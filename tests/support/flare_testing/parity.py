@@ -225,12 +225,38 @@ def check_speculative_rollback(model: torch.nn.Module, scheduler, executor, voca
     assert counts.live == 0 and counts.free_state_rows == counts.state_rows, counts
 
 
+class ObservedHead:
+    """A draft head's proposer (flare_core.engine.draft_heads.HeadProposer) as a scheduler's,
+    what it was asked and answered kept (`proposals`). With `steer` (a `WrongGuesses`), the head
+    is asked as the scheduler would ask it, but the drafts handed on are `steer`'s, so that rounds
+    keep all, some and none of them (a random head's own guesses are almost never kept)."""
+
+    def __init__(self, head, steer: WrongGuesses | None = None):
+        self.head, self.steer = head, steer
+        self.proposals: list[tuple[list[int], tuple[int, ...]]] = []
+
+    def seconds(self, width: int) -> float:
+        return self.head.seconds(width) if self.steer is None else 0.0
+
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+        drafts = self.head.propose(tokens, width, request_id)
+        self.proposals.append((list(tokens), drafts))
+        return drafts if self.steer is None else self.steer.propose(tokens, width, request_id)
+
+    def assert_guesses(self, reference_drafts: Callable[[list[int], int], list[int]]) -> None:
+        """Every proposal made a guess, and equals `reference_drafts(tokens, width)`."""
+        assert self.proposals, "the head was asked nothing"
+        for tokens, drafts in self.proposals:
+            assert drafts, f"no guess after {len(tokens)} tokens"
+            assert list(drafts) == reference_drafts(tokens, len(drafts)), len(tokens)
+
+
 def snapshot_serving(recipe, config, checkpoint, rows: int, num_pages: int, page_tokens: int, proposer=None,
-                     draft_tokens: int = 0):
+                     draft_tokens: int = 0, final_hidden=None):
     """(scheduler, executor, prefix cache): `recipe`'s float32 model of `checkpoint` on an eager
     CPU runner, under a scheduler (64-token prompt chunks) whose prefix cache snapshots
     continuation state (two snapshot rows per request row, 8 logits rows); with a `proposer`,
-    speculating up to `draft_tokens` drafts per row."""
+    speculating up to `draft_tokens` drafts per row (`final_hidden`: the runner's, for a draft head)."""
     from flare_core.contract import Capacities
     from flare_core.executor.runner import eager_runner
     from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
@@ -243,7 +269,8 @@ def snapshot_serving(recipe, config, checkpoint, rows: int, num_pages: int, page
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     executor = eager_runner(model, scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=rows,
                             num_snapshot_rows=2 * rows, num_logits_rows=8, vocab_size=config.vocab_size,
-                            device=torch.device("cpu"), round_saves=proposer is not None)
+                            device=torch.device("cpu"), round_saves=proposer is not None,
+                            final_hidden=final_hidden)
     pages = PageAllocator(num_pages)
     prefix = PrefixCache(b"\x02" * 32, pages, page_tokens, continuation_state=True, snapshot_rows=2 * rows,
                          logits_rows=8)

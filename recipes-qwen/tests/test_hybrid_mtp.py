@@ -1,0 +1,119 @@
+"""Qwen3-Next's multi-token-prediction module as the core's draft head (`--spec-method mtp`).
+
+A tiny Qwen3-Next checkpoint (`test_hybrid`'s) gets an MTP module under `mtp.` drawn by
+`NextMtpReference`, which also computes it over whole sequences with Transformers' modules (a
+one-layer Qwen3NextForCausalLM reading the model's embedding and head). Served on the eager CPU
+path over the hybrid's state rows with the head proposing: every proposal equals the reference's
+guesses from the served model's hidden states (a prompt in two chunks, rounds that keep all, some
+and none of their drafts, each partly refused one rewound), and the outputs equal plain greedy
+decoding's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers.models.qwen3_next import modeling_qwen3_next as qn
+
+from flare_core.engine.draft_heads import HeadProposer, head_scheme
+from flare_core.ops.loading import load_prepared_weights
+from flare_core.plugins import load_registry
+from flare_testing.parity import ObservedHead, WrongGuesses, drive_greedy, greedy_continuation, snapshot_serving
+from flare_recipe_qwen.mtp import head_config
+from flare_recipe_qwen.recipes import QWEN3_NEXT
+from test_hybrid import FAMILIES, RECIPE, saved
+
+
+class NextMtpReference(torch.nn.Module):
+    """Qwen3-Next's MTP module over whole sequences, made of Transformers' modules, as vLLM's
+    qwen3_next_mtp.py (commit 055e47c) computes it: fc([norm_e(embedding of the token at j + 1);
+    norm_h(h_j)]) through a one-layer Qwen3NextForCausalLM whose final norm is the module's and
+    whose embedding and head are the served model's."""
+
+    def __init__(self, model: qn.Qwen3NextForCausalLM, seed: int = 2):
+        super().__init__()
+        config = model.config
+        torch.manual_seed(seed)
+        self.layer_model = qn.Qwen3NextForCausalLM(head_config(config)).eval()
+        self.layer_model.model.embed_tokens = model.model.embed_tokens
+        self.layer_model.lm_head = model.lm_head
+        hidden = config.hidden_size
+        self.pre_fc_norm_embedding = qn.Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = qn.Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():
+            for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.layer_model.model.norm):
+                norm.weight.normal_(0.0, 0.1)  # zero-centred norms: weights around 0, not exactly 0
+
+    @torch.no_grad()
+    def forward(self, previous: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """At positions 0..T-1: (logits [T, vocab], the normalized output [T, hidden] fed back)."""
+        embedded = self.pre_fc_norm_embedding(self.layer_model.model.embed_tokens(next_tokens))
+        mixed = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(previous)], dim=-1))
+        positions = torch.arange(len(next_tokens))[None]
+        hidden = self.layer_model.model(inputs_embeds=mixed[None], position_ids=positions).last_hidden_state[0]
+        return self.layer_model.lm_head(hidden), hidden
+
+    def drafts(self, model: torch.nn.Module, tokens: list[int], width: int) -> list[int]:
+        """Its greedy guesses after `tokens` over the served `model`'s final hidden states."""
+        with torch.no_grad():
+            previous = model.model(torch.tensor([tokens])).last_hidden_state[0, :-1]  # after the final norm
+        following, guesses = list(tokens[1:]), []
+        for _ in range(width):
+            logits, output = self(previous, torch.tensor(following))
+            guesses.append(int(logits[-1].argmax()))
+            previous = torch.cat([previous, output[-1:]])
+            following.append(guesses[-1])
+        return guesses
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Its weights as a Qwen3-Next checkpoint stores them: under `mtp.`, experts one by one."""
+        with tempfile.TemporaryDirectory() as scratch:
+            self.layer_model.save_pretrained(scratch)
+            saved_tensors = load_file(Path(scratch) / "model.safetensors")
+        tensors = {"mtp." + name.removeprefix("model."): tensor for name, tensor in saved_tensors.items()
+                   if name.startswith(("model.layers.", "model.norm."))}
+        for part in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"):
+            tensors[f"mtp.{part}.weight"] = getattr(self, part).weight.detach().clone()
+        return tensors
+
+
+def test_qwen3_next_draft_head_guesses_what_the_reference_module_computes(tmp_path):
+    model, checkpoint = saved("qwen3-next", tmp_path)
+    mtp = NextMtpReference(model)
+    checkpoint = checkpoint | mtp.checkpoint_tensors()
+    config = FAMILIES["qwen3-next"][1]()
+    head_recipe = QWEN3_NEXT.draft_head
+    assert head_recipe.shipped(config, checkpoint)
+    registry = load_registry()
+    scheme = head_scheme(registry, QWEN3_NEXT, config, "float32")
+    assert not scheme.state and [store.layers for store in scheme.paged] == [1, 1]
+    head = load_prepared_weights(head_recipe.build(config, torch.float32),
+                                 dict(head_recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (70, 23)]
+
+    def serve(steer):
+        proposer = ObservedHead(HeadProposer(head, scheme, rows=2, longest=512, page_tokens=16,
+                                             vocab_size=config.vocab_size, device=torch.device("cpu")), steer)
+        scheduler, executor, _ = snapshot_serving(RECIPE, config, checkpoint, rows=2, num_pages=64, page_tokens=16,
+                                                  proposer=proposer, draft_tokens=3,
+                                                  final_hidden=proposer.head.record)
+        for index, prompt in enumerate(prompts):
+            scheduler.submit(f"r{index}", prompt, 14)
+        logits, _ = drive_greedy(scheduler, executor, 14)
+        return {r: [int(row.argmax()) for row in rows] for r, rows in logits.items()}, proposer, scheduler
+
+    plain = {f"r{i}": greedy_continuation(model)(prompt, 14) for i, prompt in enumerate(prompts)}
+    own, proposer, _ = serve(None)
+    assert own == plain
+    proposer.assert_guesses(lambda tokens, width: mtp.drafts(model, tokens, width))
+    steered, proposer, scheduler = serve(WrongGuesses(greedy_continuation(model), config.vocab_size))
+    assert steered == plain
+    counts = scheduler.resources()
+    assert 0 < counts.accepted_drafts < counts.drafts and counts.live == 0, counts
+    assert len(proposer.proposals) >= 6
+    proposer.assert_guesses(lambda tokens, width: mtp.drafts(model, tokens, width))
