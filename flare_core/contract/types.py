@@ -578,7 +578,7 @@ class TensorParallelSpec:
 @dataclass(frozen=True)
 class DraftHead:
     """A module a checkpoint ships beside its model to guess the tokens after the next one (DeepSeek
-    V3's multi-token-prediction layer, Qwen3-Next's), served as the draft proposer of `flare run
+    V3's multi-token-prediction layer, Qwen3-Next's and Qwen3.5's), served as the draft proposer of `flare run
     --spec-method mtp`.
 
     `shipped(config, checkpoint)`: whether the checkpoint (its config, its tensors by name)

@@ -14,7 +14,7 @@ from flare_recipe_qwen.checks import (
     check_qwen3_5_config, check_qwen3_5_moe_config, check_qwen3_config, check_qwen3_moe_config, check_qwen3_next_config,
 )
 from flare_recipe_qwen.modeling import build_model
-from flare_recipe_qwen.mtp import QWEN3_NEXT_DRAFT_HEAD
+from flare_recipe_qwen.mtp import QWEN_MTP_DRAFT_HEAD
 from flare_recipe_qwen.templates import QWEN3_5_TEMPLATE_PATCH, QWEN_TEMPLATE_PATCHES
 from flare_recipe_qwen.weights import map_text_model_weights, map_weights
 
@@ -134,7 +134,7 @@ QWEN3_NEXT = dataclasses.replace(
     demo_checkpoint=None,
     plan_notes=qwen3_next_plan_notes,
     tensor_parallel=None,
-    draft_head=QWEN3_NEXT_DRAFT_HEAD,
+    draft_head=QWEN_MTP_DRAFT_HEAD,
 )
 
 
@@ -170,8 +170,8 @@ def text_model_config(config):
 
 def qwen3_5_plan_notes(config) -> tuple[str, ...]:
     return (HYBRID_PLAN_NOTE,
-            "text only: the vision tower (model.visual.*) and the multi-token-prediction layers (mtp.*) stay in "
-            "the checkpoint; image and video content is refused")
+            "text only: the vision tower (model.visual.*) stays in the checkpoint; image and video content is "
+            "refused")
 
 
 QWEN3_5 = dataclasses.replace(
@@ -189,7 +189,6 @@ QWEN3_5 = dataclasses.replace(
     check_config=check_qwen3_5_config,
     plan_notes=qwen3_5_plan_notes,
     served_config=text_model_config,
-    draft_head=None,  # its mtp.* layers are not read (the plan says so)
 )
 
 # The same text side, model code and defaults; its own architectures, aliases and checks.

@@ -1,8 +1,9 @@
-"""Qwen3-Next's multi-token-prediction module as the core's draft head (`--spec-method mtp`).
+"""The multi-token-prediction module of Qwen3-Next and Qwen3.5 as the core's draft head
+(`--spec-method mtp`).
 
-A tiny Qwen3-Next checkpoint (`test_hybrid`'s) gets an MTP module under `mtp.` drawn by
-`NextMtpReference`, which also computes it over whole sequences with Transformers' modules (a
-one-layer Qwen3NextForCausalLM reading the model's embedding and head). Served on the eager CPU
+A tiny checkpoint of each (`test_hybrid`'s) gets an MTP module under `mtp.` drawn by
+`MtpReference`, which also computes it over whole sequences with Transformers' modules (a
+one-layer causal LM of the family reading the model's embedding and head). Served on the eager CPU
 path over the hybrid's state rows with the head proposing: every proposal equals the reference's
 guesses from the served model's hidden states (a prompt in two chunks, rounds that keep all, some
 and none of their drafts, each partly refused one rewound), and the outputs equal plain greedy
@@ -14,35 +15,36 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
-from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
 from flare_core.engine.draft_heads import HeadProposer, head_scheme
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_testing.parity import ObservedHead, WrongGuesses, drive_greedy, greedy_continuation, snapshot_serving
 from flare_recipe_qwen.mtp import head_config
-from flare_recipe_qwen.recipes import QWEN3_NEXT
+from flare_recipe_qwen.recipes import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from test_hybrid import FAMILIES, RECIPE, saved
 
 
-class NextMtpReference(torch.nn.Module):
-    """Qwen3-Next's MTP module over whole sequences, made of Transformers' modules, as vLLM's
-    qwen3_next_mtp.py (commit 055e47c) computes it: fc([norm_e(embedding of the token at j + 1);
-    norm_h(h_j)]) through a one-layer Qwen3NextForCausalLM whose final norm is the module's and
-    whose embedding and head are the served model's."""
+class MtpReference(torch.nn.Module):
+    """The MTP module over whole sequences, made of Transformers' modules, as vLLM's
+    qwen3_next_mtp.py (commit 055e47c) and qwen3_5_mtp.py (01d9980) compute it: fc([norm_e(embedding
+    of the token at j + 1); norm_h(h_j)]) through a one-layer causal LM of the family whose final
+    norm is the module's and whose embedding and head are the served model's."""
 
-    def __init__(self, model: qn.Qwen3NextForCausalLM, seed: int = 2):
+    def __init__(self, model: torch.nn.Module, seed: int = 2):
         super().__init__()
         config = model.config
         torch.manual_seed(seed)
-        self.layer_model = qn.Qwen3NextForCausalLM(head_config(config)).eval()
+        self.layer_model = type(model)(head_config(config)).eval()
         self.layer_model.model.embed_tokens = model.model.embed_tokens
         self.layer_model.lm_head = model.lm_head
         hidden = config.hidden_size
-        self.pre_fc_norm_embedding = qn.Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.pre_fc_norm_hidden = qn.Qwen3NextRMSNorm(hidden, eps=config.rms_norm_eps)
+        norm = type(model.model.norm)
+        self.pre_fc_norm_embedding = norm(hidden, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=config.rms_norm_eps)
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
         with torch.no_grad():
             for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.layer_model.model.norm):
@@ -70,7 +72,7 @@ class NextMtpReference(torch.nn.Module):
         return guesses
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Its weights as a Qwen3-Next checkpoint stores them: under `mtp.`, experts one by one."""
+        """Its weights as the family's checkpoints store them: under `mtp.`, experts one by one."""
         with tempfile.TemporaryDirectory() as scratch:
             self.layer_model.save_pretrained(scratch)
             saved_tensors = load_file(Path(scratch) / "model.safetensors")
@@ -81,15 +83,17 @@ class NextMtpReference(torch.nn.Module):
         return tensors
 
 
-def test_qwen3_next_draft_head_guesses_what_the_reference_module_computes(tmp_path):
-    model, checkpoint = saved("qwen3-next", tmp_path)
-    mtp = NextMtpReference(model)
+@pytest.mark.parametrize("family, recipe", [("qwen3-next", QWEN3_NEXT), ("qwen3.5", QWEN3_5),
+                                            ("qwen3.5-moe", QWEN3_5_MOE)])
+def test_draft_head_guesses_what_the_reference_module_computes(tmp_path, family, recipe):
+    model, checkpoint = saved(family, tmp_path)
+    mtp = MtpReference(model)
     checkpoint = checkpoint | mtp.checkpoint_tensors()
-    config = FAMILIES["qwen3-next"][1]()
-    head_recipe = QWEN3_NEXT.draft_head
+    config = FAMILIES[family][1]()
+    head_recipe = recipe.draft_head
     assert head_recipe.shipped(config, checkpoint)
     registry = load_registry()
-    scheme = head_scheme(registry, QWEN3_NEXT, config, "float32")
+    scheme = head_scheme(registry, recipe, config, "float32")
     assert not scheme.state and [store.layers for store in scheme.paged] == [1, 1]
     head = load_prepared_weights(head_recipe.build(config, torch.float32),
                                  dict(head_recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
@@ -117,3 +121,18 @@ def test_qwen3_next_draft_head_guesses_what_the_reference_module_computes(tmp_pa
     assert 0 < counts.accepted_drafts < counts.drafts and counts.live == 0, counts
     assert len(proposer.proposals) >= 6
     proposer.assert_guesses(lambda tokens, width: mtp.drafts(model, tokens, width))
+
+
+def test_a_vision_language_checkpoints_mtp_module_reads_the_text_models_embedding(tmp_path):
+    # Published Qwen3.5 checkpoints keep the text model under `model.language_model.` and the MTP
+    # module under `mtp.`: the head reads the same tensors as from a text-only checkpoint.
+    model, checkpoint = saved("qwen3.5", tmp_path)
+    checkpoint = checkpoint | MtpReference(model).checkpoint_tensors()
+    published = {("model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name): tensor
+                 for name, tensor in checkpoint.items()}
+    config = FAMILIES["qwen3.5"][1]()
+    assert QWEN3_5.draft_head.shipped(config, published)
+    text = dict(QWEN3_5.draft_head.map_weights(config, checkpoint, torch.float32))
+    vision_language = dict(QWEN3_5.draft_head.map_weights(config, published, torch.float32))
+    assert "decoder.model.embed_tokens.weight" in text and text.keys() == vision_language.keys()
+    assert all(torch.equal(text[name], vision_language[name]) for name in text)
