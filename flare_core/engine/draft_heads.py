@@ -72,6 +72,7 @@ class HeadProposer:
         self.vocab_size = vocab_size
         self.device = device
         self.storage = allocate_cache_storage(scheme, rows * self.pages_per_row, page_tokens, device)
+        self.layer_map = scheme.layer_map()
         self._rows = RowsByRequest(rows, _Row)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
 
@@ -85,8 +86,8 @@ class HeadProposer:
         head's records of every position whose next token is now certain."""
         groups: list[tuple[str, int, list[int], int]] = []  # (request, first position, fed tokens, certain)
         for decode in plan.decodes:
-            # An input the host has not seen yet (sampled by a step still running) cannot be read
-            # after the position before it: that request's waiting states are dropped (-1).
+            # An input the host has not seen yet (sampled by a step still running, -1 here) cannot
+            # be read after the position before it: that request's waiting states are dropped.
             fed = [-1 if decode.input_token is None else decode.input_token, *decode.drafts]
             groups.append((decode.handle.request_id, decode.position, fed, 1))
         for chunk in plan.prefills:
@@ -105,7 +106,7 @@ class HeadProposer:
             if ready > 0:
                 work.append((row, ready, row.fed[1:ready + 1]))
         if work:
-            self._run([(row, ready, tokens) for row, ready, tokens in work])
+            self._run(work)
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
@@ -180,7 +181,8 @@ class HeadProposer:
             sequences.append((count, first - row.origin, tuple(pages)))
             positions.extend(range(first, first + count))
             tokens.extend(next_tokens)
-        context = ForwardContext(AttentionBatch.build(sequences, self.page_tokens, self.device), self.storage)
+        context = ForwardContext(AttentionBatch.build(sequences, self.page_tokens, self.device), self.storage,
+                                 layer_map=self.layer_map)
         previous = torch.cat([group[2] for group in batch])
         hidden = self.head(to_device(tokens, torch.int64, self.device), to_device(positions, torch.int64, self.device),
                            previous, context)
