@@ -163,7 +163,9 @@ def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
                 seen[plan.kind] += 1
                 seen["from device"] += sum(e.input_token is None for e in plan.decodes)
             else:
-                assert torch.equal(graph_like.run(plan), want)
+                # Its cache was written by the steps above in their own layout: matmuls of another
+                # shape may round the last bit of a K/V record otherwise (seen on an AVX2 CPU).
+                torch.testing.assert_close(graph_like.run(plan), want, atol=2e-4, rtol=2e-4)
             record_greedy(plan, want, (reference, graph_like), in_flight)
         if in_flight and (plan is None or len(in_flight) == 2):  # two plans in flight, as the engine keeps
             complete_oldest(scheduler, in_flight, generated, {rid: n for rid, (_, _, n) in requests.items()})

@@ -147,9 +147,11 @@ def test_speculation_settings_are_checked(tmp_path):
     from flare_core.scheduler import GraphCapacities, SchedulerConfig
 
     path = tmp_path / "config.toml"
-    path.write_text('[server]\nspec_method = "mtp"\n')  # no core carries heads Flare runs yet
-    with pytest.raises(ConfigError, match="server.spec_method must be one of prompt-lookup, draft"):
+    path.write_text('[server]\nspec_method = "eagle"\n')
+    with pytest.raises(ConfigError, match="server.spec_method must be one of prompt-lookup, draft, mtp"):
         load_config(path)
+    path.write_text('[server]\nspec_method = "mtp"\n')  # a core's draft head (refused at start by a core without)
+    assert load_config(path).server.spec_method == "mtp"
     path.write_text('[server]\nspec_method = "prompt-lookup"\nspec_draft_tokens = 17\n')
     with pytest.raises(ConfigError, match=r"server.spec_draft_tokens must be an integer in \[0, 16\]"):
         load_config(path)
