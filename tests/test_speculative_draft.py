@@ -49,7 +49,9 @@ def test_a_draft_core_changes_no_token(session_flare, smollm2_core, bf16_draft_c
     resources = engine.resources()
     assert resources.draft_rounds > 0 and resources.accepted_drafts > 0, resources
     if draft == "itself":  # the served model's own greedy guesses: kept but where sampling chose otherwise
-        assert resources.accepted_drafts >= resources.draft_rounds * 2, resources
+        # (Most of them, whatever widths the rounds took: the width rule prices the draft's measured
+        # time, so under load it narrows rounds to one draft.)
+        assert resources.accepted_drafts * 2 >= resources.drafts, resources
     assert resources.live == 0 and resources.request_page_refs == 0 and resources.steps_in_flight == 0
 
 

@@ -203,7 +203,8 @@ def load_draft_head(loaded: LoadedCore, registry: Registry) -> torch.nn.Module:
     if recipe.draft_head is None or not names:
         raise CoreLoadError(f"--spec-method mtp: the core carries no draft head (recipe {recipe.name} "
                             f"{'declares none' if recipe.draft_head is None else 'found none in the checkpoint'}; "
-                            f"a DeepSeek-V3 checkpoint with its multi-token-prediction layer exports one)")
+                            f"a checkpoint that ships a multi-token-prediction module, DeepSeek V3's, Qwen3-Next's "
+                            f"or Qwen3.5's, exports one)")
     head = recipe.draft_head.build(loaded.model_config, loaded.dtype)
     tensors = loaded.core.load_tensors(device="cpu", names=names)
     tensors = {name.removeprefix(DRAFT_HEAD_PREFIX): tensor.clone() for name, tensor in tensors.items()}
