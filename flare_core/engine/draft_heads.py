@@ -155,12 +155,11 @@ class HeadProposer:
         those positions from what waits."""
         batch = []
         for row, n, next_tokens in work:
-            if row.computed != row.start or row.start < row.origin:
-                # Records past the first waiting position are stale (computed again); records
-                # before it with a gap between are of no use: start the row's records there.
-                if not row.origin <= row.start <= row.computed:
-                    row.origin = row.start
-                row.computed = row.start
+            # Records past the first waiting position are stale (computed again); records before
+            # it with a gap between are of no use: the row's records then start there.
+            if not row.origin <= row.start <= row.computed:
+                row.origin = row.start
+            row.computed = row.start
             batch.append((row, row.start, row.hidden[:n], next_tokens[:n]))
         outputs = self._forward(batch)
         for (row, n, _), _ in zip(work, outputs):
