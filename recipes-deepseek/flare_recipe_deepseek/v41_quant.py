@@ -44,12 +44,24 @@ def _blocks(x: Tensor, block: int) -> Tensor:
     return x.float().view(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def fp8_scales(largest: Tensor) -> Tensor:
+    """The window rows' block scales from their blocks' largest magnitudes (ue8m0)."""
+    return pow2_at_or_above(largest.clamp_min(1e-4) * (1.0 / FP8_MAX))
+
+
+def fp4_scales(largest: Tensor, e4m3_scales: bool) -> Tensor:
+    """The e2m1 blocks' scales from their largest magnitudes: float8_e4m3fn (`e4m3_scales`) or ue8m0."""
+    if e4m3_scales:
+        return (largest.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn).float()
+    return pow2_at_or_above(largest.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+
+
 def fp8_blocks(x: Tensor, block: int = 32) -> Tensor:
     """x through float8_e4m3fn with a ue8m0 scale per `block` channels (the window rows)."""
     if x.shape[-1] % block:
         return x
     blocks = _blocks(x, block)
-    scale = pow2_at_or_above(blocks.abs().amax(-1).clamp_min(1e-4) * (1.0 / FP8_MAX)).unsqueeze(-1)
+    scale = fp8_scales(blocks.abs().amax(-1)).unsqueeze(-1)
     quantized = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return (quantized * scale).view(x.shape).to(x.dtype)
 
@@ -70,10 +82,5 @@ def fp4_blocks(x: Tensor, block: int, e4m3_scales: bool = False) -> Tensor:
     if x.shape[-1] % block:
         return x
     blocks = _blocks(x, block)
-    largest = blocks.abs().amax(-1)
-    if e4m3_scales:
-        scale = (largest.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn).float()
-    else:
-        scale = pow2_at_or_above(largest.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
-    scale = scale.unsqueeze(-1)
+    scale = fp4_scales(blocks.abs().amax(-1), e4m3_scales).unsqueeze(-1)
     return (e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)) * scale).view(x.shape).to(x.dtype)

@@ -14,11 +14,14 @@ import hashlib
 import json
 import random
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file
+
+from flare_recipe_deepseek import v41, v41_quant
 
 
 def regenerate_weights(shapes: Mapping[str, Sequence[int]], seed: int) -> dict[str, torch.Tensor]:
@@ -163,3 +166,226 @@ def greedy(model: torch.nn.Module, config, prompt: Sequence[int], message_ends: 
         sequence.append(token)
         chunks.append(1)
     return tokens
+
+
+
+
+class NearBoundary(NamedTuple):
+    """One quantizer input near a rounding boundary: how near (relative), the forward and the
+    quantizer call of the run it went through (both in order), what rounds there ("code": a value
+    between two codes, "scale": a block's largest magnitude between two scales), its index (a flat
+    element, or a block), its row of the call's input (a token's or a compressed record's) among
+    `rows`, and the boundary (in units of its scale, or of the scale itself)."""
+
+    distance: float
+    forward: int
+    call: int
+    rounds: str
+    index: int
+    row: int
+    rows: int
+    boundary: float
+
+
+def _e4m3_midpoints() -> torch.Tensor:
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite() & (values >= 0)].unique()
+    return (values[1:] + values[:-1]) / 2
+
+
+def _nearest(magnitudes: torch.Tensor, boundaries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each magnitude's relative distance to its nearest boundary, that boundary); powers of two
+    where `boundaries` is None."""
+    if boundaries is None:
+        nearest = torch.exp2(torch.round(torch.log2(magnitudes)))
+    else:
+        upper = torch.searchsorted(boundaries, magnitudes).clamp(1, len(boundaries) - 1)
+        below, above = boundaries[upper - 1], boundaries[upper]
+        nearest = torch.where(magnitudes - below < above - magnitudes, below, above)
+    return (magnitudes - nearest).abs() / nearest, nearest
+
+
+class QuantizerCodes:
+    """V4.1's quantizers (flare_recipe_deepseek.v41_quant, as v41 calls them) watched through a
+    float32 run: the inputs within `within` (relative) of a rounding boundary are kept (`near`,
+    with the forward of the `watch`ed model they went through), and the inputs named in `forced`
+    are moved just across their boundary, so that they round to the other code or scale (every
+    other input rounds as it would). A context manager; it restores v41's functions and removes
+    its hooks."""
+
+    NUDGE = 1e-6  # relative: far above float32's rounding of the moved value, far below a code step
+
+    def __init__(self, within: float, forced: Sequence[NearBoundary] = ()):
+        self.within = within
+        self.forced = {(near.call, near.rounds, near.index): near for near in forced}
+        self.near: list[NearBoundary] = []
+        self.calls, self.forwards, self.hooks = 0, -1, []
+        self.midpoints = {"e4m3": _e4m3_midpoints(), "e2m1": torch.tensor(v41_quant.E2M1_MIDPOINTS)}
+
+    def __enter__(self) -> QuantizerCodes:
+        self.saved = v41.fp8_blocks, v41.fp4_blocks
+        v41.fp8_blocks = lambda x, block=32: self._watch(x, block, "fp8")
+        v41.fp4_blocks = lambda x, block, e4m3_scales=False: self._watch(x, block, "fp4-e4m3" if e4m3_scales else "fp4")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        v41.fp8_blocks, v41.fp4_blocks = self.saved
+        for hook in self.hooks:
+            hook.remove()
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Count `model`'s forwards (0, 1, ...: `forwards` is the current one's)."""
+        self.hooks.append(model.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1)))
+
+    def unforced(self) -> list[NearBoundary]:
+        """The kept inputs not forced, nearest first."""
+        return sorted(near for near in self.near if (near.call, near.rounds, near.index) not in self.forced)
+
+    def _watch(self, x: torch.Tensor, block: int, kind: str) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        quantize = (lambda t: self.saved[0](t, block)) if kind == "fp8" else \
+            (lambda t: self.saved[1](t, block, kind == "fp4-e4m3"))
+        if x.shape[-1] % block or not x.numel():
+            return quantize(x)
+        blocks = x.float().reshape(-1, block)
+        largest = blocks.abs().amax(-1)
+        if kind == "fp8":
+            scales, floor, top, codes = v41_quant.fp8_scales(largest), 1e-4, v41_quant.FP8_MAX, "e4m3"
+        else:
+            scales = v41_quant.fp4_scales(largest, kind == "fp4-e4m3")
+            floor = v41_quant.FP4_MAX * (2.0**-9 if kind == "fp4-e4m3" else 2.0**-126)
+            top, codes = v41_quant.FP4_MAX, "e2m1"
+        values = (blocks / scales[:, None]).abs().clamp_max(top)
+        code_distance, code_boundary = _nearest(values.flatten(), self.midpoints[codes].to(x.device))
+        scale_distance, scale_boundary = _nearest(largest / top, self.midpoints["e4m3"].to(x.device)
+                                                  if kind == "fp4-e4m3" else None)
+        scale_distance = scale_distance.masked_fill(largest <= floor, float("inf"))
+        rows = x.shape[0]
+        for rounds, distance, boundary in (("code", code_distance, code_boundary),
+                                           ("scale", scale_distance, scale_boundary)):
+            per_row = distance.numel() // rows
+            self.near += [NearBoundary(float(distance[i]), self.forwards, call, rounds, int(i), int(i) // per_row, rows,
+                                       float(boundary[i])) for i in (distance < self.within).nonzero().flatten()]
+        forced = [near for (at, _, _), near in self.forced.items() if at == call]
+        if not forced:
+            return quantize(x)
+        rounded = quantize(x).float().reshape(-1, block)
+        moved = blocks.clone()
+        for near in forced:
+            block_row = near.index // block if near.rounds == "code" else near.index
+            scale = float(scales[block_row])
+            if near.rounds == "code":
+                column = near.index % block
+                above = abs(float(rounded[block_row, column])) / scale > near.boundary
+            else:  # the block's largest magnitude decides its scale
+                column = int(blocks[block_row].abs().argmax())
+                above = scale > near.boundary
+            target = near.boundary * (1 - self.NUDGE if above else 1 + self.NUDGE)
+            magnitude = target * scale if near.rounds == "code" else target * top
+            moved[block_row, column] = magnitude if float(blocks[block_row, column]) >= 0 else -magnitude
+        return quantize(moved.view(x.shape).to(x.dtype))
+
+
+class Parting(NamedTuple):
+    """Where a run's rows part from the rows they should equal: per compared sequence how many of
+    its leading rows agree, whether a quantizer input may have made them part (the forward that
+    computed the first parted row, and for a token's row its position there), and what to say."""
+
+    agreed: tuple[int, ...]
+    could_part: Callable[[NearBoundary], bool]
+    message: str
+
+
+def force_agreement(run: Callable[[list[NearBoundary]], tuple[Any, QuantizerCodes]],
+                    part: Callable[[Any], Parting | None], flips: int = 4) -> tuple[list[NearBoundary], Any]:
+    """Assert that a float32 run's rows equal others (`part` says where they part, None where they
+    agree), the float evaluation order apart. V4.1's quantizers turn a last-bit difference into
+    another code: a CPU whose vector units sum in another order, or a step of another shape, can
+    carry an input that lies within a hair of a rounding boundary to the other code, after which
+    later rows part by far more than the float noise. So where the rows part, one quantizer input
+    that could have made them part must, rounded the other way (`run(forced)`), make them agree
+    there and further; at most `flips` times. Returns the inputs so rounded and the run's outcome
+    with them."""
+    forced: list[NearBoundary] = []
+    outcome, codes = run(forced)
+    while (parting := part(outcome)) is not None:
+        if len(forced) == flips:
+            raise AssertionError(f"{parting.message} after {flips} quantizer inputs were rounded the other way: {forced}")
+        candidates = [near for near in codes.unforced() if parting.could_part(near)]
+        for candidate in candidates:
+            trial, trial_codes = run([*forced, candidate])
+            later = part(trial)
+            if later is None or (all(a >= b for a, b in zip(later.agreed, parting.agreed))
+                                 and later.agreed != parting.agreed):
+                forced, outcome, codes = [*forced, candidate], trial, trial_codes
+                break
+        else:
+            raise AssertionError(f"{parting.message}, and rounding none of the {len(candidates)} quantizer inputs "
+                                 f"within {codes.within} of a rounding boundary that could have made them part the "
+                                 f"other way makes them agree there")
+    return forced, outcome
+
+
+def _parted(rows: torch.Tensor, expected: torch.Tensor, floor: float) -> int | None:
+    apart = ((rows - expected).abs().amax(-1) > floor).nonzero()
+    return int(apart[0]) if len(apart) else None
+
+
+def assert_reference_logits(model: torch.nn.Module, config, ids: Sequence[int], chunks: Sequence[int],
+                            reference: torch.Tensor, floor: float, within: float = 1e-4,
+                            device: str = "cpu") -> list[NearBoundary]:
+    """Assert that the float32 logits of `ids` fed to `model` (on `device`) in `chunks` (run_chunks) equal
+    `reference` within `floor` at every position, quantizer codes that the float evaluation order
+    decides apart (force_agreement): a code that parts them must come from the token where they
+    part first."""
+    ends = [sum(chunks[:k + 1]) for k in range(len(chunks))]
+
+    def run(forced: list[NearBoundary]) -> tuple[torch.Tensor, QuantizerCodes]:
+        with QuantizerCodes(within, forced) as codes:
+            codes.watch(model)
+            return run_chunks(model, config, ids, chunks, device=device), codes
+
+    def part(logits: torch.Tensor) -> Parting | None:
+        if (first := _parted(logits, reference, floor)) is None:
+            return None
+        forward = next(k for k, end in enumerate(ends) if first < end)
+        start = ends[forward] - chunks[forward]
+        gap = float((logits[first] - reference[first]).abs().max())
+        # A token's row in a call over the forward's tokens; a compressed record's row otherwise.
+        return Parting((first,), lambda near: near.forward == forward and (
+            near.rows != chunks[forward] or near.row == first - start),
+            f"logits part from the reference's at position {first} by {gap:.2e} (> {floor})")
+
+    return force_agreement(run, part)[0]
+
+
+def assert_rows_agree(serve: Callable[[QuantizerCodes], Mapping[str, tuple[Sequence[int], Sequence[torch.Tensor]]]],
+                      expected: Callable[[Mapping[str, Sequence[torch.Tensor]]], Mapping[str, torch.Tensor]],
+                      floor: float, within: float = 1e-4) -> dict[str, list[torch.Tensor]]:
+    """Assert that the rows a run computes (`serve(codes)`: per sequence, the forward of its
+    `watch`ed model each row came from, and the rows) equal `expected(rows)` within `floor`,
+    quantizer codes that the float evaluation order decides apart (force_agreement): a code that
+    parts them must come from the forward that computed the first parted row. Returns the rows
+    (codes forced)."""
+
+    def run(forced: list[NearBoundary]):
+        with QuantizerCodes(within, forced) as codes:
+            served = serve(codes)
+        forwards = {key: list(steps) for key, (steps, _) in served.items()}
+        rows = {key: list(taken) for key, (_, taken) in served.items()}
+        return (forwards, rows, expected(rows)), codes
+
+    def part(outcome) -> Parting | None:
+        forwards, rows, wanted = outcome
+        firsts = {key: _parted(torch.stack(rows[key]), wanted[key], floor) for key in rows}
+        parted = {key: first for key, first in firsts.items() if first is not None}
+        if not parted:
+            return None
+        at = {forwards[key][first] for key, first in parted.items()}
+        gaps = ", ".join(f"{key} row {first} by {float((rows[key][first] - wanted[key][first]).abs().max()):.2e}"
+                         for key, first in parted.items())
+        return Parting(tuple(len(rows[key]) if first is None else first for key, first in firsts.items()),
+                       lambda near: near.forward in at, f"rows part from the expected ones (> {floor}): {gaps}")
+
+    return force_agreement(run, part)[1][1]
+

@@ -92,10 +92,14 @@ def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config,
         raise AssertionError(f"only {rows} logits rows were produced for {len(prompt_lens)} requests")
 
 
-def drive_greedy(scheduler, executor, max_tokens: int) -> tuple[dict[str, list[torch.Tensor]], int]:
+def drive_greedy(scheduler, executor, max_tokens: int, on_row: Callable[[str], None] | None = None,
+                 next_token: Callable[[str, int], int] | None = None) -> tuple[dict[str, list[torch.Tensor]], int]:
     """Run a scheduler's requests on `executor` greedily to `max_tokens` each, one step at a time
     with the step's logits read back (what the parity tests compare): per request, the logits
-    rows it sampled from, and how many restores the steps made."""
+    rows it sampled from, and how many restores the steps made; `on_row(request_id)` is called
+    for each row as it is taken (after the step that computed it). `next_token(request_id, i)`,
+    where given, is what a row that samples the request's i-th output token takes instead of its
+    argmax (a known continuation fed back)."""
     from flare_core.scheduler import StepResult
 
     rows: dict[str, list[torch.Tensor]] = {}
@@ -107,11 +111,19 @@ def drive_greedy(scheduler, executor, max_tokens: int) -> tuple[dict[str, list[t
         restores += len(plan.restores)
         logits = executor.run(plan)
         tokens = logits.argmax(-1)
+        if next_token is not None:
+            earlier: dict[str, int] = {}
+            for i, handle in enumerate(plan.samples):
+                index = len(rows.get(handle.request_id, ())) + earlier.get(handle.request_id, 0)
+                earlier[handle.request_id] = earlier.get(handle.request_id, 0) + 1
+                tokens[i] = next_token(handle.request_id, index)
         executor.record_sampled([h.state_row for h in plan.samples], tokens)
         # The rows the scheduler keeps (a speculative round's past its first refused draft are not).
         for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
             taken = rows.setdefault(sampled.handle.request_id, [])
             taken.append(logits[sampled.row])
+            if on_row is not None:
+                on_row(sampled.handle.request_id)
             if len(taken) == max_tokens:
                 scheduler.finish(sampled.handle.request_id, "length")
     return rows, restores
