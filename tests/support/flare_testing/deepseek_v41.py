@@ -297,21 +297,22 @@ class Parting(NamedTuple):
 
 
 def force_agreement(run: Callable[[list[NearBoundary]], tuple[Any, QuantizerCodes]],
-                    part: Callable[[Any], Parting | None], flips: int = 4) -> tuple[list[NearBoundary], Any]:
+                    part: Callable[[Any], Parting | None], flips: int = 8,
+                    tries: int = 16) -> tuple[list[NearBoundary], Any]:
     """Assert that a float32 run's rows equal others (`part` says where they part, None where they
     agree), the float evaluation order apart. V4.1's quantizers turn a last-bit difference into
     another code: a CPU whose vector units sum in another order, or a step of another shape, can
     carry an input that lies within a hair of a rounding boundary to the other code, after which
     later rows part by far more than the float noise. So where the rows part, one quantizer input
-    that could have made them part must, rounded the other way (`run(forced)`), make them agree
-    there and further; at most `flips` times. Returns the inputs so rounded and the run's outcome
+    that could have made them part (of the `tries` nearest their boundaries) must, rounded the
+    other way (`run(forced)`), make them agree there and further; at most `flips` times. Returns the inputs so rounded and the run's outcome
     with them."""
     forced: list[NearBoundary] = []
     outcome, codes = run(forced)
     while (parting := part(outcome)) is not None:
         if len(forced) == flips:
             raise AssertionError(f"{parting.message} after {flips} quantizer inputs were rounded the other way: {forced}")
-        candidates = [near for near in codes.unforced() if parting.could_part(near)]
+        candidates = [near for near in codes.unforced() if parting.could_part(near)][:tries]
         for candidate in candidates:
             trial, trial_codes = run([*forced, candidate])
             later = part(trial)
@@ -321,8 +322,8 @@ def force_agreement(run: Callable[[list[NearBoundary]], tuple[Any, QuantizerCode
                 break
         else:
             raise AssertionError(f"{parting.message}, and rounding none of the {len(candidates)} quantizer inputs "
-                                 f"within {codes.within} of a rounding boundary that could have made them part the "
-                                 f"other way makes them agree there")
+                                 f"nearest a rounding boundary (within {codes.within}) that could have made them part "
+                                 f"the other way makes them agree there")
     return forced, outcome
 
 
