@@ -12,7 +12,7 @@ _THREADS = pytest.StashKey[int]()
 def pytest_configure(config) -> None:
     """Under pytest-xdist, torch in each worker would start one intra-op thread per core, so the
     workers' threads outnumber the cores and wait on each other: the V4.1 and Kimi Linear suites
-    took 481 s on two workers of a two-core machine, 62 s with the cores shared out. Each worker
+    took 481 s on two workers of a two-core machine, 67 s with the cores shared out. Each worker
     gets its share of the cores (restored when the worker ends)."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
