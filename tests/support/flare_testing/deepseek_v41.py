@@ -193,6 +193,10 @@ def _e4m3_midpoints() -> torch.Tensor:
     return (values[1:] + values[:-1]) / 2
 
 
+# The midpoints between neighbouring codes of each format the quantizers round to.
+_MIDPOINTS = {"e4m3": _e4m3_midpoints(), "e2m1": torch.tensor(v41_quant.E2M1_MIDPOINTS)}
+
+
 def _nearest(magnitudes: torch.Tensor, boundaries: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(each magnitude's relative distance to its nearest boundary, that boundary); powers of two
     where `boundaries` is None."""
@@ -220,7 +224,6 @@ class QuantizerCodes:
         self.forced = {(near.call, near.rounds, near.index): near for near in forced}
         self.near: list[NearBoundary] = []
         self.calls, self.forwards, self.hooks = 0, -1, []
-        self.midpoints = {"e4m3": _e4m3_midpoints(), "e2m1": torch.tensor(v41_quant.E2M1_MIDPOINTS)}
 
     def __enter__(self) -> QuantizerCodes:
         self.saved = v41.fp8_blocks, v41.fp4_blocks
@@ -256,8 +259,8 @@ class QuantizerCodes:
             floor = v41_quant.FP4_MAX * (2.0**-9 if kind == "fp4-e4m3" else 2.0**-126)
             top, codes = v41_quant.FP4_MAX, "e2m1"
         values = (blocks / scales[:, None]).abs().clamp_max(top)
-        code_distance, code_boundary = _nearest(values.flatten(), self.midpoints[codes].to(x.device))
-        scale_distance, scale_boundary = _nearest(largest / top, self.midpoints["e4m3"].to(x.device)
+        code_distance, code_boundary = _nearest(values.flatten(), _MIDPOINTS[codes].to(x.device))
+        scale_distance, scale_boundary = _nearest(largest / top, _MIDPOINTS["e4m3"].to(x.device)
                                                   if kind == "fp4-e4m3" else None)
         scale_distance = scale_distance.masked_fill(largest <= floor, float("inf"))
         rows = x.shape[0]
