@@ -464,7 +464,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                  executor=engine.executor_summary(),
                  parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
                  kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
-                 state_rows=concurrency + kv.snapshot_rows if loaded.cache_scheme.state else 0,
+                 state_rows=kv.state_rows,
                  state_row_bytes=loaded.cache_scheme.state_row_bytes(),
                  max_concurrency=concurrency, context_length=capacities.context_length,
                  prefix_cache=prefix_cache, mixed_steps=mixed_steps, compile_cache=compile_cache,

@@ -86,7 +86,7 @@ def test_speculative_decoding_over_continuation_state_changes_no_token(session_f
     proposed where the measured step costs let them pay (how many depends on the machine's load:
     the recipes' rollback tests check every rewound row's logits against the reference). Greedy
     with logprobs, and seeded with penalties: the same tokens and logprobs as without
-    speculation, and every row and page back."""
+    speculation, and every row and page back. The memory plan counts the rows' copies."""
     from test_engine_frames import run_requests
 
     bias = ((1001, 30.0), (1002, 30.0), (1003, 30.0))
@@ -95,9 +95,12 @@ def test_speculative_decoding_over_continuation_state_changes_no_token(session_f
                                   logit_bias=bias, sampling=SamplingParams(temperature=0.0)),
                 GenerationRequest(prompt_ids=prompt[7:], max_tokens=32, ignore_eos=True, logit_bias=bias,
                                   sampling=SamplingParams(temperature=0.8, seed=5, frequency_penalty=0.5))]
-    plain = asyncio.run(run_requests(make_engine(session_flare, qwen3_next_core, frames=1), requests))
+    plain_engine = make_engine(session_flare, qwen3_next_core, frames=1)
+    plain = asyncio.run(run_requests(plain_engine, requests))
     engine = make_engine(session_flare, qwen3_next_core, frames=1, spec_method="prompt-lookup", spec_draft_tokens=4)
     assert engine.core.scheduler.speculation.rewinds and engine.core.executor.state.round_saves
+    # The memory plan counted the copies: 4 live rows, 8 snapshot rows, 4 + 1 saved rows.
+    assert (plain_engine.kv.state_rows, engine.kv.state_rows) == (4 + 8, 4 + 8 + 5)
     drafted = asyncio.run(run_requests(engine, requests))
     for (tokens, logprobs, reason, _), expected in zip(drafted, plain):
         assert tokens == expected[0] and reason == expected[2] and len(tokens) == 32

@@ -35,14 +35,15 @@ if TYPE_CHECKING:
 LOGITS_ROWS_PER_REQUEST = 4
 
 
-def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Registry, *, max_concurrency: int,
+def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: Registry, *, max_concurrency: int,
                  queue_capacity: int, prefix_cache: bool = True, served_names: tuple[str, ...] | None = None,
                  seed: int = 0, telemetry: Telemetry | None = None, compile_model: bool = True,
                  frames_in_flight: int | None = None, leader: RankLeader | None = None,
                  mixed_steps: bool = True, max_live_per_client: int | None = None, spec_method: str | None = None,
                  spec_draft_tokens: int = 0, spec_draft: LoadedCore | None = None) -> Engine:
-    """The engine for `loaded`, not started. `plan_kv` sizes the KV pool; it is called once the
-    executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
+    """The engine for `loaded`, not started. `plan_kv` sizes the KV pool (`round_saves=`: whether
+    the executor keeps a copy of each state row, see flare_core.engine.memory.plan_kv); it is called
+    once the executor has taken what it needs besides the pool. `frames_in_flight` defaults to what the
     executor overlaps (2 for CUDA graphs, 1 for the eager reference). `leader`: the other ranks
     of a core split over tensor-parallel ranks (flare_core.engine.tensor_parallel), which build
     the same executor and follow its steps. Without `mixed_steps` the scheduler is given no mixed
@@ -117,10 +118,10 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[[], KvPlan], registry: Re
                                  dtype=loaded.dtype,
                                  speculative_capacities=tuple(c for c in catalog.speculative if c <= rounds)
                                  if proposer is not None else ())
-        kv = plan_kv()
+        kv = plan_kv(round_saves=executor_args["round_saves"])
         executor.resize_cache(kv.num_pages)
     else:
-        kv = plan_kv()
+        kv = plan_kv(round_saves=executor_args["round_saves"])
         executor = eager_runner(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args,
                                 final_hidden=head.record if head is not None else None)
         if leader is not None:

@@ -34,6 +34,7 @@ class KvPlan:
     num_pages: int
     page_bytes: int
     snapshot_rows: int
+    state_rows: int  # rows of continuation state the plan counted besides the pool (0 without state)
     reason: str
 
     @property
@@ -64,15 +65,18 @@ def snapshot_rows_for(scheme: CacheScheme, max_concurrency: int) -> int:
 
 
 def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, device: torch.device,
-            memory_limit: str, kv_cache_limit: str | None, host_reserved: int = 0) -> KvPlan:
+            memory_limit: str, kv_cache_limit: str | None, host_reserved: int = 0, *,
+            round_saves: bool = False) -> KvPlan:
     """The page pool for `scheme` under the flags (module docstring). `host_reserved`: host
     memory other stores will still fill (the embedding tables' row caches, flare_core.engine.tables):
     on the CPU, where the pool is host memory too, pool, state rows and that reserve must fit what
-    the host has available."""
+    the host has available. `round_saves`: the server speculates over continuation state, and the
+    executor keeps a copy of every state row and its scratch row (DeviceState.round_saves)."""
     page_bytes = scheme.page_bytes(capacities.page_tokens)
     context_pages = -(-capacities.context_length // capacities.page_tokens)
     snapshot_rows = snapshot_rows_for(scheme, max_concurrency)
-    state_bytes = scheme.state_row_bytes() * (max_concurrency + snapshot_rows)
+    state_rows = max_concurrency + snapshot_rows + (max_concurrency + 1 if round_saves else 0) if scheme.state else 0
+    state_bytes = scheme.state_row_bytes() * state_rows
 
     if kv_cache_limit == "context":
         pages, reason = max_concurrency * context_pages, f"--kv-cache-limit context: {max_concurrency} full contexts"
@@ -101,7 +105,7 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
             f"the KV cache gets {pages} pages ({reason}) but one full context of {capacities.context_length} tokens "
             f"needs {context_pages} pages of {page_bytes} bytes: raise --memory-limit / --kv-cache-limit or "
             f"re-export with a smaller --context-length")
-    return KvPlan(int(pages), page_bytes, snapshot_rows, reason)
+    return KvPlan(int(pages), page_bytes, snapshot_rows, state_rows, reason)
 
 
 def _device_budget(device: torch.device, memory_limit: str) -> int:
