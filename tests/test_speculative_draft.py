@@ -33,11 +33,17 @@ def bf16_draft_core(session_flare, smollm2_gguf):
                                 "--context-length", "2048", "--prefill-chunk-size", "256")
 
 
+@pytest.fixture(scope="module")
+def greedy_and_seeded(session_flare, smollm2_core, rewrite_ids):
+    """Two requests (greedy with logprobs; seeded with penalties) and their outputs without speculation."""
+    requests = [_requests(rewrite_ids)[i] for i in (0, 2)]
+    return requests, asyncio.run(run_requests(make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY),
+                                              requests))
+
+
 @pytest.mark.parametrize("draft", ["itself", "bfloat16"])
-def test_a_draft_core_changes_no_token(session_flare, smollm2_core, bf16_draft_core, rewrite_ids, draft):
-    requests = [_requests(rewrite_ids)[i] for i in (0, 2)]  # greedy with logprobs; seeded with penalties
-    reference = asyncio.run(run_requests(make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY),
-                                         requests))
+def test_a_draft_core_changes_no_token(session_flare, smollm2_core, bf16_draft_core, greedy_and_seeded, draft):
+    requests, reference = greedy_and_seeded
     draft_core = smollm2_core if draft == "itself" else bf16_draft_core
     engine = make_engine(session_flare, smollm2_core, frames=2, kv_pages=ROOMY, spec_method="draft",
                          spec_draft_tokens=4, spec_draft=loaded(session_flare, draft_core))

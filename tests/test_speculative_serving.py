@@ -42,13 +42,20 @@ def _requests(prompt: tuple[int, ...], stop_at: int | None = None) -> list[Gener
     ]
 
 
-@pytest.mark.parametrize("frames", [1, 2])
-def test_speculation_changes_no_token(session_flare, smollm2_core, rewrite_ids, frames):
+@pytest.fixture(scope="module")
+def plain_outputs(session_flare, smollm2_core, rewrite_ids):
+    """(outputs of `_requests` without speculation, the stop token the last request was given)."""
     plain = make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY)
     reference = asyncio.run(run_requests(plain, _requests(rewrite_ids)))
     stop_at = reference[0][0][30]  # a token the greedy answer writes, likely inside a round of kept drafts
     reference[4] = asyncio.run(run_requests(make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY),
                                             _requests(rewrite_ids, stop_at)[4:]))[0]
+    return reference, stop_at
+
+
+@pytest.mark.parametrize("frames", [1, 2])
+def test_speculation_changes_no_token(session_flare, smollm2_core, rewrite_ids, plain_outputs, frames):
+    reference, stop_at = plain_outputs
     engine = make_engine(session_flare, smollm2_core, frames=frames, kv_pages=ROOMY, **SPECULATION)
     results = asyncio.run(run_requests(engine, _requests(rewrite_ids, stop_at)))
     for (tokens, logprobs, reason, usage), expected in zip(results, reference):
