@@ -18,6 +18,7 @@ from flare_core.cli import open_verified_core
 from flare_core.config import ConfigError, load_config
 from flare_core.engine.load import load_core
 from flare_core.plugins import load_registry
+from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine, run_requests
 from test_speculative_serving import ROOMY, _requests, rewrite_ids  # noqa: F401 - a fixture
 
@@ -59,6 +60,36 @@ def test_a_draft_core_changes_no_token(session_flare, smollm2_core, bf16_draft_c
         # time, so under load it narrows rounds to one draft.)
         assert resources.accepted_drafts * 2 >= resources.drafts, resources
     assert resources.live == 0 and resources.request_page_refs == 0 and resources.steps_in_flight == 0
+
+
+POEM = [{"role": "user", "content": "Write a short poem about a lighthouse keeper and the sea."}]
+
+
+def test_sampled_requests_draw_their_drafts_with_the_served_models_noise(session_flare, smollm2_core,
+                                                                         smollm2_reference_tokenizer):
+    """A sampled request's drafts are drawn with its sampling values and the noise its own tokens
+    are drawn with (Gumbel coupling): with the served core as its own draft, a free-form answer at
+    temperature 1 keeps nearly every draft, seeded or not (greedy guesses keep only those where
+    the sample happens to be the most probable token), and the seeded answer is plain decoding's
+    token for token."""
+    prompt = tuple(smollm2_reference_tokenizer.apply_chat_template(POEM, add_generation_prompt=True, tokenize=True,
+                                                                   return_dict=False))
+    seeded = GenerationRequest(prompt_ids=prompt, max_tokens=80, ignore_eos=True,
+                               sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=11))
+    unseeded = GenerationRequest(prompt_ids=prompt, max_tokens=80, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=1.0))
+    reference = asyncio.run(run_requests(make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY),
+                                         [seeded]))[0]
+    for request in (seeded, unseeded):
+        engine = make_engine(session_flare, smollm2_core, frames=2, kv_pages=ROOMY, spec_method="draft",
+                             spec_draft_tokens=4, spec_draft=loaded(session_flare, smollm2_core))
+        tokens, _, reason, _ = asyncio.run(run_requests(engine, [request]))[0]
+        assert len(tokens) == 80 and reason == "length"
+        if request is seeded:
+            assert tokens == reference[0]
+        resources = engine.resources()
+        print(f"seed {request.sampling.seed}: {resources.accepted_drafts} of {resources.drafts} drafts kept")
+        assert resources.draft_rounds > 0 and resources.accepted_drafts >= 0.9 * resources.drafts, resources
 
 
 def test_a_draft_of_another_vocabulary_is_refused(session_flare, smollm2_core, qwen3_core):

@@ -37,10 +37,13 @@ class EchoProposer:
     even token; others get no proposal, decode plainly and so, with two steps in flight, read
     their input on the device beside the rows that check drafts."""
 
+    samples = False
+
     def seconds(self, width: int) -> float:
         return 0.0
 
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw=None, step: int = 0
+                ) -> tuple[int, ...]:
         return tuple(tokens[-width:]) if width > 0 and tokens[0] % 2 == 0 else ()
 
 

@@ -19,6 +19,7 @@ from collections import deque
 import structlog
 import torch
 
+from flare_core.engine.drafting import drawn_alike
 from flare_core.engine.frames import Frame, step_sampling
 from flare_core.engine.live import LiveRequest
 from flare_core.engine.masks import refused_by_grammars, token_masks
@@ -58,13 +59,14 @@ class EngineCore:
         One the runtime cannot serve ends at once with an error event, alone."""
         submitted = time.monotonic() if submitted is None else submitted
         try:
+            request, draw = drawn_alike(request, self.scheduler.config.proposer)
             live = LiveRequest.admit(request_id, request, submitted, self._tokenizer, self._core_stop_ids,
                                      self._vocab)
             self.scheduler.submit(request_id, request.prompt_ids, max(request.max_tokens, 1),
                                   message_ends=tuple(m for m in request.message_ends
                                                      if 0 < m <= len(request.prompt_ids)),
                                   score_prompt=request.prompt_logprobs is not None, group=request.client or group,
-                                  client=request.client)
+                                  client=request.client, draw=draw)
         except Exception as exc:  # noqa: BLE001 - whatever the request holds, only the request fails
             log.warning("request refused by the runtime", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             self.refuse(request_id, request, "error", error=f"invalid request: {type(exc).__name__}: {exc}")

@@ -9,8 +9,9 @@ proposing request's row reused first). The served model hands the hidden states 
 computes to `record` (the eager runner's `final_hidden`); the head computes its records as soon
 as the token after a position is certain (a prompt's tokens, the input of the request's next
 step), so what waits is at most one step's tokens per request. A proposal computes what still
-waits, up to the newest sampled token, and guesses on from its own output: greedy, so coupled
-verification keeps every output what plain decoding gives.
+waits, up to the newest sampled token, and guesses on from its own output, drawing each guess as
+the draft model does (flare_core.engine.drafting.draft_token): coupled verification keeps every
+output what plain decoding gives.
 
 Positions the served model never computed (a prompt read from the prefix cache) give the head no
 hidden state: its records then start at the first position it saw (`_Row.origin`), and it
@@ -27,11 +28,12 @@ from typing import Any
 import torch
 
 from flare_core.contract import CacheScheme, Recipe
-from flare_core.engine.drafting import RowsByRequest
+from flare_core.engine.drafting import RowsByRequest, draft_token
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.kernels.transfer import to_device
 from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.plugins import Registry
+from flare_core.requests import SamplingParams
 from flare_core.scheduler import StepPlan
 
 
@@ -61,6 +63,8 @@ def head_scheme(registry: Registry, recipe: Recipe, config: Any, dtype: str) -> 
 
 
 class HeadProposer:
+    samples = True  # draws a sampled request's drafts as the served model draws its tokens
+
     def __init__(self, head: torch.nn.Module, scheme: CacheScheme, *, rows: int, longest: int, page_tokens: int,
                  vocab_size: int, device: torch.device):
         """Proposals from `head` (flare_core.contract.DraftHeadModel) for at most `rows` live requests
@@ -109,8 +113,9 @@ class HeadProposer:
             self._run(work)
 
     @torch.inference_mode()
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
-        """Up to `width` greedy guesses to follow `tokens`: the head first reads what waits up to the
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
+                step: int = 0) -> tuple[int, ...]:
+        """Up to `width` guesses to follow `tokens` (drawn as `draft_token` draws them): the head first reads what waits up to the
         newest token (the served model computed every position before it), then guesses on."""
         row = self._rows.get(request_id)
         if row is None or width <= 0 or len(tokens) + width > self.pages_per_row * self.page_tokens:
@@ -123,13 +128,13 @@ class HeadProposer:
         # The fed tokens there are the request's own (a round's kept drafts); the next ones come
         # from `tokens`, which also hold the sample after the last kept one.
         hidden = self._run([(row, ready, list(tokens[row.start + 1:last + 1]))])[0]
-        drafts = [int(self.head.logits(hidden[-1:]).argmax(dim=-1))]
+        drafts = [draft_token(self.head.logits(hidden[-1:]), draw, step)]
         committed = row.computed
         while len(drafts) < width and drafts[-1] < self.vocab_size:
             # Its own output stands in for the served model's hidden state one position on.
             hidden = self._forward([(row, row.computed, hidden[-1:], [drafts[-1]])])[0]
             row.computed += 1
-            drafts.append(int(self.head.logits(hidden).argmax(dim=-1)))
+            drafts.append(draft_token(self.head.logits(hidden), draw, step + len(drafts)))
         row.computed = committed  # the guessed positions' records are overwritten once certain
         if drafts[-1] >= self.vocab_size:
             drafts.pop()

@@ -1,29 +1,78 @@
 """A draft model as a proposer for speculative decoding (`flare run CORE --spec-method draft
 --spec-draft-core CORE2`): a second, smaller core with the same tokenizer guesses each request's
-next tokens by decoding greedily, and the served model checks them in one round.
+next tokens by decoding ahead, and the served model checks them in one round.
 
 The draft core runs on the eager path over a page pool of its own, one row of pages per live
 request (`max_concurrency` rows, least recently proposing request's row reused first). A row
 remembers the tokens whose records its pages hold; a proposal computes only what the request's
 sequence holds beyond their common prefix (after a round: the target's own token and the drafts
 it kept, or the refused drafts overwritten), then decodes up to `width` tokens one at a time.
-Greedy drafts are deterministic, so coupled verification keeps the served output exactly what
-plain decoding gives (flare_core.executor.verification). What a proposal takes per draft token is
+
+How drafts are drawn (`draft_token`, shared with the draft heads): greedily for greedy requests;
+for sampled ones, each draft is drawn as the served model will draw its token at that position —
+the same temperature and top-k / top-p / min-p filters over the draft's logits, and the same
+exponential noise, keyed by the request's seed and the step (flare_core.executor.sampling). This is
+the Gumbel-max coupling of Daliri, Musco and Suresh, "Coupling without Communication and
+Drafter-Invariant Speculative Decoding" (arXiv 2408.07978, 2024): the served model's token at a
+position equals the draft whenever the noise makes both distributions pick the same token, which
+happens with probability at least (1 - d) / (1 + d), d the two distributions' total variation
+distance (a greedy guess is kept with probability p(guess) only). The round's coupled
+verification stays as it is, so every output is still exactly plain decoding's, seed for seed,
+whatever the drafter. The noise of a position must be known when it is drafted, so a sampled
+request without a seed is given one of its own at admission (`drawn_alike`), drawn fresh: its
+output is as random as with the per-step keys it replaces. What a proposal takes per draft token is
 measured (a moving average) and priced into each round (`seconds`). The draft core's cache may keep no
 continuation state (its refused drafts could not be rolled back).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Protocol, TypeVar
 
+import torch
+
 from flare_core.engine.load import LoadedCore
 from flare_core.executor.runner import eager_runner
+from flare_core.executor.sampling import row_columns, sample_rows, window
+from flare_core.requests import GenerationRequest, SamplingParams
 from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepKind, StepPlan
+from flare_core.scheduler.proposals import Proposer
+
+
+def drawn_alike(request: GenerationRequest, proposer: Proposer | None) -> tuple[GenerationRequest,
+                                                                                 SamplingParams | None]:
+    """`request` as the engine serves it, and how its drafts are drawn (None: greedily): a sampled
+    request of a server whose proposer samples its drafts, given a fresh seed if it has none (the
+    module docstring)."""
+    if proposer is None or not proposer.samples or request.sampling.greedy:
+        return request, None
+    if request.sampling.seed is None:
+        sampling = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
+        request = dataclasses.replace(request, sampling=sampling)
+    return request, request.sampling
+
+
+def draft_token(logits: torch.Tensor, draw: SamplingParams | None, step: int) -> int:
+    """The draft that follows `logits` [1, V]: the argmax, or with `draw` the token the served
+    model's sampler draws at `step` from these logits (its penalties and constraints left out: they
+    only make the draft guess less well)."""
+    if draw is None or draw.greedy:
+        return int(logits[0].argmax())
+    row = logits[:1].float()
+    columns = row_columns([draw], [step])
+    ints = {name: torch.tensor(columns[name], dtype=torch.int64, device=row.device)
+            for name in ("top_k", "seeds", "steps", "seeded")}
+    floats = {name: torch.tensor(columns[name], dtype=torch.float32, device=row.device)
+              for name in ("temperature", "top_p", "min_p")}
+    return int(sample_rows(row, floats["temperature"], ints["top_k"], floats["top_p"], floats["min_p"], ints["seeds"],
+                           ints["steps"], ints["seeded"] != 0, torch.zeros((), dtype=torch.int64, device=row.device),
+                           window([draw], row.shape[-1]))[0])
 
 
 @dataclass(eq=False)
@@ -64,6 +113,8 @@ class RowsByRequest(Generic[R]):
 
 
 class DraftModel:
+    samples = True  # draws a sampled request's drafts as the served model draws its tokens
+
     def __init__(self, draft: LoadedCore, target: LoadedCore, rows: int, longest: int):
         """Proposals from `draft` for requests of `target` (at most `rows` live at once, each up
         to `longest` tokens with its drafts). ValueError naming --spec-draft-core where the draft
@@ -88,7 +139,8 @@ class DraftModel:
     def seconds(self, width: int) -> float:
         return width * self._token_s
 
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
+                step: int = 0) -> tuple[int, ...]:
         if width <= 0 or not tokens or len(tokens) + width > self.pages_per_row * self.page_tokens:
             return ()
         started = time.perf_counter()
@@ -103,12 +155,12 @@ class DraftModel:
         chunk = PrefillChunk(handle, common, len(tokens), tuple(tokens[common:]), pages, samples=True, save=None)
         logits = self.runner.run(StepPlan(0, StepKind.PREFILL, 0, (), (), (chunk,), 0.0))
         row.tokens = list(tokens)
-        drafts = [int(logits[0].argmax())]
+        drafts = [draft_token(logits, draw, step)]
         while len(drafts) < width and drafts[-1] < self.vocab_size:
             decode = DecodeEntry(handle, len(row.tokens), drafts[-1], pages)
             logits = self.runner.run(StepPlan(0, StepKind.DECODE, 0, (), (decode,), (), 0.0))
             row.tokens.append(drafts[-1])
-            drafts.append(int(logits[0].argmax()))
+            drafts.append(draft_token(logits, draw, step + len(drafts)))
         if drafts[-1] >= self.vocab_size:  # an id past the served vocabulary (a padded embedding) ends it
             drafts.pop()
         # Each proposal's host time includes its device time: every draft token is read back.

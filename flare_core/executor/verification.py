@@ -2,14 +2,17 @@
 tokens in one step (logits at D+1 positions); which drafts it keeps, and the token after them.
 
 Two rules, both exact (the output is distributed as plain decoding's):
-- **Coupled sampling**, for proposals without probabilities (prompt lookup, a greedy draft): each
-  position's token is sampled as plain decoding samples it — the same filters, and the same noise
-  key (seed, tokens generated before it), see `flare_core.executor.sampling` — and drafts are kept
-  while they equal those tokens. For a one-hot proposal this accepts draft d with probability p(d),
-  as rejection sampling would, and a seeded request's output is token for token the one it gets
-  without speculation.
+- **Coupled sampling**, for proposals without probabilities (prompt lookup, a draft drawn with the
+  request's own noise, flare_core.engine.drafting): each position's token is sampled as plain
+  decoding samples it — the same filters, and the same noise key (seed, tokens generated before
+  it), see `flare_core.executor.sampling` — and drafts are kept while they equal those tokens. For
+  a one-hot proposal this accepts draft d with probability p(d), as rejection sampling would; a
+  draft drawn from q with the same noise is kept with probability at least (1 - d) / (1 + d), d
+  the total variation distance of p and q (Daliri et al. 2024). A seeded request's output is token
+  for token the one it gets without speculation. What the engine uses.
 - **Rejection sampling** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-  Decoding", Algorithm 1), for drafts sampled from a distribution q the proposer reports: draft d
+  Decoding", Algorithm 1), for drafts sampled from a distribution q the proposer reports (no
+  proposer reports one: the engine does not use it): draft d
   is kept with probability min(1, p(d) / q(d)); at the first rejection the token is drawn from
   max(p - q, 0) renormalised; after D kept drafts, the bonus token from p.
 Greedy rows (temperature 0) keep drafts equal to the argmax and take the argmax after them, under

@@ -4,8 +4,11 @@ checked in one step by the target model (flare_core.executor.verification).
 A proposer reads the tokens a request holds (prompt, then output) and proposes up to `width` tokens
 to follow them; an empty proposal means "decode one token as usual". It is told which request asks
 (a proposer that keeps state per request, such as a draft model's cache, keys it by that); its
-proposals are guesses only, checked by coupled sampling, so a deterministic proposer keeps every
-output exactly as plain decoding's. `PromptLookup` needs no weights: it finds the longest recent n-gram that ends the sequence earlier in it and proposes what
+proposals are guesses only, checked by coupled sampling, so every output stays exactly plain
+decoding's. A proposer that `samples` draws each draft for a sampled request as the served model
+will draw its token there (`draw`: the request's sampling values and seed; `step`: the tokens it
+generated before the first draft), so that the two agree wherever their distributions do (see
+flare_core.engine.drafting). `PromptLookup` needs no weights: it finds the longest recent n-gram that ends the sequence earlier in it and proposes what
 followed there, which pays off where the output copies its input (edits of a given text or code,
 quotes, structured rewrites).
 """
@@ -15,13 +18,22 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
+
+from flare_core.requests import SamplingParams
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+    @property
+    def samples(self) -> bool:
+        """Whether it draws drafts for sampled requests with their sampling and noise (else it
+        guesses the same whatever a request samples with)."""
+        ...
+
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
+                step: int = 0) -> tuple[int, ...]:
         """Up to `width` tokens guessed to follow `tokens`, the sequence of request `request_id`
-        (none: no guess)."""
+        (none: no guess); `draw`, `step`: how the served model samples its next token (None: greedily)."""
         ...
 
     def seconds(self, width: int) -> float:
@@ -39,6 +51,7 @@ class PromptLookup:
 
     max_ngram: int = 4
     min_ngram: int = 2
+    samples: ClassVar[bool] = False  # it copies tokens the request holds
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -47,7 +60,8 @@ class PromptLookup:
     def seconds(self, width: int) -> float:
         return 0.0  # a search in the host's memory, microseconds beside any step
 
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
+                step: int = 0) -> tuple[int, ...]:
         if width <= 0 or len(tokens) <= self.min_ngram:
             return ()
         # Token ids as 4-byte words, so that bytes.rfind runs the search in C; a hit at an offset that

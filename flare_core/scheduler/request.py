@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from flare_core.kv.manager import KvRecord
+from flare_core.requests import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -101,6 +102,7 @@ class Request:
     group: str = ""                 # who shares its service price: its client address, or its own request
     client: str = ""                # the client's address, for the cap on live requests per client
     speculate: bool = False         # its decode rows may check draft tokens (speculative decoding)
+    draw: SamplingParams | None = None  # how its tokens are sampled, for a proposer that samples drafts
     status: RequestStatus = RequestStatus.WAITING
     outputs: list[int] = field(default_factory=list)
     finish_reason: str | None = None

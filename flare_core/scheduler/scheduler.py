@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from flare_core.kv.manager import KvCacheManager
 from flare_core.kv.pages import request_page_need
 from flare_core.kv.prefix import NO_HIT, ResumeStorage
+from flare_core.requests import SamplingParams
 from flare_core.scheduler.estimates import StepCostEstimator, StepKind
 from flare_core.scheduler.policy import FairnessLimits, GraphCapacities, chunk_end, rank
 from flare_core.scheduler.prices import ServicePrices
@@ -240,13 +241,14 @@ class Scheduler:
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int,
                message_ends: Sequence[int] = (), score_prompt: bool = False, group: str | None = None,
-               client: str = "") -> None:
+               client: str = "", draw: SamplingParams | None = None) -> None:
         """Queue a request. `marks` are message-boundary token endpoints within the prompt
         (resume point candidates). With `score_prompt` every prompt position is computed (no prefix
         reuse) and its chunks carry their prompt targets. Requests of one `group` (the engine's:
         one client address; default: the request alone) share their service price; `client` (an
         address) is what the cap on live requests per client counts. With a proposer configured,
-        its decode rows check draft tokens. The caller has already checked the context limit."""
+        its decode rows check draft tokens; `draw`: how its tokens are sampled, for a proposer that
+        samples its drafts. The caller has already checked the context limit."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already known to the scheduler")
         prompt, message_ends = tuple(prompt), tuple(message_ends)
@@ -254,7 +256,7 @@ class Scheduler:
                           request_page_need(len(prompt), max_tokens, self.config.page_tokens), self.kv.num_pages)
         request = Request(request_id, prompt, max_tokens, message_ends, self._next_order, score_prompt=score_prompt,
                           group=group or request_id, client=client, kv=self.kv.open(request_id),
-                          speculate=self.config.proposer is not None)
+                          speculate=self.config.proposer is not None, draw=draw)
         self._next_order += 1
         self._requests[request_id] = request
         self.prices.join(request)

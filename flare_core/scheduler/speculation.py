@@ -172,7 +172,8 @@ class Speculation:
             elif request.speculate and request.in_flight == 0 and most > 0 and request.can_decode():
                 width = self.width(request, costs[:most], rewinds[:most])
                 if width:
-                    request.drafts = self.proposer.propose(request.known_tokens(), width, request.request_id)
+                    request.drafts = self.proposer.propose(request.known_tokens(), width, request.request_id,
+                                                           request.draw, request.num_planned_samples)
                 else:
                     request.acceptance.fade()
                 if not request.drafts:

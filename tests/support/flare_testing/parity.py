@@ -188,10 +188,13 @@ class WrongGuesses:
         self.continuation, self.vocab_size = continuation, vocab_size
         self.widths: list[int] = []
 
+    samples = False  # its guesses are the continuation's, whatever a request samples with
+
     def seconds(self, width: int) -> float:
         return 0.0
 
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw=None, step: int = 0
+                ) -> tuple[int, ...]:
         guesses = list(self.continuation(list(tokens), width))
         wrong = len(tokens) % (width + 1)
         if wrong < len(guesses):
@@ -246,12 +249,14 @@ class ObservedHead:
     def __init__(self, head, steer: WrongGuesses | None = None):
         self.head, self.steer = head, steer
         self.proposals: list[tuple[list[int], tuple[int, ...]]] = []
+        self.samples = head.samples
 
     def seconds(self, width: int) -> float:
         return self.head.seconds(width) if self.steer is None else 0.0
 
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "") -> tuple[int, ...]:
-        drafts = self.head.propose(tokens, width, request_id)
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw=None, step: int = 0
+                ) -> tuple[int, ...]:
+        drafts = self.head.propose(tokens, width, request_id, draw, step)
         self.proposals.append((list(tokens), drafts))
         return drafts if self.steer is None else self.steer.propose(tokens, width, request_id)
 
