@@ -15,9 +15,9 @@ for wheels in "$@"; do
 done
 export PYTHONPATH=$PWD/.site:$PWD/tests/support${PYTHONPATH:+:$PYTHONPATH}
 if ! python3 -c "import flare_recipe_qwen" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --user --break-system-packages \
-    -e . -e recipes-qwen -e recipes-deepseek -e recipes-kimi -e plugins/flare-recipe-llama ||
-    export PYTHONPATH=$PYTHONPATH:$PWD:$PWD/recipes-qwen:$PWD/recipes-deepseek:$PWD/recipes-kimi
+  # The host's python3 is a virtual environment (2026-12-07): an editable install goes into it.
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+    -e . -e recipes-qwen -e recipes-deepseek -e recipes-kimi -e plugins/flare-recipe-llama
 fi
 python3 -c "import flashinfer, flare_core, flare_recipe_qwen, flare_recipe_deepseek, torch, transformers; \
 print('site ready:', torch.cuda.get_device_name(), 'flashinfer', flashinfer.__version__, \
