@@ -115,8 +115,9 @@ class HeadProposer:
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
                 step: int = 0) -> tuple[int, ...]:
-        """Up to `width` guesses to follow `tokens` (drawn as `draft_token` draws them): the head first reads what waits up to the
-        newest token (the served model computed every position before it), then guesses on."""
+        """Up to `width` guesses to follow `tokens` (drawn as `draft_token` draws them): the head
+        first reads what waits up to the newest token (the served model computed every position
+        before it), then guesses on."""
         row = self._rows.get(request_id)
         if row is None or width <= 0 or len(tokens) + width > self.pages_per_row * self.page_tokens:
             return ()

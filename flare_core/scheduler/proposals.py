@@ -8,9 +8,9 @@ proposals are guesses only, checked by coupled sampling, so every output stays e
 decoding's. A proposer that `samples` draws each draft for a sampled request as the served model
 will draw its token there (`draw`: the request's sampling values and seed; `step`: the tokens it
 generated before the first draft), so that the two agree wherever their distributions do (see
-flare_core.engine.drafting). `PromptLookup` needs no weights: it finds the longest recent n-gram that ends the sequence earlier in it and proposes what
-followed there, which pays off where the output copies its input (edits of a given text or code,
-quotes, structured rewrites).
+flare_core.engine.drafting). `PromptLookup` needs no weights: it finds the longest recent n-gram
+that ends the sequence earlier in it and proposes what followed there, which pays off where the
+output copies its input (edits of a given text or code, quotes, structured rewrites).
 """
 
 from __future__ import annotations
