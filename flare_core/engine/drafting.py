@@ -39,7 +39,7 @@ import torch
 
 from flare_core.engine.load import LoadedCore
 from flare_core.executor.runner import eager_runner
-from flare_core.executor.sampling import row_columns, sample_rows, window
+from flare_core.executor.sampling import sample_params
 from flare_core.requests import GenerationRequest, SamplingParams
 from flare_core.scheduler import DecodeEntry, PrefillChunk, RequestHandle, StepKind, StepPlan
 from flare_core.scheduler.proposals import Proposer
@@ -64,15 +64,7 @@ def draft_token(logits: torch.Tensor, draw: SamplingParams | None, step: int) ->
     only make the draft guess less well)."""
     if draw is None or draw.greedy:
         return int(logits[0].argmax())
-    row = logits[:1].float()
-    columns = row_columns([draw], [step])
-    ints = {name: torch.tensor(columns[name], dtype=torch.int64, device=row.device)
-            for name in ("top_k", "seeds", "steps", "seeded")}
-    floats = {name: torch.tensor(columns[name], dtype=torch.float32, device=row.device)
-              for name in ("temperature", "top_p", "min_p")}
-    return int(sample_rows(row, floats["temperature"], ints["top_k"], floats["top_p"], floats["min_p"], ints["seeds"],
-                           ints["steps"], ints["seeded"] != 0, torch.zeros((), dtype=torch.int64, device=row.device),
-                           window([draw], row.shape[-1]))[0])
+    return int(sample_params(logits[:1].float(), [draw], [step], unseeded_seed=0)[0])  # `draw` is seeded
 
 
 @dataclass(eq=False)

@@ -424,6 +424,22 @@ def _as_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def sample_params(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+                  unseeded_seed: int) -> torch.Tensor:
+    """`sample_rows` over one `SamplingParams` per row (their penalties not applied: `logits` are
+    already penalised), the columns uploaded from the host; `unseeded_seed` keys the unseeded rows."""
+    device = logits.device
+    host = row_columns(params, steps)
+    ints = dict(zip(INT_COLUMNS, to_device([host[name] for name in INT_COLUMNS], torch.int64, device)))
+    floats = dict(zip(FLOAT_COLUMNS[:3], to_device([host[name] for name in FLOAT_COLUMNS[:3]], torch.float32,
+                                                   device)))
+    return sample_rows(
+        logits, temperature=floats["temperature"], top_k=ints["top_k"], top_p=floats["top_p"],
+        min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"].bool(),
+        unseeded_seed=to_device(torch.tensor(unseeded_seed), torch.int64, device),
+        candidates=window(params, logits.shape[-1]))
+
+
 class Sampler:
     """Samples one token per row from fp32 logits [B, V] (see the module docstring for semantics).
     `seed` seeds the generator that unseeded requests draw from."""
@@ -465,7 +481,7 @@ class Sampler:
         if all(p.greedy for p in params):
             token_ids = working.argmax(dim=-1)  # first maximum = lowest id
         else:
-            token_ids = self._sample_rows(working, params, steps)
+            token_ids = sample_params(working, params, steps, self.unseeded_seed())
 
         return self.with_logprobs(logits, token_ids, logprobs, top_logprobs)
 
@@ -481,17 +497,6 @@ class Sampler:
         top_values, top_ids = raw.topk(top_logprobs, dim=-1)
         return SampleOutput(token_ids, chosen, top_ids, top_values)
 
-    def _sample_rows(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
-        device = logits.device
-        host = row_columns(params, steps)
-        ints = dict(zip(INT_COLUMNS, to_device([host[name] for name in INT_COLUMNS], torch.int64, device)))
-        floats = dict(zip(FLOAT_COLUMNS[:3], to_device([host[name] for name in FLOAT_COLUMNS[:3]], torch.float32,
-                                                       device)))
-        return sample_rows(
-            logits, temperature=floats["temperature"], top_k=ints["top_k"], top_p=floats["top_p"],
-            min_p=floats["min_p"], seeds=ints["seeds"], steps=ints["steps"], seeded=ints["seeded"].bool(),
-            unseeded_seed=to_device(torch.tensor(self.unseeded_seed()), torch.int64, device),
-            candidates=window(params, logits.shape[-1]))
 
     def _check_batch(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                      penalties: Sequence[PenaltyState | None] | None, top_logprobs: int) -> int:
