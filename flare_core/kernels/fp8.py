@@ -94,7 +94,7 @@ def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] 
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])  # as flare_core.kernels.gemv's: an N of 1 stays a runtime value
     def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, ROWS: tl.constexpr,
                          COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         # flare_core.kernels.gemv's kernel over FP8 rows: program p reads weight rows [p * ROWS, (p + 1)

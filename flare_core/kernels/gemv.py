@@ -93,7 +93,9 @@ def gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: b
 
 
 if triton is not None:
-    @triton.jit
+    # N stays a runtime argument: Triton would make an N of 1 (Qwen3-Next's shared-expert gate, one
+    # row) a Python constant, on which `.to` fails.
+    @triton.jit(do_not_specialize=["N"])
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, ROWS: tl.constexpr, COLUMNS: tl.constexpr, GATED: tl.constexpr,
                      PDL: tl.constexpr):
         # Program p reads weight rows [p * ROWS, (p + 1) * ROWS) (and, gated, the up rows N below

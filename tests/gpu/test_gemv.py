@@ -27,9 +27,10 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert error <= TOLERANCE * expected.float().abs().max().item(), error
 
 
-# Qwen3-8B's shapes, Kimi Linear's (inputs of 2,304 and 128 features: the 128-column tiles), small ones.
+# Qwen3-8B's shapes, Kimi Linear's (inputs of 2,304 and 128 features: the 128-column tiles), small
+# ones, and a single row (Qwen3-Next's shared-expert gate).
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 12288), (12576, 2304), (2304, 4096),
-                                                      (4096, 128), (1000, 512), (37, 256)])
+                                                      (4096, 128), (1000, 512), (37, 256), (1, 2048)])
 def test_gemv_matches_f_linear_on_one_token(out_features, in_features):
     from flare_core.kernels.gemv import gemv_config
 
