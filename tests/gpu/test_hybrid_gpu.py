@@ -268,8 +268,10 @@ def test_speculative_rounds_over_continuation_state_on_cuda():
     """Qwen3.5 shape on the CUDA runner, drafts guessed from a plain run with some wrong on
     purpose: rounds replay speculative graphs (each request's state row from the graph's chunk
     layout), a partly refused round is followed by a rewind (a chunk from the round's position,
-    from the row kept before it), and every request samples the tokens, and the logits up to the
-    kernels' bf16 differences, of the run without speculation."""
+    from the row kept before it), and every row a request samples from holds the logits of the
+    run without speculation up to the kernels' bf16 differences. Both runs take the plain run's
+    greedy tokens (rounds and decode steps run different kernels, so a near-tied argmax could part
+    them), which decide what each round keeps."""
     from flare_core.executor.graphs import cuda_runner
     from flare_recipe_qwen.hybrid import gated_deltanet_hybrid_scheme
     from flare_testing.parity import WrongGuesses, drive_greedy, recorded_continuation
@@ -279,7 +281,7 @@ def test_speculative_rounds_over_continuation_state_on_cuda():
     generator = torch.Generator().manual_seed(4)
     prompts = {f"r{i}": torch.randint(10, 4000, (n,), generator=generator).tolist() for i, n in enumerate((9, 70, 33))}
 
-    def serve(proposer):
+    def serve(proposer, next_token=None):
         runner = cuda_runner(model, scheme, num_pages=64, page_tokens=64, num_rows=4, num_snapshot_rows=8,
                              num_logits_rows=16, vocab_size=config.vocab_size, device=torch.device("cuda"),
                              decode_capacities=(1, 2, 4), prefill_capacities=(64, 128), context_length=2048,
@@ -287,18 +289,19 @@ def test_speculative_rounds_over_continuation_state_on_cuda():
         scheduler = make_scheduler(64, 4, 8, proposer=proposer, draft_tokens=5 if proposer else 0)
         for request_id, prompt in prompts.items():
             scheduler.submit(request_id, prompt, 40)
-        return drive_greedy(scheduler, runner, 40)[0], runner, scheduler
+        return drive_greedy(scheduler, runner, 40, next_token=next_token)[0], runner, scheduler
 
     plain, _, _ = serve(None)
-    sequences = [prompt + [int(row.argmax()) for row in plain[rid]] for rid, prompt in prompts.items()]
-    guesses = WrongGuesses(recorded_continuation(sequences), config.vocab_size)
-    drafted, runner, scheduler = serve(guesses)
+    tokens = {rid: [int(row.argmax()) for row in rows] for rid, rows in plain.items()}
+    guesses = WrongGuesses(recorded_continuation([prompt + tokens[rid] for rid, prompt in prompts.items()]),
+                           config.vocab_size)
+    drafted, runner, scheduler = serve(guesses, next_token=lambda rid, i: tokens[rid][i])
     counts = scheduler.resources()
     assert counts.draft_rounds > 0 and 0 < counts.accepted_drafts < counts.drafts, counts
     assert sum(g.replays for g in runner.graphs.speculative_graphs.values()) > 0
     for rid in prompts:
-        assert [int(r.argmax()) for r in drafted[rid]] == [int(r.argmax()) for r in plain[rid]], rid
         got, want = torch.stack(drafted[rid]).float(), torch.stack(plain[rid]).float()
+        assert got.shape == want.shape, rid
         assert (got - want).abs().max() <= 0.03 * (want.max() - want.min()), rid
     assert counts.live == 0 and counts.free_state_rows == counts.state_rows
 

@@ -121,7 +121,9 @@ def drive_greedy(scheduler, executor, max_tokens: int, on_row: Callable[[str], N
         # The rows the scheduler keeps (a speculative round's past its first refused draft are not).
         for sampled in scheduler.complete(plan, StepResult(tokens.tolist(), plan.estimated_s)):
             taken = rows.setdefault(sampled.handle.request_id, [])
-            taken.append(logits[sampled.row])
+            # A copy: a graph runner's rows are views of its graph's buffers, which its next
+            # replay overwrites.
+            taken.append(logits[sampled.row].clone())
             if on_row is not None:
                 on_row(sampled.handle.request_id)
             if len(taken) == max_tokens:
