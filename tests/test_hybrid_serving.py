@@ -79,14 +79,17 @@ def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_
     second_turn_restores_the_first(cached, uncached, "next", WEATHER_TURN, "And for Zermatt in the afternoon?")
 
 
-def test_speculative_decoding_over_continuation_state_changes_no_token(session_flare, qwen3_next_core):
-    """Prompt lookup over a hybrid core served by the engine: `build_engine` has the executor keep
-    each state row before a round and the scheduler rewind after a partly refused one. A logit
-    bias keeps the random model's output to three tokens, so its n-grams recur and rounds are
-    proposed where the measured step costs let them pay (how many depends on the machine's load:
-    the recipes' rollback tests check every rewound row's logits against the reference). Greedy
-    with logprobs, and seeded with penalties: the same tokens and logprobs as without
-    speculation, and every row and page back. The memory plan counts the rows' copies."""
+@pytest.mark.parametrize("frames", [1, 2], ids=["one-step", "two-steps-in-flight"])
+def test_speculative_decoding_over_continuation_state_changes_no_token(session_flare, qwen3_next_core, frames):
+    """Prompt lookup over a hybrid core served by the engine, one step at a time and with two in
+    flight (as on CUDA: a request waits for its round to settle before it rewinds or decodes on):
+    `build_engine` has the executor keep each state row before a round and the scheduler rewind
+    after a partly refused one. A logit bias keeps the random model's output to three tokens, so
+    its n-grams recur and rounds are proposed where the measured step costs let them pay (how
+    many depends on the machine's load: the recipes' rollback tests check every rewound row's
+    logits against the reference). Greedy with logprobs, and seeded with penalties: the same
+    tokens and logprobs as without speculation, and every row and page back. The memory plan
+    counts the rows' copies."""
     from test_engine_frames import run_requests
 
     bias = ((1001, 30.0), (1002, 30.0), (1003, 30.0))
@@ -97,7 +100,8 @@ def test_speculative_decoding_over_continuation_state_changes_no_token(session_f
                                   sampling=SamplingParams(temperature=0.8, seed=5, frequency_penalty=0.5))]
     plain_engine = make_engine(session_flare, qwen3_next_core, frames=1)
     plain = asyncio.run(run_requests(plain_engine, requests))
-    engine = make_engine(session_flare, qwen3_next_core, frames=1, spec_method="prompt-lookup", spec_draft_tokens=4)
+    engine = make_engine(session_flare, qwen3_next_core, frames=frames, spec_method="prompt-lookup",
+                         spec_draft_tokens=4)
     assert engine.core.scheduler.speculation.rewinds and engine.core.executor.state.round_saves
     # The memory plan counted the copies: 4 live rows, 8 snapshot rows, 4 + 1 saved rows.
     assert (plain_engine.kv.state_rows, engine.kv.state_rows) == (4 + 8, 4 + 8 + 5)

@@ -96,10 +96,6 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
                          "with --speculative-tokens none); re-export it with their token capacities")
     # Speculating over continuation state, the executor keeps each row as a round found it.
     executor_args["round_saves"] = proposer is not None and bool(loaded.cache_scheme.state)
-    if executor_args["round_saves"] and loaded.device.type != "cpu":
-        raise ValueError(f"speculative decoding (--spec-method) over a cache with continuation state (this core's "
-                         f"scheme {loaded.cache_scheme.name!r}) runs on the CPU path only so far (--device cpu): "
-                         f"the speculative graphs do not lay out its rows' state yet")
     if leader is not None and loaded.device.type != "cpu":
         raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
                          f"path (--device cpu) serves such cores so far")

@@ -172,3 +172,49 @@ def test_speculation_on_cuda(session_flare, bf16_core, compile_model):
     assert resources.draft_rounds > 0 and resources.accepted_drafts > 0, resources
     assert sum(g.replays for g in graphs.speculative_graphs.values()) > 0
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
+
+
+@pytest.fixture(scope="module")
+def hybrid_core(session_flare, tmp_path_factory):
+    """A small Qwen3-Next (Gated DeltaNet state rows beside paged attention) of head dims FlashInfer
+    and flash-linear-attention have kernels for, in bf16."""
+    from transformers import Qwen3NextConfig
+
+    from conftest import write_checkpoint
+
+    config = Qwen3NextConfig(vocab_size=151936, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
+                             shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=2048,
+                             bos_token_id=151643, eos_token_id=151645)
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-next-head128"), config)
+    return session_flare.export(checkpoint, *EXPORT)
+
+
+def test_speculation_over_continuation_state_on_cuda(session_flare, hybrid_core):
+    """Prompt lookup over a hybrid core on the CUDA executor, two steps in flight: rounds replay
+    speculative graphs over the requests' state rows, the executor keeps each row before a round
+    and a partly refused round is followed by a rewind chunk from it. Greedy, penalised greedy and
+    seeded requests produce the tokens they produce without speculation, and every state row and
+    page comes back."""
+    from flare_core.requests import SamplingParams
+
+    samplings = [REQUESTS[0].sampling] * 2 + [
+        SamplingParams(temperature=0.0, frequency_penalty=0.3, presence_penalty=0.2),
+        SamplingParams(temperature=0.8, top_k=5, seed=11)]
+    requests = [REQUESTS[0].__class__(prompt_ids=tuple(range(5 + 40 * i, 105 + 40 * i)) * 2, max_tokens=100,
+                                      ignore_eos=True, sampling=sampling) for i, sampling in enumerate(samplings)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, hybrid_core, 2, "cuda"), requests))
+    engine = make_engine(session_flare, hybrid_core, 2, "cuda", spec_method="prompt-lookup", spec_draft_tokens=4)
+    assert engine.core.executor.state.round_saves and engine.core.scheduler.speculation.rewinds
+    graphs = engine.core.executor.graphs
+    assert graphs.speculative_graphs, engine.executor_summary()
+    results = asyncio.run(run_requests(engine, requests))
+    for index, (got, want) in enumerate(zip(results, reference)):
+        assert got[0] == want[0], f"request {index} ({samplings[index]}) differs"
+    resources = engine.resources()
+    assert resources.draft_rounds > 0 and 0 < resources.accepted_drafts, resources
+    assert sum(g.replays for g in graphs.speculative_graphs.values()) > 0
+    assert resources.live == 0 and resources.free_state_rows == resources.state_rows, resources
+    assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
