@@ -1,6 +1,7 @@
 """One-token matmuls on Qwen3-8B's (or, `--shape kimi-linear`, Kimi Linear 48B-A3B's) weight shapes: cuBLAS (F.linear) vs Flare's Triton GEMV
 (flare_core.kernels.gemv), side by side in one run, with a sweep of the kernel's launch
-configurations.
+configurations. With `--tokens 2,4,8,16`: matmuls of that many tokens, cuBLAS vs the few-token
+kernel (`gemv_tokens`) and its sweep, the one-token kernel's time beside them.
 
 Each figure is the device time of one call inside a CUDA graph that calls the op over enough
 distinct weight matrices (>= 2 GiB in all) that none is still in the 50 MB L2 cache when its
@@ -8,6 +9,7 @@ turn comes, as in a decode step where each layer reads its own weights once.
 
     python benchmarks/gemv.py --out benchmarks/results/h200-gemv.json
     python benchmarks/gemv.py --shape kimi-linear --out benchmarks/results/h200-gemv-kimi-linear.json
+    python benchmarks/gemv.py --tokens 2,4,8,16 --out benchmarks/results/h200-gemv-tokens.json
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flare_core.kernels.gemv import GemvConfig, gemv, gemv_config
+from flare_core.kernels.gemv import FewTokensConfig, GemvConfig, gemv, gemv_config, gemv_tokens
 
 # --shape -> {name -> (out_features, in_features, gated)}.
 SHAPES = {
@@ -62,6 +64,11 @@ def sweep_configs() -> list[GemvConfig]:
             if 256 <= rows * columns <= 16384:
                 configs += [GemvConfig(rows, columns, warps, stages) for warps in (4, 8) for stages in (1, 3)]
     return configs
+
+
+def few_tokens_configs() -> list[FewTokensConfig]:
+    return [FewTokensConfig(rows, columns, warps, stages) for rows in (16, 32, 64) for columns in (64, 128, 256)
+            for warps in (4, 8) for stages in (2, 3, 4)]
 
 
 def device_us(call, weights: list[torch.Tensor], replays: int = 5) -> float:
@@ -108,15 +115,63 @@ def launch_effect(device: torch.device, generator: torch.Generator, layers: int 
     return {"us_per_layer": row}
 
 
+def few_tokens(shapes: dict, token_counts: list[int], device: torch.device, generator: torch.Generator) -> dict:
+    """Per shape and token count: cuBLAS, the few-token kernel's sweep (best first), and the
+    one-token kernel's time for one token (what a decode step of one row pays)."""
+    results = {}
+    for name, (n, k, gated) in shapes.items():
+        bytes_per_weight = n * k * 2
+        copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
+                   for _ in range(copies)]
+        row = {"shape": [n, k], "gated": gated, "copies": copies}
+        shipped = gemv_config(n // 2 if gated else n, k, gated)
+        if shipped is not None:
+            one = torch.randn(k, device=device, dtype=torch.bfloat16, generator=generator)
+            row["one_token_kernel_us"] = round(device_us(lambda w: gemv(one, w, shipped, gated=gated), weights), 2)
+        for tokens in token_counts:
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=generator)
+
+            def cublas(w):
+                y = F.linear(x, w)
+                if gated:
+                    gate, up = y.chunk(2, dim=-1)
+                    y = F.silu(gate) * up
+                return y
+
+            sweep = []
+            for config in few_tokens_configs():
+                if k % config.columns:
+                    continue
+                us = device_us(lambda w: gemv_tokens(x, w, config, gated=gated), weights)
+                sweep.append({"us": round(us, 2), "tb_s": round(bytes_per_weight / us / 1e6, 3),
+                              "config": config.__dict__})
+            sweep.sort(key=lambda r: r["us"])
+            row[f"{tokens} tokens"] = {"cublas_us": round(device_us(cublas, weights), 2), "kernel_best": sweep[:4],
+                                       "kernel_worst_us": sweep[-1]["us"]}
+        results[name] = row
+        print(name, json.dumps({key: (value if not isinstance(value, dict) else
+                                      {"cublas_us": value["cublas_us"], "best": value["kernel_best"][0]})
+                                for key, value in row.items()}), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the shipped configuration")
+    parser.add_argument("--tokens", help="comma-separated token counts: matmuls of a few tokens")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     results = {}
+    if args.tokens:
+        results = few_tokens(SHAPES[args.shape], [int(t) for t in args.tokens.split(",")], device, generator)
+        write(args, results, device)
+        return
     for name, (n, k, gated) in SHAPES[args.shape].items():
         bytes_per_weight = n * k * 2
         copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
@@ -163,8 +218,13 @@ def main() -> None:
         torch.cuda.empty_cache()
     results["four GEMVs of a layer in a row"] = launch_effect(device, generator)
     print(json.dumps(results["four GEMVs of a layer in a row"]), flush=True)
-    result = {"shape": args.shape, "results": results, "device": torch.cuda.get_device_name(device),
-              "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    write(args, results, device)
+
+
+def write(args: argparse.Namespace, results: dict, device: torch.device) -> None:
+    result = {"shape": args.shape, "tokens": args.tokens, "results": results,
+              "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

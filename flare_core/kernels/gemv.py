@@ -140,6 +140,71 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False,
     return out
 
 
+# Matmuls of a few tokens (a speculative round's row and drafts, a decode batch of a few rows):
+# cuBLAS's GEMM tiles read Qwen3-8B's weights for 2 to 18 tokens in 7.0 ms on the H100 where the
+# one-token kernel above takes 6.06 (benchmarks/results/h100-speculative-round.json). The kernel
+# below keeps the one-token kernel's plan — each program streams a few weight rows over all K —
+# and multiplies each tile with every token at once on the tensor cores (tl.dot over up to
+# FEW_TOKENS tokens, the missing ones masked to zero). benchmarks/gemv.py --tokens times it beside
+# cuBLAS; it serves no layer until those figures say where it wins.
+FEW_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class FewTokensConfig:
+    """Weight rows per program (at least 16, tl.dot's least), columns per loop iteration, warps
+    per program and pipeline stages of `gemv_tokens`."""
+
+    rows: int
+    columns: int
+    warps: int
+    stages: int
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["M", "N"])
+    def _few_tokens_kernel(x_ptr, w_ptr, out_ptr, M, N, K, TOKENS: tl.constexpr, ROWS: tl.constexpr,
+                           COLUMNS: tl.constexpr, GATED: tl.constexpr):
+        # Program p reads weight rows [p * ROWS, (p + 1) * ROWS) (gated: and the up rows N below
+        # them) across all K columns, COLUMNS at a time, and multiplies each tile with the M tokens'
+        # columns there (rows past M load as zeros): [TOKENS, COLUMNS] x [COLUMNS, ROWS].
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        tokens = tl.arange(0, TOKENS)
+        columns = tl.arange(0, COLUMNS)
+        row_mask = rows[:, None] < N
+        token_mask = tokens[:, None] < M
+        w_at = w_ptr + rows[:, None].to(tl.int64) * K + columns[None, :]
+        x_at = x_ptr + tokens[:, None].to(tl.int64) * K + columns[None, :]
+        up_shift = N.to(tl.int64) * K
+        acc = tl.zeros([TOKENS, ROWS], dtype=tl.float32)
+        up_acc = tl.zeros([TOKENS, ROWS], dtype=tl.float32)
+        for start in range(0, K, COLUMNS):
+            x = tl.load(x_at + start, mask=token_mask, other=0.0)
+            w = tl.load(w_at + start, mask=row_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            if GATED:
+                up = tl.load(w_at + up_shift + start, mask=row_mask, other=0.0)
+                up_acc = tl.dot(x, tl.trans(up), up_acc)
+        if GATED:  # silu(gate) * up
+            acc = acc * tl.sigmoid(acc) * up_acc
+        out_at = out_ptr + tokens[:, None].to(tl.int64) * N + rows[None, :]
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=token_mask & (rows[None, :] < N))
+
+
+def gemv_tokens(x: Tensor, weight: Tensor, config: FewTokensConfig, gated: bool = False) -> Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] for 1 <= M <= FEW_TOKENS, K a multiple of
+    `config.columns` (gated: weight is [2N, K], gate rows first, and the result silu(gate) * up,
+    [M, N]); float32 sums, x's dtype out."""
+    tokens, in_features = x.shape
+    assert 1 <= tokens <= FEW_TOKENS and in_features % config.columns == 0 and x.is_contiguous()
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = x.new_empty(tokens, out_features)
+    _few_tokens_kernel[(triton.cdiv(out_features, config.rows),)](
+        x, weight, out, tokens, out_features, in_features, TOKENS=FEW_TOKENS, ROWS=config.rows,
+        COLUMNS=config.columns, GATED=gated, num_warps=config.warps, num_stages=config.stages)
+    return out
+
+
 def one_token_on_gpu(x: Tensor, weight: Tensor, weight_dtype: torch.dtype) -> bool:
     """Whether x is one 16-bit token on a CUDA device, for a contiguous weight of `weight_dtype`:
     the calls a one-token Triton kernel (this module's, flare_core.kernels.fp8's) may take."""

@@ -1,4 +1,5 @@
-"""The one-token GEMV kernel against F.linear on the GPU (opt in: FLARE_TEST_GPU=1).
+"""The one-token GEMV kernel and the few-token kernel against F.linear on the GPU (opt in:
+FLARE_TEST_GPU=1).
 
 Tolerance: both read the same bf16 weights and accumulate in float32, in different orders, then
 round to bf16; we allow two bf16 ulps of the output's magnitude (2 * 2^-8 relative to the
@@ -50,6 +51,26 @@ def test_gated_gemv_matches_silu_gate_times_up(half, in_features):
     x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
     gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
     _close(torch.ops.flare.gated_linear(x, weight), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16])
+@pytest.mark.parametrize("out_features,in_features,gated", [(6144, 4096, False), (4096, 12288, False),
+                                                            (1000, 2304, False), (3000, 1024, True)])
+def test_few_tokens_kernel_matches_f_linear(tokens, out_features, in_features, gated):
+    from flare_core.kernels.gemv import FewTokensConfig, gemv_tokens
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    weight = torch.randn(2 * out_features if gated else out_features, in_features, device="cuda",
+                         dtype=torch.bfloat16, generator=generator) * 0.05
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+    expected = F.linear(x.float(), weight.float())
+    if gated:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    for config in (FewTokensConfig(16, 128, 4, 3), FewTokensConfig(32, 256, 8, 4)):
+        out = gemv_tokens(x, weight, config, gated=gated)
+        assert out.shape == (tokens, out_features) and out.dtype == torch.bfloat16
+        _close(out, expected)
 
 
 def test_several_tokens_and_odd_shapes_take_f_linear_exactly():
