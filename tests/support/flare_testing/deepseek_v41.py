@@ -90,11 +90,11 @@ class TinyV41:
                                      map_weights=lambda config, checkpoint, dtype: self.weights(dtype).items(),
                                      cache_scheme="shared-compressed-attention")
 
-    def served(self, device: str = "cpu") -> torch.nn.Module:
+    def served(self, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         from flare_core.ops.loading import load_prepared_weights
         from flare_recipe_deepseek.v41 import build_model
 
-        return load_prepared_weights(build_model(self.config, torch.float32), self.weights(), device)
+        return load_prepared_weights(build_model(self.config, dtype), self.weights(dtype), device)
 
     def sequence(self, index: int) -> tuple[list[int], dict[str, torch.Tensor]]:
         prefix = f"seq{index}."
@@ -341,7 +341,10 @@ def assert_reference_logits(model: torch.nn.Module, config, ids: Sequence[int], 
     """Assert that the float32 logits of `ids` fed to `model` (on `device`) in `chunks` (run_chunks) equal
     `reference` within `floor` at every position, quantizer codes that the float evaluation order
     decides apart (force_agreement): a code that parts them must come from the token where they
-    part first."""
+    part first or one before it (a token's quantized key, window entry and compressor input are
+    read by the tokens after it, which may move further than its own row: in v41-tiny-ratio4's
+    300-token sequence a code of token 57 parts row 63 by 2.7e-4 and row 57 by less than 1e-4), or
+    from a compressed record of the forward that computed it."""
     ends = [sum(chunks[:k + 1]) for k in range(len(chunks))]
 
     def run(forced: list[NearBoundary]) -> tuple[torch.Tensor, QuantizerCodes]:
@@ -355,9 +358,10 @@ def assert_reference_logits(model: torch.nn.Module, config, ids: Sequence[int], 
         forward = next(k for k, end in enumerate(ends) if first < end)
         start = ends[forward] - chunks[forward]
         gap = float((logits[first] - reference[first]).abs().max())
-        # A token's row in a call over the forward's tokens; a compressed record's row otherwise.
-        return Parting((first,), lambda near: near.forward == forward and (
-            near.rows != chunks[forward] or near.row == first - start),
+        # A token at or before the first parted one (in an earlier forward, or in this one: a call
+        # over the forward's tokens), or a compressed record of this forward.
+        return Parting((first,), lambda near: near.forward < forward or near.forward == forward and (
+            near.rows != chunks[forward] or near.row <= first - start),
             f"logits part from the reference's at position {first} by {gap:.2e} (> {floor})")
 
     return force_agreement(run, part)[0]
@@ -369,7 +373,8 @@ def assert_rows_agree(serve: Callable[[QuantizerCodes], Mapping[str, tuple[Seque
     """Assert that the rows a run computes (`serve(codes)`: per sequence, the forward of its
     `watch`ed model each row came from, and the rows) equal `expected(rows)` within `floor`,
     quantizer codes that the float evaluation order decides apart (force_agreement): a code that
-    parts them must come from the forward that computed the first parted row. Returns the rows
+    parts them must come from the forward that computed the first parted row or an earlier one
+    (what a forward writes, later forwards read; `assert_reference_logits`). Returns the rows
     (codes forced)."""
 
     def run(forced: list[NearBoundary]):
@@ -389,7 +394,7 @@ def assert_rows_agree(serve: Callable[[QuantizerCodes], Mapping[str, tuple[Seque
         gaps = ", ".join(f"{key} row {first} by {float((rows[key][first] - wanted[key][first]).abs().max()):.2e}"
                          for key, first in parted.items())
         return Parting(tuple(len(rows[key]) if first is None else first for key, first in firsts.items()),
-                       lambda near: near.forward in at, f"rows part from the expected ones (> {floor}): {gaps}")
+                       lambda near: near.forward <= max(at), f"rows part from the expected ones (> {floor}): {gaps}")
 
     return force_agreement(run, part)[1][1]
 
