@@ -66,6 +66,23 @@ def sweep_configs() -> list[GemvConfig]:
     return configs
 
 
+def cublas_call(x: torch.Tensor, gated: bool):
+    """F.linear of `x` by a weight (gated: then silu(gate) * up of its halves), as the layers call cuBLAS."""
+    def call(w: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, w)
+        if gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y
+    return call
+
+
+def rotated_weights(n: int, k: int, device: torch.device, generator: torch.Generator) -> list[torch.Tensor]:
+    """Copies of a random [n, k] bf16 weight, enough (>= ROTATION_BYTES) that none stays in L2."""
+    copies = max(2, min(64, math.ceil(ROTATION_BYTES / (n * k * 2))))
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02 for _ in range(copies)]
+
+
 def few_tokens_configs() -> list[FewTokensConfig]:
     return [FewTokensConfig(rows, columns, warps, stages) for rows in (16, 32, 64) for columns in (64, 128, 256)
             for warps in (4, 8) for stages in (2, 3, 4)]
@@ -121,24 +138,14 @@ def few_tokens(shapes: dict, token_counts: list[int], device: torch.device, gene
     results = {}
     for name, (n, k, gated) in shapes.items():
         bytes_per_weight = n * k * 2
-        copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
-                   for _ in range(copies)]
-        row = {"shape": [n, k], "gated": gated, "copies": copies}
+        weights = rotated_weights(n, k, device, generator)
+        row = {"shape": [n, k], "gated": gated, "copies": len(weights)}
         shipped = gemv_config(n // 2 if gated else n, k, gated)
         if shipped is not None:
             one = torch.randn(k, device=device, dtype=torch.bfloat16, generator=generator)
             row["one_token_kernel_us"] = round(device_us(lambda w: gemv(one, w, shipped, gated=gated), weights), 2)
         for tokens in token_counts:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=generator)
-
-            def cublas(w):
-                y = F.linear(x, w)
-                if gated:
-                    gate, up = y.chunk(2, dim=-1)
-                    y = F.silu(gate) * up
-                return y
-
             sweep = []
             for config in few_tokens_configs():
                 if k % config.columns:
@@ -147,7 +154,8 @@ def few_tokens(shapes: dict, token_counts: list[int], device: torch.device, gene
                 sweep.append({"us": round(us, 2), "tb_s": round(bytes_per_weight / us / 1e6, 3),
                               "config": config.__dict__})
             sweep.sort(key=lambda r: r["us"])
-            row[f"{tokens} tokens"] = {"cublas_us": round(device_us(cublas, weights), 2), "kernel_best": sweep[:4],
+            row[f"{tokens} tokens"] = {"cublas_us": round(device_us(cublas_call(x, gated), weights), 2),
+                                       "kernel_best": sweep[:4],
                                        "kernel_worst_us": sweep[-1]["us"]}
         results[name] = row
         print(name, json.dumps({key: (value if not isinstance(value, dict) else
@@ -174,21 +182,14 @@ def main() -> None:
         return
     for name, (n, k, gated) in SHAPES[args.shape].items():
         bytes_per_weight = n * k * 2
-        copies = max(2, min(64, math.ceil(ROTATION_BYTES / bytes_per_weight)))
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=generator) * 0.02
-                   for _ in range(copies)]
+        weights = rotated_weights(n, k, device, generator)
+        copies = len(weights)
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16, generator=generator)
         reference = F.linear(x.float(), weights[0].float())[0]
         if gated:
             gate, up = reference.chunk(2)
             reference = F.silu(gate) * up
-
-        def cublas(w):
-            y = F.linear(x, w)
-            if gated:
-                gate, up = y.chunk(2, dim=-1)
-                y = F.silu(gate) * up
-            return y
+        cublas = cublas_call(x, gated)
 
         def kernel(config):
             return lambda w: gemv(x[0], w, config, gated=gated)

@@ -49,6 +49,18 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**{**values, **overrides})
 
 
+def tiny_qwen3_next_config(**overrides):
+    """A small Qwen3-Next: Gated DeltaNet layers (state rows) beside gated attention, MoE MLPs."""
+    from transformers import Qwen3NextConfig
+
+    values = dict(vocab_size=151936, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  max_position_embeddings=2048, bos_token_id=151643, eos_token_id=151645)
+    return Qwen3NextConfig(**{**values, **overrides})
+
+
 def tiny_qwen3_moe_config(**overrides):
     from transformers import Qwen3MoeConfig
 

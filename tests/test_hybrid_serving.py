@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from conftest import write_checkpoint
+from conftest import tiny_qwen3_next_config, write_checkpoint
 from server_process import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
@@ -27,15 +27,7 @@ SECOND = GenerationRequest(prompt_ids=SHARED + tuple(range(3000, 3050)), max_tok
 
 @pytest.fixture(scope="module")
 def qwen3_next_core(session_flare, tmp_path_factory):
-    from transformers import Qwen3NextConfig
-
-    config = Qwen3NextConfig(vocab_size=151936, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-                             shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                             linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=2048,
-                             bos_token_id=151643, eos_token_id=151645)
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-next"), config)
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-next"), tiny_qwen3_next_config())
     return session_flare.export(checkpoint, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
                                 "--prefill-chunk-size", "128")
 

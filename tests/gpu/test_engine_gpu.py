@@ -178,16 +178,11 @@ def test_speculation_on_cuda(session_flare, bf16_core, compile_model):
 def hybrid_core(session_flare, tmp_path_factory):
     """A small Qwen3-Next (Gated DeltaNet state rows beside paged attention) of head dims FlashInfer
     and flash-linear-attention have kernels for, in bf16."""
-    from transformers import Qwen3NextConfig
+    from conftest import tiny_qwen3_next_config, write_checkpoint
 
-    from conftest import write_checkpoint
-
-    config = Qwen3NextConfig(vocab_size=151936, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
-                             shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
-                             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=2048,
-                             bos_token_id=151643, eos_token_id=151645)
+    config = tiny_qwen3_next_config(hidden_size=256, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
+                                    shared_expert_intermediate_size=128, linear_key_head_dim=128,
+                                    linear_value_head_dim=128)
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-next-head128"), config)
     return session_flare.export(checkpoint, *EXPORT)
 
