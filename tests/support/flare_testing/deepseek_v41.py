@@ -291,11 +291,12 @@ class QuantizerCodes:
 
 class Parting(NamedTuple):
     """Where a run's rows part from the rows they should equal: per compared sequence how many of
-    its leading rows agree, whether a quantizer input may have made them part (the forward that
-    computed the first parted row, and for a token's row its position there), and what to say."""
+    its leading rows agree, which quantizer inputs may have made them part (`suspects`: 0 for the
+    first suspects, 1 for those tried after them, None for inputs that cannot have), and what to
+    say."""
 
     agreed: tuple[int, ...]
-    could_part: Callable[[NearBoundary], bool]
+    suspects: Callable[[NearBoundary], int | None]
     message: str
 
 
@@ -307,15 +308,17 @@ def force_agreement(run: Callable[[list[NearBoundary]], tuple[Any, QuantizerCode
     another code: a CPU whose vector units sum in another order, or a step of another shape, can
     carry an input that lies within a hair of a rounding boundary to the other code, after which
     later rows part by far more than the float noise. So where the rows part, one quantizer input
-    that could have made them part (of the `tries` nearest their boundaries) must, rounded the
-    other way (`run(forced)`), make them agree there and further; at most `flips` times. Returns the inputs so rounded and the run's outcome
-    with them."""
+    that could have made them part (of the `tries` nearest their boundaries among the first
+    suspects, then among the second: `Parting.suspects`) must, rounded the other way
+    (`run(forced)`), make them agree there and further; at most `flips` times. Returns the inputs
+    so rounded and the run's outcome with them."""
     forced: list[NearBoundary] = []
     outcome, codes = run(forced)
     while (parting := part(outcome)) is not None:
         if len(forced) == flips:
             raise AssertionError(f"{parting.message} after {flips} quantizer inputs were rounded the other way: {forced}")
-        candidates = [near for near in codes.unforced() if parting.could_part(near)][:tries]
+        ranked = [(parting.suspects(near), near) for near in codes.unforced()]  # nearest first
+        candidates = [near for rank in (0, 1) for near in [near for r, near in ranked if r == rank][:tries]]
         for candidate in candidates:
             trial, trial_codes = run([*forced, candidate])
             later = part(trial)
@@ -358,11 +361,17 @@ def assert_reference_logits(model: torch.nn.Module, config, ids: Sequence[int], 
         forward = next(k for k, end in enumerate(ends) if first < end)
         start = ends[forward] - chunks[forward]
         gap = float((logits[first] - reference[first]).abs().max())
-        # A token at or before the first parted one (in an earlier forward, or in this one: a call
-        # over the forward's tokens), or a compressed record of this forward.
-        return Parting((first,), lambda near: near.forward < forward or near.forward == forward and (
-            near.rows != chunks[forward] or near.row <= first - start),
-            f"logits part from the reference's at position {first} by {gap:.2e} (> {floor})")
+
+        def suspects(near: NearBoundary) -> int | None:
+            # One request: any code of its tokens so far may be the one, the nearest its boundary
+            # first (a call over the forward's tokens has a row per token; other calls' rows are
+            # records, of this forward or an earlier one).
+            before = near.forward < forward or near.forward == forward and (
+                near.rows != chunks[forward] or near.row <= first - start)
+            return 0 if before else None
+
+        return Parting((first,), suspects, f"logits part from the reference's at position {first} by {gap:.2e} "
+                                           f"(> {floor})")
 
     return force_agreement(run, part)[0]
 
@@ -373,9 +382,9 @@ def assert_rows_agree(serve: Callable[[QuantizerCodes], Mapping[str, tuple[Seque
     """Assert that the rows a run computes (`serve(codes)`: per sequence, the forward of its
     `watch`ed model each row came from, and the rows) equal `expected(rows)` within `floor`,
     quantizer codes that the float evaluation order decides apart (force_agreement): a code that
-    parts them must come from the forward that computed the first parted row or an earlier one
-    (what a forward writes, later forwards read; `assert_reference_logits`). Returns the rows
-    (codes forced)."""
+    parts them must come from the forward that computed the first parted row or, tried after
+    those, an earlier one (what a forward writes, later forwards read; `assert_reference_logits`;
+    an earlier step's codes are mostly other requests'). Returns the rows (codes forced)."""
 
     def run(forced: list[NearBoundary]):
         with QuantizerCodes(within, forced) as codes:
@@ -394,7 +403,8 @@ def assert_rows_agree(serve: Callable[[QuantizerCodes], Mapping[str, tuple[Seque
         gaps = ", ".join(f"{key} row {first} by {float((rows[key][first] - wanted[key][first]).abs().max()):.2e}"
                          for key, first in parted.items())
         return Parting(tuple(len(rows[key]) if first is None else first for key, first in firsts.items()),
-                       lambda near: near.forward <= max(at), f"rows part from the expected ones (> {floor}): {gaps}")
+                       lambda near: 0 if near.forward in at else 1 if near.forward < max(at) else None,
+                       f"rows part from the expected ones (> {floor}): {gaps}")
 
     return force_agreement(run, part)[1][1]
 
