@@ -113,7 +113,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
                                  compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
                                  dtype=loaded.dtype,
                                  speculative_capacities=tuple(c for c in catalog.speculative if c <= rounds)
-                                 if proposer is not None else ())
+                                 if proposer is not None else (),
+                                 final_hidden=head.record if head is not None else None)
         kv = plan_kv(round_saves=executor_args["round_saves"])
         executor.resize_cache(kv.num_pages)
     else:
@@ -145,8 +146,8 @@ def _head_proposer(loaded: LoadedCore, registry: Registry, rows: int, longest: i
     """The core's draft head as the proposer of `--spec-method mtp`. ValueError naming the flag where
     it cannot serve."""
     if loaded.device.type != "cpu":
-        raise ValueError("--spec-method mtp runs on the CPU path only so far (--device cpu): the captured graphs "
-                         "do not hand the served model's hidden states to the draft head yet")
+        raise ValueError("--spec-method mtp runs on the CPU path only so far (--device cpu): a draft head fed by "
+                         "the captured graphs has not run on a GPU yet")
     if split:
         raise ValueError(f"--spec-method mtp: the core is split over {loaded.tensor_parallel} tensor-parallel ranks; "
                          f"a draft head runs beside a whole model only")

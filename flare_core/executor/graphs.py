@@ -324,6 +324,13 @@ def captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return graph, output
 
 
+def _hidden_into(hidden: list[torch.Tensor], wanted: bool) -> dict[str, Any]:
+    """The model's keyword arguments that hand a forward's final hidden states to `hidden` where
+    they are `wanted` (a draft head reads them): what the captured forward appends last is the
+    graph's own buffer, which every replay rewrites."""
+    return {"final_hidden": hidden.append} if wanted else {}
+
+
 @dataclass
 class _Graph:
     """The graphs of one capacity of the catalog: the forward (inputs -> logits) and its
@@ -348,6 +355,7 @@ class _Graph:
     context: ForwardContext
     tokens_in: _Inputs | None = None
     chunks: _ChunkLayout | None = None  # prefill graphs of schemes with continuation state
+    hidden: torch.Tensor | None = None  # every token's final hidden state, for a draft head
     replays: int = 0
     mixed_replays: int = 0  # of a prefill graph: replays with decode rows beside the chunks
 
@@ -440,7 +448,10 @@ class GraphRunner:
     def __init__(self, model: torch.nn.Module, state: DeviceState, attention: CudaAttention, sampler: Sampler,
                  copies: HostCopies, *, decode_capacities: tuple[int, ...], prefill_capacities: tuple[int, ...],
                  context_length: int, compiled: bool, prefill_chunk_size: int, triton_attention: bool = True,
-                 speculative_capacities: tuple[int, ...] = ()):
+                 speculative_capacities: tuple[int, ...] = (),
+                 final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None):
+        """`final_hidden(plan, hidden)`: handed the final hidden states of every token a replayed
+        step computes, in the eager runner's order (a draft head's input, EagerRunner)."""
         assert state.scratch_page is not None, "graphs pad onto a scratch page: DeviceState(scratch_page=True)"
         self.model, self.state, self.attention, self.sampler, self.copies = model, state, attention, sampler, copies
         self.device, self.page_tokens = state.device, state.page_tokens
@@ -453,6 +464,7 @@ class GraphRunner:
         self._triton_rows = 1 if triton_attention and self.kernels.triton_decode else 0
         self._compiled = compiled
         self._prefill_chunk_size = prefill_chunk_size
+        self._final_hidden = final_hidden
         # Inside the graphs, Inductor fuses the windowed sampler's passes over the [rows, vocab]
         # logits. The full-vocabulary samplers are dominated by their sort and run as they are.
         self._sample_rows = torch.compile(sample_rows, dynamic=True) if compiled else sample_rows
@@ -591,14 +603,16 @@ class GraphRunner:
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._scratch_layout(capacity), self.scale)
         last_sampled = self.state.last_sampled
+        hidden: list[torch.Tensor] = []
 
         def forward() -> torch.Tensor:
             ids = torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ints["ids"])
-            return self.model(ids, ints["positions"], context)
+            return self.model(ids, ints["positions"], context, **_hidden_into(hidden, self._final_hidden is not None))
 
         forward_graph, logits = captured(forward, pool)
         samplers = capture_samplers(logits, ints, floats, forward_graph.pool(), self.state, self._sample_rows)
-        return _Graph("decode", capacity, forward_graph, samplers, ints, floats, logits, attention, context)
+        return _Graph("decode", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
+                      hidden=hidden[-1] if hidden else None)
 
     def _capture_prefill(self, capacity: int, pool, speculative: bool = False) -> _Graph:
         """A prefill graph of `capacity` tokens, or with `speculative` a speculative round of
@@ -634,6 +648,7 @@ class GraphRunner:
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._prefill_step((), (), capacity, requests).attention, self.scale)
         last_sampled, head = self.state.last_sampled, min(capacity, requests)
+        hidden: list[torch.Tensor] = []
 
         def forward() -> torch.Tensor:
             ids = tokens_in["ids"]
@@ -642,7 +657,8 @@ class GraphRunner:
             else:  # decode rows (the first requests, one token each) may read their token on the device
                 sampled = last_sampled[ints["state_rows"][:head]]
                 ids = torch.cat([torch.where(ints["from_device"][:head] != 0, sampled, ids[:head]), ids[head:]])
-            return self.model(ids, tokens_in["positions"], context)
+            return self.model(ids, tokens_in["positions"], context,
+                              **_hidden_into(hidden, self._final_hidden is not None))
 
         forward_graph, logits = captured(forward, pool)
         vocab = logits.shape[-1]
@@ -650,7 +666,7 @@ class GraphRunner:
         samplers = capture_samplers(logits, ints, floats, forward_graph.pool(), self.state, self._sample_rows,
                                     drafted)
         return _Graph("speculative" if speculative else "prefill", capacity, forward_graph, samplers, ints, floats,
-                      logits, attention, context, tokens_in, chunks)
+                      logits, attention, context, tokens_in, chunks, hidden[-1] if hidden else None)
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -734,6 +750,11 @@ class GraphRunner:
         graph.forward.replay()
         graph.replays += 1
         graph.mixed_replays += bool(plan.decodes and plan.prefills)
+        if self._final_hidden is not None:
+            # The step's tokens lead the graph's (decodes with their drafts, then chunks); padding follows.
+            assert graph.hidden is not None
+            tokens = sum(1 + len(d.drafts) for d in plan.decodes) + sum(c.end - c.start for c in plan.prefills)
+            self._final_hidden(plan, graph.hidden[:tokens])
         return self.state.finish_chunks(plan, graph.logits)
 
     def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
@@ -780,12 +801,14 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                 decode_capacities: tuple[int, ...], context_length: int, prefill_capacities: tuple[int, ...] = (),
                 compile_model: bool = False, triton_attention: bool = True, prefill_chunk_size: int = 0,
                 seed: int = 0, dtype: torch.dtype | None = None,
-                speculative_capacities: tuple[int, ...] = (), round_saves: bool = False) -> ModelRunner:
+                speculative_capacities: tuple[int, ...] = (), round_saves: bool = False,
+                final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None) -> ModelRunner:
     """The CUDA runner over `num_pages` pages: `model` (built for serving: flare_core.ops.serving)
     called as it is, or through `CompiledDecoder` with `compile_model`, warmed and captured.
     `dtype`: the model's activation dtype (the attention queries'). `speculative_capacities`:
     the token capacities of speculative rounds to capture (none unless the server speculates);
-    `round_saves`: it speculates over continuation state (DeviceState)."""
+    `round_saves`: it speculates over continuation state (DeviceState); `final_hidden`: handed
+    every step's final hidden states, replayed or eager (a draft head's `record`)."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
                         device=device, scratch_page=True, round_saves=round_saves)
@@ -796,7 +819,9 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
     graphs = GraphRunner(forward, state, attention, sampler, copies, decode_capacities=decode_capacities,
                          prefill_capacities=prefill_capacities, context_length=context_length,
                          compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
-                         triton_attention=triton_attention, speculative_capacities=speculative_capacities)
-    runner = ModelRunner(state, sampler, EagerRunner(forward, state, sampler, attention.plan_prefill), copies, graphs)
+                         triton_attention=triton_attention, speculative_capacities=speculative_capacities,
+                         final_hidden=final_hidden)
+    runner = ModelRunner(state, sampler, EagerRunner(forward, state, sampler, attention.plan_prefill, final_hidden),
+                         copies, graphs)
     graphs.prepare()
     return runner

@@ -192,5 +192,8 @@ class CompiledDecoder:
                                                    compiled + RECOMPILES_PER_STRUCTURE * len(structures))
         self.logits = torch.compile(model.logits, dynamic=True, fullgraph=True)
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> Tensor:
-        return self.model.run(input_ids, positions, context, self.groups, self.logits)
+    def __call__(self, input_ids: Tensor, positions: Tensor, context: ForwardContext,
+                 final_hidden: Callable[[Tensor], None] | None = None) -> Tensor:
+        if final_hidden is None:  # (as DecoderForServing.forward)
+            return self.model.run(input_ids, positions, context, self.groups, self.logits)
+        return self.model.run(input_ids, positions, context, self.groups, self.logits, final_hidden=final_hidden)
