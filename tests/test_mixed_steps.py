@@ -21,7 +21,7 @@ import torch
 from flare_core.kv import KvCacheManager, PageAllocator
 from flare_core.contract import Capacities
 from flare_core.executor.runner import ModelRunner, eager_runner
-from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs
+from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs, step_tokens
 from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
@@ -43,10 +43,11 @@ def qwen3_5_config():
                              linear_conv_kernel_dim=4, max_position_embeddings=512)
 
 
-def executors(family: str, round_saves: bool = False):
+def executors(family: str, round_saves: bool = False, final_hidden=None):
     """Two eager executors over one random model's weights (the reference, and the one the
     prefill-graph layout drives), with the scratch page and row a CUDA executor keeps
-    (`round_saves`: for speculative rounds over continuation state)."""
+    (`round_saves`: for speculative rounds over continuation state; `final_hidden`: the
+    reference's, handed each step's final hidden states)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_qwen3_config(vocab_size=512, num_hidden_layers=2) if family == "qwen3" else qwen3_5_config()
@@ -60,13 +61,15 @@ def executors(family: str, round_saves: bool = False):
     pair = [eager_runner(load_prepared_weights(recipe.build_model(config, torch.float32), prepared, "cpu"), scheme,
                           num_pages=PAGES + 1, page_tokens=PAGE_TOKENS, num_rows=ROWS, num_snapshot_rows=0,
                           num_logits_rows=0, vocab_size=config.vocab_size, device=torch.device("cpu"),
-                          round_saves=round_saves)
-            for _ in range(2)]
+                          round_saves=round_saves, final_hidden=final_hidden if first else None)
+            for first in (True, False)]
     return config, pair
 
 
-def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -> torch.Tensor:
-    """The logits rows of `plan` (plan.samples order) computed from a prefill graph's inputs."""
+def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int,
+                         hidden: list[torch.Tensor]) -> torch.Tensor:
+    """The logits rows of `plan` (plan.samples order) computed from a prefill graph's inputs; the
+    final hidden states of the step's tokens appended to `hidden`, as a graph hands them on."""
     device_state = executor.state
     state = bool(device_state.scheme.state)
     requests = prefill_graph_requests(capacity, ROWS, state)
@@ -105,8 +108,11 @@ def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -
     rows = len(plan.decodes) + len(plan.prefills)
     batch = dataclasses.replace(built, slot_mapping=torch.tensor(step.tokens["cache_indices"]),
                                 logits_indices=torch.tensor(step.rows["last_token_index"][:rows]))
+    every_token: list[torch.Tensor] = []
     logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
-                            ForwardContext(batch, device_state.storage, layer_map=device_state.layer_map))
+                            ForwardContext(batch, device_state.storage, layer_map=device_state.layer_map),
+                            final_hidden=every_token.append)
+    hidden.append(every_token[0][:step_tokens(plan)])
     sampling = device_state.finish_chunks(plan, logits)
     return logits[sampling]
 
@@ -132,7 +138,11 @@ def complete_oldest(scheduler: Scheduler, in_flight: list, generated: dict, limi
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
 def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
-    config, (reference, graph_like) = executors(family)
+    """Each step with prompt chunks, run over what a prefill graph reads, computes the eager step's
+    logits, and the final hidden states a graph hands a draft head (its first `step_tokens`)
+    are the eager runner's."""
+    eager_hidden: list[torch.Tensor] = []
+    config, (reference, graph_like) = executors(family, final_hidden=lambda _, h: eager_hidden.append(h))
     capacities = Capacities(max_concurrency=ROWS, prefill_chunk_size=128, context_length=512, page_tokens=PAGE_TOKENS)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
     scheduler = Scheduler(SchedulerConfig(ROWS, 128, catalog, PAGE_TOKENS),
@@ -157,9 +167,11 @@ def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
             want = reference.run(plan)
             capacity = catalog.covering(StepKind.PREFILL, len(plan.decodes) + sum(c.end - c.start for c in plan.prefills))
             if plan.prefills:
-                got = run_as_prefill_graph(graph_like, plan, capacity)
+                graph_hidden: list[torch.Tensor] = []
+                got = run_as_prefill_graph(graph_like, plan, capacity, graph_hidden)
                 torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=lambda m: f"step {plan.seq} "
                                            f"({plan.kind.value}, {len(plan.decodes)} decode rows): {m}")
+                torch.testing.assert_close(graph_hidden[0], eager_hidden[-1], atol=2e-4, rtol=2e-4)
                 seen[plan.kind] += 1
                 seen["from device"] += sum(e.input_token is None for e in plan.decodes)
             else:

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from flare_core.contract import Capacities
-from flare_core.executor.graphs import _ChunkLayout, drafts_before, prefill_graph_requests, speculative_step_inputs
+from flare_core.executor.graphs import (_ChunkLayout, drafts_before, prefill_graph_requests,
+                                        speculative_step_inputs, step_tokens)
 from flare_core.executor.runner import ModelRunner
 from flare_core.executor.sampling import apply_penalties, penalise
 from flare_core.kv import KvCacheManager, PageAllocator
@@ -47,9 +48,11 @@ class EchoProposer:
         return tuple(tokens[-width:]) if width > 0 and tokens[0] % 2 == 0 else ()
 
 
-def run_as_speculative_graph(executor: ModelRunner, plan: StepPlan, capacity: int) -> torch.Tensor:
+def run_as_speculative_graph(executor: ModelRunner, plan: StepPlan, capacity: int,
+                             hidden: list[torch.Tensor]) -> torch.Tensor:
     """Every logits row of a speculative graph of `capacity` tokens over `plan` (over continuation
-    state: each request's row from the graph's chunk layout)."""
+    state: each request's row from the graph's chunk layout); the final hidden states of the
+    step's tokens appended to `hidden`, as the graph hands them on."""
     state = executor.state
     recurrent = bool(state.scheme.state)
     requests = prefill_graph_requests(capacity, ROWS, recurrent)
@@ -78,8 +81,12 @@ def run_as_speculative_graph(executor: ModelRunner, plan: StepPlan, capacity: in
     assert built.slot_mapping.tolist() == step.tokens["cache_indices"]
     assert built.positions().tolist() == step.tokens["positions"]
     batch = dataclasses.replace(built, logits_indices=torch.arange(capacity))
-    return executor.model(ids, torch.tensor(step.tokens["positions"]),
-                          ForwardContext(batch, state.storage, layer_map=state.layer_map))
+    every_token: list[torch.Tensor] = []
+    logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
+                            ForwardContext(batch, state.storage, layer_map=state.layer_map),
+                            final_hidden=every_token.append)
+    hidden.append(every_token[0][:step_tokens(plan)])
+    return logits
 
 
 def penalties_agree(executor: ModelRunner, plan: StepPlan, capacity: int, logits: torch.Tensor, rounds: int) -> None:
@@ -109,9 +116,12 @@ def penalties_agree(executor: ModelRunner, plan: StepPlan, capacity: int, logits
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
 def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps(family):
     """Over a hybrid (qwen3.5) each round also keeps its rows before it and a partly refused one
-    is rewound (a chunk from the round's position, from the kept row) on both executors."""
+    is rewound (a chunk from the round's position, from the kept row) on both executors. The final
+    hidden states a round's graph hands a draft head are the eager runner's."""
     recurrent = family == "qwen3.5"
-    config, (reference, graph_like) = executors(family, round_saves=recurrent)
+    eager_hidden: list[torch.Tensor] = []
+    config, (reference, graph_like) = executors(family, round_saves=recurrent,
+                                                final_hidden=lambda _, h: eager_hidden.append(h))
     capacities = Capacities(max_concurrency=ROWS, prefill_chunk_size=128, context_length=512, page_tokens=PAGE_TOKENS)
     catalog = GraphCapacities.from_specs(capacities.graph_catalog())
     assert catalog.speculative == (8, 16, 32, 64)
@@ -134,9 +144,11 @@ def test_speculative_rounds_laid_out_for_a_graph_match_the_eager_steps(family):
                 tokens = sum(1 + len(d.drafts) for d in plan.decodes)
                 assert plan.kind is StepKind.SPECULATIVE and not plan.prefills
                 assert plan.capacity == catalog.covering(StepKind.SPECULATIVE, tokens)
-                logits = run_as_speculative_graph(graph_like, plan, plan.capacity)
+                graph_hidden: list[torch.Tensor] = []
+                logits = run_as_speculative_graph(graph_like, plan, plan.capacity, graph_hidden)
                 torch.testing.assert_close(logits[:tokens], want, atol=2e-4, rtol=2e-4,
                                            msg=lambda m: f"round {plan.seq}: {m}")
+                torch.testing.assert_close(graph_hidden[0], eager_hidden[-1], atol=2e-4, rtol=2e-4)
                 penalties_agree(graph_like, plan, plan.capacity, logits, seen["rounds"])
                 seen["rounds"] += 1
                 seen["drafts"] += tokens - len(plan.decodes)

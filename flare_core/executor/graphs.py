@@ -324,6 +324,12 @@ def captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return graph, output
 
 
+def step_tokens(plan: StepPlan) -> int:
+    """The tokens a step feeds: its decodes with their drafts, then its prompt chunks' tokens. A
+    graph lays them out first and in this order, the eager runner's; padding follows."""
+    return sum(1 + len(d.drafts) for d in plan.decodes) + sum(c.end - c.start for c in plan.prefills)
+
+
 def _hidden_into(hidden: list[torch.Tensor], wanted: bool) -> dict[str, Any]:
     """The model's keyword arguments that hand a forward's final hidden states to `hidden` where
     they are `wanted` (a draft head reads them): what the captured forward appends last is the
@@ -751,10 +757,8 @@ class GraphRunner:
         graph.replays += 1
         graph.mixed_replays += bool(plan.decodes and plan.prefills)
         if self._final_hidden is not None:
-            # The step's tokens lead the graph's (decodes with their drafts, then chunks); padding follows.
             assert graph.hidden is not None
-            tokens = sum(1 + len(d.drafts) for d in plan.decodes) + sum(c.end - c.start for c in plan.prefills)
-            self._final_hidden(plan, graph.hidden[:tokens])
+            self._final_hidden(plan, graph.hidden[:step_tokens(plan)])
         return self.state.finish_chunks(plan, graph.logits)
 
     def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
