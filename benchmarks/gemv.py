@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from flare_core.kernels.gemv import FewTokensConfig, GemvConfig, gemv, gemv_config, gemv_tokens
 
@@ -146,17 +147,21 @@ def few_tokens(shapes: dict, token_counts: list[int], device: torch.device, gene
             row["one_token_kernel_us"] = round(device_us(lambda w: gemv(one, w, shipped, gated=gated), weights), 2)
         for tokens in token_counts:
             x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, generator=generator)
-            sweep = []
+            sweep, too_large = [], []
             for config in few_tokens_configs():
                 if k % config.columns:
                     continue
-                us = device_us(lambda w: gemv_tokens(x, w, config, gated=gated), weights)
+                try:  # the first call compiles, outside any graph capture
+                    us = device_us(lambda w: gemv_tokens(x, w, config, gated=gated), weights)
+                except OutOfResources:  # its tiles and stages need more shared memory than an SM has
+                    too_large.append(config.__dict__)
+                    continue
                 sweep.append({"us": round(us, 2), "tb_s": round(bytes_per_weight / us / 1e6, 3),
                               "config": config.__dict__})
             sweep.sort(key=lambda r: r["us"])
             row[f"{tokens} tokens"] = {"cublas_us": round(device_us(cublas_call(x, gated), weights), 2),
-                                       "kernel_best": sweep[:4],
-                                       "kernel_worst_us": sweep[-1]["us"]}
+                                       "kernel_best": sweep[:4], "kernel_worst_us": sweep[-1]["us"],
+                                       "too_large": too_large}
         results[name] = row
         print(name, json.dumps({key: (value if not isinstance(value, dict) else
                                       {"cublas_us": value["cublas_us"], "best": value["kernel_best"][0]})
