@@ -177,12 +177,13 @@ def test_speculation_on_cuda(session_flare, bf16_core, compile_model):
 @pytest.fixture(scope="module")
 def hybrid_core(session_flare, tmp_path_factory):
     """A small Qwen3-Next (Gated DeltaNet state rows beside paged attention) of head dims FlashInfer
-    and flash-linear-attention have kernels for, in bf16."""
+    and flash-linear-attention have kernels for, in bf16; every token routed to all four experts,
+    so that no near-tied route flips between a round's kernels and a decode step's."""
     from conftest import tiny_qwen3_next_config, write_checkpoint
 
     config = tiny_qwen3_next_config(hidden_size=256, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
-                                    shared_expert_intermediate_size=128, linear_key_head_dim=128,
-                                    linear_value_head_dim=128)
+                                    shared_expert_intermediate_size=128, num_experts_per_tok=4,
+                                    linear_key_head_dim=128, linear_value_head_dim=128)
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-next-head128"), config)
     return session_flare.export(checkpoint, *EXPORT)
 
