@@ -21,7 +21,7 @@ import torch
 from flare_core.kv import KvCacheManager, PageAllocator
 from flare_core.contract import Capacities
 from flare_core.executor.runner import ModelRunner, eager_runner
-from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs, step_tokens
+from flare_core.executor.graphs import _ChunkLayout, prefill_graph_requests, prefill_step_inputs
 from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
@@ -112,7 +112,7 @@ def run_as_prefill_graph(executor: ModelRunner, plan: StepPlan, capacity: int,
     logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
                             ForwardContext(batch, device_state.storage, layer_map=device_state.layer_map),
                             final_hidden=every_token.append)
-    hidden.append(every_token[0][:step_tokens(plan)])
+    hidden.append(every_token[0][:plan.fed_tokens])
     sampling = device_state.finish_chunks(plan, logits)
     return logits[sampling]
 
@@ -139,7 +139,7 @@ def complete_oldest(scheduler: Scheduler, in_flight: list, generated: dict, limi
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
 def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
     """Each step with prompt chunks, run over what a prefill graph reads, computes the eager step's
-    logits, and the final hidden states a graph hands a draft head (its first `step_tokens`)
+    logits, and the final hidden states a graph hands a draft head (its first `plan.fed_tokens`)
     are the eager runner's."""
     eager_hidden: list[torch.Tensor] = []
     config, (reference, graph_like) = executors(family, final_hidden=lambda _, h: eager_hidden.append(h))
@@ -165,7 +165,7 @@ def test_mixed_steps_laid_out_for_a_prefill_graph_match_the_eager_steps(family):
         issued += 1
         if plan is not None:
             want = reference.run(plan)
-            capacity = catalog.covering(StepKind.PREFILL, len(plan.decodes) + sum(c.end - c.start for c in plan.prefills))
+            capacity = catalog.covering(StepKind.PREFILL, plan.fed_tokens)
             if plan.prefills:
                 graph_hidden: list[torch.Tensor] = []
                 got = run_as_prefill_graph(graph_like, plan, capacity, graph_hidden)

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from flare_core.contract import Capacities
-from flare_core.executor.graphs import (_ChunkLayout, drafts_before, prefill_graph_requests,
-                                        speculative_step_inputs, step_tokens)
+from flare_core.executor.graphs import _ChunkLayout, drafts_before, prefill_graph_requests, speculative_step_inputs
 from flare_core.executor.runner import ModelRunner
 from flare_core.executor.sampling import apply_penalties, penalise
 from flare_core.kv import KvCacheManager, PageAllocator
@@ -85,7 +84,7 @@ def run_as_speculative_graph(executor: ModelRunner, plan: StepPlan, capacity: in
     logits = executor.model(ids, torch.tensor(step.tokens["positions"]),
                             ForwardContext(batch, state.storage, layer_map=state.layer_map),
                             final_hidden=every_token.append)
-    hidden.append(every_token[0][:step_tokens(plan)])
+    hidden.append(every_token[0][:plan.fed_tokens])
     return logits
 
 

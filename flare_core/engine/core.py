@@ -195,8 +195,7 @@ class EngineCore:
         prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefills)
         read_s = time.perf_counter() - started - (frame.waited_s - waited)
         self._activity.steps.append(StepStats(
-            plan.kind.value, plan.capacity, frame.duration,
-            sum(1 + len(d.drafts) for d in plan.decodes) + prefill_tokens, prefill_tokens,
+            plan.kind.value, plan.capacity, frame.duration, plan.fed_tokens, prefill_tokens,
             tuple(sampled), HostTimes(frame.host.schedule_s, frame.host.launch_s, read_s, frame.waited_s)))
 
     def _note_first_work(self, plan: StepPlan) -> None:

@@ -324,12 +324,6 @@ def captured(fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     return graph, output
 
 
-def step_tokens(plan: StepPlan) -> int:
-    """The tokens a step feeds: its decodes with their drafts, then its prompt chunks' tokens. A
-    graph lays them out first and in this order, the eager runner's; padding follows."""
-    return sum(1 + len(d.drafts) for d in plan.decodes) + sum(c.end - c.start for c in plan.prefills)
-
-
 def _hidden_into(hidden: list[torch.Tensor], wanted: bool) -> dict[str, Any]:
     """The model's keyword arguments that hand a forward's final hidden states to `hidden` where
     they are `wanted` (a draft head reads them): what the captured forward appends last is the
@@ -689,10 +683,9 @@ class GraphRunner:
         if any(r.logits_row is not None for r in plan.restores) or scores_prompt(plan):
             return None
         if checks_drafts(plan):
-            tokens = sum(1 + len(d.drafts) for d in plan.decodes)
-            return None if plan.prefills else _smallest(self.speculative_graphs, tokens)
+            return None if plan.prefills else _smallest(self.speculative_graphs, plan.fed_tokens)
         if plan.prefills:
-            return _smallest(self.prefill_graphs, len(plan.decodes) + sum(c.end - c.start for c in plan.prefills))
+            return _smallest(self.prefill_graphs, plan.fed_tokens)
         return _smallest(self.decode_graphs, len(plan.decodes))
 
     @torch.inference_mode()
@@ -758,7 +751,7 @@ class GraphRunner:
         graph.mixed_replays += bool(plan.decodes and plan.prefills)
         if self._final_hidden is not None:
             assert graph.hidden is not None
-            self._final_hidden(plan, graph.hidden[:step_tokens(plan)])
+            self._final_hidden(plan, graph.hidden[:plan.fed_tokens])
         return self.state.finish_chunks(plan, graph.logits)
 
     def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:

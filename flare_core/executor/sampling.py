@@ -497,7 +497,6 @@ class Sampler:
         top_values, top_ids = raw.topk(top_logprobs, dim=-1)
         return SampleOutput(token_ids, chosen, top_ids, top_values)
 
-
     def _check_batch(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
                      penalties: Sequence[PenaltyState | None] | None, top_logprobs: int) -> int:
         if logits.dim() != 2 or logits.dtype != torch.float32:
