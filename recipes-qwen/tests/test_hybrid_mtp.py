@@ -2,7 +2,7 @@
 (`--spec-method mtp`).
 
 A tiny checkpoint of each (`test_hybrid`'s) gets an MTP module under `mtp.` drawn by
-`MtpReference`, which also computes it over whole sequences with Transformers' modules (a
+`flare_testing.qwen_mtp.MtpReference`, which also computes it over whole sequences with Transformers' modules (a
 one-layer causal LM of the family reading the model's embedding and head). Served on the eager CPU
 path over the hybrid's state rows with the head proposing: every proposal equals the reference's
 guesses from the served model's hidden states (a prompt in two chunks, rounds that keep all, some
@@ -13,8 +13,6 @@ decoding's.
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,64 +22,9 @@ from flare_core.engine.draft_heads import HeadProposer, head_scheme
 from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_testing.parity import ObservedHead, WrongGuesses, drive_greedy, greedy_continuation, snapshot_serving
-from flare_recipe_qwen.mtp import head_config
+from flare_testing.qwen_mtp import MtpReference
 from flare_recipe_qwen.recipes import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from test_hybrid import FAMILIES, RECIPE, saved
-
-
-class MtpReference(torch.nn.Module):
-    """The MTP module over whole sequences, made of Transformers' modules, as vLLM's
-    qwen3_next_mtp.py (commit 055e47c) and qwen3_5_mtp.py (01d9980) compute it: fc([norm_e(embedding
-    of the token at j + 1); norm_h(h_j)]) through a one-layer causal LM of the family whose final
-    norm is the module's and whose embedding and head are the served model's."""
-
-    def __init__(self, model: torch.nn.Module, seed: int = 2):
-        super().__init__()
-        config = model.config
-        torch.manual_seed(seed)
-        self.layer_model = type(model)(head_config(config)).eval()
-        self.layer_model.model.embed_tokens = model.model.embed_tokens
-        self.layer_model.lm_head = model.lm_head
-        hidden = config.hidden_size
-        norm = type(model.model.norm)
-        self.pre_fc_norm_embedding = norm(hidden, eps=config.rms_norm_eps)
-        self.pre_fc_norm_hidden = norm(hidden, eps=config.rms_norm_eps)
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        with torch.no_grad():
-            for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.layer_model.model.norm):
-                norm.weight.normal_(0.0, 0.1)  # zero-centred norms: weights around 0, not exactly 0
-
-    @torch.no_grad()
-    def forward(self, previous: torch.Tensor, next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """At positions 0..T-1: (logits [T, vocab], the normalized output [T, hidden] fed back)."""
-        embedded = self.pre_fc_norm_embedding(self.layer_model.model.embed_tokens(next_tokens))
-        mixed = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(previous)], dim=-1))
-        positions = torch.arange(len(next_tokens))[None]
-        hidden = self.layer_model.model(inputs_embeds=mixed[None], position_ids=positions).last_hidden_state[0]
-        return self.layer_model.lm_head(hidden), hidden
-
-    def drafts(self, model: torch.nn.Module, tokens: list[int], width: int) -> list[int]:
-        """Its greedy guesses after `tokens` over the served `model`'s final hidden states."""
-        with torch.no_grad():
-            previous = model.model(torch.tensor([tokens])).last_hidden_state[0, :-1]  # after the final norm
-        following, guesses = list(tokens[1:]), []
-        for _ in range(width):
-            logits, output = self(previous, torch.tensor(following))
-            guesses.append(int(logits[-1].argmax()))
-            previous = torch.cat([previous, output[-1:]])
-            following.append(guesses[-1])
-        return guesses
-
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Its weights as the family's checkpoints store them: under `mtp.`, experts one by one."""
-        with tempfile.TemporaryDirectory() as scratch:
-            self.layer_model.save_pretrained(scratch)
-            saved_tensors = load_file(Path(scratch) / "model.safetensors")
-        tensors = {"mtp." + name.removeprefix("model."): tensor for name, tensor in saved_tensors.items()
-                   if name.startswith(("model.layers.", "model.norm."))}
-        for part in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"):
-            tensors[f"mtp.{part}.weight"] = getattr(self, part).weight.detach().clone()
-        return tensors
 
 
 @pytest.mark.parametrize("family, recipe", [("qwen3-next", QWEN3_NEXT), ("qwen3.5", QWEN3_5),
@@ -150,8 +93,8 @@ GPU_SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_atte
 @pytest.mark.skipif(os.environ.get("FLARE_TEST_GPU") != "1" or not torch.cuda.is_available(),
                     reason="GPU test: FLARE_TEST_GPU=1 on a CUDA machine")
 def test_draft_head_reads_the_hidden_states_of_captured_graphs_on_cuda(tmp_path):
-    """Qwen3.5 in bf16 on the CUDA runner with its MTP head proposing: each replayed graph (decode,
-    prompt chunks, speculative rounds) hands the head its tokens' final hidden states. The head's
+    """Qwen3.5 in bf16 on the CUDA runner with its MTP head proposing: each replayed graph (prompt
+    chunks, speculative rounds) hands the head its tokens' final hidden states. The head's
     first guesses after the same tokens equal those it makes when every step runs eagerly (up to
     a near tie that the two paths' bf16 sums part: at least 90 % of them), both runs fed the
     plain run's greedy tokens, drafts steered so that rounds keep all, some and none."""
@@ -210,8 +153,10 @@ def test_draft_head_reads_the_hidden_states_of_captured_graphs_on_cuda(tmp_path)
     steer = WrongGuesses(recorded_continuation([prompt + tokens[rid] for rid, prompt in prompts.items()]),
                          config.vocab_size)
     _, replayed, runner = serve(graphs=True, tokens=tokens, steer=steer)
+    # The head proposes after every token, so decoding rows go through rounds only: the prompt
+    # chunks' graphs hand it the prompts' last hidden states, the rounds' graphs all later ones.
     assert sum(g.replays for g in runner.graphs.speculative_graphs.values()) > 0
-    assert sum(g.replays for g in runner.graphs.decode_graphs.values()) > 0
+    assert sum(g.replays for g in runner.graphs.prefill_graphs.values()) > 0
     _, eager, _ = serve(graphs=False, tokens=tokens, steer=steer)
     first_guesses = {tuple(asked): drafts[0] for asked, drafts in eager.proposals if drafts}
     common = [(first_guesses[tuple(asked)], drafts[0]) for asked, drafts in replayed.proposals

@@ -191,9 +191,9 @@ def hybrid_core(session_flare, tmp_path_factory):
 def test_speculation_over_continuation_state_on_cuda(session_flare, hybrid_core):
     """Prompt lookup over a hybrid core on the CUDA executor, two steps in flight: rounds replay
     speculative graphs over the requests' state rows, the executor keeps each row before a round
-    and a partly refused round is followed by a rewind chunk from it. Greedy, penalised greedy and
-    seeded requests produce the tokens they produce without speculation, and every state row and
-    page comes back."""
+    and a partly refused round is followed by a rewind chunk from it. Greedy and penalised greedy
+    requests produce the tokens they produce without speculation, a seeded one runs to its length,
+    and every state row and page comes back."""
     from flare_core.requests import SamplingParams
 
     samplings = [REQUESTS[0].sampling] * 2 + [
@@ -207,10 +207,57 @@ def test_speculation_over_continuation_state_on_cuda(session_flare, hybrid_core)
     graphs = engine.core.executor.graphs
     assert graphs.speculative_graphs, engine.executor_summary()
     results = asyncio.run(run_requests(engine, requests))
+    # Greedy margins are wide; a seeded sample is not held to token equality here: a round runs
+    # the chunked delta rule over its tokens, a decode step the recurrent one, and their bf16 rows
+    # differ by up to ~3 % of the range (tests/gpu/test_hybrid_gpu.py), enough to move a sampled
+    # token across a boundary of its uniform draw (on the H100 the seeded request parted at its
+    # seventh token). Seeded samples are held to equality on the CPU (tests/test_hybrid_serving.py)
+    # and over a dense core on CUDA (test_speculation_on_cuda).
+    for index, (got, want) in enumerate(zip(results[:3], reference)):
+        assert got[0] == want[0], f"request {index} ({samplings[index]}) differs"
+    assert len(results[3][0]) == 100 and results[3][2] == "length"
+    resources = engine.resources()
+    assert resources.draft_rounds > 0 and 0 < resources.accepted_drafts, resources
+    assert sum(g.replays for g in graphs.speculative_graphs.values()) > 0
+    assert resources.live == 0 and resources.free_state_rows == resources.state_rows, resources
+    assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp_core(session_flare, tmp_path_factory):
+    """`hybrid_core`'s model with a random MTP module under `mtp.`: its core carries a draft head."""
+    from conftest import tiny_qwen3_next_config, write_checkpoint
+    from flare_testing.qwen_mtp import add_mtp_module
+
+    config = tiny_qwen3_next_config(hidden_size=256, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
+                                    shared_expert_intermediate_size=128, num_experts_per_tok=4,
+                                    linear_key_head_dim=128, linear_value_head_dim=128)
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-next-mtp-head128"), config)
+    add_mtp_module(checkpoint)
+    return session_flare.export(checkpoint, *EXPORT)
+
+
+def test_mtp_head_on_cuda(session_flare, hybrid_mtp_core):
+    """`--spec-method mtp` on the CUDA executor, two steps in flight: the captured graphs hand the
+    core's draft head their final hidden states, rounds of its drafts replay speculative graphs over
+    the requests' state rows (the random head's guesses are mostly refused, so nearly every round is
+    rewound), greedy and penalised greedy requests produce the tokens they produce without
+    speculation, and every state row and page comes back."""
+    from flare_core.requests import SamplingParams
+
+    samplings = [REQUESTS[0].sampling] * 2 + [SamplingParams(temperature=0.0, frequency_penalty=0.3,
+                                                             presence_penalty=0.2)]
+    requests = [REQUESTS[0].__class__(prompt_ids=tuple(range(5 + 40 * i, 75 + 40 * i)), max_tokens=60,
+                                      ignore_eos=True, sampling=sampling) for i, sampling in enumerate(samplings)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, hybrid_mtp_core, 2, "cuda"), requests))
+    engine = make_engine(session_flare, hybrid_mtp_core, 2, "cuda", spec_method="mtp", spec_draft_tokens=3)
+    graphs = engine.core.executor.graphs
+    assert graphs.speculative_graphs, engine.executor_summary()
+    results = asyncio.run(run_requests(engine, requests))
     for index, (got, want) in enumerate(zip(results, reference)):
         assert got[0] == want[0], f"request {index} ({samplings[index]}) differs"
     resources = engine.resources()
-    assert resources.draft_rounds > 0 and 0 < resources.accepted_drafts, resources
+    assert resources.draft_rounds > 0, resources
     assert sum(g.replays for g in graphs.speculative_graphs.values()) > 0
     assert resources.live == 0 and resources.free_state_rows == resources.state_rows, resources
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
