@@ -8,9 +8,9 @@ square ones); on the H200 that reads Qwen3-8B's attention and down projections a
 contiguous chunks and reduces in float32, with no second kernel.
 
 A model built for serving on CUDA (flare_core.ops.serving.gemv_layers) has its bias-free linear
-layers as `GemvLinear` (flare_core.ops.linear), whose one-token calls go to the custom op
-`flare::linear`: this kernel
-on a CUDA device for the shapes it takes, `F.linear` otherwise. Being an op, it is one opaque
+layers as `GemvLinear` (flare_core.ops.linear), whose calls of up to FEW_TOKENS tokens go to the
+custom op `flare::linear`: on a CUDA device this kernel for one token, `gemv_tokens` (below) for a
+few, for the shapes they take, `F.linear` otherwise. Being an op, it is one opaque
 node in compiled layers and a launch that CUDA graphs capture like any other. `FusedGatedMLP`
 calls `flare::gated_linear`, which also applies silu(gate) * up in the kernel, and
 `DecoderForServing` the head through `flare::linear`.
@@ -145,8 +145,7 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig, gated: bool = False,
 # one-token kernel above takes 6.06 (benchmarks/results/h100-speculative-round.json). The kernel
 # below keeps the one-token kernel's plan — each program streams a few weight rows over all K —
 # and multiplies each tile with every token at once on the tensor cores (tl.dot over up to
-# FEW_TOKENS tokens, the missing ones masked to zero). benchmarks/gemv.py --tokens times it beside
-# cuBLAS; it serves no layer until those figures say where it wins.
+# FEW_TOKENS tokens, the missing ones masked to zero).
 FEW_TOKENS = 16
 
 
@@ -208,24 +207,65 @@ def gemv_tokens(x: Tensor, weight: Tensor, config: FewTokensConfig, gated: bool 
 def one_token_on_gpu(x: Tensor, weight: Tensor, weight_dtype: torch.dtype) -> bool:
     """Whether x is one 16-bit token on a CUDA device, for a contiguous weight of `weight_dtype`:
     the calls a one-token Triton kernel (this module's, flare_core.kernels.fp8's) may take."""
-    return (triton is not None and x.is_cuda and x.numel() == weight.shape[1]
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == weight_dtype and weight.is_contiguous())
+    return _tokens_on_gpu(x, weight, weight_dtype) == 1
 
 
-def _gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = False) -> GemvConfig | None:
-    """The kernel's configuration when this call is one token it serves, else None."""
-    if not one_token_on_gpu(x, weight, x.dtype):
+def _tokens_on_gpu(x: Tensor, weight: Tensor, weight_dtype: torch.dtype) -> int:
+    """The tokens x holds when they are 16-bit on a CUDA device, for a contiguous weight of
+    `weight_dtype`; 0 for a call no Triton kernel here takes."""
+    if (triton is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16)
+            or weight.dtype != weight_dtype or not weight.is_contiguous()):
+        return 0
+    return x.numel() // weight.shape[1]
+
+
+def few_tokens_config(out_features: int, in_features: int, gated: bool = False) -> FewTokensConfig | None:
+    """The launch configuration of `gemv_tokens` for a [out_features, in_features] weight (gated:
+    twice as many rows), or None where cuBLAS keeps the call. On the H100 (benchmarks/gemv.py
+    --tokens 2,5,8,16 over Qwen3-8B's shapes, benchmarks/results/h100-gemv-tokens.json) 32 rows
+    per program, 4 warps and 256 columns per iteration over 4 stages were the best or within 1 %
+    of it on every ungated shape (o_proj 14.0 us against cuBLAS's 15.9; lm_head 393 against 412;
+    qkv_proj 19.6 against 19.7); the gated kernel, which reads two tiles per iteration, 128
+    columns over 3 stages (66.6 us against 74.7 for cuBLAS's matmul and silu(gate) * up). Matrices
+    of fewer than 1,024 rows (routers, gates) were not measured and stay with cuBLAS."""
+    if out_features < 1024:
         return None
-    return gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
+    for columns in ((128,) if gated else (256, 128)):
+        if in_features % columns == 0:
+            return FewTokensConfig(rows=32, columns=columns, warps=4, stages=3 if gated else 4)
+    return None
+
+
+def _kernel_config(x: Tensor, weight: Tensor, out_features: int, gated: bool = False,
+                   tokens_at_most: int = FEW_TOKENS) -> GemvConfig | FewTokensConfig | None:
+    """The configuration of the kernel that serves this call — the one-token kernel's for one
+    token, `gemv_tokens`'s for up to `tokens_at_most` — else None (then cuBLAS runs)."""
+    tokens = _tokens_on_gpu(x, weight, x.dtype)
+    if tokens == 1:
+        return gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
+    if 1 < tokens <= tokens_at_most:
+        return few_tokens_config(out_features, weight.shape[1], gated)
+    return None
+
+
+def _run(x: Tensor, weight: Tensor, config: GemvConfig | FewTokensConfig, out_features: int,
+         gated: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [..., K] through the kernel `config` is for, [..., out_features] out."""
+    if isinstance(config, GemvConfig):
+        out = gemv(x.reshape(-1).contiguous(), weight, config, gated=gated, out_dtype=out_dtype)
+    else:
+        out = gemv_tokens(x.reshape(-1, weight.shape[1]).contiguous(), weight, config, gated=gated)
+    return out.view(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("flare::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """F.linear(x, weight) without bias; one token through the GEMV kernel."""
-    config = _gemv_path(x, weight, weight.shape[0])
+    """F.linear(x, weight) without bias; one token through the GEMV kernel, up to FEW_TOKENS
+    through `gemv_tokens`."""
+    config = _kernel_config(x, weight, weight.shape[0])
     if config is None:
         return F.linear(x, weight)
-    return gemv(x.reshape(-1).contiguous(), weight, config).view(*x.shape[:-1], weight.shape[0])
+    return _run(x, weight, config, weight.shape[0])
 
 
 @linear.register_fake
@@ -238,10 +278,10 @@ def linear_float32(x: Tensor, weight: Tensor) -> Tensor:
     """F.linear(x.float(), weight.float()), as sigmoid MoE routers compute their logits (casting
     a 16-bit weight every call); one token through the GEMV kernel, whose products and sums are
     float32 already, writing float32."""
-    config = _gemv_path(x, weight, weight.shape[0])
+    config = _kernel_config(x, weight, weight.shape[0], tokens_at_most=1)
     if config is None:
         return F.linear(x.float(), weight.float())
-    return gemv(x.reshape(-1).contiguous(), weight, config, out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])
+    return _run(x, weight, config, weight.shape[0], out_dtype=torch.float32)
 
 
 @linear_float32.register_fake
@@ -251,13 +291,14 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
 
 @torch.library.custom_op("flare::gated_linear", mutates_args=())
 def gated_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """silu(gate) * up of F.linear(x, weight).chunk(2, -1); one token through the GEMV kernel."""
+    """silu(gate) * up of F.linear(x, weight).chunk(2, -1); one token through the GEMV kernel, up
+    to FEW_TOKENS through `gemv_tokens`."""
     half = weight.shape[0] // 2
-    config = _gemv_path(x, weight, half, gated=True)
+    config = _kernel_config(x, weight, half, gated=True)
     if config is None:
         gate, up = F.linear(x, weight).chunk(2, dim=-1)
         return F.silu(gate) * up
-    return gemv(x.reshape(-1).contiguous(), weight, config, gated=True).view(*x.shape[:-1], half)
+    return _run(x, weight, config, half, gated=True)
 
 
 @gated_linear.register_fake

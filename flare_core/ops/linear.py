@@ -1,6 +1,6 @@
-"""Linear layers of a model built for serving: `GemvLinear`, whose one-token calls take the GEMV
-kernel (flare_core.kernels.gemv), and `one_token`, the test every layer makes before it picks a
-one-token kernel."""
+"""Linear layers of a model built for serving: `GemvLinear`, whose calls of one to a few tokens take
+the GEMV kernels (flare_core.kernels.gemv), and `one_token` / `few_tokens`, the tests a layer makes
+before it picks such a kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import flare_core.kernels.gemv  # noqa: F401 - registers the flare::linear ops this module calls
+from flare_core.kernels.gemv import FEW_TOKENS
 
 
 def one_token(x: Tensor) -> bool:
@@ -18,11 +19,19 @@ def one_token(x: Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
+def few_tokens(x: Tensor) -> bool:
+    """Whether activations [..., features] hold at most FEW_TOKENS tokens: decode batches and
+    speculative rounds of a few rows, whose matmuls the GEMV kernels serve (one token, or a few
+    through `gemv_tokens`). Under torch.compile this is settled when tracing, as `one_token` is
+    (steps of one, of a few and of more tokens compile apart)."""
+    return x.numel() <= FEW_TOKENS * x.shape[-1]
+
+
 class GemvLinear(nn.Linear):
-    """A bias-free nn.Linear whose one-token calls run the GEMV kernel (same parameters, same
-    state dict)."""
+    """A bias-free nn.Linear whose calls of one to a few tokens run the GEMV kernels (same
+    parameters, same state dict)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if one_token(x):
+        if few_tokens(x):
             return torch.ops.flare.linear(x, self.weight)
         return F.linear(x, self.weight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from flare_core.ops.linear import one_token
+from flare_core.ops.linear import few_tokens
 
 
 class FusedGatedMLP(nn.Module):
@@ -17,8 +17,8 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = act_fn
-        # Set by flare_core.ops.serving.gemv_layers when act_fn is SiLU: one-token steps then read
-        # gate and up and apply silu(gate) * up in one GEMV kernel.
+        # Set by flare_core.ops.serving.gemv_layers when act_fn is SiLU: steps of one to a few
+        # tokens then read gate and up and apply silu(gate) * up in one GEMV kernel.
         self.gated_kernel = False
 
     @classmethod
@@ -27,7 +27,7 @@ class FusedGatedMLP(nn.Module):
         return cls(mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.act_fn)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gated_kernel and one_token(x):
+        if self.gated_kernel and few_tokens(x):
             scale_inv = getattr(self.gate_up_proj, "weight_scale_inv", None)  # FP8 weights (flare_core.ops.fp8)
             if scale_inv is not None:
                 return self.down_proj(torch.ops.flare.fp8_gated_linear(x, self.gate_up_proj.weight, scale_inv))

@@ -36,7 +36,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from flare_core.contract import ContractError
 from flare_core.contract.protocols import RuntimeModel  # noqa: F401 - the protocol this module implements
 from flare_core.ops.attention import ForwardContext
-from flare_core.ops.linear import one_token
+from flare_core.ops.linear import few_tokens
 from flare_core.ops.moe import use_fused_experts
 from flare_core.ops.opaque import bound
 
@@ -129,7 +129,7 @@ class DecoderForServing(nn.Module):
         """Float32 logits of the rows `logits_indices` of the last layer's output."""
         hidden = self.model.norm(self.last_rows(hidden, logits_indices))
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv_head and one_token(hidden):
+        if self.gemv_head and few_tokens(hidden):
             logits = torch.ops.flare.linear(hidden, weight).float()
         else:
             logits = F.linear(hidden, weight).float()

@@ -73,14 +73,27 @@ def test_few_tokens_kernel_matches_f_linear(tokens, out_features, in_features, g
         _close(out, expected)
 
 
-def test_several_tokens_and_odd_shapes_take_f_linear_exactly():
+def test_few_tokens_take_their_kernel_and_more_tokens_or_odd_shapes_f_linear_exactly():
+    from flare_core.kernels.gemv import FEW_TOKENS, few_tokens_config, gemv_tokens
+
     generator = torch.Generator(device="cuda").manual_seed(2)
     weight = torch.randn(512, 1000, device="cuda", dtype=torch.bfloat16, generator=generator)  # 1000 % 128 != 0
     one = torch.randn(1, 1000, device="cuda", dtype=torch.bfloat16, generator=generator)
     assert torch.equal(torch.ops.flare.linear(one, weight), F.linear(one, weight))
-    square = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16, generator=generator)
+    square = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16, generator=generator)  # < 1,024 rows
     three = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16, generator=generator)
     assert torch.equal(torch.ops.flare.linear(three, square), F.linear(three, square))
+    wide = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.05
+    for tokens in (2, FEW_TOKENS):
+        x = torch.randn(1, tokens, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
+        out = torch.ops.flare.linear(x, wide)
+        assert out.shape == (1, tokens, 2048)
+        assert torch.equal(out[0], gemv_tokens(x[0], wide, few_tokens_config(2048, 1024)))
+        gated = torch.ops.flare.gated_linear(x, wide)
+        assert torch.equal(gated[0], gemv_tokens(x[0], wide, few_tokens_config(1024, 1024, gated=True), gated=True))
+        _close(out, F.linear(x.float(), wide.float()))
+    more = torch.randn(FEW_TOKENS + 1, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
+    assert torch.equal(torch.ops.flare.linear(more, wide), F.linear(more, wide))
 
 
 def test_gemv_layers_switches_linears_and_keeps_outputs_and_state_dict():
