@@ -145,9 +145,6 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
 def _head_proposer(loaded: LoadedCore, registry: Registry, rows: int, longest: int, split: bool) -> HeadProposer:
     """The core's draft head as the proposer of `--spec-method mtp`. ValueError naming the flag where
     it cannot serve."""
-    if loaded.device.type != "cpu":
-        raise ValueError("--spec-method mtp runs on the CPU path only so far (--device cpu): a draft head fed by "
-                         "the captured graphs has not run on a GPU yet")
     if split:
         raise ValueError(f"--spec-method mtp: the core is split over {loaded.tensor_parallel} tensor-parallel ranks; "
                          f"a draft head runs beside a whole model only")
