@@ -30,6 +30,9 @@ from flare_core.contract import (
     ParsedDelta,
     Parser,
     PromptEncoder,
+    Proposer,
+    ProposerContext,
+    ProposerFactory,
     Range,
     Recipe,
     RenderedPrompt,
@@ -78,6 +81,8 @@ __all__ = [
     "SAMPLING_LIMITS", "Alias", "CacheScheme", "CacheSchemeFactory", "Capacities", "ContractError", "DerivedShard",
     "DraftHead", "FrontendSpec", "PagedStore", "Parser", "PromptEncoder", "Range", "Recipe", "SamplingPolicy", "StateTensor",
     "TemplatePatch", "TensorParallelSpec", "ToolCallFormat", "MARK_TAG",
+    # Speculative decoding: a way of proposing draft tokens (`flare run --spec-method NAME`).
+    "ProposerFactory", "ProposerContext", "Proposer",
     # The protocols of what a plugin hands the runtime, and the data they exchange.
     "BuildModel", "DraftHeadModel", "MapWeights", "RuntimeModel", "StreamingParser", "ConversationRenderer", "ParsedDelta",
     "ToolCallDelta", "RenderedPrompt", "TemplateOptionError",

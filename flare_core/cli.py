@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from flare_core.config import MAX_DRAFT_TOKENS, SPEC_METHODS, Config, ConfigError, load_config
+from flare_core.config import MAX_DRAFT_TOKENS, Config, ConfigError, load_config
 
 
 class FlareCommandError(click.ClickException):
@@ -368,7 +368,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     import structlog
 
     from flare_core.config import with_overrides
-    from flare_core.engine.build import build_engine
+    from flare_core.engine.build import build_engine, check_spec_method
     from flare_core.engine.load import CoreLoadError, load_core
     from flare_core.engine.memory import MemoryPlanError, plan_kv
     from flare_core.server.serve import ServeError, WorkerFailed, serve
@@ -400,6 +400,10 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         with _timed(phases, "plugins_s"):
             registry = _registry()
         hashed.result()
+    try:
+        check_spec_method(spec_method, registry)  # before minutes of loading
+    except ValueError as exc:
+        raise FlareCommandError(str(exc)) from exc
     memory = with_overrides(config.memory, memory_limit=memory_limit, kv_cache_limit=kv_cache_limit,
                             embedding_table_storage=embedding_table_storage,
                             embedding_table_cache_size=embedding_table_cache_size)
@@ -512,11 +516,12 @@ _SERVE_OPTIONS = [
     click.option("--max-live-per-client", type=click.IntRange(min=1), default=None,
                  help="Live requests one client address may hold at once (default: no cap; server."
                       "max_live_per_client)."),
-    click.option("--spec-method", type=click.Choice(SPEC_METHODS), default=None,
+    click.option("--spec-method", default=None,
                  help="Speculative decoding: propose draft tokens by looking the output's last tokens up in the "
                       "prompt and output (prompt-lookup), by a draft core's greedy decoding (draft, with "
-                      "--spec-draft-core), or by the core's draft head, a checkpoint's multi-token-prediction "
-                      "layer (mtp); each decode row checks them in one step (default: off; server.spec_method)."),
+                      "--spec-draft-core), by the core's draft head, a checkpoint's multi-token-prediction "
+                      "layer (mtp), or by a method an installed plugin adds (its name); each decode row checks "
+                      "them in one step (default: off; server.spec_method)."),
     click.option("--spec-draft-core", default=None,
                  help="The draft core of --spec-method draft: a smaller model's core with the same tokenizer "
                       "(a path, or a model name in the core cache; server.spec_draft_core)."),

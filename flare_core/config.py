@@ -5,10 +5,13 @@ No environment variable selects behaviour; every setting lives here or in a flag
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from flare_core.contract import BUILTIN_SPEC_METHODS
 
 DEFAULT_CONFIG_PATH = Path("~/.config/flare/config.toml")
 
@@ -61,10 +64,12 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 32
 BODY_BYTES_BASE = 1 << 20
 
 
-# Ways speculative decoding proposes draft tokens (`flare run --spec-method`), and the most a
-# decode row checks: past a few, a draft's chance of being kept is small and the row's cost grows.
-SPEC_METHODS = ("prompt-lookup", "draft", "mtp")
+# The most draft tokens a decode row checks (`flare run --spec-draft-tokens`): past a few, a draft's
+# chance of being kept is small and the row's cost grows. The ways of proposing them
+# (`--spec-method`) are Flare's own (flare_core.contract.BUILTIN_SPEC_METHODS) and those plugins
+# add: a name is checked against them when the server starts.
 MAX_DRAFT_TOKENS = 16
+_METHOD_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,10 @@ class ServerConfig:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
                 raise ConfigError(f"server.{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, tuple(v.strip() for v in value))
-        if self.spec_method not in (None, *SPEC_METHODS):
-            raise ConfigError(f"server.spec_method must be one of {', '.join(SPEC_METHODS)}, got {self.spec_method!r}")
+        if self.spec_method is not None and not (isinstance(self.spec_method, str)
+                                                 and _METHOD_NAME.match(self.spec_method)):
+            raise ConfigError(f"server.spec_method must be a method name ({', '.join(BUILTIN_SPEC_METHODS)}, or one "
+                              f"a plugin adds), got {self.spec_method!r}")
         if (self.spec_method == "draft") != (self.spec_draft_core is not None):
             raise ConfigError("server.spec_draft_core names the draft core of spec_method = \"draft\" and is read with "
                               f"it only; got spec_method {self.spec_method!r}, spec_draft_core {self.spec_draft_core!r}")

@@ -52,3 +52,26 @@ def test_broken_plugins_are_reported_and_the_others_still_load():
     assert "returned str, expected Recipe" in messages["wrong-type"]
     assert {"qwen3", "qwen3-moe", "good-extra"} <= set(registry.recipes)
     assert "needs-unknown-scheme" not in registry.recipes and "needs-unknown-encoder" not in registry.recipes
+
+
+def test_a_plugins_proposers_register_by_name_and_may_not_take_flares_own():
+    import pytest
+
+    from flare_core.contract import ContractError, ProposerFactory
+
+    def build(context):
+        raise AssertionError("not built while registering")
+
+    with pytest.raises(ContractError, match=r"ProposerFactory\(mtp\)\.name: names a method Flare has itself"):
+        ProposerFactory("mtp", build)
+    with pytest.raises(ContractError, match=r"ProposerFactory\.name: must be a lowercase name"):
+        ProposerFactory("Ngram Cache", build)
+    registry = load_registry(extra_plugins=[
+        ("first", _plugin(flare_proposers=lambda: [ProposerFactory("ngram-cache", build)])),
+        ("second", _plugin(flare_proposers=lambda: [ProposerFactory("ngram-cache", build)])),
+        ("wrong-type", _plugin(flare_proposers=lambda: [build])),
+    ], entry_points=False)
+    messages = {error.plugin: error.message for error in registry.errors}
+    assert list(registry.proposers) == ["ngram-cache"]
+    assert "ProposerFactory 'ngram-cache' is already registered by another plugin" in messages["second"]
+    assert "returned function, expected ProposerFactory" in messages["wrong-type"]

@@ -147,9 +147,12 @@ def test_speculation_settings_are_checked(tmp_path):
     from flare_core.scheduler import GraphCapacities, SchedulerConfig
 
     path = tmp_path / "config.toml"
-    path.write_text('[server]\nspec_method = "eagle"\n')
-    with pytest.raises(ConfigError, match="server.spec_method must be one of prompt-lookup, draft, mtp"):
+    path.write_text('[server]\nspec_method = "Eagle 3"\n')
+    with pytest.raises(ConfigError, match=r"server.spec_method must be a method name \(prompt-lookup, draft, mtp, "
+                                          r"or one a plugin adds\), got 'Eagle 3'"):
         load_config(path)
+    path.write_text('[server]\nspec_method = "eagle"\n')  # a plugin's (refused at start where none registers it)
+    assert load_config(path).server.spec_method == "eagle"
     path.write_text('[server]\nspec_method = "mtp"\n')  # a core's draft head (refused at start by a core without)
     assert load_config(path).server.spec_method == "mtp"
     path.write_text('[server]\nspec_method = "prompt-lookup"\nspec_draft_tokens = 17\n')

@@ -1,7 +1,8 @@
 """The protocols of what a recipe plugin hands the runtime, and the plain data they exchange:
 the serving model a recipe's `build_model` returns and the weight mapping its `map_weights` is;
 the streaming output parsers a `Parser` makes and what they produce; the conversation renderer
-a `PromptEncoder` makes and what it renders. Types only: the runtime's implementations live
+a `PromptEncoder` makes and what it renders; the proposer of draft tokens a `ProposerFactory` makes
+(speculative decoding). Types only: the runtime's implementations live
 above the contract (flare_core.ops.model, flare_core.frontend)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from flare_core.ops.attention import ForwardContext
+    from flare_core.requests import SamplingParams
 
 
 @runtime_checkable
@@ -153,5 +155,28 @@ class ConversationRenderer(Protocol):
                add_generation_prompt: bool = False, **options: Any) -> RenderedPrompt: ...
 
 
-__all__ = ["BuildModel", "ConversationRenderer", "DraftHeadModel", "MapWeights", "ParsedDelta", "RenderedPrompt", "RuntimeModel",
-           "StreamingParser", "TemplateOptionError", "ToolCallDelta"]
+class Proposer(Protocol):
+    """What guesses a request's next tokens for speculative decoding (flare_core.scheduler.proposals
+    says how its guesses are used; the built-in ones: prompt lookup, a draft core, a draft head).
+    Its guesses are checked in one step by the served model, so they never change an output."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether it draws drafts for sampled requests with their sampling and noise (else it
+        guesses the same whatever a request samples with)."""
+        ...
+
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
+                step: int = 0) -> tuple[int, ...]:
+        """Up to `width` tokens guessed to follow `tokens`, the sequence of request `request_id`
+        (none: no guess); `draw`, `step`: how the served model samples its next token (None: greedily)."""
+        ...
+
+    def seconds(self, width: int) -> float:
+        """What proposing `width` tokens for one request takes, as measured so far (the price of a
+        round counts it beside the step that checks them)."""
+        ...
+
+
+__all__ = ["BuildModel", "ConversationRenderer", "DraftHeadModel", "MapWeights", "ParsedDelta", "Proposer", "RenderedPrompt",
+           "RuntimeModel", "StreamingParser", "TemplateOptionError", "ToolCallDelta"]

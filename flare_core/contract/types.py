@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from flare_core.contract.protocols import BuildModel, ConversationRenderer, MapWeights, StreamingParser
+from flare_core.contract.protocols import BuildModel, ConversationRenderer, MapWeights, Proposer, StreamingParser
 from flare_core.contract.template_patch import TemplatePatch
 
 CONTRACT_VERSION = "1.0"
@@ -304,6 +304,43 @@ class CacheSchemeFactory:
     def __post_init__(self) -> None:
         _check_name(self.id, "CacheSchemeFactory", "id")
         _require(callable(self.build), f"CacheSchemeFactory({self.id})", "build", "must be callable")
+
+
+# The ways of proposing draft tokens Flare itself has (`flare run --spec-method`): prompt lookup,
+# a draft core, the core's draft head. A plugin's `ProposerFactory` adds others under other names.
+BUILTIN_SPEC_METHODS = ("prompt-lookup", "draft", "mtp")
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a `ProposerFactory` is told of the server it proposes for: the served core's recipe and
+    its model config (the checkpoint's config.json as Transformers reads it), the vocabulary size,
+    the most requests it serves at once and the longest sequence a request may hold (its context
+    plus the drafts of a round)."""
+
+    recipe: str
+    model_config: Any
+    vocab_size: int
+    max_concurrency: int
+    longest: int
+
+
+@dataclass(frozen=True)
+class ProposerFactory:
+    """A way of proposing draft tokens that a plugin adds: `flare run CORE --spec-method NAME`
+    serves with the `Proposer` that `build(ProposerContext)` returns (built once at start). Its
+    guesses are checked as every proposer's are, so outputs do not change; what it costs is the
+    time its `seconds` reports."""
+
+    name: str
+    build: Callable[[ProposerContext], Proposer]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "ProposerFactory", "name")
+        _require(self.name not in BUILTIN_SPEC_METHODS, f"ProposerFactory({self.name})", "name",
+                 f"names a method Flare has itself ({', '.join(BUILTIN_SPEC_METHODS)})")
+        _require(callable(self.build), f"ProposerFactory({self.name})", "build", "must be callable")
 
 
 GRAPH_KINDS = ("prefill", "decode", "mixed", "speculative")
@@ -704,5 +741,5 @@ __all__ = [
     "ASSET_NAMES", "Alias", "CARRIED_PREFIX", "DRAFT_HEAD_PREFIX", "DraftHead", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "EmbeddingTable", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
-    "DerivedShard", "TensorParallelSpec", "ToolCallFormat",
+    "DerivedShard", "TensorParallelSpec", "ToolCallFormat", "BUILTIN_SPEC_METHODS", "ProposerContext", "ProposerFactory",
 ]

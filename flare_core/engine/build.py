@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from flare_core.contract import BUILTIN_SPEC_METHODS, ProposerContext
 from flare_core.kv import KvCacheManager, PageAllocator, PrefixCache
 from flare_core.executor.runner import eager_runner
 from flare_core.frontend import Frontend
@@ -81,6 +82,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
     head: HeadProposer | None = None
     if spec_draft is not None and spec_method != "draft":
         raise ValueError("a draft core (--spec-draft-core) goes with --spec-method draft")
+    check_spec_method(spec_method, registry)
     if spec_method is not None and spec_draft_tokens > 0:
         longest = capacities.context_length + spec_draft_tokens
         if spec_method == "draft":
@@ -89,8 +91,10 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
             proposer = DraftModel(spec_draft, loaded, max_concurrency, longest)
         elif spec_method == "mtp":
             proposer = head = _head_proposer(loaded, registry, max_concurrency, longest, leader is not None)
-        else:
+        elif spec_method == "prompt-lookup":
             proposer = PromptLookup()
+        else:
+            proposer = _plugin_proposer(spec_method, loaded, registry, max_concurrency, longest)
     if proposer is not None and not catalog.speculative:
         raise ValueError("speculative decoding (--spec-method): the core declares no speculative rounds (exported "
                          "with --speculative-tokens none); re-export it with their token capacities")
@@ -140,6 +144,30 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
                       mask_words=frontend.grammars.words if frontend.grammars is not None else 0,
                       frames_in_flight=frames_in_flight or executor.frames_in_flight)
     return Engine(core, info=info, frontend=frontend, kv=kv, telemetry=telemetry, tables=loaded.tables)
+
+
+def check_spec_method(spec_method: str | None, registry: Registry) -> None:
+    """ValueError naming the flag and the methods there are where `spec_method` is neither one of
+    Flare's own nor one an installed plugin adds."""
+    if spec_method is not None and spec_method not in BUILTIN_SPEC_METHODS and spec_method not in registry.proposers:
+        methods = ", ".join([*BUILTIN_SPEC_METHODS, *sorted(registry.proposers)])
+        raise ValueError(f"--spec-method {spec_method}: no such method is installed (methods: {methods})")
+
+
+def _plugin_proposer(name: str, loaded: LoadedCore, registry: Registry, rows: int, longest: int) -> Proposer:
+    """The proposer the installed plugin's `ProposerFactory` named `name` builds. ValueError naming
+    the flag where the plugin's build fails or returns no proposer."""
+    context = ProposerContext(recipe=loaded.recipe_name, model_config=loaded.model_config,
+                              vocab_size=loaded.model_config.vocab_size, max_concurrency=rows, longest=longest)
+    try:
+        proposer = registry.proposers[name].build(context)
+    except Exception as exc:  # a plugin's failure, reported as the flag's
+        raise ValueError(f"--spec-method {name}: the plugin's proposer could not be built ({exc!r})") from exc
+    missing = [member for member in ("samples", "propose", "seconds") if not hasattr(proposer, member)]
+    if missing:
+        raise ValueError(f"--spec-method {name}: the plugin built {type(proposer).__name__}, which lacks "
+                         f"{', '.join(missing)} (flare_core.api.Proposer)")
+    return proposer
 
 
 def _head_proposer(loaded: LoadedCore, registry: Registry, rows: int, longest: int, split: bool) -> HeadProposer:

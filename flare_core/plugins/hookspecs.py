@@ -31,3 +31,9 @@ def flare_parsers() -> list:
 @hookspec
 def flare_prompt_encoders() -> list:
     """Return `flare_core.contract.PromptEncoder` objects recipes can name as `prompt_encoder`."""
+
+
+@hookspec
+def flare_proposers() -> list:
+    """Return `flare_core.contract.ProposerFactory` objects: ways of proposing draft tokens that
+    `flare run --spec-method NAME` serves with."""

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import pluggy
 
-from flare_core.contract import CacheSchemeFactory, Parser, PromptEncoder, Recipe, TemplatePatch
+from flare_core.contract import CacheSchemeFactory, Parser, PromptEncoder, ProposerFactory, Recipe, TemplatePatch
 from flare_core.plugins import hookspecs
 
 ENTRY_POINT_GROUP = "flare"
@@ -26,6 +26,7 @@ _HOOK_TYPES = {
     "flare_cache_schemes": CacheSchemeFactory,
     "flare_parsers": Parser,
     "flare_prompt_encoders": PromptEncoder,
+    "flare_proposers": ProposerFactory,
 }
 
 
@@ -55,6 +56,7 @@ class Registry:
     cache_schemes: dict[str, CacheSchemeFactory] = field(default_factory=dict)
     parsers: dict[str, Parser] = field(default_factory=dict)
     prompt_encoders: dict[str, PromptEncoder] = field(default_factory=dict)
+    proposers: dict[str, ProposerFactory] = field(default_factory=dict)
     errors: list[PluginError] = field(default_factory=list)
     owners: dict[str, PluginInfo] = field(default_factory=dict)  # recipe name -> plugin
 
@@ -148,6 +150,7 @@ def _register_plugin(registry: Registry, info: PluginInfo, obj: Any) -> None:
         "flare_cache_schemes": (registry.cache_schemes, "id"),
         "flare_parsers": (registry.parsers, "id"),
         "flare_prompt_encoders": (registry.prompt_encoders, "id"),
+        "flare_proposers": (registry.proposers, "name"),
     }
     for hook_name, (table, key) in targets.items():
         for item in collected[hook_name]:

@@ -18,28 +18,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
+from flare_core.contract import Proposer
 from flare_core.requests import SamplingParams
 
-
-class Proposer(Protocol):
-    @property
-    def samples(self) -> bool:
-        """Whether it draws drafts for sampled requests with their sampling and noise (else it
-        guesses the same whatever a request samples with)."""
-        ...
-
-    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: SamplingParams | None = None,
-                step: int = 0) -> tuple[int, ...]:
-        """Up to `width` tokens guessed to follow `tokens`, the sequence of request `request_id`
-        (none: no guess); `draw`, `step`: how the served model samples its next token (None: greedily)."""
-        ...
-
-    def seconds(self, width: int) -> float:
-        """What proposing `width` tokens for one request takes, as measured so far (the price of a
-        round counts it beside the step that checks them)."""
-        ...
+__all__ = ["PromptLookup", "Proposer", "replay"]
 
 
 @dataclass(frozen=True)

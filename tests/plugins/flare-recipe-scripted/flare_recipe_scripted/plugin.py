@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
 
-from flare_core.contract import Capacities, FrontendSpec, Recipe, SamplingPolicy
+from flare_core.contract import Capacities, FrontendSpec, ProposerContext, ProposerFactory, Recipe, SamplingPolicy
 from flare_core.plugins import hookimpl
 from flare_recipe_scripted.model import build_model, check_config, map_weights
 
@@ -58,3 +61,30 @@ SCRIPTED_QWEN_XML = scripted_recipe("scripted-qwen-xml", "ScriptedQwenXmlForCaus
 @hookimpl
 def flare_recipes() -> list[Recipe]:
     return [SCRIPTED, SCRIPTED_DEEPSEEK_V4, SCRIPTED_QWEN_XML]
+
+
+class RepeatLast:
+    """A proposer that guesses the request's last token again, `width` times: right wherever the
+    output repeats a token (a scripted run of one token), wrong elsewhere. A plugin's proposer in
+    full: what it guesses, whether sampled requests change it (no), what its guesses cost."""
+
+    samples = False
+
+    def __init__(self, context: ProposerContext):
+        self.vocab_size = context.vocab_size
+        self.calls, self.total = 0, 0.0
+
+    def propose(self, tokens: Sequence[int], width: int, request_id: str = "", draw: Any = None,
+                step: int = 0) -> tuple[int, ...]:
+        started = time.perf_counter()
+        guess = tuple(tokens[-1:]) * width if tokens and 0 <= tokens[-1] < self.vocab_size else ()
+        self.calls, self.total = self.calls + 1, self.total + time.perf_counter() - started
+        return guess
+
+    def seconds(self, width: int) -> float:
+        return self.total / self.calls if self.calls else 0.0
+
+
+@hookimpl
+def flare_proposers() -> list[ProposerFactory]:
+    return [ProposerFactory("scripted-repeat", RepeatLast, "Test-only: guesses the last token again")]
