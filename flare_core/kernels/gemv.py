@@ -222,12 +222,15 @@ def _tokens_on_gpu(x: Tensor, weight: Tensor, weight_dtype: torch.dtype) -> int:
 def few_tokens_config(out_features: int, in_features: int, gated: bool = False) -> FewTokensConfig | None:
     """The launch configuration of `gemv_tokens` for a [out_features, in_features] weight (gated:
     twice as many rows), or None where cuBLAS keeps the call. On the H100 (benchmarks/gemv.py
-    --tokens 2,5,8,16 over Qwen3-8B's shapes, benchmarks/results/h100-gemv-tokens.json) 32 rows
-    per program, 4 warps and 256 columns per iteration over 4 stages were the best or within 1 %
-    of it on every ungated shape (o_proj 14.0 us against cuBLAS's 15.9; lm_head 393 against 412;
-    qkv_proj 19.6 against 19.7); the gated kernel, which reads two tiles per iteration, 128
-    columns over 3 stages (66.6 us against 74.7 for cuBLAS's matmul and silu(gate) * up). Matrices
-    of fewer than 1,024 rows (routers, gates) were not measured and stay with cuBLAS."""
+    --tokens 2,5,8,16 over Qwen3-8B's shapes, benchmarks/results/h100-gemv-tokens.json, which
+    keeps each shape's four best of the sweep): 32 rows per program, 4 warps, 256 columns per
+    iteration over 4 stages was the best on o_proj (14.0 us at 2 tokens against cuBLAS's 15.9)
+    and down_proj (37.0 against 38.0); on qkv_proj and lm_head it was not among the four best,
+    which lay within 1.2 % and 0.6 % of one another and all but one under cuBLAS (qkv_proj 19.4-19.7
+    us against 19.7, lm_head 393-394 against 412). The gated kernel, which reads two tiles per
+    iteration: 128 columns over 3 stages (66.6 us against 74.7 for cuBLAS's matmul and
+    silu(gate) * up). Matrices of fewer than 1,024 rows (routers, gates) were not measured and
+    stay with cuBLAS."""
     if out_features < 1024:
         return None
     for columns in ((128,) if gated else (256, 128)):
