@@ -55,10 +55,11 @@ def test_compiled_layers_match_eager_logits_and_share_one_compilation(gemv):
     counters.clear()
     compiled = served(compiled_model, scheme, sequences, prompt_lens)
     # All groups of layers share a code (their weights and cache layers are inputs); steps of one
-    # token compile separately from steps of several (torch specialises sizes 0 and 1). So does
-    # the code after the layers (logits): at most 2 graphs each.
+    # token compile separately from steps of several (torch specialises sizes 0 and 1), and with
+    # the GEMV ops steps of a few tokens (up to FEW_TOKENS: their few-token kernel) from steps of
+    # more. So does the code after the layers (logits): at most 2 graphs each, 3 with the ops.
     assert len(compiled_model.groups) == 2  # 8 layers, LAYERS_PER_GRAPH = 4
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] <= (6 if gemv else 4), dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
 
     assert [(r, c) for r, c, _ in compiled] == [(r, c) for r, c, _ in eager]
@@ -134,17 +135,21 @@ def _flare_ops_called(model, scheme, tokens_per_request: list[int]) -> set[str]:
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gemv_ops_serve_one_token_steps_only(compiled):
-    """Built with the GEMV option, a step of one token runs its matmuls (the gated MLP and the head
-    included) through the GEMV ops; a step of several tokens and logits rows keeps plain
-    matmuls, which Inductor fuses with the code around them."""
+def test_gemv_ops_serve_steps_of_a_few_tokens_only(compiled):
+    """Built with the GEMV option, a step of one token or of a few (up to FEW_TOKENS: a small decode
+    batch, a speculative round) runs its matmuls (the gated MLP and the head included) through the
+    GEMV ops; a step of more tokens keeps plain matmuls in its layers, which Inductor fuses with the
+    code around them, and its few logits rows take the ops again."""
+    from flare_core.kernels.gemv import FEW_TOKENS
+
     config = tiny_qwen3_config(vocab_size=512)
     scheme = load_registry().cache_schemes[QWEN3.cache_scheme].build(config, "float32")
     model = loaded_model(config, gemv=True)
     if compiled:
         model = CompiledDecoder(model)
     assert _flare_ops_called(model, scheme, [1]) == {"flare::linear", "flare::gated_linear"}
-    assert _flare_ops_called(model, scheme, [2, 1]) == set()
+    assert _flare_ops_called(model, scheme, [2, 1]) == {"flare::linear", "flare::gated_linear"}
+    assert FEW_TOKENS == 16 and _flare_ops_called(model, scheme, [16, 3]) == {"flare::linear"}  # the head only
 
 
 def test_each_group_structure_gets_its_own_recompile_budget():
