@@ -18,8 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from flare_core.contract import ContractError
-from flare_core.ops.attention import ForwardContext
+from flare_core.api import ContractError, ForwardContext
 
 SCRIPT_CAPACITY = 512
 # Logit of every token but the scripted one: exp() of it underflows to exactly 0 in float32, and

@@ -7,8 +7,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from flare_core.contract import Capacities, FrontendSpec, ProposerContext, ProposerFactory, Recipe, SamplingPolicy
-from flare_core.plugins import hookimpl
+from flare_core.api import (Capacities, FrontendSpec, ProposerContext, ProposerFactory, Recipe, SamplingPolicy,
+                            hookimpl)
 from flare_recipe_scripted.model import build_model, check_config, map_weights
 
 
