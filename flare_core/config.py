@@ -5,13 +5,12 @@ No environment variable selects behaviour; every setting lives here or in a flag
 
 from __future__ import annotations
 
-import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from flare_core.contract import BUILTIN_SPEC_METHODS
+from flare_core.contract import BUILTIN_SPEC_METHODS, NAME_PATTERN
 
 DEFAULT_CONFIG_PATH = Path("~/.config/flare/config.toml")
 
@@ -69,7 +68,6 @@ BODY_BYTES_BASE = 1 << 20
 # (`--spec-method`) are Flare's own (flare_core.contract.BUILTIN_SPEC_METHODS) and those plugins
 # add: a name is checked against them when the server starts.
 MAX_DRAFT_TOKENS = 16
-_METHOD_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ class ServerConfig:
                 raise ConfigError(f"server.{name} must be a list of non-empty strings, got {value!r}")
             object.__setattr__(self, name, tuple(v.strip() for v in value))
         if self.spec_method is not None and not (isinstance(self.spec_method, str)
-                                                 and _METHOD_NAME.match(self.spec_method)):
+                                                 and NAME_PATTERN.match(self.spec_method)):
             raise ConfigError(f"server.spec_method must be a method name ({', '.join(BUILTIN_SPEC_METHODS)}, or one "
                               f"a plugin adds), got {self.spec_method!r}")
         if (self.spec_method == "draft") != (self.spec_draft_core is not None):

@@ -21,7 +21,9 @@ CARRIED_PREFIX = "carried."
 # The core's name prefix of the prepared tensors of a recipe's draft head (Recipe.draft_head).
 DRAFT_HEAD_PREFIX = "draft_head."
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# The names plugins register things under (recipes, schemes, parsers, proposers), and the
+# method names a configuration may give before any plugin is loaded.
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "int8", "uint8", "int32", "int64")
 
@@ -40,8 +42,8 @@ def _require(ok: bool, obj: str, field_name: str, problem: str) -> None:
 
 
 def _check_name(value: Any, obj: str, field_name: str) -> None:
-    _require(isinstance(value, str) and bool(_NAME.match(value)), obj, field_name,
-             f"must be a lowercase name matching {_NAME.pattern}, got {value!r}")
+    _require(isinstance(value, str) and bool(NAME_PATTERN.match(value)), obj, field_name,
+             f"must be a lowercase name matching {NAME_PATTERN.pattern}, got {value!r}")
 
 
 def _check_call(fn: Any, obj: str, field_name: str, shape: str, *args: Any, **kwargs: Any) -> None:
@@ -741,5 +743,5 @@ __all__ = [
     "ASSET_NAMES", "Alias", "CARRIED_PREFIX", "DRAFT_HEAD_PREFIX", "DraftHead", "CONTRACT_VERSION", "NEUTRAL_SAMPLING", "SAMPLING_DOMAINS", "sampling_problem", "CacheScheme", "CacheSchemeFactory", "Capacities",
     "ContractError", "EmbeddingTable", "FrontendSpec", "GRAPH_KINDS", "GraphSpec", "PagedStore", "Parser", "PromptEncoder", "Range",
     "Recipe", "SAMPLING_LIMITS", "SAMPLING_PARAMETERS", "SamplingPolicy", "StateTensor", "TemplatePatch",
-    "DerivedShard", "TensorParallelSpec", "ToolCallFormat", "BUILTIN_SPEC_METHODS", "ProposerContext", "ProposerFactory",
+    "DerivedShard", "TensorParallelSpec", "ToolCallFormat", "BUILTIN_SPEC_METHODS", "NAME_PATTERN", "ProposerContext", "ProposerFactory",
 ]
