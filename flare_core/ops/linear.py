@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import flare_core.kernels.gemv  # noqa: F401 - registers the flare::linear ops this module calls
-from flare_core.kernels.gemv import FEW_TOKENS
+from flare_core.kernels.gemv import FEW_TOKENS  # importing it registers the flare::linear ops called here
 
 
 def one_token(x: Tensor) -> bool:

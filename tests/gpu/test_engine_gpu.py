@@ -174,18 +174,22 @@ def test_speculation_on_cuda(session_flare, bf16_core, compile_model):
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
 
 
-@pytest.fixture(scope="module")
-def hybrid_core(session_flare, tmp_path_factory):
+def hybrid_checkpoint(directory):
     """A small Qwen3-Next (Gated DeltaNet state rows beside paged attention) of head dims FlashInfer
-    and flash-linear-attention have kernels for, in bf16; every token routed to all four experts,
-    so that no near-tied route flips between a round's kernels and a decode step's."""
+    and flash-linear-attention have kernels for; every token routed to all four experts, so that no
+    near-tied route flips between a round's kernels and a decode step's."""
     from conftest import tiny_qwen3_next_config, write_checkpoint
 
     config = tiny_qwen3_next_config(hidden_size=256, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
                                     shared_expert_intermediate_size=128, num_experts_per_tok=4,
                                     linear_key_head_dim=128, linear_value_head_dim=128)
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-next-head128"), config)
-    return session_flare.export(checkpoint, *EXPORT)
+    return write_checkpoint(directory, config)
+
+
+@pytest.fixture(scope="module")
+def hybrid_core(session_flare, tmp_path_factory):
+    """`hybrid_checkpoint` exported in bf16."""
+    return session_flare.export(hybrid_checkpoint(tmp_path_factory.mktemp("qwen3-next-head128")), *EXPORT)
 
 
 def test_speculation_over_continuation_state_on_cuda(session_flare, hybrid_core):
@@ -229,13 +233,9 @@ def test_speculation_over_continuation_state_on_cuda(session_flare, hybrid_core)
 @pytest.fixture(scope="module")
 def hybrid_mtp_core(session_flare, tmp_path_factory):
     """`hybrid_core`'s model with a random MTP module under `mtp.`: its core carries a draft head."""
-    from conftest import tiny_qwen3_next_config, write_checkpoint
     from flare_testing.qwen_mtp import add_mtp_module
 
-    config = tiny_qwen3_next_config(hidden_size=256, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
-                                    shared_expert_intermediate_size=128, num_experts_per_tok=4,
-                                    linear_key_head_dim=128, linear_value_head_dim=128)
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3-next-mtp-head128"), config)
+    checkpoint = hybrid_checkpoint(tmp_path_factory.mktemp("qwen3-next-mtp-head128"))
     add_mtp_module(checkpoint)
     return session_flare.export(checkpoint, *EXPORT)
 
