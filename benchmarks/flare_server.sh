@@ -11,6 +11,13 @@
 # check_slots_free ROWS OUT: after a load, the server's request state rows are all free again
 # (/metrics: flare_slots_live 0, flare_slots_free ROWS, nothing waiting); the gauges go to OUT,
 # with the steps the server ran so far and their tokens by kind (decode, prefill, mixed, restore).
+# write_config WORK: WORK/config.toml keeping every path Flare writes (cores, hub, keys, trust
+# store, compile cache) under WORK, apart from the user's own.
+write_config() {
+  printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\ncompile_cache = "%s/compiled"\n' \
+    "$1" "$1" "$1" "$1" "$1" > "$1/config.toml"
+}
+
 start_server() {
   local core=$1 log=$2 start
   shift 2

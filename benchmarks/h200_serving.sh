@@ -20,8 +20,8 @@ if [ "${1:-}" = --kv-fp8 ]; then export_flags="$export_flags --kv-dtype fp8_e4m3
 out=${1:?usage: h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] OUTDIR|--prepare-only [flare run flags]}
 shift
 work=/tmp/flare-bench; mkdir -p "$work"
-printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n%s\n' \
-  "$work" "$work" "$work" "$work" "compile_cache = \"$work/compiled\"" > "$work/config.toml"
+source benchmarks/flare_server.sh
+write_config "$work"
 flare="python3 -m flare_core.cli --config $work/config.toml"
 [ -d "$work/$checkpoint" ] || python3 $write_checkpoint "$work/$checkpoint"
 # Both cores of a checkpoint serve under its name: the server is given the core's path (export's
@@ -36,7 +36,6 @@ core=$(cat "$work/$name.core")
 [ "$out" = --prepare-only ] && exit 0
 mkdir -p "$out"
 
-source benchmarks/flare_server.sh
 start_server "$core" "$out/run-cold.log" "$@"
 echo "startup_cold_s $startup_s" | tee "$out/startup-cold.txt"
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 1 \

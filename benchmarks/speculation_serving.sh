@@ -14,8 +14,8 @@ device=${2:?device: cpu or cuda}
 out=${3:?results file}
 shift 3
 work=/tmp/flare-spec; mkdir -p "$work"
-printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n%s\n' \
-  "$work" "$work" "$work" "$work" "compile_cache = \"$work/compiled\"" > "$work/config.toml"
+source benchmarks/flare_server.sh
+write_config "$work"
 flare="python3 -m flare_core.cli --config $work/config.toml"
 dtype=$([ "$device" = cuda ] && echo bfloat16 || echo float32)
 if [ ! -f "$work/core-$dtype" ]; then

@@ -12,21 +12,20 @@ trees=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do trees+=("$(cd "$1" && pwd)");
 [ "${1:-}" = -- ] && shift
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 work=/tmp/flare-bench; mkdir -p "$work"
-printf '[paths]\ncore_cache = "%s/cores"\nhub_cache = "%s/hub"\nkeys = "%s/keys"\ntrust_store = "%s/trust.json"\n' \
-  "$work" "$work" "$work" "$work" > "$work/rounds.toml"
+source benchmarks/flare_server.sh
+write_config "$work"
 checkpoint=$work/qwen3-8b-random
 [ -d "$checkpoint" ] || python3 benchmarks/random_checkpoint.py "$checkpoint"
 if [ ! -f "$work/rounds.core" ]; then
-  python3 -m flare_core.cli --config "$work/rounds.toml" export "$checkpoint" --no-progress --max-concurrency 16 \
+  python3 -m flare_core.cli --config "$work/config.toml" export "$checkpoint" --no-progress --max-concurrency 16 \
     --prefill-chunk-size 256 --context-length 4096 > "$work/rounds.export.log" 2>&1 \
     || { tail -20 "$work/rounds.export.log"; exit 1; }
   tail -1 "$work/rounds.export.log" > "$work/rounds.core"
 fi
-source benchmarks/flare_server.sh
 tree_code_only
 for tree in "${trees[@]}"; do
   (cd "$tree" && export PYTHONPATH="$tree:$tree/recipes-qwen:$tree/recipes-deepseek:$tree/recipes-kimi:$tree/plugins/flare-recipe-llama${extra_path:+:$extra_path}" &&
    python3 -c "import flare_core; assert flare_core.__file__.startswith('$tree'), flare_core.__file__" &&
-   python3 benchmarks/speculative_round.py --config "$work/rounds.toml" --core "$(cat "$work/rounds.core")" "$@" \
+   python3 benchmarks/speculative_round.py --config "$work/config.toml" --core "$(cat "$work/rounds.core")" "$@" \
      --out "$out/$(basename "$tree").json") || echo "$(basename "$tree"): FAILED"
 done
