@@ -192,10 +192,9 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - its output processing failed: that request alone ends
                 log.exception("request output failed", request_id=live.request_id)
                 self._finish(live, "error", error=f"output processing failed: {type(exc).__name__}: {exc}")
-        prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefills)
         read_s = time.perf_counter() - started - (frame.waited_s - waited)
         self._activity.steps.append(StepStats(
-            plan.kind.value, plan.capacity, frame.duration, plan.fed_tokens, prefill_tokens,
+            plan.kind.value, plan.capacity, frame.duration, plan.fed_tokens, plan.prompt_tokens,
             tuple(sampled), HostTimes(frame.host.schedule_s, frame.host.launch_s, read_s, frame.waited_s)))
 
     def _note_first_work(self, plan: StepPlan) -> None:

@@ -126,10 +126,15 @@ class StepPlan:
         return {d.handle: d.drafts for d in self.decodes if d.drafts}
 
     @property
+    def prompt_tokens(self) -> int:
+        """The tokens of its prompt chunks."""
+        return sum(c.end - c.start for c in self.prefills)
+
+    @property
     def fed_tokens(self) -> int:
         """The tokens the step feeds the model: each decode's input and drafts, then its prompt
         chunks' tokens (in this order on every executor; a graph pads after them)."""
-        return sum(1 + len(d.drafts) for d in self.decodes) + sum(c.end - c.start for c in self.prefills)
+        return sum(1 + len(d.drafts) for d in self.decodes) + self.prompt_tokens
 
     @property
     def samples(self) -> tuple[RequestHandle, ...]:
