@@ -16,6 +16,7 @@ import torch
 
 from flare_core.cli import open_verified_core
 from flare_core.config import ConfigError, load_config
+from flare_core.engine.drafting import DraftModel
 from flare_core.engine.load import load_core
 from flare_core.plugins import load_registry
 from flare_core.requests import GenerationRequest, SamplingParams
@@ -90,6 +91,23 @@ def test_sampled_requests_draw_their_drafts_with_the_served_models_noise(session
         resources = engine.resources()
         print(f"seed {request.sampling.seed}: {resources.accepted_drafts} of {resources.drafts} drafts kept")
         assert resources.draft_rounds > 0 and resources.accepted_drafts >= 0.9 * resources.drafts, resources
+
+
+def test_the_draft_core_computes_a_long_prompt_in_chunks(session_flare, smollm2_core, rewrite_ids, greedy_and_seeded):
+    """The draft core computes what it has not seen in chunks of at most its prefill chunk size, as
+    the served core would: after the prompt and any part of the served model's greedy answer, the
+    draft core (the same weights) proposes the answer's next tokens; a proposal after a refused one
+    computes only past the tokens the two share. (The core's chunks are 256 tokens, more than this
+    prompt holds: the test takes 64, so that the first proposal computes two chunks and a part.)"""
+    answer = list(greedy_and_seeded[1][0][0])
+    core = loaded(session_flare, smollm2_core)
+    draft = DraftModel(core, core, rows=1, longest=core.capacities.context_length + 4)
+    assert draft.chunk_tokens == 256
+    draft.chunk_tokens = 64
+    assert 2 * 64 < len(rewrite_ids) + 40 < 3 * 64, len(rewrite_ids)
+    for known in (40, 12, 41, len(answer) - 4):  # two chunks and a part, a rewind, one token on, far on
+        tokens = [*rewrite_ids, *answer[:known]]
+        assert draft.propose(tokens, 4, "r") == tuple(answer[known:known + 4]), known
 
 
 def test_a_draft_of_another_vocabulary_is_refused(session_flare, smollm2_core, qwen3_core):

@@ -121,10 +121,21 @@ class DraftModel:
             raise ValueError(f"--spec-draft-core {draft.core.path}: a core split over tensor-parallel ranks cannot draft")
         self.page_tokens = draft.capacities.page_tokens
         self.pages_per_row = -(-longest // self.page_tokens)
+        self.chunk_tokens = draft.capacities.prefill_chunk_size
         self.vocab_size = target.tokenizer.vocab_size
-        self.runner = eager_runner(draft.model, draft.cache_scheme, num_pages=rows * self.pages_per_row,
-                                   page_tokens=self.page_tokens, num_rows=rows, num_snapshot_rows=0,
-                                   num_logits_rows=0, vocab_size=draft.model_config.vocab_size, device=draft.device)
+        runner_args = dict(num_pages=rows * self.pages_per_row, page_tokens=self.page_tokens, num_rows=rows,
+                           num_snapshot_rows=0, num_logits_rows=0, vocab_size=draft.model_config.vocab_size,
+                           device=draft.device)
+        if draft.device.type == "cuda":
+            from flare_core.executor.graphs import cuda_runner
+
+            # Each draft token is one row decoding: a captured one-row decode graph replays it
+            # (launched layer by layer, a small draft model's token costs as much host time as the
+            # served model's whole step); its prompt chunks run eagerly (FlashInfer prefill).
+            self.runner = cuda_runner(draft.model, draft.cache_scheme, **runner_args, decode_capacities=(1,),
+                                      context_length=longest, dtype=draft.dtype)
+        else:
+            self.runner = eager_runner(draft.model, draft.cache_scheme, **runner_args)
         self._rows = RowsByRequest(rows, _Row)  # least recently proposing request's reused first
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
 
@@ -144,9 +155,13 @@ class DraftModel:
             common += 1
         handle = RequestHandle(request_id, row.index, 0)
         pages = tuple(range(row.index * self.pages_per_row, (row.index + 1) * self.pages_per_row))
-        chunk = PrefillChunk(handle, common, len(tokens), tuple(tokens[common:]), pages, samples=True, save=None)
-        logits = self.runner.run(StepPlan(0, StepKind.PREFILL, 0, (), (), (chunk,), 0.0))
-        row.tokens = list(tokens)
+        row.tokens = row.tokens[:common]  # a chunk that fails leaves the row holding only what it computed
+        for start in range(common, len(tokens), self.chunk_tokens):  # the draft core's chunk size bounds a step
+            end = min(start + self.chunk_tokens, len(tokens))
+            chunk = PrefillChunk(handle, start, end, tuple(tokens[start:end]), pages, samples=end == len(tokens),
+                                 save=None)
+            logits = self.runner.run(StepPlan(0, StepKind.PREFILL, 0, (), (), (chunk,), 0.0))
+            row.tokens = list(tokens[:end])
         drafts = [draft_token(logits, draw, step)]
         while len(drafts) < width and drafts[-1] < self.vocab_size:
             decode = DecodeEntry(handle, len(row.tokens), drafts[-1], pages)
