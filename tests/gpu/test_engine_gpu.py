@@ -174,6 +174,35 @@ def test_speculation_on_cuda(session_flare, bf16_core, compile_model):
     assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
 
 
+def test_draft_core_on_cuda(session_flare, bf16_core):
+    """`--spec-method draft` on CUDA, the served core as its own draft: each draft token replays the
+    draft core's captured one-row decode graph (its prompts computed eagerly in chunks); greedy
+    tokens and a seeded sample equal a run without speculation, drafts are kept, every page back."""
+    from flare_core.cli import open_verified_core
+    from flare_core.config import load_config
+    from flare_core.engine.load import load_core
+    from flare_core.plugins import load_registry
+    from flare_core.requests import SamplingParams
+
+    samplings = [REQUESTS[0].sampling] * 2 + [SamplingParams(temperature=0.8, top_k=5, seed=11)]
+    requests = [REQUESTS[0].__class__(prompt_ids=tuple(range(5 + 40 * i, 305 + 40 * i)), max_tokens=60,
+                                      ignore_eos=True, sampling=sampling) for i, sampling in enumerate(samplings)]
+    reference = asyncio.run(run_requests(make_engine(session_flare, bf16_core, 2, "cuda"), requests))
+    draft = load_core(open_verified_core(load_config(session_flare.config_path), str(bf16_core),
+                                         trust_publisher=True), load_registry(), torch.device("cuda"))
+    engine = make_engine(session_flare, bf16_core, 2, "cuda", spec_method="draft", spec_draft_tokens=4,
+                         spec_draft=draft)
+    drafts = engine.core.scheduler.config.proposer
+    assert sorted(drafts.runner.graphs.decode_graphs) == [1]
+    results = asyncio.run(run_requests(engine, requests))
+    for index, (got, want) in enumerate(zip(results, reference)):
+        assert got[0] == want[0], f"request {index} ({samplings[index]}) differs"
+    resources = engine.resources()
+    assert resources.draft_rounds > 0 and resources.accepted_drafts > 0, resources
+    assert drafts.runner.graphs.decode_graphs[1].replays > 0
+    assert resources.request_page_refs == 0 and resources.free_pages + resources.cached_pages == resources.pages
+
+
 def hybrid_checkpoint(directory):
     """A small Qwen3-Next (Gated DeltaNet state rows beside paged attention) of head dims FlashInfer
     and flash-linear-attention have kernels for; every token routed to all four experts, so that no
