@@ -9,7 +9,9 @@ One process, one run, one set of random bf16 weights of a real shape (default: Q
     model as captured, compiled then captured with cuBLAS matmuls, compiled then captured with
     the one-token GEMV kernel, and that with the Triton decode attention instead of FlashInfer's;
     their first tokens are reported next to the eager reference's,
-  * the bandwidth roofline fraction: weight bytes x tok/s / bandwidth,
+  * the bandwidth roofline fraction: weight bytes x tok/s / bandwidth, and counting the KV cache
+    a step reads too (at the timed steps' mean context: what matters at long contexts, `--context
+    32768`),
   * Hugging Face `generate` (dynamic cache, SDPA) on the same weights and prompt length.
 
     python benchmarks/decode_c1.py --out benchmarks/results/decode-c1.json
@@ -214,6 +216,8 @@ def main() -> None:
     flare = variants[best]
     weight_bytes = flare["weight_bytes"]
     roofline_tok_s = bandwidth / weight_bytes
+    # K and V of every layer at each position a timed step attends over (8 KV heads of 128, bf16).
+    kv_bytes = args.layers * 2 * 8 * 128 * 2 * (args.context + 8 + args.steps / 2)
     fp8 = [name for name in variants if variants[name]["fp8"]]
     result = {
         **flare,
@@ -229,6 +233,8 @@ def main() -> None:
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "roofline_tok_s": roofline_tok_s,
         "roofline_fraction_c1": flare["decode_c1_tok_s"] / roofline_tok_s,
+        "kv_bytes_mean": kv_bytes,
+        "roofline_fraction_weights_kv": flare["decode_c1_tok_s"] * (weight_bytes + kv_bytes) / bandwidth,
         "hf_generate_c1_tok_s": hf_tok_s,
         "speedup_vs_hf": flare["decode_c1_tok_s"] / hf_tok_s,
         "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,

@@ -2,7 +2,8 @@
 # Serving benchmarks on the H200 with a random-weight core: export, `flare run` start-up time with
 # empty compile caches (cold), `flare bench` at concurrency 1 and 64, after which every request
 # state row must be free again (/metrics), then the start-up of a second `flare run` of the same
-# core, which finds the first one's compile caches (warm).
+# core, which finds the first one's compile caches (warm). At 64 also the decode-heavy random
+# 128 / 1024. benchmarks/dense_summary.py gathers the figures into one results file.
 #   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] OUTDIR [extra `flare run` flags, e.g. --no-compile]
 #   bash benchmarks/h200_serving.sh [--moe|--qwen3.5] [--fp8] [--kv-fp8] --prepare-only   (checkpoint + export, no serving)
 # The core: the Qwen3-8B shape; with --moe the MoE issue's 12-layer Qwen3-30B-A3B shape; with
@@ -42,6 +43,9 @@ $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --
   --num-prompts 8 --num-warmups 1 --result-file "$out/bench-c1.json" 2>&1 | tail -25
 $flare bench --dataset random --random-input-len 1024 --random-output-len 256 --ignore-eos --max-concurrency 64 \
   --num-prompts 256 --result-file "$out/bench-c64.json" 2>&1 | tail -25
+# Decode-heavy (the workload of vLLM's published Qwen3-8B H100 figure): short prompts, long answers.
+$flare bench --dataset random --random-input-len 128 --random-output-len 1024 --ignore-eos --max-concurrency 64 \
+  --num-prompts 256 --result-file "$out/bench-c64-decode-heavy.json" 2>&1 | tail -25
 check_slots_free 64 "$out/slots.txt"
 kill -TERM $server; wait $server || true
 tail -5 "$out/run-cold.log"
