@@ -5,9 +5,10 @@
 # prompts of benchmarks/prompt_lookup_acceptance.py, one request at a time, greedy).
 #   bash benchmarks/speculation_serving.sh GGUF DEVICE OUT.json [extra `flare run` flags for both]
 # DEVICE: cpu or cuda (on CUDA each server gets 16G of device memory and a 1G KV pool). The GGUF (98 MB)
-# reaches the GPU host in parts: `split -b 45M GGUF .gguf1/SmolLM2-135M-Instruct.Q4_1.gguf.part`, the
-# second part moved to .gguf2/, each folder carried by one call and given to benchmarks/gpu_site.sh,
-# which joins them in .site/blobs/.
+# reaches the GPU host in parts: `split -n 3 -d GGUF NAME.part` (NAME the GGUF's file name), each part
+# in a folder of its own (.gguf1/ .gguf2/ .gguf3/, 32 MB each, so that one fits beside the tree and
+# another carried folder), each folder carried by one call, in order, and given to
+# benchmarks/gpu_site.sh, which joins them in .site/blobs/.
 set -euo pipefail
 gguf=${1:?usage: speculation_serving.sh GGUF DEVICE OUT.json [flare run flags]}
 device=${2:?device: cpu or cuda}
