@@ -16,8 +16,9 @@ import torch
 
 from flare_core.cli import open_verified_core
 from flare_core.config import ConfigError, load_config
-from flare_core.engine.drafting import DraftModel
+from flare_core.engine.drafting import DraftModel, draft_page_bytes
 from flare_core.engine.load import load_core
+from flare_core.engine.memory import plan_kv
 from flare_core.plugins import load_registry
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine, run_requests
@@ -101,13 +102,45 @@ def test_the_draft_core_computes_a_long_prompt_in_chunks(session_flare, smollm2_
     prompt holds: the test takes 64, so that the first proposal computes two chunks and a part.)"""
     answer = list(greedy_and_seeded[1][0][0])
     core = loaded(session_flare, smollm2_core)
-    draft = DraftModel(core, core, rows=1, longest=core.capacities.context_length + 4)
+    draft = DraftModel(core, core, rows=1, longest=core.capacities.context_length + 4, pool_tokens=4096)
     assert draft.chunk_tokens == 256
     draft.chunk_tokens = 64
     assert 2 * 64 < len(rewrite_ids) + 40 < 3 * 64, len(rewrite_ids)
     for known in (40, 12, 41, len(answer) - 4):  # two chunks and a part, a rewind, one token on, far on
         tokens = [*rewrite_ids, *answer[:known]]
         assert draft.propose(tokens, 4, "r") == tuple(answer[known:known + 4]), known
+
+
+def test_the_draft_pool_gives_the_least_recent_requests_pages_to_the_next(session_flare, smollm2_core, rewrite_ids,
+                                                                           greedy_and_seeded):
+    """A draft pool of one row's pages (5 of 64 tokens) and two requests: each proposal takes the
+    pages it needs, the other request's row giving its pages back where none are free; a request
+    whose row was taken computes its sequence again, and every proposal is still the served model's
+    greedy answer."""
+    answer = list(greedy_and_seeded[1][0][0])
+    core = loaded(session_flare, smollm2_core)
+    draft = DraftModel(core, core, rows=2, longest=260, pool_tokens=64)
+    assert draft.num_pages == draft.pages_per_row == 5 and draft.free_pages == 5
+    for request, known, free in (("a", 40, 2), ("b", 12, 2), ("b", 13, 2), ("a", 41, 2), ("a", 69, 1)):
+        tokens = [*rewrite_ids, *answer[:known]]  # 124 prompt tokens: 3 pages, 4 from 69 answer tokens on
+        assert draft.propose(tokens, 4, request) == tuple(answer[known:known + 4]), (request, known)
+        assert draft.free_pages == free, (request, known)
+
+
+def test_the_draft_pool_shares_the_kv_budget(session_flare, smollm2_core, bf16_draft_core):
+    """A budget in bytes holds the served model's pages and the draft's records of as many tokens;
+    the engine's draft pool holds as many tokens as its KV pool."""
+    served, draft = loaded(session_flare, smollm2_core), loaded(session_flare, bf16_draft_core)
+    args = (served.cache_scheme, served.capacities, 4, torch.device("cpu"), "0.9", "256M")
+    alone = plan_kv(*args)
+    shared = plan_kv(*args, draft_page_bytes=draft_page_bytes(draft, served.capacities.page_tokens))
+    page = served.cache_scheme.page_bytes(64)
+    assert draft_page_bytes(draft, 64) * 2 == page  # bfloat16 records of the same model: half the bytes
+    assert alone.num_pages == (256 << 20) // page and shared.num_pages == (256 << 20) // (page + page // 2)
+    engine = make_engine(session_flare, smollm2_core, frames=1, kv_pages=ROOMY, spec_method="draft",
+                         spec_draft_tokens=4, spec_draft=draft)
+    pages = engine.resources().pages
+    assert pages < ROOMY and engine.core.scheduler.config.proposer.num_pages == max(pages, 33)  # 2052 tokens a row
 
 
 def test_a_draft_of_another_vocabulary_is_refused(session_flare, smollm2_core, qwen3_core):

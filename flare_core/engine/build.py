@@ -4,7 +4,8 @@ The graph catalog is computed once, here: the scheduler plans with it and the ex
 it. On CUDA the executor is compiled and captured over a one-page cache first; the KV pool is
 then sized from the memory all that left free (`plan_kv` reads the device's free memory) and the
 graphs are captured again over it. The page allocator, the prefix cache and the scheduler follow
-from the pool's size.
+from the pool's size, and so does a draft core's pool (`--spec-method draft`: as many tokens, its
+bytes counted in the same plan).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from flare_core.engine.load import LoadedCore, load_draft_head
 from flare_core.engine.memory import KvPlan, snapshot_rows_for
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind
 from flare_core.scheduler.proposals import PromptLookup, Proposer
-from flare_core.engine.drafting import DraftModel
+from flare_core.engine.drafting import DraftModel, check_draft, draft_page_bytes
 from flare_core.engine.draft_heads import HeadProposer, head_scheme
 
 if TYPE_CHECKING:
@@ -83,23 +84,26 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
     if spec_draft is not None and spec_method != "draft":
         raise ValueError("a draft core (--spec-draft-core) goes with --spec-method draft")
     check_spec_method(spec_method, registry)
-    if spec_method is not None and spec_draft_tokens > 0:
-        longest = capacities.context_length + spec_draft_tokens
+    speculates = spec_method is not None and spec_draft_tokens > 0
+    longest = capacities.context_length + spec_draft_tokens
+    draft_bytes = 0  # a draft core's records per page of the pool, planned with it
+    if speculates:
         if spec_method == "draft":
             if spec_draft is None:
                 raise ValueError("--spec-method draft needs a draft core (--spec-draft-core)")
-            proposer = DraftModel(spec_draft, loaded, max_concurrency, longest)
+            check_draft(spec_draft, loaded)
+            draft_bytes = draft_page_bytes(spec_draft, page_tokens)  # the draft itself once the pool is planned
         elif spec_method == "mtp":
             proposer = head = _head_proposer(loaded, registry, max_concurrency, longest, leader is not None)
         elif spec_method == "prompt-lookup":
             proposer = PromptLookup()
         else:
             proposer = _plugin_proposer(spec_method, loaded, registry, max_concurrency, longest)
-    if proposer is not None and not catalog.speculative:
+    if speculates and not catalog.speculative:
         raise ValueError("speculative decoding (--spec-method): the core declares no speculative rounds (exported "
                          "with --speculative-tokens none); re-export it with their token capacities")
     # Speculating over continuation state, the executor keeps each row as a round found it.
-    executor_args["round_saves"] = proposer is not None and bool(loaded.cache_scheme.state)
+    executor_args["round_saves"] = speculates and bool(loaded.cache_scheme.state)
     if leader is not None and loaded.device.type != "cpu":
         raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
                          f"path (--device cpu) serves such cores so far")
@@ -117,17 +121,20 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
                                  compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
                                  dtype=loaded.dtype,
                                  speculative_capacities=tuple(c for c in catalog.speculative if c <= rounds)
-                                 if proposer is not None else (),
+                                 if speculates else (),
                                  final_hidden=head.record if head is not None else None)
-        kv = plan_kv(round_saves=executor_args["round_saves"])
+        kv = plan_kv(round_saves=executor_args["round_saves"], draft_page_bytes=draft_bytes)
         executor.resize_cache(kv.num_pages)
     else:
-        kv = plan_kv(round_saves=executor_args["round_saves"])
+        kv = plan_kv(round_saves=executor_args["round_saves"], draft_page_bytes=draft_bytes)
         executor = eager_runner(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args,
                                 final_hidden=head.record if head is not None else None)
         if leader is not None:
             executor = leader.lead(executor, dict(num_pages=kv.num_pages, **executor_args))
 
+    if speculates and spec_method == "draft":
+        assert spec_draft is not None
+        proposer = DraftModel(spec_draft, loaded, max_concurrency, longest, pool_tokens=kv.num_pages * page_tokens)
     pages = PageAllocator(kv.num_pages)
     prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),
                          snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None

@@ -2,11 +2,15 @@
 --spec-draft-core CORE2`): a second, smaller core with the same tokenizer guesses each request's
 next tokens by decoding ahead, and the served model checks them in one round.
 
-The draft core runs on the eager path over a page pool of its own, one row of pages per live
-request (`max_concurrency` rows, least recently proposing request's row reused first). A row
-remembers the tokens whose records its pages hold; a proposal computes only what the request's
-sequence holds beyond their common prefix (after a round: the target's own token and the drafts
-it kept, or the refused drafts overwritten), then decodes up to `width` tokens one at a time.
+The draft core runs over a page pool of its own, planned with the served model's pool: as many
+tokens, its bytes shared under the same memory budget (flare_core.engine.memory.plan_kv). Each live
+request holds a row (`max_concurrency` rows), which takes pages from the pool as it grows; where
+none is free, the least recently proposing request's row gives its pages back (that request's
+next proposal computes its sequence again). A row remembers the tokens whose records its pages
+hold; a proposal computes only what the request's sequence holds beyond their common prefix (after
+a round: the target's own token and the drafts it kept, or the refused drafts overwritten), in
+chunks of at most the draft core's prefill chunk size, then decodes up to `width` tokens one at a
+time (on CUDA each replays the draft core's captured one-row decode graph).
 
 How drafts are drawn (`draft_token`, shared with the draft heads): greedily for greedy requests;
 for sampled ones, each draft is drawn as the served model will draw its token at that position —
@@ -71,6 +75,7 @@ def draft_token(logits: torch.Tensor, draw: SamplingParams | None, step: int) ->
 class _Row:
     index: int
     tokens: list[int] = field(default_factory=list)  # whose records the row's pages hold, in order
+    pages: list[int] = field(default_factory=list)  # its page table, taken from the pool as it grows
 
 
 class _Indexed(Protocol):
@@ -82,10 +87,12 @@ R = TypeVar("R", bound=_Indexed)
 
 class RowsByRequest(Generic[R]):
     """A proposer's pool of `rows` cache rows, each held by one request (least recently used
-    first): a request without a row takes a free one, else the least recently used request's."""
+    first): a request without a row takes a free one, else the least recently used request's.
+    `release` is told of each row taken from its request."""
 
-    def __init__(self, rows: int, make: Callable[[int], R]):
+    def __init__(self, rows: int, make: Callable[[int], R], release: Callable[[R], None] | None = None):
         self._make = make  # a fresh row of row index i
+        self._release = release
         self._held: OrderedDict[str, R] = OrderedDict()
         self._free = list(range(rows))
 
@@ -99,31 +106,58 @@ class RowsByRequest(Generic[R]):
         """The request's row (marked used), or a new one for it."""
         row = self.get(request_id)
         if row is None:
-            row = self._make(self._free.pop() if self._free else self._held.popitem(last=False)[1].index)
+            if not self._free:
+                self.evict(keep=request_id)
+            row = self._make(self._free.pop())
             self._held[request_id] = row
         return row
+
+    def evict(self, keep: str) -> bool:
+        """Take the least recently used row from its request, unless that is `keep` (whether one was)."""
+        victim = next((request_id for request_id in self._held if request_id != keep), None)
+        if victim is None:
+            return False
+        row = self._held.pop(victim)
+        if self._release is not None:
+            self._release(row)
+        self._free.append(row.index)
+        return True
+
+
+def check_draft(draft: LoadedCore, target: LoadedCore) -> None:
+    """ValueError naming --spec-draft-core where `draft` cannot draft for `target`: another
+    vocabulary, continuation state (refused drafts could not be rolled back), a split core."""
+    if draft.tokenizer.vocabulary() != target.tokenizer.vocabulary():
+        raise ValueError(f"--spec-draft-core {draft.core.path}: its tokenizer's vocabulary differs from the served "
+                         f"core's; a draft model must share the tokenizer")
+    if draft.cache_scheme.state:
+        raise ValueError(f"--spec-draft-core {draft.core.path}: its cache scheme {draft.cache_scheme.name!r} keeps "
+                         f"continuation state, which cannot roll back refused drafts")
+    if draft.tensor_parallel > 1:
+        raise ValueError(f"--spec-draft-core {draft.core.path}: a core split over tensor-parallel ranks cannot draft")
+
+
+def draft_page_bytes(draft: LoadedCore, page_tokens: int) -> int:
+    """The bytes of `draft`'s records of `page_tokens` tokens (a page of the served model's pool)."""
+    own = draft.capacities.page_tokens
+    return -(-draft.cache_scheme.page_bytes(own) * page_tokens // own)
 
 
 class DraftModel:
     samples = True  # draws a sampled request's drafts as the served model draws its tokens
 
-    def __init__(self, draft: LoadedCore, target: LoadedCore, rows: int, longest: int):
+    def __init__(self, draft: LoadedCore, target: LoadedCore, rows: int, longest: int, pool_tokens: int):
         """Proposals from `draft` for requests of `target` (at most `rows` live at once, each up
-        to `longest` tokens with its drafts). ValueError naming --spec-draft-core where the draft
-        cannot serve: another vocabulary, continuation state, a split core."""
-        if draft.tokenizer.vocabulary() != target.tokenizer.vocabulary():
-            raise ValueError(f"--spec-draft-core {draft.core.path}: its tokenizer's vocabulary differs from the served "
-                             f"core's; a draft model must share the tokenizer")
-        if draft.cache_scheme.state:
-            raise ValueError(f"--spec-draft-core {draft.core.path}: its cache scheme {draft.cache_scheme.name!r} keeps "
-                             f"continuation state, which cannot roll back refused drafts")
-        if draft.tensor_parallel > 1:
-            raise ValueError(f"--spec-draft-core {draft.core.path}: a core split over tensor-parallel ranks cannot draft")
+        to `longest` tokens with its drafts), over a pool of pages for `pool_tokens` tokens (at
+        least one `longest` row; build_engine plans it beside the served model's pool, token for
+        token). ValueError naming --spec-draft-core where the draft cannot serve (`check_draft`)."""
+        check_draft(draft, target)
         self.page_tokens = draft.capacities.page_tokens
         self.pages_per_row = -(-longest // self.page_tokens)
+        self.num_pages = max(-(-pool_tokens // self.page_tokens), self.pages_per_row)
         self.chunk_tokens = draft.capacities.prefill_chunk_size
         self.vocab_size = target.tokenizer.vocab_size
-        runner_args = dict(num_pages=rows * self.pages_per_row, page_tokens=self.page_tokens, num_rows=rows,
+        runner_args = dict(num_pages=self.num_pages, page_tokens=self.page_tokens, num_rows=rows,
                            num_snapshot_rows=0, num_logits_rows=0, vocab_size=draft.model_config.vocab_size,
                            device=draft.device)
         if draft.device.type == "cuda":
@@ -136,8 +170,26 @@ class DraftModel:
                                       context_length=longest, dtype=draft.dtype)
         else:
             self.runner = eager_runner(draft.model, draft.cache_scheme, **runner_args)
-        self._rows = RowsByRequest(rows, _Row)  # least recently proposing request's reused first
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # taken from the end: lowest first
+        # Least recently proposing request's row reused first; its pages back to the pool.
+        self._rows = RowsByRequest(rows, _Row, release=self._release)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
+
+    def _release(self, row: _Row) -> None:
+        self._free_pages.extend(reversed(row.pages))
+        row.pages, row.tokens = [], []
+
+    def _grow(self, row: _Row, request_id: str, positions: int) -> None:
+        """Give `row` pages for `positions` positions, taking those of the least recently proposing
+        requests' rows while the pool has none free (the pool holds at least one longest row)."""
+        while len(row.pages) * self.page_tokens < positions:
+            if not self._free_pages and not self._rows.evict(keep=request_id):
+                raise RuntimeError(f"the draft pool of {self.num_pages} pages cannot hold {positions} positions")
+            row.pages.append(self._free_pages.pop())
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
 
     def seconds(self, width: int) -> float:
         return width * self._token_s
@@ -148,13 +200,14 @@ class DraftModel:
             return ()
         started = time.perf_counter()
         row = self._rows.take(request_id)
+        self._grow(row, request_id, len(tokens) + width)
         common = 0
         for held, wanted in zip(row.tokens, tokens[:-1]):  # at least the last token is computed again
             if held != wanted:
                 break
             common += 1
         handle = RequestHandle(request_id, row.index, 0)
-        pages = tuple(range(row.index * self.pages_per_row, (row.index + 1) * self.pages_per_row))
+        pages = tuple(row.pages)
         row.tokens = row.tokens[:common]  # a chunk that fails leaves the row holding only what it computed
         for start in range(common, len(tokens), self.chunk_tokens):  # the draft core's chunk size bounds a step
             end = min(start + self.chunk_tokens, len(tokens))

@@ -36,6 +36,7 @@ class KvPlan:
     snapshot_rows: int
     state_rows: int  # rows of continuation state the plan counted besides the pool (0 without state)
     reason: str
+    draft_page_bytes: int = 0  # a draft core's records of a page's tokens, planned with each page
 
     @property
     def bytes(self) -> int:
@@ -66,13 +67,17 @@ def snapshot_rows_for(scheme: CacheScheme, max_concurrency: int) -> int:
 
 def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, device: torch.device,
             memory_limit: str, kv_cache_limit: str | None, host_reserved: int = 0, *,
-            round_saves: bool = False) -> KvPlan:
+            round_saves: bool = False, draft_page_bytes: int = 0) -> KvPlan:
     """The page pool for `scheme` under the flags (module docstring). `host_reserved`: host
     memory other stores will still fill (the embedding tables' row caches, flare_core.engine.tables):
     on the CPU, where the pool is host memory too, pool, state rows and that reserve must fit what
     the host has available. `round_saves`: the server speculates over continuation state, and the
-    executor keeps a copy of every state row and its scratch row (DeviceState.round_saves)."""
+    executor keeps a copy of every state row and its scratch row (DeviceState.round_saves).
+    `draft_page_bytes`: a draft core's records of a page's tokens, which it keeps for as many
+    tokens as the pool holds (flare_core.engine.drafting.DraftModel): a budget in bytes is shared
+    between the two, a budget in pages or contexts gives the draft its records besides."""
     page_bytes = scheme.page_bytes(capacities.page_tokens)
+    budgeted = page_bytes + draft_page_bytes  # what a page of the pool costs a budget in bytes
     context_pages = -(-capacities.context_length // capacities.page_tokens)
     snapshot_rows = snapshot_rows_for(scheme, max_concurrency)
     state_rows = max_concurrency + snapshot_rows + (max_concurrency + 1 if round_saves else 0) if scheme.state else 0
@@ -82,22 +87,22 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
         pages, reason = max_concurrency * context_pages, f"--kv-cache-limit context: {max_concurrency} full contexts"
     elif kv_cache_limit is not None:
         size = parse_plain_size(kv_cache_limit, "--kv-cache-limit")
-        pages, reason = size // page_bytes, f"--kv-cache-limit {kv_cache_limit}"
+        pages, reason = size // budgeted, f"--kv-cache-limit {kv_cache_limit}"
     elif device.type == "cuda":
         budget = _device_budget(device, memory_limit) - state_bytes
-        pages, reason = max(budget, 0) // page_bytes, f"--memory-limit {memory_limit} of device memory"
+        pages, reason = max(budget, 0) // budgeted, f"--memory-limit {memory_limit} of device memory"
     else:
         pages = CPU_CONTEXTS_PER_SLOT * max_concurrency * context_pages
         reason = f"{CPU_CONTEXTS_PER_SLOT} full contexts per state row (CPU)"
-        if pages * page_bytes > CPU_DEFAULT_KV_BYTES:
-            pages = max(CPU_DEFAULT_KV_BYTES // page_bytes, context_pages)
-            reason = (f"CPU default of {max(CPU_DEFAULT_KV_BYTES, pages * page_bytes) / 2**30:.2f} GiB "
+        if pages * budgeted > CPU_DEFAULT_KV_BYTES:
+            pages = max(CPU_DEFAULT_KV_BYTES // budgeted, context_pages)
+            reason = (f"CPU default of {max(CPU_DEFAULT_KV_BYTES, pages * budgeted) / 2**30:.2f} GiB "
                       f"({pages * capacities.page_tokens} tokens; --kv-cache-limit raises it, 'context' for "
                       f"{max_concurrency} full contexts)")
     available = available_host_bytes() if host_reserved and device.type == "cpu" else None
-    if available is not None and pages * page_bytes + state_bytes + host_reserved > available:
+    if available is not None and pages * budgeted + state_bytes + host_reserved > available:
         raise MemoryPlanError(
-            f"the KV cache of {pages} pages ({pages * page_bytes / 2**30:.2f} GiB, {reason}) and the embedding tables' "
+            f"the KV cache of {pages} pages ({pages * budgeted / 2**30:.2f} GiB, {reason}) and the embedding tables' "
             f"row caches ({host_reserved / 2**30:.2f} GiB) exceed the host's {available / 2**30:.2f} GiB available: "
             f"lower --kv-cache-limit or --embedding-table-cache-size")
     if pages < context_pages:
@@ -105,7 +110,7 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
             f"the KV cache gets {pages} pages ({reason}) but one full context of {capacities.context_length} tokens "
             f"needs {context_pages} pages of {page_bytes} bytes: raise --memory-limit / --kv-cache-limit or "
             f"re-export with a smaller --context-length")
-    return KvPlan(int(pages), page_bytes, snapshot_rows, state_rows, reason)
+    return KvPlan(int(pages), page_bytes, snapshot_rows, state_rows, reason, draft_page_bytes)
 
 
 def _device_budget(device: torch.device, memory_limit: str) -> int:
