@@ -468,6 +468,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                  executor=engine.executor_summary(),
                  parameters=engine.info.parameters, weights_mib=round(weight_bytes / 2**20, 1),
                  kv_pages=kv.num_pages, kv_mib=round(kv.bytes / 2**20, 1), kv_sizing=kv.reason,
+                 **({"draft_pool_mib": round(kv.num_pages * kv.draft_page_bytes / 2**20, 1)}
+                    if kv.draft_page_bytes else {}),
                  state_rows=kv.state_rows,
                  state_row_bytes=loaded.cache_scheme.state_row_bytes(),
                  max_concurrency=concurrency, context_length=capacities.context_length,

@@ -21,8 +21,10 @@ from flare_core.engine.load import load_core
 from flare_core.engine.memory import plan_kv
 from flare_core.plugins import load_registry
 from flare_core.requests import GenerationRequest, SamplingParams
+from openai import OpenAI
+from server_process import ServerProcess
 from test_engine_frames import make_engine, run_requests
-from test_speculative_serving import ROOMY, _requests, rewrite_ids  # noqa: F401 - a fixture
+from test_speculative_serving import MODEL, REWRITE, ROOMY, _requests, rewrite_ids  # noqa: F401 - a fixture
 
 
 def loaded(flare, core):
@@ -141,6 +143,28 @@ def test_the_draft_pool_shares_the_kv_budget(session_flare, smollm2_core, bf16_d
                          spec_draft_tokens=4, spec_draft=draft)
     pages = engine.resources().pages
     assert pages < ROOMY and engine.core.scheduler.config.proposer.num_pages == max(pages, 33)  # 2052 tokens a row
+
+
+def test_flare_run_with_a_draft_core(session_flare, smollm2_core, bf16_draft_core, smollm2_server, tmp_path):
+    """`flare run --spec-method draft --spec-draft-core CORE2`: the same answer as a server without
+    it, through the openai SDK; the start-up line reports the draft pool planned with the KV pool,
+    and /metrics counts drafts checked and kept."""
+    server = ServerProcess(session_flare.config_path, smollm2_core, tmp_path / "run.log", "--no-dashboard",
+                           "--spec-method", "draft", "--spec-draft-core", str(bf16_draft_core),
+                           "--spec-draft-tokens", "4").wait_ready()
+    try:
+        answers = []
+        for url in (smollm2_server.url, server.url):
+            client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            reply = client.chat.completions.create(model=MODEL, messages=REWRITE, max_tokens=40, temperature=0)
+            answers.append(reply.choices[0].message.content)
+        assert answers[0] == answers[1] and answers[0]
+        assert "draft_pool_mib=" in server.log()
+        metrics = {line.split()[0]: float(line.split()[-1]) for line in server.get("/metrics").body.decode().splitlines()
+                   if line.startswith(("flare_spec_proposed_tokens_total", "flare_spec_accepted_tokens_total"))}
+        assert metrics["flare_spec_proposed_tokens_total"] >= metrics["flare_spec_accepted_tokens_total"] > 0, metrics
+    finally:
+        server.stop()
 
 
 def test_a_draft_of_another_vocabulary_is_refused(session_flare, smollm2_core, qwen3_core):
