@@ -183,9 +183,10 @@ class DraftModel:
         """Give `row` pages for `positions` positions, taking those of the least recently proposing
         requests' rows while the pool has none free (the pool holds at least one longest row)."""
         while len(row.pages) * self.page_tokens < positions:
-            if not self._free_pages and not self._rows.evict(keep=request_id):
+            if self._free_pages:
+                row.pages.append(self._free_pages.pop())
+            elif not self._rows.evict(keep=request_id):
                 raise RuntimeError(f"the draft pool of {self.num_pages} pages cannot hold {positions} positions")
-            row.pages.append(self._free_pages.pop())
 
     @property
     def free_pages(self) -> int:
