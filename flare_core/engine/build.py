@@ -4,8 +4,8 @@ The graph catalog is computed once, here: the scheduler plans with it and the ex
 it. On CUDA the executor is compiled and captured over a one-page cache first; the KV pool is
 then sized from the memory all that left free (`plan_kv` reads the device's free memory) and the
 graphs are captured again over it. The page allocator, the prefix cache and the scheduler follow
-from the pool's size, and so does a draft core's pool (`--spec-method draft`: as many tokens, its
-bytes counted in the same plan).
+from the pool's size, and so does the pool of a draft core or draft head (`--spec-method draft` /
+`mtp`: as many tokens, its bytes counted in the same plan).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
     check_spec_method(spec_method, registry)
     speculates = spec_method is not None and spec_draft_tokens > 0
     longest = capacities.context_length + spec_draft_tokens
-    draft_bytes = 0  # a draft core's records per page of the pool, planned with it
+    draft_bytes = 0  # a draft core's or draft head's records per page of the pool, planned with it
     if speculates:
         if spec_method == "draft":
             if spec_draft is None:
@@ -95,6 +95,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
             draft_bytes = draft_page_bytes(spec_draft, page_tokens)  # the draft itself once the pool is planned
         elif spec_method == "mtp":
             proposer = head = _head_proposer(loaded, registry, max_concurrency, longest, leader is not None)
+            draft_bytes = head.page_bytes  # its pool allocated once the served model's is planned
         elif spec_method == "prompt-lookup":
             proposer = PromptLookup()
         else:
@@ -135,6 +136,8 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
     if speculates and spec_method == "draft":
         assert spec_draft is not None
         proposer = DraftModel(spec_draft, loaded, max_concurrency, longest, pool_tokens=kv.num_pages * page_tokens)
+    if head is not None:
+        head.allocate(kv.num_pages * page_tokens)
     pages = PageAllocator(kv.num_pages)
     prefix = PrefixCache(loaded.identity, pages, page_tokens, continuation_state=bool(loaded.cache_scheme.state),
                          snapshot_rows=snapshot_rows, logits_rows=logits_rows) if prefix_cache else None

@@ -21,14 +21,14 @@ attends over those only; its guesses are worse there, the outputs the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from flare_core.contract import CacheScheme, Recipe
-from flare_core.engine.drafting import RowsByRequest, draft_token
+from flare_core.engine.drafting import RowsByRequest, draft_token, grow_pages
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.kernels.transfer import to_device
 from flare_core.ops.attention import AttentionBatch, ForwardContext
@@ -48,6 +48,7 @@ class _Row:
     fed: list[int] = field(default_factory=list)
     hidden: torch.Tensor | None = None
     certain: int = 0  # of them, how many were fed tokens known to be the request's (not drafts)
+    pages: list[int] = field(default_factory=list)  # its page table (from `origin`), taken from the pool
 
 
 def head_scheme(registry: Registry, recipe: Recipe, config: Any, dtype: str) -> CacheScheme:
@@ -66,19 +67,59 @@ class HeadProposer:
     samples = True  # draws a sampled request's drafts as the served model draws its tokens
 
     def __init__(self, head: torch.nn.Module, scheme: CacheScheme, *, rows: int, longest: int, page_tokens: int,
-                 vocab_size: int, device: torch.device):
+                 vocab_size: int, device: torch.device, pool_tokens: int | None = None):
         """Proposals from `head` (flare_core.contract.DraftHeadModel) for at most `rows` live requests
         of up to `longest` tokens with their drafts, its records in pages of `scheme` (the head's,
-        `head_scheme`); guesses at or past `vocab_size` (a padded head) end a proposal."""
+        `head_scheme`); guesses at or past `vocab_size` (a padded head) end a proposal. Its pool
+        of pages: `pool_tokens`, or `allocate` once the served model's is planned (build_engine)."""
         self.head = head
+        self.scheme = scheme
         self.page_tokens = page_tokens
         self.pages_per_row = -(-longest // page_tokens)
+        self.page_bytes = scheme.page_bytes(page_tokens)  # what plan_kv counts beside each page of the pool
         self.vocab_size = vocab_size
         self.device = device
-        self.storage = allocate_cache_storage(scheme, rows * self.pages_per_row, page_tokens, device)
         self.layer_map = scheme.layer_map()
-        self._rows = RowsByRequest(rows, _Row)
+        self.num_pages = 0
+        self.storage: dict[str, list[torch.Tensor]] = {}
+        self._free_pages: list[int] = []
+        # Least recently used request's row reused first (its pages back to the pool).
+        self._rows = RowsByRequest(rows, _Row, release=self._release)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
+        if pool_tokens is not None:
+            self.allocate(pool_tokens)
+
+    def allocate(self, pool_tokens: int) -> None:
+        """The head's pool: pages for `pool_tokens` tokens (build_engine: as many as the served
+        model's pool), at least one longest row. Each request's row takes pages as its records
+        grow; where none is free, the least recently used request's row gives its pages back (its
+        records then start again where the request goes on, as after a prefix-cache hit)."""
+        self.num_pages = max(-(-pool_tokens // self.page_tokens), self.pages_per_row)
+        self.storage = allocate_cache_storage(self.scheme, self.num_pages, self.page_tokens, self.device)
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # taken from the end: lowest first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def evictions(self) -> int:
+        """Rows taken from their requests for others' pages or rows."""
+        return self._rows.evictions
+
+    def _release(self, row: _Row) -> None:
+        self._free_pages.extend(reversed(row.pages))
+        row.pages = []
+
+    def _grow(self, row: _Row, positions: int, keep: Collection[_Row]) -> bool:
+        """Pages for `row`'s records up to `positions` past its origin, taking the least recently
+        used rows' but those in `keep` while none is free; False (its records dropped) where even
+        that leaves too few."""
+        if grow_pages(row.pages, positions, self.page_tokens, self._free_pages, lambda: self._rows.evict(keep)):
+            return True
+        self._release(row)
+        row.hidden, row.fed, row.certain, row.origin, row.computed = None, [], 0, row.start, row.start
+        return False
 
     def seconds(self, width: int) -> float:
         return width * self._token_s
@@ -128,10 +169,16 @@ class HeadProposer:
         ready = last - row.start
         # The fed tokens there are the request's own (a round's kept drafts); the next ones come
         # from `tokens`, which also hold the sample after the last kept one.
-        hidden = self._run([(row, ready, list(tokens[row.start + 1:last + 1]))])[0]
+        outputs = self._run([(row, ready, list(tokens[row.start + 1:last + 1]))])
+        if not outputs:
+            return ()  # the pool could not hold its records
+        hidden = outputs[0]
         drafts = [draft_token(self.head.logits(hidden[-1:]), draw, step)]
         committed = row.computed
         while len(drafts) < width and drafts[-1] < self.vocab_size:
+            if not grow_pages(row.pages, row.computed + 1 - row.origin, self.page_tokens, self._free_pages,
+                              lambda: self._rows.evict((row,))):
+                break
             # Its own output stands in for the served model's hidden state one position on.
             hidden = self._forward([(row, row.computed, hidden[-1:], [drafts[-1]])])[0]
             row.computed += 1
@@ -158,17 +205,24 @@ class HeadProposer:
     def _run(self, work: list[tuple[_Row, int, list[int]]]) -> list[torch.Tensor]:
         """For each (row, n, next tokens): the head's records of the first n waiting positions, read
         with the tokens after them; returns each row's head hidden states [n, hidden] and drops
-        those positions from what waits."""
-        batch = []
+        those positions from what waits. A row the pool cannot hold is left out (its waiting
+        states dropped, no output)."""
+        batch, kept = [], []
+        rows = [row for row, _, _ in work]
         for row, n, next_tokens in work:
             # Records past the first waiting position are stale (computed again); records before
             # it with a gap between are of no use: the row's records then start there.
             if not row.origin <= row.start <= row.computed:
-                row.origin = row.start
+                row.origin = row.start  # its page table now holds positions from there
             row.computed = row.start
+            if not self._grow(row, row.start + n - row.origin, rows):
+                continue
             batch.append((row, row.start, row.hidden[:n], next_tokens[:n]))
+            kept.append((row, n, next_tokens))
+        if not batch:
+            return []
         outputs = self._forward(batch)
-        for (row, n, _), _ in zip(work, outputs):
+        for (row, n, _), _ in zip(kept, outputs):
             row.computed = row.start + n
             row.start += n
             row.fed = row.fed[n:]
@@ -181,9 +235,8 @@ class HeadProposer:
         each appending records at positions first..first + n - 1 of its row; each group's output."""
         sequences, positions, tokens = [], [], []
         for row, first, previous, next_tokens in batch:
-            pages = range(row.index * self.pages_per_row, (row.index + 1) * self.pages_per_row)
             count = len(next_tokens)
-            sequences.append((count, first - row.origin, tuple(pages)))
+            sequences.append((count, first - row.origin, tuple(row.pages)))
             positions.extend(range(first, first + count))
             tokens.extend(next_tokens)
         context = ForwardContext(AttentionBatch.build(sequences, self.page_tokens, self.device), self.storage,

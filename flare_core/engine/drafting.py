@@ -35,7 +35,7 @@ import dataclasses
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Protocol, TypeVar
 
@@ -95,6 +95,7 @@ class RowsByRequest(Generic[R]):
         self._release = release
         self._held: OrderedDict[str, R] = OrderedDict()
         self._free = list(range(rows))
+        self.evictions = 0  # rows taken from their requests
 
     def get(self, request_id: str) -> R | None:
         """The request's row (marked used), None where it holds none."""
@@ -107,21 +108,34 @@ class RowsByRequest(Generic[R]):
         row = self.get(request_id)
         if row is None:
             if not self._free:
-                self.evict(keep=request_id)
+                self.evict(keep=())
             row = self._make(self._free.pop())
             self._held[request_id] = row
         return row
 
-    def evict(self, keep: str) -> bool:
-        """Take the least recently used row from its request, unless that is `keep` (whether one was)."""
-        victim = next((request_id for request_id in self._held if request_id != keep), None)
+    def evict(self, keep: Collection[R]) -> bool:
+        """Take the least recently used row but those in `keep` from its request (whether there was one)."""
+        victim = next((request_id for request_id, row in self._held.items() if row not in keep), None)
         if victim is None:
             return False
         row = self._held.pop(victim)
         if self._release is not None:
             self._release(row)
         self._free.append(row.index)
+        self.evictions += 1
         return True
+
+
+def grow_pages(pages: list[int], positions: int, page_tokens: int, free: list[int], evict: Callable[[], bool]) -> bool:
+    """Extend the page table `pages` from `free` until it holds `positions` positions, calling
+    `evict` (which gives some row's pages back to `free`) while none is free; False where
+    nothing more can be given back."""
+    while len(pages) * page_tokens < positions:
+        if free:
+            pages.append(free.pop())
+        elif not evict():
+            return False
+    return True
 
 
 def check_draft(draft: LoadedCore, target: LoadedCore) -> None:
@@ -179,18 +193,20 @@ class DraftModel:
         self._free_pages.extend(reversed(row.pages))
         row.pages, row.tokens = [], []
 
-    def _grow(self, row: _Row, request_id: str, positions: int) -> None:
+    def _grow(self, row: _Row, positions: int) -> None:
         """Give `row` pages for `positions` positions, taking those of the least recently proposing
         requests' rows while the pool has none free (the pool holds at least one longest row)."""
-        while len(row.pages) * self.page_tokens < positions:
-            if self._free_pages:
-                row.pages.append(self._free_pages.pop())
-            elif not self._rows.evict(keep=request_id):
-                raise RuntimeError(f"the draft pool of {self.num_pages} pages cannot hold {positions} positions")
+        if not grow_pages(row.pages, positions, self.page_tokens, self._free_pages, lambda: self._rows.evict((row,))):
+            raise RuntimeError(f"the draft pool of {self.num_pages} pages cannot hold {positions} positions")
 
     @property
     def free_pages(self) -> int:
         return len(self._free_pages)
+
+    @property
+    def evictions(self) -> int:
+        """Rows taken from their requests for others' pages or rows."""
+        return self._rows.evictions
 
     def seconds(self, width: int) -> float:
         return width * self._token_s
@@ -201,7 +217,7 @@ class DraftModel:
             return ()
         started = time.perf_counter()
         row = self._rows.take(request_id)
-        self._grow(row, request_id, len(tokens) + width)
+        self._grow(row, len(tokens) + width)
         common = 0
         for held, wanted in zip(row.tokens, tokens[:-1]):  # at least the last token is computed again
             if held != wanted:

@@ -36,7 +36,7 @@ class KvPlan:
     snapshot_rows: int
     state_rows: int  # rows of continuation state the plan counted besides the pool (0 without state)
     reason: str
-    draft_page_bytes: int = 0  # a draft core's records of a page's tokens, planned with each page
+    draft_page_bytes: int = 0  # a draft core's or head's records of a page's tokens, planned with each page
 
     @property
     def bytes(self) -> int:
@@ -73,9 +73,10 @@ def plan_kv(scheme: CacheScheme, capacities: Capacities, max_concurrency: int, d
     on the CPU, where the pool is host memory too, pool, state rows and that reserve must fit what
     the host has available. `round_saves`: the server speculates over continuation state, and the
     executor keeps a copy of every state row and its scratch row (DeviceState.round_saves).
-    `draft_page_bytes`: a draft core's records of a page's tokens, which it keeps for as many
-    tokens as the pool holds (flare_core.engine.drafting.DraftModel): a budget in bytes is shared
-    between the two, a budget in pages or contexts gives the draft its records besides."""
+    `draft_page_bytes`: a draft core's or draft head's records of a page's tokens, which it keeps
+    for as many tokens as the pool holds (flare_core.engine.drafting, flare_core.engine.draft_heads):
+    a budget in bytes is shared between the two, a budget in pages or contexts gives the draft its
+    records besides."""
     page_bytes = scheme.page_bytes(capacities.page_tokens)
     budgeted = page_bytes + draft_page_bytes  # what a page of the pool costs a budget in bytes
     context_pages = -(-capacities.context_length // capacities.page_tokens)

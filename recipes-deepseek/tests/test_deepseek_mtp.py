@@ -39,10 +39,13 @@ def mtp_checkpoint(config, tmp_path):
     return reference, mtp, checkpoint
 
 
-def serve(config, checkpoint, prompts, max_tokens, draft_tokens, steer=None, chunk=8, rows=2, prefix=False):
+def serve(config, checkpoint, prompts, max_tokens, draft_tokens, steer=None, chunk=8, rows=2, prefix=False,
+          pool_tokens=None):
     """Serve `prompts` greedily on the eager CPU path, the draft head proposing up to `draft_tokens`
-    (0: plain decoding; `steer`: see ObservedHead), one after another with a prefix cache (`prefix`);
-    (sampled tokens by request, the observed proposer, the scheduler)."""
+    (0: plain decoding; `steer`: see ObservedHead) over a pool of `pool_tokens` (default: a longest
+    row each), one after another with a prefix cache (`prefix`); (sampled tokens by request, the
+    observed proposer, the scheduler)."""
+    pool_tokens = rows * (256 + draft_tokens) if pool_tokens is None else pool_tokens
     dtype = torch.float32
     model = load_prepared_weights(DEEPSEEK_V3.build_model(config, dtype),
                                   dict(DEEPSEEK_V3.map_weights(config, checkpoint, dtype)), "cpu")
@@ -53,7 +56,8 @@ def serve(config, checkpoint, prompts, max_tokens, draft_tokens, steer=None, chu
     capacities = Capacities(max_concurrency=rows, prefill_chunk_size=64, context_length=256, page_tokens=16)
     proposer = ObservedHead(HeadProposer(head, head_scheme(registry, DEEPSEEK_V3, config, "float32"), rows=rows,
                                          longest=256 + draft_tokens, page_tokens=PAGE_TOKENS,
-                                         vocab_size=config.vocab_size, device=torch.device("cpu")),
+                                         vocab_size=config.vocab_size, device=torch.device("cpu"),
+                                         pool_tokens=pool_tokens),
                             steer) if draft_tokens else None
     num_pages = rows * 256 // PAGE_TOKENS
     executor = eager_runner(model, scheme, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_rows=rows,
@@ -124,6 +128,22 @@ def test_draft_head_starts_where_the_prefix_cache_left_off(tmp_path):
     assert any(tokens[:len(second)] == second for tokens, _ in proposer.proposals)
     proposer.assert_guesses(lambda tokens, width: mtp.drafts(reference, tokens, width,
                                                              24 if tokens[:len(second)] == second else 0))
+
+
+def test_a_draft_head_pool_too_small_for_its_requests_gives_rows_back(tmp_path):
+    # The head's pool holds one longest row (33 pages of 8 tokens), the two requests' records need
+    # more: rows give their pages back (their records start again where the request goes on) and
+    # a batch the pool cannot hold drops its records; the outputs stay plain, guesses are made.
+    config = v3_config()
+    reference, mtp, checkpoint = mtp_checkpoint(config, tmp_path)
+    prompts = prompts_of(config, (150, 140))
+    plain, _, _ = serve(config, checkpoint, prompts, 16, draft_tokens=0)
+    speculated, proposer, scheduler = serve(config, checkpoint, prompts, 16, draft_tokens=3, pool_tokens=1)
+    assert speculated == plain
+    head = proposer.head
+    assert head.num_pages == head.pages_per_row == 33 and head.evictions > 0
+    assert any(drafts for _, drafts in proposer.proposals)
+    assert scheduler.resources().draft_rounds > 0
 
 
 def test_an_fp8_checkpoints_mtp_layer_is_dequantized(tmp_path):

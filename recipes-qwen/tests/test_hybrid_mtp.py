@@ -45,7 +45,7 @@ def test_draft_head_guesses_what_the_reference_module_computes(tmp_path, family,
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (70, 23)]
 
     def serve(steer):
-        proposer = ObservedHead(HeadProposer(head, scheme, rows=2, longest=512, page_tokens=16,
+        proposer = ObservedHead(HeadProposer(head, scheme, rows=2, longest=512, page_tokens=16, pool_tokens=2 * 512,
                                              vocab_size=config.vocab_size, device=torch.device("cpu")), steer)
         scheduler, executor, _ = snapshot_serving(RECIPE, config, checkpoint, rows=2, num_pages=64, page_tokens=16,
                                                   proposer=proposer, draft_tokens=3,
@@ -127,7 +127,7 @@ def test_draft_head_reads_the_hidden_states_of_captured_graphs_on_cuda(tmp_path)
     def serve(graphs: bool, tokens=None, steer=None):
         proposer = None if tokens is None else ObservedHead(
             HeadProposer(head, head_scheme(load_registry(), QWEN3_5, config, "bfloat16"), rows=4, longest=2048 + 3,
-                         page_tokens=64, vocab_size=config.vocab_size, device=device), steer)
+                         page_tokens=64, vocab_size=config.vocab_size, device=device, pool_tokens=64 * 64), steer)
         runner = cuda_runner(served, scheme, num_pages=64, page_tokens=64, num_rows=4, num_snapshot_rows=8,
                              num_logits_rows=16, vocab_size=config.vocab_size, device=device,
                              decode_capacities=(1, 2, 4) if graphs else (),
