@@ -122,11 +122,11 @@ def test_the_draft_pool_gives_the_least_recent_requests_pages_to_the_next(sessio
     answer = list(greedy_and_seeded[1][0][0])
     core = loaded(session_flare, smollm2_core)
     draft = DraftModel(core, core, rows=2, longest=260, pool_tokens=64)
-    assert draft.num_pages == draft.pages_per_row == 5 and draft.free_pages == 5
+    assert draft.num_pages == draft.pages_per_row == 5 and draft.rows.free_pages == 5
     for request, known, free in (("a", 40, 2), ("b", 12, 2), ("b", 13, 2), ("a", 41, 2), ("a", 69, 1)):
         tokens = [*rewrite_ids, *answer[:known]]  # 124 prompt tokens: 3 pages, 4 from 69 answer tokens on
         assert draft.propose(tokens, 4, request) == tuple(answer[known:known + 4]), (request, known)
-        assert draft.free_pages == free, (request, known)
+        assert draft.rows.free_pages == free, (request, known)
 
 
 def test_the_draft_pool_shares_the_kv_budget(session_flare, smollm2_core, bf16_draft_core):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from flare_core.contract import CacheScheme, Recipe
-from flare_core.engine.drafting import RowsByRequest, draft_token, grow_pages
+from flare_core.engine.drafting import RowsByRequest, draft_token
 from flare_core.executor.storage import allocate_cache_storage
 from flare_core.kernels.transfer import to_device
 from flare_core.ops.attention import AttentionBatch, ForwardContext
@@ -82,9 +82,8 @@ class HeadProposer:
         self.layer_map = scheme.layer_map()
         self.num_pages = 0
         self.storage: dict[str, list[torch.Tensor]] = {}
-        self._free_pages: list[int] = []
-        # Least recently used request's row reused first (its pages back to the pool).
-        self._rows = RowsByRequest(rows, _Row, release=self._release)
+        # Least recently used request's row reused first, its pages back to the pool.
+        self.rows = RowsByRequest(rows, _Row, page_tokens)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
         if pool_tokens is not None:
             self.allocate(pool_tokens)
@@ -96,28 +95,14 @@ class HeadProposer:
         records then start again where the request goes on, as after a prefix-cache hit)."""
         self.num_pages = max(-(-pool_tokens // self.page_tokens), self.pages_per_row)
         self.storage = allocate_cache_storage(self.scheme, self.num_pages, self.page_tokens, self.device)
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # taken from the end: lowest first
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free_pages)
-
-    @property
-    def evictions(self) -> int:
-        """Rows taken from their requests for others' pages or rows."""
-        return self._rows.evictions
-
-    def _release(self, row: _Row) -> None:
-        self._free_pages.extend(reversed(row.pages))
-        row.pages = []
+        self.rows.provide(self.num_pages)
 
     def _grow(self, row: _Row, positions: int, keep: Collection[_Row]) -> bool:
-        """Pages for `row`'s records up to `positions` past its origin, taking the least recently
-        used rows' but those in `keep` while none is free; False (its records dropped) where even
-        that leaves too few."""
-        if grow_pages(row.pages, positions, self.page_tokens, self._free_pages, lambda: self._rows.evict(keep)):
+        """Pages for `row`'s records up to `positions` past its origin (RowsByRequest.grow); where
+        the pool cannot give them, its records and waiting states are dropped (False)."""
+        if self.rows.grow(row, positions, keep):
             return True
-        self._release(row)
+        self.rows.drop(row)
         row.hidden, row.fed, row.certain, row.origin, row.computed = None, [], 0, row.start, row.start
         return False
 
@@ -139,7 +124,7 @@ class HeadProposer:
             groups.append((chunk.handle.request_id, chunk.start, list(chunk.tokens), len(chunk.tokens)))
         work, offset = [], 0
         for request_id, first, fed, certain in groups:
-            row = self._rows.take(request_id)
+            row = self.rows.take(request_id)
             step_hidden = hidden[offset:offset + len(fed)]
             offset += len(fed)
             if fed[0] < 0:
@@ -159,7 +144,7 @@ class HeadProposer:
         """Up to `width` guesses to follow `tokens` (drawn as `draft_token` draws them): the head
         first reads what waits up to the newest token (the served model computed every position
         before it), then guesses on."""
-        row = self._rows.get(request_id)
+        row = self.rows.get(request_id)
         if row is None or width <= 0 or len(tokens) + width > self.pages_per_row * self.page_tokens:
             return ()
         last = len(tokens) - 1  # the newest token's position: the served model has not computed it
@@ -176,8 +161,7 @@ class HeadProposer:
         drafts = [draft_token(self.head.logits(hidden[-1:]), draw, step)]
         committed = row.computed
         while len(drafts) < width and drafts[-1] < self.vocab_size:
-            if not grow_pages(row.pages, row.computed + 1 - row.origin, self.page_tokens, self._free_pages,
-                              lambda: self._rows.evict((row,))):
+            if not self.rows.grow(row, row.computed + 1 - row.origin, keep=()):
                 break
             # Its own output stands in for the served model's hidden state one position on.
             hidden = self._forward([(row, row.computed, hidden[-1:], [drafts[-1]])])[0]

@@ -78,24 +78,36 @@ class _Row:
     pages: list[int] = field(default_factory=list)  # its page table, taken from the pool as it grows
 
 
-class _Indexed(Protocol):
+class _PagedRow(Protocol):
     index: int
+    pages: list[int]  # its page table
 
 
-R = TypeVar("R", bound=_Indexed)
+R = TypeVar("R", bound=_PagedRow)
 
 
 class RowsByRequest(Generic[R]):
-    """A proposer's pool of `rows` cache rows, each held by one request (least recently used
-    first): a request without a row takes a free one, else the least recently used request's.
-    `release` is told of each row taken from its request."""
+    """A proposer's `rows` cache rows, each held by one request (least recently used first), and
+    the pool of pages their page tables take as they grow (`provide`). A request without a row
+    takes a free one, else the least recently used request's; a row that needs a page where none
+    is free takes those of the least recently used rows (`grow`). A row taken from its request
+    gives its pages back."""
 
-    def __init__(self, rows: int, make: Callable[[int], R], release: Callable[[R], None] | None = None):
+    def __init__(self, rows: int, make: Callable[[int], R], page_tokens: int):
         self._make = make  # a fresh row of row index i
-        self._release = release
+        self.page_tokens = page_tokens
         self._held: OrderedDict[str, R] = OrderedDict()
         self._free = list(range(rows))
+        self._free_pages: list[int] = []
         self.evictions = 0  # rows taken from their requests
+
+    def provide(self, num_pages: int) -> None:
+        """Pages 0 .. num_pages - 1 for the rows' page tables (lowest first)."""
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
 
     def get(self, request_id: str) -> R | None:
         """The request's row (marked used), None where it holds none."""
@@ -108,34 +120,37 @@ class RowsByRequest(Generic[R]):
         row = self.get(request_id)
         if row is None:
             if not self._free:
-                self.evict(keep=())
+                self._evict(keep=())
             row = self._make(self._free.pop())
             self._held[request_id] = row
         return row
 
-    def evict(self, keep: Collection[R]) -> bool:
+    def grow(self, row: R, positions: int, keep: Collection[R]) -> bool:
+        """Extend `row`'s page table until it holds `positions` positions, taking the pages of the
+        least recently used rows but `row` and those in `keep` while none is free; False where
+        that leaves too few (the row keeps what it had)."""
+        while len(row.pages) * self.page_tokens < positions:
+            if self._free_pages:
+                row.pages.append(self._free_pages.pop())
+            elif not self._evict(keep=(row, *keep)):
+                return False
+        return True
+
+    def drop(self, row: R) -> None:
+        """Give `row`'s pages back (it keeps its request)."""
+        self._free_pages.extend(reversed(row.pages))
+        row.pages = []
+
+    def _evict(self, keep: Collection[R]) -> bool:
         """Take the least recently used row but those in `keep` from its request (whether there was one)."""
         victim = next((request_id for request_id, row in self._held.items() if row not in keep), None)
         if victim is None:
             return False
         row = self._held.pop(victim)
-        if self._release is not None:
-            self._release(row)
+        self.drop(row)
         self._free.append(row.index)
         self.evictions += 1
         return True
-
-
-def grow_pages(pages: list[int], positions: int, page_tokens: int, free: list[int], evict: Callable[[], bool]) -> bool:
-    """Extend the page table `pages` from `free` until it holds `positions` positions, calling
-    `evict` (which gives some row's pages back to `free`) while none is free; False where
-    nothing more can be given back."""
-    while len(pages) * page_tokens < positions:
-        if free:
-            pages.append(free.pop())
-        elif not evict():
-            return False
-    return True
 
 
 def check_draft(draft: LoadedCore, target: LoadedCore) -> None:
@@ -184,29 +199,10 @@ class DraftModel:
                                       context_length=longest, dtype=draft.dtype)
         else:
             self.runner = eager_runner(draft.model, draft.cache_scheme, **runner_args)
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # taken from the end: lowest first
-        # Least recently proposing request's row reused first; its pages back to the pool.
-        self._rows = RowsByRequest(rows, _Row, release=self._release)
+        # Least recently proposing request's row reused first, its pages back to the pool.
+        self.rows = RowsByRequest(rows, _Row, self.page_tokens)
+        self.rows.provide(self.num_pages)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
-
-    def _release(self, row: _Row) -> None:
-        self._free_pages.extend(reversed(row.pages))
-        row.pages, row.tokens = [], []
-
-    def _grow(self, row: _Row, positions: int) -> None:
-        """Give `row` pages for `positions` positions, taking those of the least recently proposing
-        requests' rows while the pool has none free (the pool holds at least one longest row)."""
-        if not grow_pages(row.pages, positions, self.page_tokens, self._free_pages, lambda: self._rows.evict((row,))):
-            raise RuntimeError(f"the draft pool of {self.num_pages} pages cannot hold {positions} positions")
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free_pages)
-
-    @property
-    def evictions(self) -> int:
-        """Rows taken from their requests for others' pages or rows."""
-        return self._rows.evictions
 
     def seconds(self, width: int) -> float:
         return width * self._token_s
@@ -216,8 +212,9 @@ class DraftModel:
         if width <= 0 or not tokens or len(tokens) + width > self.pages_per_row * self.page_tokens:
             return ()
         started = time.perf_counter()
-        row = self._rows.take(request_id)
-        self._grow(row, len(tokens) + width)
+        row = self.rows.take(request_id)
+        if not self.rows.grow(row, len(tokens) + width, keep=()):  # the pool holds at least one longest row
+            raise RuntimeError(f"the draft pool of {self.num_pages} pages cannot hold {len(tokens) + width} positions")
         common = 0
         for held, wanted in zip(row.tokens, tokens[:-1]):  # at least the last token is computed again
             if held != wanted:

@@ -141,7 +141,7 @@ def test_a_draft_head_pool_too_small_for_its_requests_gives_rows_back(tmp_path):
     speculated, proposer, scheduler = serve(config, checkpoint, prompts, 16, draft_tokens=3, pool_tokens=1)
     assert speculated == plain
     head = proposer.head
-    assert head.num_pages == head.pages_per_row == 33 and head.evictions > 0
+    assert head.num_pages == head.pages_per_row == 33 and head.rows.evictions > 0
     assert any(drafts for _, drafts in proposer.proposals)
     assert scheduler.resources().draft_rounds > 0
 
