@@ -238,6 +238,8 @@ def test_the_draft_head_proposed_what_was_checked(served):
     metrics = httpx.get(server.process.url + "/metrics", timeout=30).text
     proposed = [line for line in metrics.splitlines() if line.startswith("flare_spec_proposed_tokens_total")]
     assert proposed and float(proposed[0].split()[-1]) > 0, proposed
+    # The head's records come from a pool planned with the KV pool, which the start-up line reports.
+    assert "draft_pool_mib=" in server.process.log() and "draft_pool_mib=" not in served[DEEPSEEK.name].process.log()
 
 
 def test_a_core_without_a_draft_head_refuses_mtp(served):
