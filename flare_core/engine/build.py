@@ -133,8 +133,7 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
         if leader is not None:
             executor = leader.lead(executor, dict(num_pages=kv.num_pages, **executor_args))
 
-    if speculates and spec_method == "draft":
-        assert spec_draft is not None
+    if speculates and spec_draft is not None:  # checked above: it goes with --spec-method draft
         proposer = DraftModel(spec_draft, loaded, max_concurrency, longest, pool_tokens=kv.num_pages * page_tokens)
     if head is not None:
         head.allocate(kv.num_pages * page_tokens)

@@ -93,9 +93,8 @@ class HeadProposer:
         model's pool), at least one longest row. Each request's row takes pages as its records
         grow; where none is free, the least recently used request's row gives its pages back (its
         records then start again where the request goes on, as after a prefix-cache hit)."""
-        self.num_pages = max(-(-pool_tokens // self.page_tokens), self.pages_per_row)
+        self.num_pages = self.rows.provide(pool_tokens, self.pages_per_row * self.page_tokens)
         self.storage = allocate_cache_storage(self.scheme, self.num_pages, self.page_tokens, self.device)
-        self.rows.provide(self.num_pages)
 
     def _grow(self, row: _Row, positions: int, keep: Collection[_Row]) -> bool:
         """Pages for `row`'s records up to `positions` past its origin (RowsByRequest.grow); where

@@ -101,9 +101,12 @@ class RowsByRequest(Generic[R]):
         self._free_pages: list[int] = []
         self.evictions = 0  # rows taken from their requests
 
-    def provide(self, num_pages: int) -> None:
-        """Pages 0 .. num_pages - 1 for the rows' page tables (lowest first)."""
+    def provide(self, pool_tokens: int, longest: int) -> int:
+        """Pages for `pool_tokens` tokens, and at least for one row of `longest` positions, for the
+        rows' page tables (lowest first); returns how many."""
+        num_pages = max(-(-pool_tokens // self.page_tokens), -(-longest // self.page_tokens))
         self._free_pages = list(range(num_pages - 1, -1, -1))
+        return num_pages
 
     @property
     def free_pages(self) -> int:
@@ -179,11 +182,12 @@ class DraftModel:
         """Proposals from `draft` for requests of `target` (at most `rows` live at once, each up
         to `longest` tokens with its drafts), over a pool of pages for `pool_tokens` tokens (at
         least one `longest` row; build_engine plans it beside the served model's pool, token for
-        token). ValueError naming --spec-draft-core where the draft cannot serve (`check_draft`)."""
-        check_draft(draft, target)
+        token). `draft` is one `check_draft` accepts (build_engine checks it before planning)."""
         self.page_tokens = draft.capacities.page_tokens
         self.pages_per_row = -(-longest // self.page_tokens)
-        self.num_pages = max(-(-pool_tokens // self.page_tokens), self.pages_per_row)
+        # Least recently proposing request's row reused first, its pages back to the pool.
+        self.rows = RowsByRequest(rows, _Row, self.page_tokens)
+        self.num_pages = self.rows.provide(pool_tokens, longest)
         self.chunk_tokens = draft.capacities.prefill_chunk_size
         self.vocab_size = target.tokenizer.vocab_size
         runner_args = dict(num_pages=self.num_pages, page_tokens=self.page_tokens, num_rows=rows,
@@ -199,9 +203,6 @@ class DraftModel:
                                       context_length=longest, dtype=draft.dtype)
         else:
             self.runner = eager_runner(draft.model, draft.cache_scheme, **runner_args)
-        # Least recently proposing request's row reused first, its pages back to the pool.
-        self.rows = RowsByRequest(rows, _Row, self.page_tokens)
-        self.rows.provide(self.num_pages)
         self._token_s = 0.0  # seconds per draft token, a moving average of the proposals so far
 
     def seconds(self, width: int) -> float:
