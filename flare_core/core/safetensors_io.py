@@ -51,6 +51,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # FP4 weights' group scales (flare_core.kernels.fp4)
 }
 DTYPE_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
 

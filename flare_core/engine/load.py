@@ -15,6 +15,7 @@ from flare_core.contract import (CARRIED_PREFIX, CONTRACT_VERSION, DRAFT_HEAD_PR
 from flare_core.core import RuntimeCore
 from flare_core.frontend import ChatTemplate, ConversationRenderer, Tokenizer
 from flare_core.ops.loading import load_prepared_weights
+from flare_core.ops.fp4 import fp4_experts
 from flare_core.ops.fp8 import quantized_experts, quantized_paths
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.serving import ServingOptions, serving_model
@@ -125,7 +126,9 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
                             f"attention is bfloat16 / float16): serve it with --device cpu, or export the model "
                             f"again with --dtype bfloat16")
     quantization = manifest.get("quantization")
-    if quantization is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+    # FP4 experts alone (no FP8 weights) take the Triton experts kernel, which any CUDA device runs.
+    if quantization is not None and quantization.get("weights", 0) and device.type == "cuda" \
+            and torch.cuda.get_device_capability(device) != (9, 0):
         # cuBLAS's block-scaled FP8 GEMM (1x128 by 128x128 scales) is a Hopper (SM 9.0) kernel.
         major, minor = torch.cuda.get_device_capability(device)
         raise CoreLoadError(f"core keeps {quantization['method']} weights, which the CUDA path serves on Hopper (SM "
@@ -140,6 +143,7 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     tensor_names = [name for name in core.tensor_names() if not name.startswith((CARRIED_PREFIX, DRAFT_HEAD_PREFIX))]
     options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
                              fp8_experts=tuple(quantized_experts(tensor_names)),
+                             fp4_experts=tuple(fp4_experts(tensor_names)),
                              ranks=Ranks(rank, ranks) if ranks > 1 else None)
     if ranks > 1 and recipe.tensor_parallel is None:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel ranks, but the installed recipe "

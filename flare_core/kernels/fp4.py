@@ -19,6 +19,9 @@ import torch
 from torch import Tensor
 
 GROUP = 32  # columns per scale
+# A served model's FP4 weight `X` keeps its scales in the buffer `X_fp4_scale` (flare_core.ops.fp4),
+# under that name in a core too.
+SCALE_SUFFIX = "_fp4_scale"
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 PACKED_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 

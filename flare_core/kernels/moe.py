@@ -27,6 +27,14 @@ forward sums a token's pairs after it: under torch.compile that sum and the cast
 fuse into the kernel that adds the residual and norms the next layer's input, where as the op's
 last step they were two more launches per layer (~5 us at one token on the H200). Without Triton or CUDA the op computes
 the same with a loop over the experts in use.
+
+Weights come in three forms, told apart by dtype: 16-bit as the model's; float8_e4m3fn with
+per-expert 128 x 128 block scales (flare_core.kernels.fp8); FP4 (uint8 bytes holding two e2m1
+values, flare_core.kernels.fp4) with one float8_e8m0fnu scale per row and 32 columns (the MXFP4
+layout DeepSeek V4 publishes its experts in), decoded in registers: Hopper has no FP4 tensor cores,
+and the bytes read are what a decode step costs. `swiglu_limit` > 0 clamps the gate projection
+from above and the up projection on both sides at that limit before SiLU * up (DeepSeek V4's
+experts, Transformers' `DeepseekV4Experts._apply_gate`).
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ def per_pair(pairs: int, experts: int) -> bool:
 
 def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) -> ExpertsConfig:
     """The tiles of one launch for `pairs` pairs over `experts` experts (`scaled`: FP8 weights,
-    whose 128 x 128 blocks a tile must not straddle: 128 input features per iteration)."""
+    whose 128 x 128 blocks a tile must not straddle: 128 input features per iteration; FP4 weights
+    take the 16-bit tiles, 128 input features per iteration too)."""
     if per_pair(pairs, experts):
         if scaled:  # 128 input features per iteration, rows that divide a 128-row block
             return ExpertsConfig(block_m=1, block_n=16, block_k=128, warps=4, stages=1)
@@ -86,17 +95,40 @@ def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) 
 
 if triton is not None:
     @triton.jit
+    def _e2m1(code):
+        # float32 values of e2m1 codes (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6).
+        magnitude = code & 7
+        exponent = magnitude >> 1
+        mantissa = (magnitude & 1).to(tl.float32)
+        value = tl.where(exponent == 0, 0.5 * mantissa, tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa))
+        return tl.where((code & 8) != 0, -value, value)
+
+    @triton.jit
+    def _fp4_weights(rows, scale_rows, k0, K, n_mask, HALF: tl.constexpr):
+        # The [BLOCK_N, HALF] weights of input features k0 + 2j (low nibbles) and k0 + 2j + 1 (high
+        # nibbles), j < HALF, each e2m1 value times its row's scale of 32 features (an e8m0 byte).
+        j = k0 // 2 + tl.arange(0, HALF)
+        mask = n_mask[:, None] & (j[None, :] < K // 2)
+        packed = tl.load(rows + j[None, :], mask=mask, other=0).to(tl.int32)
+        scale = tl.exp2(tl.load(scale_rows + (j // 16)[None, :], mask=mask, other=127).to(tl.float32) - 127.0)
+        return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
+
+    @triton.jit
     def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
-                        counts_ptr, N, K, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
-                        SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        counts_ptr, N, K, limit, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
+                        SCALED: tl.constexpr, FP4: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
         # segment s: one pair (PER_PAIR) or all pairs routed to expert s. GATED: the input rows
         # are tokens (pair // TOP_K), the weights [E, 2N, K] (gate rows, then up rows), and the
-        # output silu(gate) * up; else the input rows are pairs, the weights [E, N, K], and the
-        # output is scaled by the pair's route weight. SCALED: the weights are float8_e4m3fn with
-        # per-expert 128 x 128 block scales [E, ceil(rows / 128), K / 128] (flare_core.kernels.fp8);
-        # BLOCK_K is 128 and BLOCK_N divides 128 and N, so each iteration's tile lies in one
-        # block and its products take one scale.
+        # output silu(gate) * up (CLAMP: gate at most `limit`, up within +-`limit`); else the input
+        # rows are pairs, the weights [E, N, K], and the output is scaled by the pair's route
+        # weight. SCALED: the weights are float8_e4m3fn with per-expert 128 x 128 block scales
+        # [E, ceil(rows / 128), K / 128] (flare_core.kernels.fp8); BLOCK_K is 128 and BLOCK_N
+        # divides 128 and N, so each iteration's tile lies in one block and its products take one
+        # scale. FP4: the weights are bytes [E, rows, K / 2] of two e2m1 values (feature 2j in the
+        # low nibble of byte j) with e8m0 scales [E, rows, K / 32] (flare_core.kernels.fp4); the
+        # even and odd features of a tile are two products (two dots) over half the tile.
         segment = tl.program_id(0)
         if PER_PAIR:
             expert = tl.load(ids_ptr + segment).to(tl.int64)
@@ -110,8 +142,15 @@ if triton is not None:
         n = first_n + tl.arange(0, BLOCK_N)
         n_mask = n < N
         rows_per_expert = 2 * N if GATED else N
-        w_rows = w_ptr + expert * rows_per_expert * K + n.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
-        up_shift = N.to(tl.int64) * K
+        HALF: tl.constexpr = BLOCK_K // 2
+        if FP4:
+            w_rows = w_ptr + (expert * rows_per_expert + n.to(tl.int64)[:, None]) * (K // 2)  # [BLOCK_N, 1]
+            scale_rows = scale_ptr + (expert * rows_per_expert + n.to(tl.int64)[:, None]) * (K // 32)
+            up_shift = N.to(tl.int64) * (K // 2)
+            up_scale_shift = N.to(tl.int64) * (K // 32)
+        else:
+            w_rows = w_ptr + expert * rows_per_expert * K + n.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+            up_shift = N.to(tl.int64) * K
         scale_columns = K // 128
         scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + first_n // 128) * scale_columns
         up_scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + (first_n + N) // 128) * scale_columns
@@ -127,40 +166,66 @@ if triton is not None:
             else:
                 in_rows = in_ptr + pairs[:, None] * K  # pair rows
             if BLOCK_M == 1:  # products summed once after the loop, as the GEMV kernel does
-                acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-                up_acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+                if FP4:
+                    acc = tl.zeros((BLOCK_N, HALF), tl.float32)
+                    up_acc = tl.zeros((BLOCK_N, HALF), tl.float32)
+                else:
+                    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+                    up_acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 up_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k < K
-                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(in_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if SCALED:  # one scale per tile of 128 input features (and, gated, one for the up rows)
-                    if GATED:
-                        up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                    scale = tl.load(scales + k0 // 128)
-                    up_scale = tl.load(up_scales + k0 // 128) if GATED else scale
+                if FP4:
+                    features = k0 + 2 * tl.arange(0, HALF)
+                    a_mask = m_mask[:, None] & (features[None, :] < K)
+                    a_even = tl.load(in_rows + features[None, :], mask=a_mask, other=0.0)
+                    a_odd = tl.load(in_rows + features[None, :] + 1, mask=a_mask, other=0.0)
+                    w_even, w_odd = _fp4_weights(w_rows, scale_rows, k0, K, n_mask, HALF)
                     if BLOCK_M == 1:
-                        acc += w.to(tl.float32) * (a.to(tl.float32) * scale)
-                        if GATED:
-                            up_acc += up.to(tl.float32) * (a.to(tl.float32) * up_scale)
+                        acc += w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32)
                     else:
-                        acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale
-                        if GATED:
-                            up_acc += tl.dot(a, tl.trans(up.to(a.dtype))) * up_scale
-                else:
-                    if BLOCK_M == 1:
-                        acc += w.to(tl.float32) * a.to(tl.float32)
-                    else:
-                        acc = tl.dot(a, tl.trans(w), acc)
+                        acc = tl.dot(a_even, tl.trans(w_even.to(a_even.dtype)), acc)
+                        acc = tl.dot(a_odd, tl.trans(w_odd.to(a_odd.dtype)), acc)
                     if GATED:
-                        up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                        up_even, up_odd = _fp4_weights(w_rows + up_shift, scale_rows + up_scale_shift, k0, K, n_mask,
+                                                       HALF)
                         if BLOCK_M == 1:
-                            up_acc += up.to(tl.float32) * a.to(tl.float32)
+                            up_acc += up_even * a_even.to(tl.float32) + up_odd * a_odd.to(tl.float32)
                         else:
-                            up_acc = tl.dot(a, tl.trans(up), up_acc)
+                            up_acc = tl.dot(a_even, tl.trans(up_even.to(a_even.dtype)), up_acc)
+                            up_acc = tl.dot(a_odd, tl.trans(up_odd.to(a_odd.dtype)), up_acc)
+                else:
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    k_mask = k < K
+                    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    a = tl.load(in_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    if SCALED:  # one scale per tile of 128 input features (and, gated, one for the up rows)
+                        if GATED:
+                            up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                                         other=0.0)
+                        scale = tl.load(scales + k0 // 128)
+                        up_scale = tl.load(up_scales + k0 // 128) if GATED else scale
+                        if BLOCK_M == 1:
+                            acc += w.to(tl.float32) * (a.to(tl.float32) * scale)
+                            if GATED:
+                                up_acc += up.to(tl.float32) * (a.to(tl.float32) * up_scale)
+                        else:
+                            acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale
+                            if GATED:
+                                up_acc += tl.dot(a, tl.trans(up.to(a.dtype))) * up_scale
+                    else:
+                        if BLOCK_M == 1:
+                            acc += w.to(tl.float32) * a.to(tl.float32)
+                        else:
+                            acc = tl.dot(a, tl.trans(w), acc)
+                        if GATED:
+                            up = tl.load(w_rows + up_shift + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                                         other=0.0)
+                            if BLOCK_M == 1:
+                                up_acc += up.to(tl.float32) * a.to(tl.float32)
+                            else:
+                                up_acc = tl.dot(a, tl.trans(up), up_acc)
             if BLOCK_M == 1:
                 y = tl.sum(acc, axis=1)[None, :]
                 up_y = tl.sum(up_acc, axis=1)[None, :]
@@ -168,6 +233,9 @@ if triton is not None:
                 y = acc
                 up_y = up_acc
             if GATED:
+                if CLAMP:
+                    y = tl.minimum(y, limit)
+                    up_y = tl.minimum(tl.maximum(up_y, -limit), limit)
                 y = y * tl.sigmoid(y) * up_y
             else:
                 y = y * tl.load(route_weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
@@ -177,24 +245,28 @@ if triton is not None:
 
 def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor, route_weights: Tensor, ids: Tensor,
             sorted_pairs: tuple[Tensor, Tensor, Tensor] | None, top_k: int, gated: bool,
-            config: ExpertsConfig) -> None:
+            config: ExpertsConfig, swiglu_limit: float = 0.0) -> None:
     experts, rows, features = weights.shape
+    fp4 = weights.dtype == torch.uint8
+    if fp4:
+        features *= 2  # two per byte
+        scales = scales.view(torch.uint8)  # e8m0: the exponent byte
     n = rows // 2 if gated else rows
     order, starts, counts = sorted_pairs if sorted_pairs is not None else (ids, ids, ids)  # unread per pair
     segments = ids.numel() if sorted_pairs is None else experts
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
         inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
-        n, features, TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None, SCALED=scales is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
-        num_stages=config.stages)
+        n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
+        SCALED=scales is not None and not fp4, FP4=fp4, CLAMP=gated and swiglu_limit > 0, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
 
 
 def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                   configs: tuple[ExpertsConfig, ExpertsConfig] | None = None,
-                  scales: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
+                  scales: tuple[Tensor | None, Tensor | None] = (None, None), swiglu_limit: float = 0.0) -> Tensor:
     """The Triton path of `flare::routed_experts` (CUDA). `configs`: the gate/up and the down
-    launch's tiles (default: `experts_config`; benchmarks sweep them). `scales`: the block scales
-    of gate_up and down where they are float8_e4m3fn (flare_core.kernels.fp8)."""
+    launch's tiles (default: `experts_config`; benchmarks sweep them). `scales`: the scales of
+    gate_up and down where they are float8_e4m3fn blocks or FP4 groups (see the module docstring)."""
     tokens, hidden = x.shape
     experts, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     top_k = top_k_index.shape[1]
@@ -207,29 +279,38 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor,
             0, ids, torch.ones(pairs, dtype=torch.int32, device=x.device))
         sorted_pairs = (order, counts.cumsum(0, dtype=torch.int32) - counts, counts)
     up_scales, down_scales = scales
-    up_config, down_config = configs or (experts_config(pairs, experts, True, up_scales is not None),
-                                         experts_config(pairs, experts, False, down_scales is not None))
+    up_config, down_config = configs or (experts_config(pairs, experts, True, gate_up.dtype == torch.float8_e4m3fn),
+                                         experts_config(pairs, experts, False, down.dtype == torch.float8_e4m3fn))
     route_weights = top_k_weights.reshape(-1).contiguous()
     activated = x.new_empty(pairs, intermediate)
-    _launch(x.contiguous(), gate_up, up_scales, activated, route_weights, ids, sorted_pairs, top_k, True, up_config)
+    _launch(x.contiguous(), gate_up, up_scales, activated, route_weights, ids, sorted_pairs, top_k, True, up_config,
+            swiglu_limit)
     weighted = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     _launch(activated, down, down_scales, weighted, route_weights, ids, sorted_pairs, top_k, False, down_config)
     return weighted.view(tokens, top_k, hidden)
 
 
 def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+                      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
+                      swiglu_limit: float = 0.0) -> Tensor:
     """`flare::routed_experts` as a loop over the experts in use (host synchronising): the CPU
-    path, and the GPU tests' reference. FP8 experts are dequantized to x's dtype when used."""
+    path, and the GPU tests' reference. FP8 and FP4 experts are dequantized to x's dtype when used."""
+    from flare_core.kernels.fp4 import dequantize_fp4
     from flare_core.kernels.fp8 import dequantize_blocks
 
-    def weight(packed: Tensor, scale: Tensor | None, expert: int) -> Tensor:
-        return packed[expert] if scale is None else dequantize_blocks(packed[expert], scale[expert], dtype=x.dtype)
+    def weight(stored: Tensor, scale: Tensor | None, expert: int) -> Tensor:
+        if scale is None:
+            return stored[expert]
+        if stored.dtype == torch.uint8:
+            return dequantize_fp4(stored[expert], scale[expert], dtype=x.dtype)
+        return dequantize_blocks(stored[expert], scale[expert], dtype=x.dtype)
 
     out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in top_k_index.unique().tolist():
         token, slot = (top_k_index == expert).nonzero(as_tuple=True)
         gate, up = F.linear(x[token], weight(gate_up, gate_up_scale, expert)).chunk(2, dim=-1)
+        if swiglu_limit > 0:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
         out[token, slot] = (F.linear(F.silu(gate) * up, weight(down, down_scale, expert)).float()
                             * top_k_weights[token, slot, None].float())
     return out
@@ -238,10 +319,13 @@ def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Ten
 def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_scale: Tensor | None,
                  down_scale: Tensor | None) -> bool:
     """Whether the Triton kernels take this call. FP8 weights need 128 x 128 blocks that the
-    tiles do not straddle: hidden and intermediate sizes multiples of 128."""
+    tiles do not straddle: hidden and intermediate sizes multiples of 128; FP4 weights whole
+    groups of 32 features."""
     def weight_ok(weight: Tensor, scale: Tensor | None) -> bool:
         if scale is None:
             return weight.dtype == x.dtype and weight.is_contiguous()
+        if weight.dtype == torch.uint8:
+            return weight.is_contiguous() and scale.is_contiguous() and (2 * weight.shape[2]) % 32 == 0
         return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and scale.is_contiguous()
                 and weight.shape[1] % 128 == 0 and weight.shape[2] % 128 == 0)
 
@@ -251,18 +335,22 @@ def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_scale: Tensor
 
 @torch.library.custom_op("flare::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-                   gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+                   gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
+                   swiglu_limit: float = 0.0) -> Tensor:
     """[T, k, hidden] float32: top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
     e = top_k_index[t, k]; x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down
-    [E, hidden, I]; `*_scale`: the block scales of a float8_e4m3fn weight (flare_core.kernels.fp8)."""
+    [E, hidden, I]; `*_scale`: the block scales of a float8_e4m3fn weight (flare_core.kernels.fp8)
+    or the group scales of an FP4 one, whose bytes are [E, rows, cols / 2] uint8
+    (flare_core.kernels.fp4); `swiglu_limit` > 0: gate and up clamped before SiLU * up."""
     if x.shape[0] == 0:
         return x.new_zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32)
     if _triton_path(x, gate_up, down, gate_up_scale, down_scale):
-        return fused_experts(x, gate_up, down, top_k_index, top_k_weights, scales=(gate_up_scale, down_scale))
-    return reference_experts(x, gate_up, down, top_k_index, top_k_weights, gate_up_scale, down_scale)
+        return fused_experts(x, gate_up, down, top_k_index, top_k_weights, scales=(gate_up_scale, down_scale),
+                             swiglu_limit=swiglu_limit)
+    return reference_experts(x, gate_up, down, top_k_index, top_k_weights, gate_up_scale, down_scale, swiglu_limit)
 
 
 @routed_experts.register_fake
 def _(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
-      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None, swiglu_limit: float = 0.0) -> Tensor:
     return x.new_empty((*top_k_index.shape, x.shape[1]), dtype=torch.float32)

@@ -61,11 +61,15 @@ class DecoderForServing(nn.Module):
     The decoder layers are called as Transformers defines them; the forward context reaches
     the replaced attention modules through their keyword arguments."""
 
+    # Experts classes of the family whose gate clamps gate and up at their `limit` before SiLU * up
+    # (flare_core.ops.moe.use_fused_experts); a family subclass names its own.
+    clamped_swiglu_experts: tuple[type, ...] = ()
+
     def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module | None, tie_word_embeddings: bool):
         super().__init__()
         # MoE models: the routed experts through flare::routed_experts (Transformers' default
         # expert loop finds the experts in use with a host sync that no CUDA graph can hold).
-        self.fused_experts = use_fused_experts(causal_lm)
+        self.fused_experts = use_fused_experts(causal_lm, self.clamped_swiglu_experts)
         self.model = causal_lm.model
         self.model.rotary_emb = rotary_emb
         # A tied head reads the embedding matrix in forward: prepared weights name each tensor once.

@@ -3,37 +3,56 @@
 with Transformers' experts interface, so every experts class decorated with
 `@use_experts_implementation` (Qwen3-MoE, DeepSeek-V3 and the families built like them) runs it
 in place of its expert loop. The family's router (Transformers' or flare_core.ops.routing's)
-hands the experts module `top_k_index` / `top_k_weights` as before."""
+hands the experts module `top_k_index` / `top_k_weights` as before. Experts whose gate is
+SiLU(gate) * up with both clamped at a limit (DeepSeek V4's: `clamped_swiglu`) take the op too,
+their limit passed to it. Experts kept as FP8 blocks (flare_core.ops.fp8) or FP4 groups
+(flare_core.ops.fp4) hand the op their scales."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
+from flare_core.kernels import fp4, fp8
 from flare_core.kernels.moe import MAX_PAIRS_PER_EXPERT
 
 # The implementation's name in Transformers' experts interface.
 EXPERTS_IMPLEMENTATION = "flare"
 
 
-def _fusable(experts: nn.Module) -> bool:
-    """Whether a Transformers experts module computes what the op does: concatenated [gate; up]
-    rows [E, 2I, hidden], no biases, no post-expert norm, SiLU gating. (Transformers releases
-    before these flags existed had only that layout: a missing flag reads as it.)"""
-    from transformers.activations import ACT2FN
+def _default_gate(experts: nn.Module) -> bool:
     from transformers.integrations import moe
 
-    apply_gate = getattr(type(experts), "_apply_gate", None)
+    return getattr(type(experts), "_apply_gate", None) in (None, getattr(moe, "_default_apply_gate", None))
+
+
+def _fusable(experts: nn.Module, clamped_swiglu: tuple[type, ...]) -> bool:
+    """Whether a Transformers experts module computes what the op does: concatenated [gate; up]
+    rows [E, 2I, hidden], no biases, no post-expert norm, SiLU gating, or a class of
+    `clamped_swiglu` (gate and up clamped at its `limit` first). (Transformers releases before
+    these flags existed had only that layout: a missing flag reads as it.)"""
+    from transformers.activations import ACT2FN
+
+    gate = _default_gate(experts) or (isinstance(experts, clamped_swiglu) and hasattr(experts, "limit"))
     return (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)
             and not getattr(experts, "has_bias", False) and not getattr(experts, "is_transposed", False)
-            and not getattr(experts, "has_post_expert_norm", False)
-            and apply_gate in (None, getattr(moe, "_default_apply_gate", None))
+            and not getattr(experts, "has_post_expert_norm", False) and gate
             and isinstance(getattr(experts, "act_fn", None), (nn.SiLU, type(ACT2FN["silu"]))))
 
 
+def _scale(experts: nn.Module, leaf: str) -> Tensor | None:
+    """The scales of a packed expert tensor kept as FP8 blocks or FP4 groups, None for 16 bits."""
+    for suffix in (fp8.SCALE_SUFFIX, fp4.SCALE_SUFFIX):
+        scale = getattr(experts, leaf + suffix, None)
+        if scale is not None:
+            return scale
+    return None
+
+
 def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    gate_up_scale = getattr(self, "gate_up_proj_scale_inv", None)  # FP8 experts (flare_core.ops.fp8)
-    down_scale = getattr(self, "down_proj_scale_inv", None)
+    gate_up_scale, down_scale = _scale(self, "gate_up_proj"), _scale(self, "down_proj")
+    # The op runs only over experts `_fusable` admitted: a gate other than the default is clamped.
+    swiglu_limit = 0.0 if _default_gate(self) else float(self.limit)
     # Under torch.compile the token count is settled when tracing: prompt chunks and decode
     # batches compile apart, as for one_token (flare_core.ops.linear). FP8 experts take the op at
     # every size: grouped_mm reads 16-bit weights.
@@ -43,15 +62,17 @@ def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     pairs = torch.ops.flare.routed_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-                                           top_k_weights, gate_up_scale, down_scale)
+                                           top_k_weights, gate_up_scale, down_scale, swiglu_limit)
     return pairs.sum(dim=1).to(hidden_states.dtype)
 
 
-def use_fused_experts(causal_lm: nn.Module) -> bool:
+def use_fused_experts(causal_lm: nn.Module, clamped_swiglu: tuple[type, ...] = ()) -> bool:
     """Run a Transformers MoE model's experts through `flare::routed_experts` when every experts
     module is one the op computes exactly (else Transformers' `grouped_mm`, which also keeps
     fixed shapes for CUDA graphs: its default loop finds the experts in use with a host sync).
-    Returns whether the op is used; a model without switchable experts is left as it is."""
+    `clamped_swiglu`: experts classes whose gate clamps gate and up at their `limit` (the family
+    says so: a gate is never guessed from its code). Returns whether the op is used; a model
+    without switchable experts is left as it is."""
     can_set = getattr(type(causal_lm), "_can_set_experts_implementation", None)
     if can_set is None or not can_set():
         return False
@@ -59,6 +80,6 @@ def use_fused_experts(causal_lm: nn.Module) -> bool:
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
     experts = [m for m in causal_lm.modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
-    fused = bool(experts) and all(_fusable(m) for m in experts)
+    fused = bool(experts) and all(_fusable(m, clamped_swiglu) for m in experts)
     causal_lm.set_experts_implementation(EXPERTS_IMPLEMENTATION if fused else "grouped_mm")
     return fused

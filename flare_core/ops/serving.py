@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from flare_core.contract import Recipe
+from flare_core.ops.fp4 import use_fp4_experts
 from flare_core.ops.fp8 import use_fp8_blocks, use_fp8_experts
 from flare_core.ops.linear import GemvLinear
 from flare_core.ops.mlp import FusedGatedMLP
@@ -31,12 +32,14 @@ class ServingOptions:
     """How the model is built beyond its recipe. `gemv`: one-token matmuls through the GEMV kernel
     (the CUDA path); `fp8_linears` / `fp8_experts`: module paths of the linear layers and packed
     expert tensors whose weights are FP8 blocks (flare_core.ops.fp8.quantized_paths /
-    quantized_experts of a core's tensor names); `ranks`: this model is one rank of a
+    quantized_experts of a core's tensor names); `fp4_experts`: packed expert tensors kept as FP4
+    groups (flare_core.ops.fp4.fp4_experts); `ranks`: this model is one rank of a
     tensor-parallel group."""
 
     gemv: bool = False
     fp8_linears: tuple[str, ...] = ()
     fp8_experts: tuple[str, ...] = ()
+    fp4_experts: tuple[str, ...] = ()
     ranks: Ranks | None = None
 
 
@@ -49,6 +52,7 @@ def serving_model(recipe: Recipe, config: Any, dtype: torch.dtype,
         model = build_rank_model(recipe, config, dtype, options.ranks.size)
     use_fp8_blocks(model, options.fp8_linears)
     use_fp8_experts(model, options.fp8_experts)
+    use_fp4_experts(model, options.fp4_experts)
     if options.gemv:  # after FP8: the FP8 linears keep their own one-token kernel
         gemv_layers(model)
     if options.ranks is not None:

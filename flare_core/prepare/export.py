@@ -21,6 +21,8 @@ from flare_core.plugins import Registry
 from flare_core.frontend.generic_tools import describe_way
 from flare_core.prepare.assets import TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
+from flare_core.kernels.fp4 import SCALE_SUFFIX as FP4_SCALE_SUFFIX
+from flare_core.prepare.fp4_experts import ReadLog, published_fp4
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
@@ -147,7 +149,11 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     except Fp8ConfigError as exc:
         raise ExportError(f"{source.path / 'config.json'}: {exc}") from exc
     # Recipes read float32 weights: an fp8 checkpoint's are dequantized through their block scales.
-    checkpoint_tensors = DequantizedCheckpoint(checkpoint.tensors, blocks)
+    # With --quantize fp8, FP4 experts are kept as published: which checkpoint tensors each prepared
+    # tensor was made of is logged as the recipe reads them (flare_core.prepare.fp4_experts).
+    keep_fp4 = request.quantize == "fp8" and blocks is not None and blocks.experts == "fp4"
+    raw = ReadLog(checkpoint.tensors) if keep_fp4 else checkpoint.tensors
+    checkpoint_tensors = DequantizedCheckpoint(raw, blocks)
     capacities = plan_capacities(recipe, model_config, request.capacities)
     ranks = request.tensor_parallel
     rank_model_config = _rank_config(recipe, model_config, ranks)
@@ -188,9 +194,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                           f"dequantized to the dtype of the weights line (--dtype){kept}",)
     if quantized:
         whole = weight_bytes
-        weight_bytes = _fp8_weight_bytes(skeleton, quantized)
+        weight_bytes = _fp8_weight_bytes(skeleton, quantized, keep_fp4)
         kept = "kept as float8_e4m3fn" if blocks is None else \
             "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
+        if keep_fp4:
+            kept += (", the packed routed experts as the checkpoint's FP4 (e2m1, one power-of-two scale per row and "
+                     "32 columns) where their parts line up")
         quantize_notes += (f"fp8: the {_describe_fp8(quantized, skeleton)} of the decoder layers {kept} with one "
                            f"float32 scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB "
                            f"at most); embeddings, norms, routers and the head stay {request.dtype}; served on "
@@ -219,22 +228,38 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     # Each prepared tensor is staged on disk as it is mapped, so host memory holds about one at a
     # time (flare_core.prepare.spill); the core is then written from the staged bytes.
     tensors = SpilledTensors(store.hidden_path("export"))
+    fp4_candidates = {name for name in quantized if skeleton[name].dim() == 3} if keep_fp4 else set()
+    kept_fp4: list[str] = []
+
+    def keep(name: str, tensor: torch.Tensor) -> None:
+        # The log is read whatever the tensor, so that each prepared tensor's list starts afresh.
+        read = raw.take() if isinstance(raw, ReadLog) else []
+        published = published_fp4(tensor, read, checkpoint.tensors, checkpoint_tensors.scale_of) \
+            if name in fp4_candidates else None
+        if published is None:
+            tensors.put(name, tensor)
+            return
+        tensors.put(name, published[0])
+        tensors.put(name + FP4_SCALE_SUFFIX, published[1])
+        kept_fp4.append(name)
+
     try:
         if ranks == 1:
             _map_weights(recipe, model_config, checkpoint_tensors, torch_dtype, skeleton, request.progress, derived,
-                         tensors.put)
+                         keep)
         else:
             _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
                           rank_skeleton, ranks, request.progress, derived, tensors.put)
         carried = _carry(recipe, checkpoint_tensors, torch_dtype, tensors)
         head_tensors = _draft_head(recipe, model_config, checkpoint.tensors, torch_dtype, request.progress, tensors.put)
-        fp8_count = 0
+        fp8_count, fp4_count = 0, len(kept_fp4)
         if quantized:
-            fp8_count = _quantize_fp8(tensors, quantized, checkpoint_tensors)
+            fp8_count = _quantize_fp8(tensors, [name for name in quantized if name not in kept_fp4], checkpoint_tensors)
             if blocks is not None:
-                echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks; "
-                     f"{len(quantized) - fp8_count} dequantized to {request.dtype} (their parts do not line up in "
-                     f"128x128 blocks, or the checkpoint keeps them unquantized)")
+                fp4 = f" and {fp4_count} as its FP4 experts" if keep_fp4 else ""
+                echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks{fp4}; "
+                     f"{len(quantized) - fp8_count - fp4_count} dequantized to {request.dtype} (their parts do not "
+                     f"line up in 128x128 blocks, or the checkpoint keeps them unquantized)")
         manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
                              assets)
         manifest["tensor_parallel"] = ranks
@@ -248,9 +273,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             manifest["draft_head"] = {"tensors": head_tensors}
             echo(f"draft head    {head_tensors} tensors stored as {DRAFT_HEAD_PREFIX}<name> in {request.dtype} "
                  f"(flare run --spec-method mtp)")
-        if fp8_count:
+        if fp8_count or fp4_count:
             manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
                                         "weights": fp8_count}
+            if fp4_count:
+                manifest["quantization"]["fp4_experts"] = {"format": "e2m1", "scale": "float8_e8m0fnu",
+                                                           "group": 32, "tensors": fp4_count}
         key = load_or_create_signing_key(config.paths.keys)
         TrustStore(config.paths.trust_store).trust(key.publisher)
         entry = store.add(_core_prefix(source), manifest=manifest, tensors=tensors, assets=assets.files,
@@ -289,13 +317,18 @@ def _fp8_weights(recipe: Recipe, model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str]) -> int:
+def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str], fp4_experts: bool) -> int:
+    """The weight bytes with `names` in FP8 blocks, packed experts in FP4 groups if `fp4_experts`."""
+    from flare_core.kernels import fp4
     from flare_core.kernels.fp8 import BLOCK
 
     total = 0
     quantized = set(names)
     for name, tensor in skeleton.items():
-        if name in quantized:
+        if name in quantized and fp4_experts and tensor.dim() == 3:
+            experts, rows, cols = tensor.shape
+            total += experts * rows * (cols // 2 + cols // fp4.GROUP)
+        elif name in quantized:
             *experts, rows, cols = tensor.shape
             total += math.prod(experts) * (rows * cols + 4 * (-(-rows // BLOCK[0])) * (-(-cols // BLOCK[1])))
         else:

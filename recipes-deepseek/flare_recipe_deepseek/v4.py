@@ -277,6 +277,10 @@ class DeepseekV4ForServing(DecoderForServing):
     `hc_mult` streams, the decoder layers with the token ids (hash routing), both rope types and
     the positions in their keyword arguments, the streams collapsed by `hc_head` before the norm."""
 
+    # Transformers' `DeepseekV4Experts._apply_gate`: SiLU(gate clamped above at `limit`) times up
+    # clamped to +-`limit` (the config's swiglu_limit), which flare::routed_experts computes.
+    clamped_swiglu_experts = (v4.DeepseekV4Experts,)
+
     def layer_inputs(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, dict[str, Any]]:
         embedded = self.model.embed_tokens(input_ids[None])
         hidden = embedded.unsqueeze(2).expand(-1, -1, self.model.config.hc_mult, -1).contiguous()

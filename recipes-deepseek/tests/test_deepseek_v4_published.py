@@ -70,6 +70,29 @@ def test_the_export_serves_the_published_weights(published, tmp_path):
                         page_tokens=32)
 
 
+def test_quantize_fp8_keeps_the_published_fp4_experts_and_serves_them(published, tmp_path):
+    directory, _, transformers_model = published
+    core, printed, config_path = export_checkpoint(directory, tmp_path / "flare", "--dtype", "float32",
+                                                   "--quantize", "fp8")
+    layers = AutoConfig.from_pretrained(directory).num_hidden_layers
+    assert f"and {2 * layers} as its FP4 experts" in printed
+    stored = {}
+    for shard in core.glob("*.safetensors"):
+        stored.update(load_file(shard))
+    experts = "model.layers.1.mlp.experts"
+    original = load_file(directory / "model.safetensors")
+    # The checkpoint's bytes and scales, stacked over the experts (expert 3's down projection: w2).
+    assert stored[f"{experts}.down_proj"].dtype == torch.uint8
+    assert torch.equal(stored[f"{experts}.down_proj"][3], original[f"{EXPERT}.weight"].view(torch.uint8))
+    assert stored[f"{experts}.down_proj_fp4_scale"].dtype == torch.float8_e8m0fnu
+    assert torch.equal(stored[f"{experts}.down_proj_fp4_scale"][3].float(), original[f"{EXPERT}.scale"].float())
+    gate_up = stored[f"{experts}.gate_up_proj"]
+    assert gate_up.dtype == torch.uint8 and gate_up.shape[-1] * 2 == transformers_model.config.hidden_size
+    # Served through flare::routed_experts, dequantized per step: Transformers' logits.
+    assert_core_matches(core, config_path, transformers_model, prompt_lens=(7, 45, 70), decode_steps=6,
+                        page_tokens=32)
+
+
 def test_fp4_groups_dequantize_as_transformers_does():
     generator = torch.Generator().manual_seed(0)
     packed = torch.randint(-128, 128, (6, 48), dtype=torch.int8, generator=generator)

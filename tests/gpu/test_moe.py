@@ -66,6 +66,35 @@ def test_fused_experts_match_the_float32_reference(count, top_k, hidden, interme
     assert_close(out.sum(1).bfloat16(), expected.sum(1))
 
 
+def fp4_experts(count: int, hidden: int, intermediate: int, seed: int = 0):
+    """Random FP4 experts as DeepSeek V4 stores them: bytes of two e2m1 codes, e8m0 scales per 32."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def packed(rows: int, cols: int):
+        codes = torch.randint(0, 256, (count, rows, cols // 2), device="cuda", generator=generator, dtype=torch.uint8)
+        exponents = torch.randint(-9, -5, (count, rows, cols // 32), device="cuda", generator=generator)
+        return codes, torch.exp2(exponents.float()).to(torch.float8_e8m0fnu)
+
+    return packed(2 * intermediate, hidden), packed(hidden, intermediate)
+
+
+# The FP4 path decodes the bytes in registers (flare_core.kernels.moe): against the same experts
+# dequantized and computed in float32, with and without DeepSeek V4's SwiGLU clamp, on the per-pair
+# (1 token) and the sorted (64) paths; 700 tokens take the sorted tiles too (FP4 never grouped_mm).
+@pytest.mark.parametrize("tokens", [1, 3, 64, 700])
+@pytest.mark.parametrize("swiglu_limit", [0.0, 0.4])
+def test_fp4_experts_match_the_float32_reference(tokens, swiglu_limit):
+    from flare_core.kernels.fp4 import dequantize_fp4
+    from flare_core.kernels.moe import reference_experts
+
+    (gate_up, gate_up_scale), (down, down_scale) = fp4_experts(256, 512, 256)
+    x, index, weights = routed(tokens, 512, 256, 8)
+    out = torch.ops.flare.routed_experts(x, gate_up, down, index, weights, gate_up_scale, down_scale, swiglu_limit)
+    expected = reference_experts(x.float(), dequantize_fp4(gate_up, gate_up_scale), dequantize_fp4(down, down_scale),
+                                 index, weights.float(), swiglu_limit=swiglu_limit)
+    assert_close(out, expected)
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_fused_experts_replay_in_a_cuda_graph_with_new_routes(tokens):
     """Captured once, replayed with other tokens routed to other experts: the same bits as an
