@@ -22,7 +22,7 @@ from flare_core.frontend.generic_tools import describe_way
 from flare_core.prepare.assets import TOKENIZER_ASSET, FrontendAssets, collect_frontend_assets
 from flare_core.prepare.checkpoint import Checkpoint, open_checkpoint
 from flare_core.kernels.fp4 import SCALE_SUFFIX as FP4_SCALE_SUFFIX
-from flare_core.prepare.fp4_experts import ReadLog, published_fp4
+from flare_core.prepare.published import ReadLog, published_fp4, published_fp8
 from flare_core.prepare.fp8_checkpoint import DequantizedCheckpoint, Fp8ConfigError, fp8_blocks
 from flare_core.prepare.plan import CapacityRequest, ExportPlan, PlanError, check_page_tokens, plan_capacities
 from flare_core.prepare.source import ModelSource, resolve_model
@@ -149,10 +149,12 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     except Fp8ConfigError as exc:
         raise ExportError(f"{source.path / 'config.json'}: {exc}") from exc
     # Recipes read float32 weights: an fp8 checkpoint's are dequantized through their block scales.
-    # With --quantize fp8, FP4 experts are kept as published: which checkpoint tensors each prepared
-    # tensor was made of is logged as the recipe reads them (flare_core.prepare.fp4_experts).
-    keep_fp4 = request.quantize == "fp8" and blocks is not None and blocks.experts == "fp4"
-    raw = ReadLog(checkpoint.tensors) if keep_fp4 else checkpoint.tensors
+    # With --quantize fp8, an fp8 checkpoint's blocks and FP4 experts are kept as published: which
+    # checkpoint tensors each prepared tensor was made of is logged as the recipe reads them
+    # (flare_core.prepare.published).
+    keep_published = request.quantize == "fp8" and blocks is not None
+    keep_fp4 = keep_published and blocks.experts == "fp4"
+    raw = ReadLog(checkpoint.tensors) if keep_published else checkpoint.tensors
     checkpoint_tensors = DequantizedCheckpoint(raw, blocks)
     capacities = plan_capacities(recipe, model_config, request.capacities)
     ranks = request.tensor_parallel
@@ -197,11 +199,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         weight_bytes = _fp8_weight_bytes(skeleton, quantized, keep_fp4)
         kept = "kept as float8_e4m3fn" if blocks is None else \
             "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
-        if keep_fp4:
-            kept += (", the packed routed experts as the checkpoint's FP4 (e2m1, one power-of-two scale per row and "
-                     "32 columns) where their parts line up")
+        fp4 = "" if not keep_fp4 else ("; the packed routed experts as the checkpoint's FP4 (e2m1, one power-of-two "
+                                       "scale per row and 32 columns) where they line up")
         quantize_notes += (f"fp8: the {_describe_fp8(quantized, skeleton)} of the decoder layers {kept} with one "
-                           f"float32 scale per 128x128 block ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB "
+                           f"float32 scale per 128x128 block{fp4} ({whole / 1e9:.2f} GB -> {weight_bytes / 1e9:.2f} GB "
                            f"at most); embeddings, norms, routers and the head stay {request.dtype}; served on "
                            f"Hopper (FP8 GEMV / GEMM) or the CPU (dequantized in each call)",)
     rank_notes, rank_skeleton = (), {}
@@ -228,20 +229,23 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     # Each prepared tensor is staged on disk as it is mapped, so host memory holds about one at a
     # time (flare_core.prepare.spill); the core is then written from the staged bytes.
     tensors = SpilledTensors(store.hidden_path("export"))
-    fp4_candidates = {name for name in quantized if skeleton[name].dim() == 3} if keep_fp4 else set()
+    candidates = set(quantized) if keep_published else set()
+    sources: dict[str, list[str]] = {}  # prepared name -> the checkpoint tensors it was made of
     kept_fp4: list[str] = []
 
     def keep(name: str, tensor: torch.Tensor) -> None:
-        # The log is read whatever the tensor, so that each prepared tensor's list starts afresh.
+        # The log is taken whatever the tensor, so that each prepared tensor's list starts afresh.
         read = raw.take() if isinstance(raw, ReadLog) else []
-        published = published_fp4(tensor, read, checkpoint.tensors, checkpoint_tensors.scale_of) \
-            if name in fp4_candidates else None
-        if published is None:
-            tensors.put(name, tensor)
+        fp4 = published_fp4(tensor, read, checkpoint.tensors, checkpoint_tensors.scale_of) \
+            if keep_fp4 and name in candidates else None
+        if fp4 is not None:
+            tensors.put(name, fp4[0])
+            tensors.put(name + FP4_SCALE_SUFFIX, fp4[1])
+            kept_fp4.append(name)
             return
-        tensors.put(name, published[0])
-        tensors.put(name + FP4_SCALE_SUFFIX, published[1])
-        kept_fp4.append(name)
+        if name in candidates:
+            sources[name] = read
+        tensors.put(name, tensor)
 
     try:
         if ranks == 1:
@@ -254,7 +258,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         head_tensors = _draft_head(recipe, model_config, checkpoint.tensors, torch_dtype, request.progress, tensors.put)
         fp8_count, fp4_count = 0, len(kept_fp4)
         if quantized:
-            fp8_count = _quantize_fp8(tensors, [name for name in quantized if name not in kept_fp4], checkpoint_tensors)
+            fp8_count = _quantize_fp8(tensors, [name for name in quantized if name not in kept_fp4], checkpoint_tensors,
+                                      sources)
             if blocks is not None:
                 fp4 = f" and {fp4_count} as its FP4 experts" if keep_fp4 else ""
                 echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks{fp4}; "
@@ -342,12 +347,14 @@ def _describe_fp8(names: list[str], skeleton: dict[str, torch.Tensor]) -> str:
     return described + (f" and {experts} packed routed-expert tensors" if experts else "")
 
 
-def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: DequantizedCheckpoint) -> int:
+def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: DequantizedCheckpoint,
+                  sources: Mapping[str, list[str]]) -> int:
     """Stage the weights `names` of `tensors` as FP8 blocks and their scales; how many. An
     unquantized checkpoint's weights are quantized (packed experts expert by expert). An fp8
-    checkpoint's are its own blocks where the weight's checkpoint parts line up in 128x128 blocks;
-    the others keep the dequantized weight (never requantized to make a fusion fit)."""
-    from flare_core.kernels.fp8 import SCALE_SUFFIX, quantize_blocks, quantize_experts
+    checkpoint's are its own blocks where the checkpoint tensors the weight was made of
+    (`sources`) line up in 128x128 blocks; the others keep the dequantized weight (never
+    requantized to make a fusion fit)."""
+    from flare_core.kernels.fp8 import BLOCK, SCALE_SUFFIX, quantize_blocks, quantize_experts
 
     done = 0
     for name in names:
@@ -355,48 +362,14 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
         if checkpoint.blocks is None:
             fp8 = quantize_experts(tensor) if tensor.dim() == 3 else quantize_blocks(tensor)
         else:
-            fp8 = _published_blocks(name, tensor, checkpoint)
+            raw = checkpoint.raw.tensors if isinstance(checkpoint.raw, ReadLog) else checkpoint.raw
+            fp8 = published_fp8(tensor, sources.get(name, []), raw, checkpoint.scale_of) \
+                if checkpoint.blocks.block == BLOCK else None
         if fp8 is not None:
             tensors.put(name, fp8[0])
             tensors.put(name + SCALE_SUFFIX, fp8[1])
             done += 1
     return done
-
-
-def _published_blocks(name: str, prepared: torch.Tensor,
-                      checkpoint: DequantizedCheckpoint) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The fp8 checkpoint's own (weight, scale_inv) of prepared weight `name`: for each of its
-    checkpoint groups (flare_core.ops.weights.source_names: one matrix, or one per packed expert)
-    the parts (one, or a fused projection's) concatenated, when each is fp8 in 128x128 blocks,
-    every part but the last fills whole block rows, and the result dequantizes to exactly the
-    prepared weight (which a recipe that maps names its own way would not). None otherwise."""
-    from flare_core.kernels.fp8 import BLOCK, dequantize_blocks
-    from flare_core.ops.weights import source_names
-
-    if checkpoint.blocks.block != BLOCK:
-        return None
-    packed = prepared.dim() == 3
-    groups = source_names(name, prepared.shape[0] if packed else 0)
-    raw = checkpoint.raw
-    names = set(raw)
-    weights, scales = [], []
-    for parts, target in zip(groups, prepared if packed else [prepared]):
-        if not all(part in names and checkpoint.scale_of(part) is not None for part in parts):
-            return None
-        pieces = [raw[part] for part in parts]
-        if any(w.dtype != torch.float8_e4m3fn or w.dim() != 2 for w in pieces) or \
-                any(w.shape[0] % BLOCK[0] for w in pieces[:-1]):
-            return None
-        weight = torch.cat(pieces)
-        scale = torch.cat([raw[checkpoint.scale_of(part)].float() for part in parts])
-        if tuple(weight.shape) != tuple(target.shape) or \
-                not torch.equal(dequantize_blocks(weight, scale, dtype=target.dtype), target):
-            return None
-        weights.append(weight)
-        scales.append(scale)
-    if packed:
-        return torch.stack(weights), torch.stack(scales)
-    return weights[0].contiguous(), scales[0].contiguous()
 
 
 def _rank_config(recipe: Recipe, model_config, ranks: int):

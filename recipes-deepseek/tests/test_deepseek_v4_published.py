@@ -70,7 +70,7 @@ def test_the_export_serves_the_published_weights(published, tmp_path):
                         page_tokens=32)
 
 
-def test_quantize_fp8_keeps_the_published_fp4_experts_and_serves_them(published, tmp_path):
+def test_quantize_fp8_keeps_the_published_fp4_experts_and_fp8_blocks_and_serves_them(published, tmp_path):
     directory, _, transformers_model = published
     core, printed, config_path = export_checkpoint(directory, tmp_path / "flare", "--dtype", "float32",
                                                    "--quantize", "fp8")
@@ -88,6 +88,10 @@ def test_quantize_fp8_keeps_the_published_fp4_experts_and_serves_them(published,
     assert torch.equal(stored[f"{experts}.down_proj_fp4_scale"][3].float(), original[f"{EXPERT}.scale"].float())
     gate_up = stored[f"{experts}.gate_up_proj"]
     assert gate_up.dtype == torch.uint8 and gate_up.shape[-1] * 2 == transformers_model.config.hidden_size
+    # The FP8 blocks too, found by what the recipe read (DeepSeek's `attn.wq_a` is Transformers' `q_a_proj`).
+    assert stored["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(stored["model.layers.1.self_attn.q_a_proj.weight"].view(torch.uint8),
+                       original[f"{LINEAR}.weight"].view(torch.uint8))
     # Served through flare::routed_experts, dequantized per step: Transformers' logits.
     assert_core_matches(core, config_path, transformers_model, prompt_lens=(7, 45, 70), decode_steps=6,
                         page_tokens=32)
