@@ -79,7 +79,8 @@ def recipes() -> None:
 @click.option("--offline", is_flag=True, help="Use the hub cache only; never download.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--tp", "tensor_parallel", type=int, default=1,
-              help="Split the model over this many tensor-parallel ranks (served with --device cpu so far).")
+              help="Split the model over this many tensor-parallel ranks (served on that many GPUs, flare run "
+                   "--gpus, or on the CPU).")
 @click.option("--quantize", type=click.Choice(["fp8"]), default=None,
               help="Keep the decoder layers' linear weights and routed experts as FP8 with one scale per "
                    "128x128 block (served on Hopper GPUs or with --device cpu).")
@@ -357,8 +358,10 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                embedding_table_cache_size: str | None = None, mixed_steps: bool = True,
                allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
                max_live_per_client: int | None = None, spec_method: str | None = None,
-               spec_draft_tokens: int | None = None, spec_draft_core: str | None = None) -> None:
-    """Load, verify and serve a core until SIGTERM / Ctrl-C. With `dashboard`, a stderr that is a
+               spec_draft_tokens: int | None = None, spec_draft_core: str | None = None,
+               gpus: tuple[int, ...] = ()) -> None:
+    """Load, verify and serve a core until SIGTERM / Ctrl-C. `gpus`: the CUDA devices to serve on,
+    one per tensor-parallel rank of the core (default: the first ones). With `dashboard`, a stderr that is a
     terminal shows the live dashboard once the server listens; otherwise logs stay plain lines.
     `hint(url)`: a line for the user once the server listens at `url` (what to try), printed then,
     or kept on the dashboard under its title."""
@@ -366,6 +369,7 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     from concurrent.futures import ThreadPoolExecutor
 
     import structlog
+    import torch
 
     from flare_core.config import with_overrides
     from flare_core.engine.build import build_engine, check_spec_method
@@ -387,7 +391,9 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
     _configure_logging(logs if logs is not None else sys.stderr)
     log = structlog.get_logger("flare.run")
     started = time.monotonic()
-    torch_device, device_reason = _pick_device(device)
+    if gpus and device == "cpu":
+        raise FlareCommandError("--gpus serves on CUDA devices: it does not go with --device cpu")
+    torch_device, device_reason = _pick_device("cuda" if gpus else device)
     log.info("device", device=str(torch_device), chosen=device_reason)
     # Where start-up goes, for the "core loaded" line: the core's payload hashes, the plugins,
     # the weights onto the device, the engine (compilation, graphs, the KV pool).
@@ -409,15 +415,14 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
                             embedding_table_cache_size=embedding_table_cache_size)
     tables = _table_options(memory)
     ranks = runtime_core.manifest.get("tensor_parallel", 1)
+    devices = _rank_devices(torch_device, gpus, ranks, runtime_core.path)
+    torch_device = torch.device(devices[0])  # rank 0's: the first of --gpus
     leader = None
     if ranks > 1:
-        if torch_device.type != "cpu":
-            raise FlareCommandError(f"{runtime_core.path}: the core is split over {ranks} tensor-parallel ranks; "
-                                    f"only the CPU path (--device cpu) serves such cores so far")
         from flare_core.engine.tensor_parallel import RankLeader
 
         try:
-            leader = RankLeader.start(runtime_core.path, ranks, tables)
+            leader = RankLeader.start(runtime_core.path, ranks, tables, devices)
         except (RuntimeError, ValueError) as exc:
             raise FlareCommandError(f"{runtime_core.path}: the tensor-parallel ranks did not start ({exc})") from exc
         log.info("tensor-parallel ranks", ranks=ranks, worker_pids=leader.worker_pids)
@@ -502,6 +507,19 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         if leader is not None:  # the engine's model thread has stopped: no step is in flight
             leader.close()
 
+def _gpu_list(ctx, param, value: str | None) -> tuple[int, ...]:
+    """--gpus "0,1": distinct device indices."""
+    if value is None:
+        return ()
+    try:
+        gpus = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: comma-separated GPU indices, e.g. 0,1") from None
+    if any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise click.BadParameter(f"{value!r}: distinct GPU indices (0 and up), e.g. 0,1")
+    return gpus
+
+
 _SERVE_OPTIONS = [
     click.option("--device", default=None, help="cuda, cpu or auto (default from config: [defaults] device)."),
     click.option("--host", default=None, help="Address to listen on (default 127.0.0.1)."),
@@ -549,6 +567,9 @@ _SERVE_OPTIONS = [
                  help="Plain log lines instead of the live dashboard (which shows only when stderr is a terminal)."),
     click.option("--no-compile", is_flag=True,
                  help="CUDA: capture graphs over the uncompiled model (faster start, slower steps)."),
+    click.option("--gpus", callback=_gpu_list, default=None,
+                 help="CUDA devices to serve on, comma-separated (e.g. 0,1): one per tensor-parallel rank of "
+                      "the core (flare export --tp N), ranks joined over NCCL (default: the first N)."),
 ]
 
 
@@ -585,7 +606,26 @@ def _serving(config: Config, options: dict) -> dict:
                 embedding_table_cache_size=options["embedding_table_cache_size"],
                 allowed_hosts=options["allowed_hosts"], allowed_origins=options["allowed_origins"],
                 max_live_per_client=options["max_live_per_client"], spec_method=options["spec_method"],
-                spec_draft_tokens=options["spec_draft_tokens"], spec_draft_core=options["spec_draft_core"])
+                spec_draft_tokens=options["spec_draft_tokens"], spec_draft_core=options["spec_draft_core"],
+                gpus=options["gpus"])
+
+
+def _rank_devices(device, gpus: tuple[int, ...], ranks: int, core: Path) -> tuple[str, ...]:
+    """Each tensor-parallel rank's device, rank 0's first: `--gpus`' CUDA devices (as many as the
+    core's ranks), else the first CUDA devices, else the CPU for all."""
+    import torch
+
+    if device.type == "cpu":
+        return ("cpu",) * ranks
+    if gpus and len(gpus) != ranks:
+        raise FlareCommandError(f"--gpus {','.join(map(str, gpus))}: {len(gpus)} GPUs, but the core {core} is split "
+                                f"over {ranks} tensor-parallel rank(s), one per GPU (export it with --tp {len(gpus)})")
+    chosen = gpus or tuple(range(ranks))
+    count = torch.cuda.device_count()
+    if max(chosen) >= count:
+        raise FlareCommandError(f"--gpus {','.join(map(str, chosen))}: this machine has {count} CUDA device(s) "
+                                f"(indices 0 to {count - 1}); a core split over {ranks} ranks needs {ranks}")
+    return tuple(f"cuda:{g}" for g in chosen)
 
 
 DEMO_NAME = "flare-demo"

@@ -161,3 +161,16 @@ def test_sigterm_stops_the_workers_and_a_dead_worker_fails_the_server(session_fl
     os.kill(pid, 9)  # no request follows: the server must notice on its own, while idle
     assert server.wait_exit() == 1, server.log()
     assert f"tensor-parallel worker flare-rank-1 (pid {pid}) exited with status -9" in server.log()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--gpus", "0,0"), "distinct GPU indices"),
+    (("--gpus", "0,x"), "comma-separated GPU indices"),
+    (("--gpus", "0,1", "--device", "cpu"), "--gpus serves on CUDA devices: it does not go with --device cpu"),
+])
+def test_gpus_flag_is_checked_before_loading(session_flare, qwen3_checkpoint, flags, message):
+    """`flare run --gpus` names what is wrong with the list before anything is loaded."""
+    core = session_flare.export(qwen3_checkpoint, *EXPORT, "--tp", "2")
+    result = session_flare("run", core, "--port", "0", "--no-dashboard", *flags, expect_ok=False)
+    assert result.exit_code != 0
+    assert message in result.output, result.output

@@ -105,9 +105,6 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
                          "with --speculative-tokens none); re-export it with their token capacities")
     # Speculating over continuation state, the executor keeps each row as a round found it.
     executor_args["round_saves"] = speculates and bool(loaded.cache_scheme.state)
-    if leader is not None and loaded.device.type != "cpu":
-        raise ValueError(f"the core is split over {loaded.tensor_parallel} tensor-parallel ranks: only the CPU "
-                         f"path (--device cpu) serves such cores so far")
     if loaded.device.type == "cuda":
         from flare_core.executor.graphs import cuda_runner
 
@@ -116,22 +113,29 @@ def build_engine(loaded: LoadedCore, plan_kv: Callable[..., KvPlan], registry: R
         covering = catalog.covering(StepKind.DECODE, max_concurrency)
         rounds = catalog.covering(StepKind.SPECULATIVE, max_concurrency * (1 + spec_draft_tokens)) \
             or catalog.largest(StepKind.SPECULATIVE)
-        executor = cuda_runner(loaded.model, loaded.cache_scheme, num_pages=1, **executor_args,
-                                 decode_capacities=tuple(c for c in catalog.decode if c <= covering),
-                                 prefill_capacities=catalog.prefill, context_length=capacities.context_length,
-                                 compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
-                                 dtype=loaded.dtype,
-                                 speculative_capacities=tuple(c for c in catalog.speculative if c <= rounds)
-                                 if speculates else (),
-                                 final_hidden=head.record if head is not None else None)
+        cuda_args = dict(num_pages=1, **executor_args, decode_capacities=tuple(c for c in catalog.decode if c <= covering),
+                         prefill_capacities=catalog.prefill, context_length=capacities.context_length,
+                         compile_model=compile_model, prefill_chunk_size=capacities.prefill_chunk_size,
+                         dtype=loaded.dtype,
+                         speculative_capacities=tuple(c for c in catalog.speculative if c <= rounds)
+                         if speculates else ())
+        # Tensor-parallel workers build and capture alongside (their collectives meet rank 0's).
+        if leader is not None:
+            leader.build("cuda", cuda_args)
+        executor = cuda_runner(loaded.model, loaded.cache_scheme, **cuda_args,
+                               final_hidden=head.record if head is not None else None)
         kv = plan_kv(round_saves=executor_args["round_saves"], draft_page_bytes=draft_bytes)
+        if leader is not None:
+            leader.resize(kv.num_pages)
         executor.resize_cache(kv.num_pages)
     else:
         kv = plan_kv(round_saves=executor_args["round_saves"], draft_page_bytes=draft_bytes)
+        if leader is not None:
+            leader.build("cpu", dict(num_pages=kv.num_pages, **executor_args))
         executor = eager_runner(loaded.model, loaded.cache_scheme, num_pages=kv.num_pages, **executor_args,
                                 final_hidden=head.record if head is not None else None)
-        if leader is not None:
-            executor = leader.lead(executor, dict(num_pages=kv.num_pages, **executor_args))
+    if leader is not None:
+        executor = leader.lead(executor)
 
     if speculates and spec_draft is not None:  # checked above: it goes with --spec-method draft
         proposer = DraftModel(spec_draft, loaded, max_concurrency, longest, pool_tokens=kv.num_pages * page_tokens)

@@ -1,10 +1,14 @@
-"""The ranks of a server whose core is split over tensor-parallel ranks (flare_core.parallel), on
-the CPU: worker processes, the gloo group they form with the server, and the executor through
-which rank 0 leads them.
+"""The ranks of a server whose core is split over tensor-parallel ranks (flare_core.parallel):
+worker processes, the group they form with the server, and the executor through which rank 0
+leads them. On the CPU the group is gloo's; on GPUs (`flare run --gpus 0,1`) each rank has its
+own GPU and the group is NCCL's, whose all-reduces the CUDA graphs capture with the rest of a step.
+Both run this same code: only the devices and the backend differ.
 
 `flare run` is rank 0: it serves HTTP, schedules and samples as any server does. `RankLeader`
 starts one worker process per other rank; each joins the group, loads its rank's share of the
-core, and builds the executor rank 0 builds, over the same number of pages. For every step,
+core onto its device, and builds the executor rank 0 builds, in step with it (`build`, then on
+CUDA `resize`: building warms and captures the model, whose collectives must meet rank 0's),
+over the same number of pages. For every step,
 rank 0 first sends the step's plan to every worker (`LeadingExecutor.step`); all ranks then run
 the step's forward, whose all-reduces meet inside the model; rank 0 samples and sends the sampled
 tokens, which each worker records as its rows' next decode inputs. Every rank thus issues the
@@ -53,32 +57,34 @@ class RankLeader:
     """Rank 0's side of the group: starts the workers (`start`), joins the group, hands them the
     executor's geometry (`lead`) and stops them (`close`)."""
 
-    def __init__(self, core_path: Path, ranks: int, tables: TableOptions):
-        self.ranks = ranks
+    def __init__(self, core_path: Path, ranks: int, tables: TableOptions, devices: tuple[str, ...]):
+        self.ranks, self.devices = ranks, devices
+        self.backend = backend_of(devices)
         self._directory = Path(tempfile.mkdtemp(prefix="flare-ranks-"))
         context = multiprocessing.get_context("spawn")
         self._commands = [context.Queue() for _ in range(1, ranks)]
         self._status = context.Queue()
         self._workers = [context.Process(target=run_worker, name=f"flare-rank-{rank}", daemon=True,
                                          args=(str(core_path), rank, ranks, str(self._directory / "group"),
-                                               self._commands[rank - 1], self._status, tables))
+                                               self._commands[rank - 1], self._status, tables, devices[rank]))
                          for rank in range(1, ranks)]
         self._joined = False
         self._closing = False
 
     @classmethod
-    def start(cls, core_path: Path, ranks: int, tables: TableOptions = TableOptions()) -> RankLeader:
+    def start(cls, core_path: Path, ranks: int, tables: TableOptions = TableOptions(),
+              devices: tuple[str, ...] | None = None) -> RankLeader:
         """Start the workers and join the group as rank 0 (waits for every worker to join);
-        `tables`: where each rank serves the core's embedding tables from."""
-        import torch.distributed as dist
-
-        leader = cls(core_path, ranks, tables)
+        `tables`: where each rank serves the core's embedding tables from; `devices`: each rank's
+        device ("cpu", or "cuda:N" for all: an NCCL group), rank 0's first (default: the CPU)."""
+        devices = devices or ("cpu",) * ranks
+        if len(devices) != ranks:
+            raise ValueError(f"{len(devices)} devices for {ranks} tensor-parallel ranks")
+        leader = cls(core_path, ranks, tables, devices)
         try:
             for worker in leader._workers:
                 worker.start()
-            torch.set_num_threads(threads_per_rank(ranks))
-            dist.init_process_group("gloo", init_method=f"file://{leader._directory / 'group'}", rank=0,
-                                    world_size=ranks, timeout=GROUP_TIMEOUT)
+            join(leader.backend, leader._directory / "group", 0, ranks, devices[0])
             leader._joined = True
         except BaseException:
             leader.close()
@@ -89,11 +95,21 @@ class RankLeader:
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in self._workers]
 
-    def lead(self, executor: Any, executor_args: dict) -> LeadingExecutor:
-        """Have every worker build its executor with `executor_args` (rank 0's own, its page count
-        included) and wait until all have; RuntimeError naming a worker that failed or died."""
+    def build(self, kind: str, executor_args: dict) -> None:
+        """Have every worker build the executor rank 0 builds next: `kind` "cuda" (flare_core.
+        executor.graphs.cuda_runner, then `resize`) or "cpu" (eager_runner), with rank 0's
+        arguments (its device replaced by the worker's own)."""
         for commands in self._commands:
-            commands.put(("build", executor_args))
+            commands.put(("build", kind, executor_args))
+
+    def resize(self, num_pages: int) -> None:
+        """Have every worker's CUDA executor take the planned page pool, as rank 0's does next."""
+        for commands in self._commands:
+            commands.put(("resize", num_pages))
+
+    def lead(self, executor: Any) -> LeadingExecutor:
+        """Wait until every worker has built its executor (`build`), and lead them with rank 0's
+        `executor`; RuntimeError naming a worker that failed or died."""
         ready: set[int] = set()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len(ready) < len(self._workers):
@@ -109,7 +125,7 @@ class RankLeader:
             if kind == "failed":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
             ready.add(rank)
-        return LeadingExecutor(executor, self._commands, self.ranks)
+        return LeadingExecutor(executor, self._commands, self.ranks, self.backend)
 
     def watch(self, on_exit: Callable[[str], None]) -> None:
         """Call `on_exit(cause)` (from a watcher thread) when a worker exits before `close`: an idle
@@ -150,10 +166,10 @@ class LeadingExecutor:
     """Rank 0's executor: `step` sends each worker the plan, runs it (the workers run its forward
     alongside), then sends the tokens it sampled. Everything else is the wrapped executor's."""
 
-    def __init__(self, executor: Any, commands: list, ranks: int):
+    def __init__(self, executor: Any, commands: list, ranks: int, backend: str):
         self._executor = executor
         self._commands = commands
-        self._ranks = ranks
+        self._ranks, self._backend = ranks, backend
 
     def step(self, plan, sampling):
         for commands in self._commands:
@@ -166,23 +182,45 @@ class LeadingExecutor:
         return output
 
     def summary(self) -> str:
-        return f"{self._executor.summary()}, tensor-parallel over {self._ranks} ranks (gloo)"
+        return f"{self._executor.summary()}, tensor-parallel over {self._ranks} ranks ({self._backend})"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._executor, name)
 
 
-def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands, status,
-               tables: TableOptions = TableOptions()) -> None:
-    """A worker process: join the group, load rank `rank`'s share of the core, build the executor
-    rank 0 describes, then follow rank 0's steps until told to stop."""
+def backend_of(devices: tuple[str, ...]) -> str:
+    """The group's backend for the ranks' devices: NCCL for GPUs, gloo for the CPU."""
+    kinds = {torch.device(device).type for device in devices}
+    if kinds == {"cuda"}:
+        return "nccl"
+    if kinds == {"cpu"}:
+        return "gloo"
+    raise ValueError(f"tensor-parallel ranks on {', '.join(devices)}: all on GPUs or all on the CPU")
+
+
+def join(backend: str, group_file: Path, rank: int, ranks: int, device: str) -> None:
+    """Join the group as `rank` on `device` (a CPU rank's kernels take its share of the cores)."""
     import torch.distributed as dist
 
-    try:
+    if backend == "gloo":
         torch.set_num_threads(threads_per_rank(ranks))
         dist.init_process_group("gloo", init_method=f"file://{group_file}", rank=rank, world_size=ranks,
                                 timeout=GROUP_TIMEOUT)
-        executor = _build_executor(core_path, rank, ranks, commands, tables)
+        return
+    torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl", init_method=f"file://{group_file}", rank=rank, world_size=ranks,
+                            timeout=GROUP_TIMEOUT, device_id=torch.device(device))
+
+
+def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands, status,
+               tables: TableOptions = TableOptions(), device: str = "cpu") -> None:
+    """A worker process: join the group, load rank `rank`'s share of the core onto `device`, build
+    the executor rank 0 describes, then follow rank 0's steps until told to stop."""
+    import torch.distributed as dist
+
+    try:
+        join(backend_of((device,)), Path(group_file), rank, ranks, device)
+        executor = _build_executor(core_path, rank, commands, tables, device)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which fails its start-up
         status.put(("failed", rank, f"{type(exc).__name__}: {exc}"))
         return
@@ -193,7 +231,7 @@ def run_worker(core_path: str, rank: int, ranks: int, group_file: str, commands,
         dist.destroy_process_group()
 
 
-def _build_executor(core_path: str, rank: int, ranks: int, commands, tables: TableOptions):
+def _build_executor(core_path: str, rank: int, commands, tables: TableOptions, device: str):
     from flare_core.core import open_core
     from flare_core.executor.runner import eager_runner
     from flare_core.plugins import load_registry
@@ -201,11 +239,22 @@ def _build_executor(core_path: str, rank: int, ranks: int, commands, tables: Tab
 
     registry = load_registry()
     # The signature is checked on opening; rank 0 verified the payload hashes and the publisher.
-    loaded = load_core(open_core(Path(core_path)), registry, torch.device("cpu"), rank, tables)
-    kind, executor_args = _next(commands)
-    if kind != "build":
-        raise RuntimeError(f"expected the executor's geometry from rank 0, got {kind!r}")
-    return eager_runner(loaded.model, loaded.cache_scheme, **executor_args)
+    loaded = load_core(open_core(Path(core_path)), registry, torch.device(device), rank, tables)
+    message = _next(commands)
+    if message is None or message[0] != "build":
+        raise RuntimeError(f"expected the executor's geometry from rank 0, got {message!r}")
+    _, kind, executor_args = message
+    executor_args = dict(executor_args, device=torch.device(device))
+    if kind == "cpu":
+        return eager_runner(loaded.model, loaded.cache_scheme, **executor_args)
+    from flare_core.executor.graphs import cuda_runner
+
+    executor = cuda_runner(loaded.model, loaded.cache_scheme, **executor_args)
+    message = _next(commands)
+    if message is None or message[0] != "resize":
+        raise RuntimeError(f"expected the page pool from rank 0, got {message!r}")
+    executor.resize_cache(message[1])
+    return executor
 
 
 def _follow(executor, commands) -> None:
