@@ -35,8 +35,11 @@ Prepared tensor names are the Transformers names; `map_weights` reads checkpoint
 DeepSeek publishes them (`layers.N.attn.wq_a.weight`, `embed.weight`, ...) or as Transformers'
 `save_pretrained` writes them, through Transformers' own renaming rules for the family.
 
-This path runs request by request in float32 attention (the reference); the CUDA graph executor
-refuses continuation-state schemes.
+Prompt chunks run request by request in float32 attention (the reference). A step in which every
+request brings one token (decode) runs all requests at once from the batch's device tensors only
+(`_decode`: no host reads, shapes fixed by the batch's page table), which a captured graph can
+replay; it computes what the per-request path does. The CUDA executor does not serve V4 yet
+(its attention kernels are FlashInfer's, which this attention is not built on).
 """
 
 from __future__ import annotations
@@ -166,6 +169,49 @@ class Compressor:
         cos, sin = rope_at(positions, "compress")
         return rotate(pooled[:, None, :], cos, sin)[:, 0], opened
 
+    def decode(self, x: Tensor, pending: Tensor, rows: Tensor, positions: Tensor,
+               rope_at: RopeAt) -> tuple[Tensor, Tensor, Tensor]:
+        """One new token per request, all requests at once and without reading anything on the
+        host (a captured graph's decode step): x [B, hidden] at `positions` [B] into `pending`
+        (the layer, [state rows, ring, 2 x width], rows `rows` [B]). Returns the entry of each
+        request's current window [B, dim] as if it closed now, whether it does ([B] bool: the token
+        is its window's last), and the window's index [B] (its record)."""
+        rate, length = self.rate, pending.shape[1]
+        projected = torch.cat([self.module.kv_proj(x), self.module.gate_proj(x)], dim=-1)
+        pending[rows, positions % length] = projected.to(pending.dtype)
+        window = positions // rate
+        first = window * rate
+        offsets = torch.arange(rate, device=x.device)
+        current = pending[rows[:, None], (first[:, None] + offsets) % length].to(projected.dtype)
+        width = projected.shape[-1] // 2  # kv | gate
+        kv, gate = current[..., :width], current[..., width:].float() + self.module.position_bias.float()
+        if self.overlap:  # the first series of the window before (none before window 0: weight zero)
+            before = pending[rows[:, None], (first[:, None] - rate + offsets) % length].to(projected.dtype)
+            no_window = (window == 0)[:, None, None]
+            before_kv = before[..., :self.dim].masked_fill(no_window, 0.0)
+            before_gate = (before[..., width:width + self.dim].float()
+                           + self.module.position_bias[:, :self.dim].float()).masked_fill(no_window, float("-inf"))
+            kv = torch.cat([before_kv, kv[..., self.dim:]], dim=1)
+            gate = torch.cat([before_gate, gate[..., self.dim:]], dim=1)
+        pooled = self.module.kv_norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))
+        cos, sin = rope_at(first, "compress")
+        return rotate(pooled[:, None, :], cos, sin)[:, 0], (positions + 1) % rate == 0, window
+
+
+def _decode_record_slots(page_table: Tensor, records: Tensor, rate: int, page_tokens: int) -> Tensor:
+    """`record_slots` of one record per request: record `records[b]` of request b, [B]."""
+    first_tokens = records * rate
+    pages = page_table.gather(1, (first_tokens // page_tokens)[:, None])[:, 0].long()
+    return pages * (page_tokens // rate) + (first_tokens % page_tokens) // rate
+
+
+def _write_closed(layer_store: Tensor, entries: Tensor, closes: Tensor, slots: Tensor) -> None:
+    """Write each request's entry at its record slot where `closes`; elsewhere the record is
+    written back as it was (no branch on the host: a captured graph writes every row)."""
+    records_per_page = layer_store.shape[1]
+    kept = layer_store[slots // records_per_page, slots % records_per_page].to(entries.dtype)
+    write_paged(layer_store, torch.where(closes[:, None], entries, kept), slots)
+
 
 class CompressedAttention(nn.Module):
     """`DeepseekV4Attention` (its parameters, under their names) over the runtime's stores. Called
@@ -204,6 +250,18 @@ class CompressedAttention(nn.Module):
         q = rotate(self.q_b_norm(self.q_b_proj(q_residual).view(tokens, self.num_heads, self.head_dim)), cos, sin)
         kv = rotate(self.kv_norm(self.kv_proj(x))[:, None, :], cos, sin)[:, 0]
         batch = context.batch
+        if batch.num_tokens == batch.num_requests and batch.state_rows is not None:
+            out = self._decode(x, q, q_residual, kv, positions, context, rope_at, cos, sin)
+        else:
+            out = self._per_request(x, q, q_residual, kv, context, rope_at, cos, sin)
+        out = rotate(out, cos, -sin)  # K = V: undo the rotation the values carried into the output
+        grouped = self.o_a_proj(out.reshape(tokens, self.o_groups, -1)).flatten(1)
+        return self.o_b_proj(grouped)[None], None
+
+    def _per_request(self, x: Tensor, q: Tensor, q_residual: Tensor, kv: Tensor, context: ForwardContext,
+                     rope_at: RopeAt, cos: Tensor, sin: Tensor) -> Tensor:
+        """Attention request by request, from the batch's host copies (prompt chunks; the reference)."""
+        batch = context.batch
         out = torch.empty_like(q)
         for r in range(batch.num_requests):
             start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
@@ -216,9 +274,66 @@ class CompressedAttention(nn.Module):
                                                     cos[rows], sin[rows])
                 keys, allowed = torch.cat([keys, entries]), torch.cat([allowed, visible], dim=1)
             out[rows] = self._attend(q[rows], keys, allowed)
-        out = rotate(out, cos, -sin)  # K = V: undo the rotation the values carried into the output
-        grouped = self.o_a_proj(out.reshape(tokens, self.o_groups, -1)).flatten(1)
-        return self.o_b_proj(grouped)[None], None
+        return out
+
+    def _decode(self, x: Tensor, q: Tensor, q_residual: Tensor, kv: Tensor, positions: Tensor,
+                context: ForwardContext, rope_at: RopeAt, cos: Tensor, sin: Tensor) -> Tensor:
+        """Attention of a step in which every request brings one token, computed for all at once
+        from the batch's device tensors only (state rows, page table, positions), in shapes the
+        batch fixes (its page table's width bounds the records read): what a captured decode graph
+        replays. Computes what `_per_request` does."""
+        batch = context.batch
+        rows = batch.state_rows
+        ring = context.store("window", self)
+        length = ring.shape[1]
+        ring[rows, positions % length] = kv.to(ring.dtype)
+        # The window's rows in position order, oldest first; positions below 0 were never written.
+        window_positions = positions[:, None] - self.window + 1 + torch.arange(self.window, device=x.device)
+        keys = ring[rows[:, None], window_positions % length].to(kv.dtype)
+        allowed = window_positions >= 0
+        if self.pool is not None:
+            entries, visible = self._compressed_decode(x, q_residual, positions, context, rope_at, cos, sin)
+            keys, allowed = torch.cat([keys, entries], dim=1), torch.cat([allowed, visible], dim=1)
+        return self._attend_rows(q, keys, allowed)
+
+    def _compressed_decode(self, x: Tensor, q_residual: Tensor, positions: Tensor, context: ForwardContext,
+                           rope_at: RopeAt, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """`_compressed` for one token per request: each request's window entry written where its
+        token closes the window (elsewhere its record is written back unchanged), then all records
+        its pages hold read, [B, records, dim], with which ones it sees."""
+        batch, rate = context.batch, self.rate
+        prefix = "csa" if self.kind == CSA else "hca"
+        rows, page_table = batch.state_rows, batch.page_table
+        store = context.store(f"{prefix}_kv", self)
+        entries, closes, window = self.pool.decode(x, context.store(f"{prefix}_pending", self), rows, positions, rope_at)
+        slots = _decode_record_slots(page_table, window, rate, batch.page_tokens)
+        _write_closed(store, entries, closes, slots)
+        compressed = store[page_table.long()].flatten(1, 2)  # record r of a request at r
+        count = (positions + 1) // rate
+        visible = torch.arange(compressed.shape[1], device=x.device)[None, :] < count[:, None]
+        if self.index_pool is None:
+            return compressed.to(entries.dtype), visible
+        index_store = context.store("csa_index", self)
+        index_entries, _, _ = self.index_pool.decode(x, context.store("csa_index_pending", self), rows, positions,
+                                                     rope_at)
+        _write_closed(index_store, index_entries, closes, slots)
+        index_keys = index_store[page_table.long()].flatten(1, 2).to(index_entries.dtype)
+        indexer = self.compressor.indexer
+        queries = rotate(indexer.q_b_proj(q_residual).view(x.shape[0], indexer.num_heads, indexer.head_dim), cos, sin)
+        scores = indexer.scorer(queries[:, None], index_keys, x[:, None])[:, 0]  # [B, records]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.index_topk, scores.shape[1]), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return compressed.to(entries.dtype), visible & chosen
+
+    def _attend_rows(self, q: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
+        """`_attend` for one query per request: q [B, heads, dim] over its keys = values [B, K, dim]
+        where `allowed` [B, K]."""
+        scores = torch.einsum("bhd,bkd->bhk", q.float(), keys.float()) * self.scaling
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("bhk,bkd->bhd", probs, keys.float()).to(q.dtype)
 
     def _compressed(self, x: Tensor, q: Tensor, q_residual: Tensor, first: int, request: int,
                     context: ForwardContext, rope_at: RopeAt, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
