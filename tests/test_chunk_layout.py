@@ -33,3 +33,27 @@ def test_the_captured_layout_puts_every_token_in_the_first_request():
     assert layout.query_start.tolist() == [0, 128, 128, 128, 128]
     assert layout.state_rows.tolist() == [2, 2, 2, 2]
     assert [tuple(r) for r in layout.chunk_indices.tolist()] == [(0, 0), (0, 1)] + [(3, 0)] * 4
+
+
+def test_a_decode_graphs_page_table_input_holds_each_rows_pages_and_padding_the_scratch_page():
+    """The decode "backend" of BatchAttention models (flare_core.executor.backends.PageTableInput)
+    fills the page table the graph's batch reads, from the step's decode layout (graphs.
+    decode_step_inputs): live rows their pages so far, padding rows the scratch page, the rest 0;
+    a later, smaller step leaves nothing of the earlier one behind."""
+    from flare_core.executor.backends import PageTableInput
+    from flare_core.executor.graphs import decode_step_inputs
+    from flare_core.scheduler import DecodeEntry, RequestHandle
+
+    def entry(row: int, position: int, pages: list[int]) -> DecodeEntry:
+        return DecodeEntry(RequestHandle(f"r{row}", row, 0), position, 7, tuple(pages))
+
+    capacity, pages_per_context, scratch_page, page_tokens = 4, 3, 99, 16
+    table = PageTableInput(capacity, capacity * (pages_per_context + 1), torch.device("cpu"))
+    assert table.page_table.shape == (capacity, pages_per_context + 1)
+    _, layout = decode_step_inputs([entry(0, 40, [5, 2, 8]), entry(1, 3, [4, 6])], capacity, page_tokens,
+                                   scratch_page, scratch_row=9)
+    table.plan(layout, 1.0)
+    assert table.page_table.tolist() == [[5, 2, 8, 0], [4, 0, 0, 0], [99, 0, 0, 0], [99, 0, 0, 0]]
+    _, layout = decode_step_inputs([entry(2, 0, [1])], capacity, page_tokens, scratch_page, scratch_row=9)
+    table.plan(layout, 1.0)
+    assert table.page_table.tolist() == [[1, 0, 0, 0], [99, 0, 0, 0], [99, 0, 0, 0], [99, 0, 0, 0]]

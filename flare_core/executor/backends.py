@@ -1,8 +1,10 @@
 """Which GPU attention kernels a model needs, chosen from the attention modules it is built on
 (the data of its cache scheme, never its name): `PagedAttention` (standard / grouped-query
-attention over "k"/"v" pages) or `MLAPagedAttention` (absorbed latent attention over "ckv"/"kpe"
-pages). The CUDA executor asks the returned factory for one decode backend per captured batch
-capacity and one prefill backend for steps with prompt chunks.
+attention over "k"/"v" pages), `MLAPagedAttention` (absorbed latent attention over "ckv"/"kpe"
+pages), or none for `BatchAttention` layers, which compute from the batch themselves: their
+decode "backend" only writes each row's pages into the page table a decode graph's batch holds.
+The CUDA executor asks the returned factory for one decode backend per captured batch capacity
+and one prefill backend for steps with prompt chunks.
 
 A backend is planned on the host from a `PagedLayout` before its step runs (`plan(layout,
 scale)`) and then called by every layer of the step (`run` / `run_mla`).
@@ -19,7 +21,7 @@ from torch import nn
 from flare_core.kernels import decode_attention
 from flare_core.kernels.decode_attention import TritonDecode
 from flare_core.kernels.flashinfer_attention import FlashInferDecode, FlashInferPrefill, PagedLayout
-from flare_core.ops.attention import PagedAttention
+from flare_core.ops.attention import BatchAttention, PagedAttention
 from flare_core.ops.mla import MLAPagedAttention
 
 
@@ -52,6 +54,12 @@ class AttentionKernels(Protocol):
         """Whether prefill backends can be captured in CUDA graphs."""
         ...
 
+    @property
+    def page_table_input(self) -> bool:
+        """Whether a decode backend holds the `page_table` [capacity, pages per row] its plan fills,
+        which the decode graph's batch must read (the attention layers read it themselves)."""
+        ...
+
 
 @dataclass
 class _Kernels:
@@ -68,6 +76,8 @@ class _Kernels:
     @property
     def scale(self) -> float:
         return self.module.scale
+
+    page_table_input = False  # the kernels read their pages from their plans
 
 
 class _PagedKernels(_Kernels):
@@ -122,15 +132,63 @@ class _LatentKernels(_Kernels):
     graph_prefill = False
 
 
+class PageTableInput:
+    """The decode "backend" of `BatchAttention` models: `plan` writes each row's pages (a
+    `PagedLayout`'s, padding rows on the scratch page) into `page_table` [capacity, pages per
+    row], int32 on the device, through a pinned staging copy in stream order (the decode graph's
+    batch holds that tensor)."""
+
+    def __init__(self, capacity: int, max_pages: int, device: torch.device):
+        pages_per_row = -(-max_pages // capacity)
+        self.page_table = torch.zeros(capacity, pages_per_row, dtype=torch.int32, device=device)
+        self._staging = torch.zeros(capacity, pages_per_row, dtype=torch.int32,
+                                    pin_memory=device.type == "cuda")
+
+    def plan(self, layout: PagedLayout, scale: float) -> None:
+        self._staging.zero_()
+        bounds = layout.indptr.tolist()
+        for row in range(min(len(bounds) - 1, self._staging.shape[0])):
+            pages = layout.indices[bounds[row]:bounds[row + 1]]
+            self._staging[row, :pages.numel()] = pages
+        self.page_table.copy_(self._staging, non_blocking=True)
+
+
+class _NoPlan:
+    """The prefill "backend" of `BatchAttention` models: nothing to plan."""
+
+    def plan(self, layout: PagedLayout, scale: float) -> None:
+        return None
+
+
+@dataclass
+class _BatchKernels:
+    """For models whose attention layers are all `BatchAttention`: no kernel, no softmax scale
+    of the executor's; prompt chunks run eagerly."""
+
+    device: torch.device
+    scale: float = 1.0
+    triton_decode = False
+    graph_prefill = False
+    page_table_input = True
+
+    def decode(self, capacity: int, max_pages: int, triton: bool = False) -> PageTableInput:
+        return PageTableInput(capacity, max_pages, self.device)
+
+    def prefill(self, graph: tuple[int, int] | None = None) -> _NoPlan:
+        return _NoPlan()
+
+
 def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dtype: torch.dtype,
                 cache_dtype: torch.dtype | None = None) -> AttentionKernels:
     """The kernel factory for `model`'s attention modules (all of one kind, one softmax scale),
     whose queries are `dtype` and pages `cache_dtype` (None: `dtype`)."""
     cache_dtype = cache_dtype or dtype
     modules = [m for m in model.modules() if isinstance(m, (PagedAttention, MLAPagedAttention))]
+    if not modules and any(isinstance(m, BatchAttention) for m in model.modules()):
+        return _BatchKernels(workspace.device)
     if not modules:
-        raise ValueError("the CUDA executor needs a model built on flare_core.ops.attention.PagedAttention or "
-                         "flare_core.ops.mla.MLAPagedAttention; this model has neither")
+        raise ValueError("the CUDA executor needs a model built on flare_core.ops.attention.PagedAttention, "
+                         "flare_core.ops.mla.MLAPagedAttention or BatchAttention; this model has none")
     kinds = {type(m) for m in modules}
     scales = {m.scale for m in modules}
     if len(kinds) > 1 or len(scales) > 1:

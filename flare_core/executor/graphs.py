@@ -596,7 +596,8 @@ class GraphRunner:
         batch = AttentionBatch(
             query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
             kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
-            page_table=torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
+            page_table=attention.backend.page_table if self.kernels.page_table_input else
+            torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
             slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
             kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.state.scheme.state else None)

@@ -241,6 +241,15 @@ def paged_attention_reference(q: Tensor, k_layer: Tensor, v_layer: Tensor, batch
     return out
 
 
+class BatchAttention(nn.Module):
+    """Base of attention layers that compute from the forward context alone (the batch's page
+    table, state rows and the stores), with kernels of their own or plain torch, and plan nothing
+    with the executor (DeepSeek V4's compressed attention). On CUDA their steps run eagerly, and
+    their decode steps replay in graphs when computed from the batch's device tensors only: there
+    a decode graph's page table is an input, each row's pages written in before every replay
+    (flare_core.executor.backends)."""
+
+
 class PagedAttention(nn.Module):
     """Append this step's K/V to layer `layer_idx` of the "k"/"v" paged stores, then attend.
 

@@ -38,8 +38,10 @@ DeepSeek publishes them (`layers.N.attn.wq_a.weight`, `embed.weight`, ...) or as
 Prompt chunks run request by request in float32 attention (the reference). A step in which every
 request brings one token (decode) runs all requests at once from the batch's device tensors only
 (`_decode`: no host reads, shapes fixed by the batch's page table), which a captured graph can
-replay; it computes what the per-request path does. The CUDA executor does not serve V4 yet
-(its attention kernels are FlashInfer's, which this attention is not built on).
+replay; it computes what the per-request path does. On CUDA (a `BatchAttention`: the executor
+plans no kernel for it) decode steps replay in captured graphs and prompt chunks run eagerly, in
+plain torch: correct, not fast (every step reads all of a request's compressed records; the
+indexer's top-k and the sparse attention over it want the field's kernels, #48).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from torch import Tensor, nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from flare_core.api import (
-    CacheScheme, ContractError, DecoderForServing, DequantizedCheckpoint, ForwardContext, Fp8ConfigError,
+    BatchAttention, CacheScheme, ContractError, DecoderForServing, DequantizedCheckpoint, ForwardContext, Fp8ConfigError,
     PagedStore, StateTensor, fp8_blocks, prepare_weights, STATIC_ROPE_TYPES, write_paged,
 )
 
@@ -213,10 +215,10 @@ def _write_closed(layer_store: Tensor, entries: Tensor, closes: Tensor, slots: T
     write_paged(layer_store, torch.where(closes[:, None], entries, kept), slots)
 
 
-class CompressedAttention(nn.Module):
+class CompressedAttention(BatchAttention):
     """`DeepseekV4Attention` (its parameters, under their names) over the runtime's stores. Called
     by the Transformers decoder layer with the forward context and the positions in its keyword
-    arguments."""
+    arguments. A `BatchAttention`: on CUDA its decode steps replay in graphs."""
 
     def __init__(self, original: v4.DeepseekV4Attention, config: Any):
         super().__init__()
@@ -512,8 +514,8 @@ def plan_notes(config: Any) -> tuple[str, ...]:
     others = sum(t.numel() for t in weights.values()) - experts
     formats = {"bfloat16": 2 * (experts + others), "FP8": experts + others, "FP4 experts + FP8": experts // 2 + others}
     sizes = ", ".join(f"{name} {size / 1e9:.1f} GB" for name, size in formats.items())
-    return ("DeepSeek V4 runs on the CPU reference path (--device cpu): the CUDA executor has no kernels for its "
-            "compressed attention or continuation state yet",
+    return ("DeepSeek V4 on CUDA: decode steps in captured graphs, prompt chunks eager, its compressed attention "
+            "in plain torch (no fast kernels yet); --device cpu serves the reference path",
             f"weights by format: {sizes}; 141 GB H200s needed for the weights alone: "
             + ", ".join(f"{name} {-(-size // 141_000_000_000)}" for name, size in formats.items()),
             "the multi-token-prediction layer (mtp.*) stays in the checkpoint; it is not read")

@@ -41,7 +41,7 @@ DEEPSEEK_V4 = Recipe(
     build_model=build_model,
     map_weights=map_weights,
     description="DeepSeek V4 (Transformers DeepseekV4ForCausalLM: sliding-window shared-KV attention with compressed "
-                "sparse / heavily compressed attention, mHC, hash and top-k routed MoE); CPU reference path",
+                "sparse / heavily compressed attention, mHC, hash and top-k routed MoE); CPU reference path, CUDA decode graphs in plain torch",
     check_config=check_config,
     plan_notes=plan_notes,
 )
