@@ -201,9 +201,10 @@ class Compressor:
 
 
 def _decode_record_slots(page_table: Tensor, records: Tensor, rate: int, page_tokens: int) -> Tensor:
-    """`record_slots` of one record per request: record `records[b]` of request b, [B]."""
+    """`record_slots` of one record per request: record `records[b]` of request b, [B] (the page
+    table int64)."""
     first_tokens = records * rate
-    pages = page_table.gather(1, (first_tokens // page_tokens)[:, None])[:, 0].long()
+    pages = page_table.gather(1, (first_tokens // page_tokens)[:, None])[:, 0]
     return pages * (page_tokens // rate) + (first_tokens % page_tokens) // rate
 
 
@@ -301,32 +302,35 @@ class CompressedAttention(BatchAttention):
     def _compressed_decode(self, x: Tensor, q_residual: Tensor, positions: Tensor, context: ForwardContext,
                            rope_at: RopeAt, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """`_compressed` for one token per request: each request's window entry written where its
-        token closes the window (elsewhere its record is written back unchanged), then all records
-        its pages hold read, [B, records, dim], with which ones it sees."""
+        token closes the window (elsewhere its record is written back unchanged); then the records
+        it attends to, [B, K, dim], with which of them it sees: HCA all its pages hold, CSA the
+        indexer's top `index_topk` (the indexer reads every key, the attention only those)."""
         batch, rate = context.batch, self.rate
         prefix = "csa" if self.kind == CSA else "hca"
-        rows, page_table = batch.state_rows, batch.page_table
+        rows, page_table = batch.state_rows, batch.page_table.long()
         store = context.store(f"{prefix}_kv", self)
         entries, closes, window = self.pool.decode(x, context.store(f"{prefix}_pending", self), rows, positions, rope_at)
         slots = _decode_record_slots(page_table, window, rate, batch.page_tokens)
         _write_closed(store, entries, closes, slots)
-        compressed = store[page_table.long()].flatten(1, 2)  # record r of a request at r
         count = (positions + 1) // rate
-        visible = torch.arange(compressed.shape[1], device=x.device)[None, :] < count[:, None]
+        records = page_table.shape[1] * store.shape[1]  # record r of a request: page r // per page, offset r % per page
         if self.index_pool is None:
-            return compressed.to(entries.dtype), visible
+            visible = torch.arange(records, device=x.device)[None, :] < count[:, None]
+            return store[page_table].flatten(1, 2).to(entries.dtype), visible
         index_store = context.store("csa_index", self)
         index_entries, _, _ = self.index_pool.decode(x, context.store("csa_index_pending", self), rows, positions,
                                                      rope_at)
         _write_closed(index_store, index_entries, closes, slots)
-        index_keys = index_store[page_table.long()].flatten(1, 2).to(index_entries.dtype)
+        index_keys = index_store[page_table].flatten(1, 2).to(index_entries.dtype)
         indexer = self.compressor.indexer
         queries = rotate(indexer.q_b_proj(q_residual).view(x.shape[0], indexer.num_heads, indexer.head_dim), cos, sin)
         scores = indexer.scorer(queries[:, None], index_keys, x[:, None])[:, 0]  # [B, records]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.index_topk, scores.shape[1]), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return compressed.to(entries.dtype), visible & chosen
+        visible = torch.arange(records, device=x.device)[None, :] < count[:, None]
+        top = scores.masked_fill(~visible, float("-inf")).topk(min(self.index_topk, records), dim=-1).indices
+        # Fewer visible records than the top-k: the rest of it are records not yet written (-inf).
+        per_page = store.shape[1]
+        chosen = store[page_table.gather(1, top // per_page), top % per_page]
+        return chosen.to(entries.dtype), top < count[:, None]
 
     def _attend_rows(self, q: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
         """`_attend` for one query per request: q [B, heads, dim] over its keys = values [B, K, dim]
