@@ -1,0 +1,195 @@
+"""DeepSeek V4 decode on the CUDA runner at V4 Flash's per-layer shapes (#48's targets).
+
+Transformers' `DeepseekV4Config()` defaults are V4 Flash's shapes (hidden 4096, 64 heads of 512,
+256 routed experts of 2048, top-6, CSA rate 4 with an indexer keeping 512, HCA rate 128, a
+128-token window, 4 mHC streams); the depth is cut to `--layers` (default 4: HCA with hash
+routing, CSA, HCA, CSA: every layer kind and the real expert count), random weights, the routed
+experts packed FP4 as published (`flare export --quantize fp8` keeps them so; flare_core.ops.fp4).
+The context is not prefilled: a request's pages are simply held (its stores read as they are),
+so a step at a 131,072-token context costs what it would after a real prompt.
+
+For each `--contexts` length, `--steps` decode steps of `--rows` requests are replayed from the
+decode graph (two in flight, each input token read on the device from the step before, as
+serving does) and timed. Reported per context: ms per step, and the bytes a step must read
+(weights the step uses: everything but the routed experts, plus the experts its rows chose,
+top-k per row and MoE layer, at their stored size; the caches: window rings, CSA's indexer keys in full and its top-k
+entries, HCA's records) against the device's copy bandwidth; the 131,072 / 4,096 step ratio.
+
+    python3 benchmarks/deepseek_v4_decode.py --out benchmarks/results/h200-deepseek-v4.json
+    python3 benchmarks/deepseek_v4_decode.py --tiny --device cpu      # a smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from provenance import commit_and_date, report
+
+HCA, CSA = "heavily_compressed_attention", "compressed_sparse_attention"
+
+
+def v4_config(layers: int, tiny: bool):
+    """V4 Flash's shapes at `layers` layers (alternating HCA and CSA, hash routing in the first),
+    or flare_testing's tiny V4 with `tiny`."""
+    from transformers import DeepseekV4Config
+
+    if tiny:
+        from flare_testing.deepseek import tiny_v4_config
+
+        return tiny_v4_config()
+    kinds = [HCA if i % 2 == 0 else CSA for i in range(layers)]
+    return DeepseekV4Config(num_hidden_layers=layers, layer_types=kinds,
+                            mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
+
+
+def random_model(config, device: torch.device):
+    """The served V4 model with random weights, its routed experts FP4 (random codes, scales of
+    2^-8 .. 2^-5), on `device`; returns (model, routed-expert bytes, all weight bytes)."""
+    from flare_core.kernels.fp4 import SCALE_SUFFIX
+    from flare_core.ops.fp8 import quantizable_experts
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.serving import ServingOptions, serving_model
+    from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
+
+    skeleton = DEEPSEEK_V4.build_model(config, torch.bfloat16)
+    experts = tuple(f"{path}.{leaf}" for path in quantizable_experts(skeleton) for leaf in ("gate_up_proj", "down_proj"))
+    model = serving_model(DEEPSEEK_V4, config, torch.bfloat16,
+                          ServingOptions(gemv=device.type == "cuda", fp4_experts=experts))
+    generator = torch.Generator(device=device).manual_seed(0)
+    prepared = {}
+    for name, target in model.state_dict().items():
+        if target.dtype == torch.uint8:
+            prepared[name] = torch.randint(0, 256, target.shape, dtype=torch.uint8, device=device, generator=generator)
+        elif name.endswith(SCALE_SUFFIX):
+            exponents = torch.randint(-8, -4, target.shape, device=device, generator=generator)
+            prepared[name] = torch.exp2(exponents.float()).to(target.dtype)
+        elif name.endswith("tid2eid"):
+            prepared[name] = torch.randint(0, config.n_routed_experts, target.shape, device=device,
+                                           generator=generator).to(target.dtype)
+        elif target.is_floating_point():
+            prepared[name] = (torch.randn(target.shape, device=device, generator=generator) * 0.02).to(target.dtype)
+        else:
+            prepared[name] = torch.zeros(target.shape, dtype=target.dtype, device=device)
+    sizes = {name: t.numel() * t.element_size() for name, t in prepared.items()}
+    routed = sum(size for name, size in sizes.items() if any(name.startswith(e) for e in experts))
+    return load_prepared_weights(model, prepared, device), routed, sum(sizes.values())
+
+
+def step_cache_bytes(config, context: int) -> int:
+    """What one decode step reads of the caches at `context` tokens, per request, bf16."""
+    total = 0
+    for kind in config.layer_types:
+        total += config.sliding_window * config.head_dim * 2
+        if kind == CSA:
+            records = context // config.compress_rates[CSA]
+            total += records * config.index_head_dim * 2 + min(records, config.index_topk) * config.head_dim * 2
+        elif kind == HCA:
+            total += context // config.compress_rates[HCA] * config.head_dim * 2
+    return total
+
+
+def decode_times(model, config, device: torch.device, contexts: list[int], steps: int, rows: int,
+                 compile_model: bool) -> dict[int, float]:
+    """Seconds per decode step at each context (see the module docstring)."""
+    from flare_core.executor.sampling import StepSampling
+    from flare_core.requests import SamplingParams
+    from flare_core.scheduler import DecodeEntry, RequestHandle, StepPlan
+    from flare_core.scheduler.estimates import StepKind
+    from flare_recipe_deepseek.v4 import compressed_attention_scheme
+
+    scheme = compressed_attention_scheme(config, "bfloat16")
+    page_tokens = 128
+    longest = max(contexts) + steps + 16
+    per_request = -(-longest // page_tokens)
+    common = dict(num_pages=rows * per_request, page_tokens=page_tokens, num_rows=rows, num_snapshot_rows=0,
+                  num_logits_rows=0, vocab_size=config.vocab_size, device=device)
+    if device.type == "cuda":
+        from flare_core.executor.graphs import cuda_runner
+
+        executor = cuda_runner(model, scheme, **common, decode_capacities=(rows,), context_length=longest,
+                               compile_model=compile_model)
+    else:
+        from flare_core.executor.runner import eager_runner
+
+        executor = eager_runner(model, scheme, **common)
+    handles = [RequestHandle(f"r{r}", r, 1) for r in range(rows)]
+    pages = [tuple(range(r * per_request, (r + 1) * per_request)) for r in range(rows)]
+    greedy = StepSampling([SamplingParams(temperature=0.0)] * rows, [0] * rows, [None] * rows)
+
+    def launch(position: int, first: bool):
+        entries = tuple(DecodeEntry(h, position, 5 if first else None, p) for h, p in zip(handles, pages))
+        output = executor.step(StepPlan(position, StepKind.DECODE, rows, (), entries, (), 0.0), greedy)
+        done = torch.cuda.Event() if device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        return done
+
+    def run(position: int, count: int) -> float:
+        wait = lambda event: event.synchronize() if event is not None else None  # noqa: E731
+        pending = launch(position, True)
+        start = time.perf_counter()
+        for i in range(1, count):
+            following = launch(position + i, False)
+            wait(pending)
+            pending = following
+        wait(pending)
+        return (time.perf_counter() - start) / max(count - 1, 1)
+
+    times = {}
+    for context in contexts:
+        run(context, 4)  # warm-up replays
+        times[context] = run(context + 4, steps)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--contexts", default="4096,131072")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="flare_testing's tiny V4 (a smoke run of the script)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = v4_config(args.layers, args.tiny)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    model, routed_bytes, weight_bytes = random_model(config, device)
+    # A step reads each MoE layer's experts its rows chose: top-k per row, at most all of them.
+    chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
+    active = weight_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
+    times = decode_times(model, config, device, contexts, args.steps, args.rows, not args.no_compile)
+    bandwidth = None
+    if device.type == "cuda":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from decode_c1 import copy_bandwidth
+
+        bandwidth = copy_bandwidth(device)
+    per_context = {}
+    for context, seconds in times.items():
+        step_bytes = active + args.rows * step_cache_bytes(config, context)
+        per_context[str(context)] = {
+            "step_ms": 1000 * seconds, "step_bytes": step_bytes,
+            "roofline_fraction": step_bytes / seconds / bandwidth if bandwidth else None}
+    first, last = str(min(contexts)), str(max(contexts))
+    result = {**commit_and_date(), "command": "python3 " + " ".join(sys.argv),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "layers": config.num_hidden_layers, "layer_types": list(config.layer_types), "rows": args.rows,
+              "weight_bytes": weight_bytes, "routed_expert_bytes_fp4": routed_bytes,
+              "active_weight_bytes_per_step": active, "copy_bandwidth_bytes_s": bandwidth,
+              "contexts": per_context,
+              "roofline_fraction_c1": per_context[first]["roofline_fraction"] if args.rows == 1 else None,
+              "step_128k_over_4k": times[max(contexts)] / times[min(contexts)] if len(contexts) > 1 else None,
+              "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5}
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
