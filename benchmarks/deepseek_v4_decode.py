@@ -11,7 +11,8 @@ so a step at a 131,072-token context costs what it would after a real prompt.
 For each `--contexts` length, `--steps` decode steps of `--rows` requests are replayed from the
 decode graph (two in flight, each input token read on the device from the step before, as
 serving does) and timed. Reported per context: ms per step, and the bytes a step must read
-(weights the step uses: everything but the routed experts, plus the experts its rows chose,
+(weights the step uses: everything but the routed experts and the embedding table, plus the
+experts its rows chose,
 top-k per row and MoE layer, at their stored size; the caches: window rings, CSA's indexer keys in full and its top-k
 entries, HCA's records) against the device's copy bandwidth; the 131,072 / 4,096 step ratio.
 
@@ -49,7 +50,8 @@ def v4_config(layers: int, tiny: bool):
 
 def random_model(config, device: torch.device):
     """The served V4 model with random weights, its routed experts FP4 (random codes, scales of
-    2^-8 .. 2^-5), on `device`; returns (model, routed-expert bytes, all weight bytes)."""
+    2^-8 .. 2^-5), on `device`; returns (model, routed-expert bytes, embedding bytes, all weight
+    bytes)."""
     from flare_core.kernels.fp4 import SCALE_SUFFIX
     from flare_core.ops.fp8 import quantizable_experts
     from flare_core.ops.loading import load_prepared_weights
@@ -77,7 +79,9 @@ def random_model(config, device: torch.device):
             prepared[name] = torch.zeros(target.shape, dtype=target.dtype, device=device)
     sizes = {name: t.numel() * t.element_size() for name, t in prepared.items()}
     routed = sum(size for name, size in sizes.items() if any(name.startswith(e) for e in experts))
-    return load_prepared_weights(model, prepared, device), routed, sum(sizes.values())
+    # The embedding table: a step reads a row per token, not the table (the head, untied, is read whole).
+    embedding = sizes["model.embed_tokens.weight"]
+    return load_prepared_weights(model, prepared, device), routed, embedding, sum(sizes.values())
 
 
 def step_cache_bytes(config, context: int) -> int:
@@ -161,10 +165,10 @@ def main() -> None:
     device = torch.device(args.device)
     config = v4_config(args.layers, args.tiny)
     contexts = [int(c) for c in args.contexts.split(",")]
-    model, routed_bytes, weight_bytes = random_model(config, device)
+    model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device)
     # A step reads each MoE layer's experts its rows chose: top-k per row, at most all of them.
     chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
-    active = weight_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
+    active = weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
     times = decode_times(model, config, device, contexts, args.steps, args.rows, not args.no_compile)
     bandwidth = None
     if device.type == "cuda":

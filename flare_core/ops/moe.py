@@ -20,10 +20,14 @@ from flare_core.kernels.moe import MAX_PAIRS_PER_EXPERT
 EXPERTS_IMPLEMENTATION = "flare"
 
 
-def _default_gate(experts: nn.Module) -> bool:
-    from transformers.integrations import moe
+# Transformers' default gate (`transformers.integrations.moe._default_apply_gate`), looked up when
+# the experts are switched (`use_fused_experts`): an import inside the experts' forward stops
+# torch.compile (Transformers' modules are lazy).
+_DEFAULT_GATES: list = [None]
 
-    return getattr(type(experts), "_apply_gate", None) in (None, getattr(moe, "_default_apply_gate", None))
+
+def _default_gate(experts: nn.Module) -> bool:
+    return getattr(type(experts), "_apply_gate", None) in _DEFAULT_GATES
 
 
 def _fusable(experts: nn.Module, clamped_swiglu: tuple[type, ...]) -> bool:
@@ -76,8 +80,10 @@ def use_fused_experts(causal_lm: nn.Module, clamped_swiglu: tuple[type, ...] = (
     can_set = getattr(type(causal_lm), "_can_set_experts_implementation", None)
     if can_set is None or not can_set():
         return False
+    from transformers.integrations import moe
     from transformers.integrations.moe import ExpertsInterface
 
+    _DEFAULT_GATES[1:] = [getattr(moe, "_default_apply_gate", None)]
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
     experts = [m for m in causal_lm.modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
     fused = bool(experts) and all(_fusable(m, clamped_swiglu) for m in experts)
