@@ -98,8 +98,9 @@ def step_cache_bytes(config, context: int) -> int:
 
 
 def decode_times(model, config, device: torch.device, contexts: list[int], steps: int, rows: int,
-                 compile_model: bool) -> dict[int, float]:
-    """Seconds per decode step at each context (see the module docstring)."""
+                 compile_model: bool, profile: Path | None = None) -> dict[int, float]:
+    """Seconds per decode step at each context (see the module docstring); with `profile`, a table
+    of where 20 steps at the longest context spend their time, by kernel, written there."""
     from flare_core.executor.sampling import StepSampling
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, RequestHandle, StepPlan
@@ -148,6 +149,14 @@ def decode_times(model, config, device: torch.device, contexts: list[int], steps
     for context in contexts:
         run(context, 4)  # warm-up replays
         times[context] = run(context + 4, steps)
+    if profile is not None:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            run(max(contexts) + 4 + steps, 20)
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        profile.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
     return times
 
 
@@ -161,6 +170,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="flare_testing's tiny V4 (a smoke run of the script)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = v4_config(args.layers, args.tiny)
@@ -169,7 +179,7 @@ def main() -> None:
     # A step reads each MoE layer's experts its rows chose: top-k per row, at most all of them.
     chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
     active = weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
-    times = decode_times(model, config, device, contexts, args.steps, args.rows, not args.no_compile)
+    times = decode_times(model, config, device, contexts, args.steps, args.rows, not args.no_compile, args.profile)
     bandwidth = None
     if device.type == "cuda":
         sys.path.insert(0, str(Path(__file__).parent))
