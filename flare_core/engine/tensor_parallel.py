@@ -54,8 +54,9 @@ def threads_per_rank(ranks: int) -> int:
 
 
 class RankLeader:
-    """Rank 0's side of the group: starts the workers (`start`), joins the group, hands them the
-    executor's geometry (`lead`) and stops them (`close`)."""
+    """Rank 0's side of the group: starts the workers (`start`), joins the group, has them build
+    the executor rank 0 builds (`build`, on CUDA then `resize`), leads them once they are ready
+    (`lead`) and stops them (`close`)."""
 
     def __init__(self, core_path: Path, ranks: int, tables: TableOptions, devices: tuple[str, ...]):
         self.ranks, self.devices = ranks, devices
