@@ -623,8 +623,9 @@ def _rank_devices(device, gpus: tuple[int, ...], ranks: int, core: Path) -> tupl
     chosen = gpus or tuple(range(ranks))
     count = torch.cuda.device_count()
     if max(chosen) >= count:
-        raise FlareCommandError(f"--gpus {','.join(map(str, chosen))}: this machine has {count} CUDA device(s) "
-                                f"(indices 0 to {count - 1}); a core split over {ranks} ranks needs {ranks}")
+        asked = f"--gpus {','.join(map(str, gpus))}" if gpus else f"the core {core}, split over {ranks} ranks,"
+        raise FlareCommandError(f"{asked} needs CUDA device {max(chosen)}; this machine has {count} (indices 0 to "
+                                f"{count - 1})")
     return tuple(f"cuda:{g}" for g in chosen)
 
 
