@@ -55,6 +55,11 @@ class AttentionKernels(Protocol):
         ...
 
     @property
+    def graph_decode(self) -> bool:
+        """Whether decode steps can be captured in CUDA graphs."""
+        ...
+
+    @property
     def page_table_input(self) -> bool:
         """Whether a decode backend holds the `page_table` [capacity, pages per row] its plan fills,
         which the decode graph's batch must read (the attention layers read it themselves)."""
@@ -78,6 +83,7 @@ class _Kernels:
         return self.module.scale
 
     page_table_input = False  # the kernels read their pages from their plans
+    graph_decode = True
 
 
 class _PagedKernels(_Kernels):
@@ -163,9 +169,11 @@ class _NoPlan:
 @dataclass
 class _BatchKernels:
     """For models whose attention layers are all `BatchAttention`: no kernel, no softmax scale
-    of the executor's; prompt chunks run eagerly."""
+    of the executor's; prompt chunks run eagerly, decode steps too unless every layer's
+    `graph_decode`."""
 
     device: torch.device
+    graph_decode: bool = True
     scale: float = 1.0
     triton_decode = False
     graph_prefill = False
@@ -184,8 +192,9 @@ def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dty
     whose queries are `dtype` and pages `cache_dtype` (None: `dtype`)."""
     cache_dtype = cache_dtype or dtype
     modules = [m for m in model.modules() if isinstance(m, (PagedAttention, MLAPagedAttention))]
-    if not modules and any(isinstance(m, BatchAttention) for m in model.modules()):
-        return _BatchKernels(workspace.device)
+    own = [m for m in model.modules() if isinstance(m, BatchAttention)]
+    if not modules and own:
+        return _BatchKernels(workspace.device, graph_decode=all(m.graph_decode for m in own))
     if not modules:
         raise ValueError("the CUDA executor needs a model built on flare_core.ops.attention.PagedAttention, "
                          "flare_core.ops.mla.MLAPagedAttention or BatchAttention; this model has none")

@@ -471,7 +471,7 @@ class GraphRunner:
         self.decode_graphs: dict[int, _Graph] = {}  # by batch capacity (rows)
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.speculative_graphs: dict[int, _Graph] = {}  # speculative rounds by token capacity
-        self._decode_capacities = decode_capacities
+        self._decode_capacities = decode_capacities if self.kernels.graph_decode else ()
         self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
         self._speculative_capacities = speculative_capacities if self.kernels.graph_prefill else ()
         self.compile_s = self.capture_s = 0.0

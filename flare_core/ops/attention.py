@@ -247,7 +247,10 @@ class BatchAttention(nn.Module):
     with the executor (DeepSeek V4's compressed attention). On CUDA their steps run eagerly, and
     their decode steps replay in graphs when computed from the batch's device tensors only: there
     a decode graph's page table is an input, each row's pages written in before every replay
-    (flare_core.executor.backends)."""
+    (flare_core.executor.backends). A subclass whose decode steps read the batch's host copies
+    sets `graph_decode` False: then every step of its model runs eagerly."""
+
+    graph_decode: bool = True
 
 
 class PagedAttention(nn.Module):

@@ -39,8 +39,9 @@ The cache scheme (`shared_compressed_attention_scheme`), as data:
   by position modulo their length and nothing below position 0 is read, so a fresh row is the
   same as no history and a snapshot at any token continues exactly.
 
-Requests run one by one through attention, in float32 (the reference); the CUDA graph executor
-refuses continuation-state schemes.
+Requests run one by one through attention, in float32 (the reference). On CUDA the executor
+plans no kernel for it (a `BatchAttention`) and runs every step eagerly: no captured graphs, since
+this path reads the batch's host copies (the GPU speed path is #48's).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from flare_core.api import (CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, embedding_tables,
+from flare_core.api import (BatchAttention, CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, embedding_tables,
                             TableSource, read_table, table_skeleton, write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
 from flare_recipe_deepseek.v4 import read_records, record_slots, rotate, sliding_keys
@@ -206,9 +207,12 @@ class Indexer(nn.Module):
         return kept.repeat_interleave(size, dim=-1)[:, :count]
 
 
-class Attention(nn.Module):
+class Attention(BatchAttention):
     """V4.1's attention (module docstring) over the runtime's stores, its parameters under the
-    reference's names."""
+    reference's names. Request by request from the batch's host copies (bit for bit the
+    reference's order): on CUDA its model's steps all run eagerly (`graph_decode`)."""
+
+    graph_decode = False
 
     def __init__(self, config: Any, layer_idx: int):
         super().__init__()

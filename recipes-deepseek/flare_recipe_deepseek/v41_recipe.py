@@ -49,8 +49,8 @@ def tokenizer_tensors(config: Any, tokenizer_json: str) -> dict[str, torch.Tenso
 
 
 def plan_notes(config: Any) -> tuple[str, ...]:
-    notes = ["DeepSeek V4.1 runs on the CPU reference path (--device cpu): the CUDA executor has no kernels for "
-             "its compressed attention or continuation state yet",
+    notes = ["DeepSeek V4.1 runs its reference path on either device: on CUDA every step eagerly (no captured "
+             "graphs, no fast kernels for its compressed attention yet)",
              "the vision tower (vision.*, aligner.*) stays in the checkpoint: this core serves text, and image "
              "content is refused",
              "the DSpark draft layers (mtp.*) are carried into the core for speculative decoding (the carried "
@@ -70,4 +70,4 @@ DEEPSEEK_V41 = replace(
     served_config=served_config, tokenizer_tensors=tokenizer_tensors, carried_prefixes=("mtp.",),
     description="DeepSeek V4.1 (CSA2 shared compressed attention with candidate top-k, mHC, sqrt-softplus routed "
                 "MoE, Engram n-gram memory; Flare's own modeling of the definition on Transformers' main branch); "
-                "CPU reference path")
+                "reference path (CUDA: every step eager)")

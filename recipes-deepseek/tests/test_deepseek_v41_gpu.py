@@ -57,3 +57,30 @@ def test_cuda_greedy_continuation_is_the_reference(tiny, served):
     logits = run_chunks(served, tiny.config, ids + tokens[:-1], [len(ids)] + [1] * (len(tokens) - 1),
                         device="cuda")[len(ids) - 1:]
     assert logits.argmax(-1).tolist() == tokens
+
+
+def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
+    """The served model under the CUDA runner as `flare run --device cuda` builds it: V4.1's
+    attention is a BatchAttention whose steps read the batch's host copies, so no decode graph is
+    captured and every step (the prompt in chunks of the scheduler's size, then one token at a
+    time) runs eagerly; the greedy continuation is the reference's."""
+    import sys
+
+    from flare_core.executor.graphs import cuda_runner
+    from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
+    from flare_testing.parity import drive_greedy
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tests" / "gpu"))
+    from test_hybrid_gpu import make_scheduler
+
+    ids, golden = tiny.sequence(1)
+    tokens = golden["greedy_tokens"].tolist()
+    runner = cuda_runner(served, shared_compressed_attention_scheme(tiny.config, "float32"), num_pages=64,
+                         page_tokens=64, num_rows=4, num_snapshot_rows=8, num_logits_rows=16,
+                         vocab_size=tiny.config.vocab_size, device=torch.device("cuda"), decode_capacities=(1, 2, 4),
+                         context_length=2048)
+    assert not runner.graphs.decode_graphs, "no decode graph is captured over V4.1's attention"
+    scheduler = make_scheduler(64, 4, 8)
+    scheduler.submit("r", ids, len(tokens))
+    rows, _ = drive_greedy(scheduler, runner, len(tokens))
+    assert [int(row.argmax()) for row in rows["r"]] == tokens
