@@ -16,7 +16,7 @@ experts its rows chose,
 top-k per row and MoE layer, at their stored size; the caches: window rings, CSA's indexer keys in full and its top-k
 entries, HCA's records) against the device's copy bandwidth; the 131,072 / 4,096 step ratio.
 
-    python3 benchmarks/deepseek_v4_decode.py --out benchmarks/results/h200-deepseek-v4.json
+    python3 benchmarks/deepseek_v4_decode.py --fp8 --out benchmarks/results/h200-deepseek-v4.json
     python3 benchmarks/deepseek_v4_decode.py --tiny --device cpu      # a smoke run of the script
 """
 
@@ -48,20 +48,23 @@ def v4_config(layers: int, tiny: bool):
                             mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
 
 
-def random_model(config, device: torch.device):
+def random_model(config, device: torch.device, fp8: bool = False):
     """The served V4 model with random weights, its routed experts FP4 (random codes, scales of
-    2^-8 .. 2^-5), on `device`; returns (model, routed-expert bytes, embedding bytes, all weight
-    bytes)."""
+    2^-8 .. 2^-5), with `fp8` its decoder layers' linear weights FP8 blocks as V4 Flash publishes
+    them (random values, scales of 2^-8), on `device`; returns (model, routed-expert bytes,
+    embedding bytes, all weight bytes)."""
     from flare_core.kernels.fp4 import SCALE_SUFFIX
-    from flare_core.ops.fp8 import quantizable_experts
+    from flare_core.kernels.fp8 import SCALE_SUFFIX as FP8_SCALE_SUFFIX
+    from flare_core.ops.fp8 import quantizable_experts, quantizable_linears
     from flare_core.ops.loading import load_prepared_weights
     from flare_core.ops.serving import ServingOptions, serving_model
     from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
 
     skeleton = DEEPSEEK_V4.build_model(config, torch.bfloat16)
     experts = tuple(f"{path}.{leaf}" for path in quantizable_experts(skeleton) for leaf in ("gate_up_proj", "down_proj"))
+    linears = tuple(quantizable_linears(skeleton)) if fp8 else ()
     model = serving_model(DEEPSEEK_V4, config, torch.bfloat16,
-                          ServingOptions(gemv=device.type == "cuda", fp4_experts=experts))
+                          ServingOptions(gemv=device.type == "cuda", fp4_experts=experts, fp8_linears=linears))
     generator = torch.Generator(device=device).manual_seed(0)
     prepared = {}
     for name, target in model.state_dict().items():
@@ -70,6 +73,10 @@ def random_model(config, device: torch.device):
         elif name.endswith(SCALE_SUFFIX):
             exponents = torch.randint(-8, -4, target.shape, device=device, generator=generator)
             prepared[name] = torch.exp2(exponents.float()).to(target.dtype)
+        elif name.endswith(FP8_SCALE_SUFFIX):
+            prepared[name] = torch.full(target.shape, 2.0 ** -8, dtype=target.dtype, device=device)
+        elif target.dtype == torch.float8_e4m3fn:
+            prepared[name] = torch.randn(target.shape, device=device, generator=generator).to(target.dtype)
         elif name.endswith("tid2eid"):
             prepared[name] = torch.randint(0, config.n_routed_experts, target.shape, device=device,
                                            generator=generator).to(target.dtype)
@@ -169,13 +176,15 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="flare_testing's tiny V4 (a smoke run of the script)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the decoder layers' linear weights as FP8 blocks, as V4 Flash publishes them")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = v4_config(args.layers, args.tiny)
     contexts = [int(c) for c in args.contexts.split(",")]
-    model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device)
+    model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device, args.fp8)
     # A step reads each MoE layer's experts its rows chose: top-k per row, at most all of them.
     chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
     active = weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
@@ -196,6 +205,7 @@ def main() -> None:
     result = {**commit_and_date(), "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "layers": config.num_hidden_layers, "layer_types": list(config.layer_types), "rows": args.rows,
+              "linear_weights": "fp8 blocks" if args.fp8 else "bfloat16",
               "weight_bytes": weight_bytes, "routed_expert_bytes_fp4": routed_bytes,
               "active_weight_bytes_per_step": active, "copy_bandwidth_bytes_s": bandwidth,
               "contexts": per_context,
