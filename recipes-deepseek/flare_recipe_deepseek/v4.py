@@ -155,21 +155,14 @@ class Compressor:
         width = projected.shape[-1] // 2  # kv | gate
         offset = opened * rate - span_start
         windows = span[offset:offset + closed * rate].view(closed, rate, 2 * width)
-        kv, gate = windows[..., :width], windows[..., width:].float() + self.module.position_bias.float()
+        indices = torch.arange(opened, opened + closed, device=x.device)
+        before = None
         if self.overlap:
             before = span[max(0, offset - rate):offset + (closed - 1) * rate]
-            before = before.view(-1, rate, 2 * width)
-            before_kv = before[..., :self.dim]
-            before_gate = before[..., width:width + self.dim].float() + self.module.position_bias[:, :self.dim].float()
-            if opened == 0:  # window -1: no tokens, weight zero
-                before_kv = torch.cat([before_kv.new_zeros(1, rate, self.dim), before_kv])
-                before_gate = torch.cat([before_gate.new_full((1, rate, self.dim), float("-inf")), before_gate])
-            kv = torch.cat([before_kv, kv[..., self.dim:]], dim=1)
-            gate = torch.cat([before_gate, gate[..., self.dim:]], dim=1)
-        pooled = self.module.kv_norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))
-        positions = torch.arange(opened, opened + closed, device=x.device) * rate
-        cos, sin = rope_at(positions, "compress")
-        return rotate(pooled[:, None, :], cos, sin)[:, 0], opened
+            if opened == 0:  # window -1: no tokens (`_pool` gives it weight zero)
+                before = torch.cat([before.new_zeros(rate, 2 * width), before])
+            before = before.view(closed, rate, 2 * width)
+        return self._pool(windows, before, indices == 0, indices * rate, rope_at), opened
 
     def decode(self, x: Tensor, pending: Tensor, rows: Tensor, positions: Tensor,
                rope_at: RopeAt) -> tuple[Tensor, Tensor, Tensor]:
@@ -185,19 +178,29 @@ class Compressor:
         first = window * rate
         offsets = torch.arange(rate, device=x.device)
         current = pending[rows[:, None], (first[:, None] + offsets) % length].to(projected.dtype)
-        width = projected.shape[-1] // 2  # kv | gate
-        kv, gate = current[..., :width], current[..., width:].float() + self.module.position_bias.float()
-        if self.overlap:  # the first series of the window before (none before window 0: weight zero)
+        before = None
+        if self.overlap:  # the window before (none before window 0)
             before = pending[rows[:, None], (first[:, None] - rate + offsets) % length].to(projected.dtype)
-            no_window = (window == 0)[:, None, None]
-            before_kv = before[..., :self.dim].masked_fill(no_window, 0.0)
+        entries = self._pool(current, before, window == 0, first, rope_at)
+        return entries, (positions + 1) % rate == 0, window
+
+    def _pool(self, windows: Tensor, before: Tensor | None, no_before: Tensor, first: Tensor,
+              rope_at: RopeAt) -> Tensor:
+        """The entries [n, dim] of `windows` [n, rate, kv | gate] (with `overlap`, the first series
+        of the windows `before` them too, weight zero where `no_before`), rotated at the windows'
+        first positions `first` [n]."""
+        width = windows.shape[-1] // 2  # kv | gate
+        kv, gate = windows[..., :width], windows[..., width:].float() + self.module.position_bias.float()
+        if before is not None:
+            none = no_before[:, None, None]
+            before_kv = before[..., :self.dim].masked_fill(none, 0.0)
             before_gate = (before[..., width:width + self.dim].float()
-                           + self.module.position_bias[:, :self.dim].float()).masked_fill(no_window, float("-inf"))
+                           + self.module.position_bias[:, :self.dim].float()).masked_fill(none, float("-inf"))
             kv = torch.cat([before_kv, kv[..., self.dim:]], dim=1)
             gate = torch.cat([before_gate, gate[..., self.dim:]], dim=1)
         pooled = self.module.kv_norm((kv * gate.softmax(dim=1).to(kv.dtype)).sum(dim=1))
         cos, sin = rope_at(first, "compress")
-        return rotate(pooled[:, None, :], cos, sin)[:, 0], (positions + 1) % rate == 0, window
+        return rotate(pooled[:, None, :], cos, sin)[:, 0]
 
 
 def _decode_record_slots(page_table: Tensor, records: Tensor, rate: int, page_tokens: int) -> Tensor:
@@ -314,8 +317,8 @@ class CompressedAttention(BatchAttention):
         _write_closed(store, entries, closes, slots)
         count = (positions + 1) // rate
         records = page_table.shape[1] * store.shape[1]  # record r of a request: page r // per page, offset r % per page
+        visible = torch.arange(records, device=x.device)[None, :] < count[:, None]
         if self.index_pool is None:
-            visible = torch.arange(records, device=x.device)[None, :] < count[:, None]
             return store[page_table].flatten(1, 2).to(entries.dtype), visible
         index_store = context.store("csa_index", self)
         index_entries, _, _ = self.index_pool.decode(x, context.store("csa_index_pending", self), rows, positions,
@@ -325,7 +328,6 @@ class CompressedAttention(BatchAttention):
         indexer = self.compressor.indexer
         queries = rotate(indexer.q_b_proj(q_residual).view(x.shape[0], indexer.num_heads, indexer.head_dim), cos, sin)
         scores = indexer.scorer(queries[:, None], index_keys, x[:, None])[:, 0]  # [B, records]
-        visible = torch.arange(records, device=x.device)[None, :] < count[:, None]
         top = scores.masked_fill(~visible, float("-inf")).topk(min(self.index_topk, records), dim=-1).indices
         # Fewer visible records than the top-k: the rest of it are records not yet written (-inf).
         per_page = store.shape[1]
