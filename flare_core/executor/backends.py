@@ -151,11 +151,13 @@ class PageTableInput:
                                     pin_memory=device.type == "cuda")
 
     def plan(self, layout: PagedLayout, scale: float) -> None:
+        # Page j of row r (CSR: indices[indptr[r] + j]) goes to [r, j], in one indexed write: a
+        # step's host time, not a loop over its rows.
+        counts = layout.indptr[1:] - layout.indptr[:-1]
+        rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        columns = torch.arange(layout.indices.numel()) - torch.repeat_interleave(layout.indptr[:-1], counts)
         self._staging.zero_()
-        bounds = layout.indptr.tolist()
-        for row in range(min(len(bounds) - 1, self._staging.shape[0])):
-            pages = layout.indices[bounds[row]:bounds[row + 1]]
-            self._staging[row, :pages.numel()] = pages
+        self._staging[rows, columns] = layout.indices
         self.page_table.copy_(self._staging, non_blocking=True)
 
 
