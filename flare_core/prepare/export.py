@@ -259,7 +259,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         fp8_count, fp4_count = 0, len(kept_fp4)
         if quantized:
             fp8_count = _quantize_fp8(tensors, [name for name in quantized if name not in kept_fp4], checkpoint_tensors,
-                                      sources)
+                                      sources, checkpoint.tensors)
             if blocks is not None:
                 fp4 = f" and {fp4_count} as its FP4 experts" if keep_fp4 else ""
                 echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks{fp4}; "
@@ -348,11 +348,11 @@ def _describe_fp8(names: list[str], skeleton: dict[str, torch.Tensor]) -> str:
 
 
 def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: DequantizedCheckpoint,
-                  sources: Mapping[str, list[str]]) -> int:
+                  sources: Mapping[str, list[str]], raw: Mapping[str, torch.Tensor]) -> int:
     """Stage the weights `names` of `tensors` as FP8 blocks and their scales; how many. An
     unquantized checkpoint's weights are quantized (packed experts expert by expert). An fp8
-    checkpoint's are its own blocks where the checkpoint tensors the weight was made of
-    (`sources`) line up in 128x128 blocks; the others keep the dequantized weight (never
+    checkpoint's are its own blocks (read from `raw`, the checkpoint as stored) where the
+    checkpoint tensors the weight was made of (`sources`) line up in 128x128 blocks; the others keep the dequantized weight (never
     requantized to make a fusion fit)."""
     from flare_core.kernels.fp8 import BLOCK, SCALE_SUFFIX, quantize_blocks, quantize_experts
 
@@ -362,7 +362,6 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
         if checkpoint.blocks is None:
             fp8 = quantize_experts(tensor) if tensor.dim() == 3 else quantize_blocks(tensor)
         else:
-            raw = checkpoint.raw.tensors if isinstance(checkpoint.raw, ReadLog) else checkpoint.raw
             fp8 = published_fp8(tensor, sources.get(name, []), raw, checkpoint.scale_of) \
                 if checkpoint.blocks.block == BLOCK else None
         if fp8 is not None:
