@@ -73,13 +73,17 @@ def per_pair(pairs: int, experts: int) -> bool:
     return pairs * 4 <= experts
 
 
-def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) -> ExpertsConfig:
-    """The tiles of one launch for `pairs` pairs over `experts` experts (`scaled`: FP8 weights,
-    whose 128 x 128 blocks a tile must not straddle: 128 input features per iteration; FP4 weights
-    take the 16-bit tiles, 128 input features per iteration too)."""
+def experts_config(pairs: int, experts: int, gated: bool, weights: torch.dtype = torch.bfloat16) -> ExpertsConfig:
+    """The tiles of one launch for `pairs` pairs over `experts` experts whose weights are stored as
+    `weights`: float8_e4m3fn blocks, whose 128 x 128 blocks a tile must not straddle (128 input
+    features per iteration); FP4 bytes (uint8), read pair by pair 512 features (256 bytes) a row
+    per iteration, the bytes per iteration of the 16-bit tiles (at 128 features, 64 bytes a row,
+    the V4 Flash shape's gate/up took 114 us a layer for 80 MB on an H100, 0.47 TB/s: latency,
+    not bandwidth; benchmarks/results/h100-deepseek-v4-compiled.json)."""
     if per_pair(pairs, experts):
-        if scaled:  # 128 input features per iteration, rows that divide a 128-row block
+        if weights == torch.float8_e4m3fn:  # 128 input features per iteration, rows that divide a 128-row block
             return ExpertsConfig(block_m=1, block_n=16, block_k=128, warps=4, stages=1)
+        block_k = 512 if weights == torch.uint8 else 128
         # One token on the H200, each launch alone over a grid of 4-32 rows x 128-512 columns x
         # 2-8 warps (benchmarks/moe_decode.py --sweep; h200-experts-sweep-*.json): gate/up best
         # with 8 rows x 128 columns and 8 warps (Kimi Linear 21.0 us a layer, Qwen3-30B-A3B 15.7,
@@ -88,30 +92,31 @@ def experts_config(pairs: int, experts: int, gated: bool, scaled: bool = False) 
         # bytes as one matrix (20.7 / 11.6 and 14.5 / 8.4 us). A token's pairs are each written
         # and summed after: 34.1 us a layer against 36.6 for a kernel summing them itself.
         if gated:
-            return ExpertsConfig(block_m=1, block_n=8, block_k=128, warps=8, stages=1)
-        return ExpertsConfig(block_m=1, block_n=32, block_k=128, warps=8, stages=1)
+            return ExpertsConfig(block_m=1, block_n=8, block_k=block_k, warps=8, stages=1)
+        return ExpertsConfig(block_m=1, block_n=32, block_k=block_k, warps=8, stages=1)
     return ExpertsConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
 
 
 if triton is not None:
     @triton.jit
-    def _e2m1(code):
-        # float32 values of e2m1 codes (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6).
-        magnitude = code & 7
-        exponent = magnitude >> 1
-        mantissa = (magnitude & 1).to(tl.float32)
-        value = tl.where(exponent == 0, 0.5 * mantissa, tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa))
-        return tl.where((code & 8) != 0, -value, value)
+    def _e2m1_times(code, scale):
+        exponent = (code >> 1) & 3
+        bits = ((code & 8) << 28) | ((scale + exponent - 1) << 23) | tl.where(exponent > 0, (code & 1) << 22, 0)
+        return tl.where((code & 7) == 0, 0.0, bits.to(tl.float32, bitcast=True))
 
     @triton.jit
     def _fp4_weights(rows, scale_rows, k0, K, n_mask, HALF: tl.constexpr):
         # The [BLOCK_N, HALF] weights of input features k0 + 2j (low nibbles) and k0 + 2j + 1 (high
-        # nibbles), j < HALF, each e2m1 value times its row's scale of 32 features (an e8m0 byte).
+        # nibbles), j < HALF: each e2m1 value times its row's scale of 32 features (an e8m0 byte),
+        # built as float32 bits, exactly the product (sign from the code's bit 3, exponent scale +
+        # code exponent - 1, the code's mantissa bit where its exponent is nonzero; the two
+        # subnormal codes, 0.5, are 2^(scale - 128)). Exact for scale bytes 2 .. 252 (2^-125 ..
+        # 2^125; DeepSeek's are near 2^-8).
         j = k0 // 2 + tl.arange(0, HALF)
         mask = n_mask[:, None] & (j[None, :] < K // 2)
         packed = tl.load(rows + j[None, :], mask=mask, other=0).to(tl.int32)
-        scale = tl.exp2(tl.load(scale_rows + (j // 16)[None, :], mask=mask, other=127).to(tl.float32) - 127.0)
-        return _e2m1(packed & 15) * scale, _e2m1(packed >> 4) * scale
+        scale = tl.load(scale_rows + (j // 16)[None, :], mask=mask, other=127).to(tl.int32)
+        return _e2m1_times(packed & 15, scale), _e2m1_times(packed >> 4, scale)
 
     @triton.jit
     def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
@@ -279,8 +284,8 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor,
             0, ids, torch.ones(pairs, dtype=torch.int32, device=x.device))
         sorted_pairs = (order, counts.cumsum(0, dtype=torch.int32) - counts, counts)
     up_scales, down_scales = scales
-    up_config, down_config = configs or (experts_config(pairs, experts, True, gate_up.dtype == torch.float8_e4m3fn),
-                                         experts_config(pairs, experts, False, down.dtype == torch.float8_e4m3fn))
+    up_config, down_config = configs or (experts_config(pairs, experts, True, gate_up.dtype),
+                                         experts_config(pairs, experts, False, down.dtype))
     route_weights = top_k_weights.reshape(-1).contiguous()
     activated = x.new_empty(pairs, intermediate)
     _launch(x.contiguous(), gate_up, up_scales, activated, route_weights, ids, sorted_pairs, top_k, True, up_config,
