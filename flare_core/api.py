@@ -50,6 +50,7 @@ from flare_core.contract.template_patch import MARK_TAG
 from flare_core.frontend.stops import partial_match_length
 from flare_core.frontend.tool_calls import MarkedToolCallParser, ToolCallMarkers, ToolCallStream, function_name
 from flare_core.kernels.delta_rule import gated_delta_rule, kimi_delta_rule, kimi_delta_rule_step
+from flare_core.kernels.sinkhorn import sinkhorn
 from flare_core.ops.attention import BatchAttention, ForwardContext, PagedAttention, write_paged
 from flare_core.ops.deepseek_v3 import (
     DEEPSEEK_V3_ARCHITECTURES,
@@ -94,7 +95,7 @@ __all__ = [
     "DecoderForServing", "STATIC_ROPE_TYPES", "check_rope_type", "ForwardContext",
     "PagedAttention", "BatchAttention", "write_paged", "FusedQKVAttention", "MLAPagedAttention", "AbsorbedMLA", "FusedGatedMLP",
     "SigmoidTopKRouter", "SoftmaxTopKRouter", "keep_router_bias_float32", "serve_sigmoid_moe_mlp", "DeltaRuleForServing",
-    "gated_delta_rule", "kimi_delta_rule", "kimi_delta_rule_step",
+    "gated_delta_rule", "kimi_delta_rule", "kimi_delta_rule_step", "sinkhorn",
     # Embedding tables read per step from the core instead of loaded (flare_core.ops.tables).
     "TableRows", "TableSource", "embedding_tables", "read_table", "table_skeleton",
     # Weight mapping: checkpoint tensors -> the prepared layout; fp8 / fp4 checkpoints read through their scales.

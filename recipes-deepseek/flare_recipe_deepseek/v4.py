@@ -1,12 +1,13 @@
 """DeepSeek V4 for serving (the reference path): Transformers' `DeepseekV4ForCausalLM` with its
 attention over the runtime's stores.
 
-Transformers' decoder layers (mHC hyper-connections with their Sinkhorn mixing), norms, routers
-(top-k with sqrt-softplus scores and a correction bias; hash routing by token id in the first
-layers), experts (SwiGLU clamped at `swiglu_limit`) and shared experts are reused as they are;
-the model keeps its `hc_mult` residual streams from the embedding to the head. Replaced: each
-layer's attention, by `CompressedAttention`, which computes what `DeepseekV4Attention` does from
-the runtime's cache instead of Transformers' per-sequence cache:
+Transformers' decoder layers, norms, routers (top-k with sqrt-softplus scores and a correction
+bias; hash routing by token id in the first layers), experts (SwiGLU clamped at `swiglu_limit`)
+and shared experts are reused as they are; the model keeps its `hc_mult` residual streams from
+the embedding to the head. Replaced: the mHC sites, by `HyperConnection` (Transformers' module
+with its Sinkhorn loop as one op, `flare::sinkhorn`, which compiled code otherwise launches as ~48
+kernels a site), and each layer's attention, by `CompressedAttention`, which computes what
+`DeepseekV4Attention` does from the runtime's cache instead of Transformers' per-sequence cache:
 
 * every layer: shared-KV multi-query attention (K = V, one head of `head_dim`) over a sliding
   window of `sliding_window` tokens, with a learned sink logit per head, partial interleaved
@@ -51,12 +52,13 @@ from collections.abc import Callable
 from typing import Any, Iterator, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 from flare_core.api import (
     BatchAttention, CacheScheme, ContractError, DecoderForServing, DequantizedCheckpoint, ForwardContext, Fp8ConfigError,
-    PagedStore, StateTensor, fp8_blocks, prepare_weights, STATIC_ROPE_TYPES, write_paged,
+    PagedStore, StateTensor, fp8_blocks, prepare_weights, sinkhorn, STATIC_ROPE_TYPES, write_paged,
 )
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -420,6 +422,29 @@ class DeepseekV4ForServing(DecoderForServing):
         return self.model.hc_head(hidden.index_select(1, logits_indices))[0]
 
 
+def hyper_mixes(mixed: Tensor, base: Tensor, scale: Tensor, hc: int, iters: int, eps: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """An mHC site's (pre [..., hc], post [..., hc], comb [..., hc, hc]) from its projection of the
+    normalised streams `mixed` [..., (2 + hc) * hc], its bias and its three scales: pre and post
+    sigmoids, comb a softmax per row Sinkhorn-projected towards doubly stochastic (`sinkhorn`: one
+    op, the reference's loop on the CPU). Transformers' `DeepseekV4HyperConnection` and V4.1's
+    sites compute this, in this order."""
+    pre = torch.sigmoid(mixed[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixed[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = torch.softmax((mixed[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)), dim=-1) + eps
+    return pre, post, sinkhorn(comb, iters, eps)
+
+
+class HyperConnection(v4.DeepseekV4HyperConnection):
+    """Transformers' mHC site (its parameters, under their names) with its mixes from `hyper_mixes`."""
+
+    def forward(self, hidden_streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mixed = F.linear(self.input_norm(hidden_streams.flatten(2).float()), self.fn.float())
+        pre, post, comb = hyper_mixes(mixed, self.base, self.scale, self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * hidden_streams).sum(dim=2).to(hidden_streams.dtype)
+        return post, comb, collapsed
+
+
 def keep_float32(causal_lm: nn.Module) -> None:
     """Back to float32 after the cast to the model dtype: the tensors Transformers keeps in float32
     for this family (`_keep_in_fp32_modules_strict`: mHC weights, sinks, pooling biases, norms,
@@ -460,6 +485,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV4ForServing:
         causal_lm = v4.DeepseekV4ForCausalLM(config)
         for layer in causal_lm.model.layers:
             layer.self_attn = CompressedAttention(layer.self_attn, config)
+            layer.attn_hc, layer.ffn_hc = HyperConnection(config), HyperConnection(config)
     causal_lm.to(dtype)
     keep_float32(causal_lm)
     with torch.device("cpu"):

@@ -60,7 +60,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 from flare_core.api import (BatchAttention, CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, embedding_tables,
                             TableSource, read_table, table_skeleton, write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
-from flare_recipe_deepseek.v4 import read_records, record_slots, rotate, sliding_keys
+from flare_recipe_deepseek.v4 import hyper_mixes, read_records, record_slots, rotate, sliding_keys
 from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
 from flare_recipe_deepseek.v41_quant import fp4_blocks, fp8_blocks
 
@@ -384,17 +384,9 @@ class DecoderLayer(nn.Module):
     def mixes(self, streams: Tensor, site: str) -> tuple[Tensor, Tensor, Tensor]:
         """(pre, post, comb) of a site from one projection of the normalized flattened streams;
         comb Sinkhorn-projected towards doubly stochastic."""
-        hc, eps = self.hc, self.hc_eps
         fn, base, scale = (getattr(self, f"hc_{site}_{part}").float() for part in ("fn", "base", "scale"))
         mixed = F.linear(self.hc_input_norm(streams.flatten(start_dim=-2).float()), fn)
-        pre = torch.sigmoid(mixed[..., :hc] * scale[0] + base[:hc]) + eps
-        post = 2 * torch.sigmoid(mixed[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-        comb = torch.softmax((mixed[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return pre, post, comb
+        return hyper_mixes(mixed, base, scale, self.hc, self.sinkhorn_iters, self.hc_eps)
 
     @staticmethod
     def collapse(streams: Tensor, pre: Tensor) -> Tensor:
