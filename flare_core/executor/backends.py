@@ -60,6 +60,14 @@ class AttentionKernels(Protocol):
         ...
 
     @property
+    def compiled_eager_steps(self) -> bool:
+        """Whether the steps that run eagerly (prompt chunks, decode batches no graph holds) may
+        call the compiled model: their attention reads nothing of the host that Dynamo would guard
+        on (a `BatchAttention` reads the batch's host copies there: compiled, every new value
+        would compile the layers again)."""
+        ...
+
+    @property
     def page_table_input(self) -> bool:
         """Whether a decode backend holds the `page_table` [capacity, pages per row] its plan fills,
         which the decode graph's batch must read (the attention layers read it themselves)."""
@@ -84,6 +92,7 @@ class _Kernels:
 
     page_table_input = False  # the kernels read their pages from their plans
     graph_decode = True
+    compiled_eager_steps = True
 
 
 class _PagedKernels(_Kernels):
@@ -180,6 +189,7 @@ class _BatchKernels:
     triton_decode = False
     graph_prefill = False
     page_table_input = True
+    compiled_eager_steps = False
 
     def decode(self, capacity: int, max_pages: int, triton: bool = False) -> PageTableInput:
         return PageTableInput(capacity, max_pages, self.device)

@@ -802,7 +802,8 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                 speculative_capacities: tuple[int, ...] = (), round_saves: bool = False,
                 final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None) -> ModelRunner:
     """The CUDA runner over `num_pages` pages: `model` (built for serving: flare_core.ops.serving)
-    called as it is, or through `CompiledDecoder` with `compile_model`, warmed and captured.
+    called as it is, or through `CompiledDecoder` with `compile_model` (the steps that run eagerly
+    too, unless its attention reads host values there: `compiled_eager_steps`), warmed and captured.
     `dtype`: the model's activation dtype (the attention queries'). `speculative_capacities`:
     the token capacities of speculative rounds to capture (none unless the server speculates);
     `round_saves`: it speculates over continuation state (DeviceState); `final_hidden`: handed
@@ -819,7 +820,8 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                          compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
                          triton_attention=triton_attention, speculative_capacities=speculative_capacities,
                          final_hidden=final_hidden)
-    runner = ModelRunner(state, sampler, EagerRunner(forward, state, sampler, attention.plan_prefill, final_hidden),
+    eager_forward = forward if attention.kernels.compiled_eager_steps else model
+    runner = ModelRunner(state, sampler, EagerRunner(eager_forward, state, sampler, attention.plan_prefill, final_hidden),
                          copies, graphs)
     graphs.prepare()
     return runner
