@@ -467,7 +467,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
         if leader is not None:
             leader.watch(engine.fail)  # a rank that dies fails the server even while it is idle
         kv = engine.kv
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        # Parameters and buffers: FP8 / FP4 weights keep their scales in buffers.
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers()))
         log.info("core loaded", core=str(runtime_core.path), recipe=f"{loaded.recipe_name}",
                  architecture=engine.info.architecture, dtype=engine.info.dtype, device=str(torch_device),
                  executor=engine.executor_summary(),
