@@ -449,11 +449,14 @@ class GraphRunner:
                  copies: HostCopies, *, decode_capacities: tuple[int, ...], prefill_capacities: tuple[int, ...],
                  context_length: int, compiled: bool, prefill_chunk_size: int, triton_attention: bool = True,
                  speculative_capacities: tuple[int, ...] = (),
-                 final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None):
+                 final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None,
+                 eager_model: torch.nn.Module | None = None):
         """`final_hidden(plan, hidden)`: handed the final hidden states of every token a replayed
-        step computes, in the eager runner's order (a draft head's input, EagerRunner)."""
+        step computes, in the eager runner's order (a draft head's input, EagerRunner);
+        `eager_model`: what the steps that run eagerly call (None: `model`)."""
         assert state.scratch_page is not None, "graphs pad onto a scratch page: DeviceState(scratch_page=True)"
         self.model, self.state, self.attention, self.sampler, self.copies = model, state, attention, sampler, copies
+        self._eager_model = eager_model if eager_model is not None else model
         self.device, self.page_tokens = state.device, state.page_tokens
         self.vocab_size = state.logits_store.shape[1]
         self.kernels, self.scale = attention.kernels, attention.scale
@@ -524,37 +527,36 @@ class GraphRunner:
 
     def _warm_eager(self) -> None:
         """Run the eager path once per step kind over the current storage. Compiled (each decoder
-        layer with symbolic token counts, one code for all layers): a prompt chunk and a single
-        decode row (size 1 compiles separately), so that compilation happens at load, not in the
-        first requests. Then the largest prompt chunk: the allocator keeps its activations' memory
-        reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for steps that run
-        eagerly (those restoring prefix resume points, or prompt chunks without graphs); with
-        compiled layers it also compiles the path of many tokens where it differs (MoE experts
-        through grouped_mm, flare_core.ops.moe)."""
+        layer with symbolic token counts, one code for all layers): a prompt chunk (not where eager
+        steps run uncompiled: `compiled_eager_steps`) and a single decode row (size 1 compiles
+        separately), so that compilation happens at load, not in the first requests. Then the
+        largest prompt chunk: the allocator keeps its activations' memory reserved, so a KV pool
+        sized afterwards (`resize_cache`) leaves room for eager steps (restoring prefix resume
+        points, prompt chunks without graphs); compiled, it also compiles the path of many tokens
+        where it differs (MoE experts through grouped_mm, flare_core.ops.moe)."""
         started = time.perf_counter()
-        # (tokens, requests): two requests give two logits rows (one compiles apart from several).
-        steps = [(3, 2), (1, 1)] if self._compiled else []
-        if self._prefill_chunk_size:
-            steps.append((self._prefill_chunk_size, 1))
-        for tokens, requests in steps:
-            self._warm_prefill(tokens, requests)
+        # (tokens, requests, model): two requests give two logits rows (one compiles apart from several).
+        steps = [(3, 2, self.model)] if self._compiled and self.kernels.compiled_eager_steps else []
+        steps += ([(1, 1, self.model)] if self._compiled else []) + \
+            ([(self._prefill_chunk_size, 1, self._eager_model)] if self._prefill_chunk_size else [])
+        for tokens, requests, model in steps:
+            self._warm_prefill(tokens, requests, model)
         torch.cuda.synchronize()
         if self._compiled:
             self.compile_s += time.perf_counter() - started
             log.info("compiled decoder layers", seconds=round(self.compile_s, 1))
 
     @torch.inference_mode()
-    def _warm_prefill(self, tokens: int, requests: int) -> None:
-        """Run the prefill path once over `tokens` scratch-page tokens of `requests` requests, the
-        first holding all but one token for each other (nothing live is touched: continuation
-        state goes to the scratch row)."""
+    def _warm_prefill(self, tokens: int, requests: int, model: torch.nn.Module) -> None:
+        """Run `model`'s prefill path once over `tokens` scratch-page tokens of `requests` requests,
+        the first holding all but one token for each other (continuation state: the scratch row)."""
         sequences = [(n, 0, [self.scratch_page] * -(-n // self.page_tokens))
                      for n in [tokens - requests + 1] + [1] * (requests - 1)]
         state_rows = [self.scratch_row] * requests if self.state.scheme.state else ()
         batch = AttentionBatch.build(sequences, self.page_tokens, self.device, state_rows=state_rows)
         context = ForwardContext(batch, self.state.storage, self.attention.plan_prefill(sequences),
                                  layer_map=self.state.layer_map)
-        self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
+        model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch.positions(), context)
 
     def _scratch_layout(self, rows: int) -> PagedLayout:
         return PagedLayout.from_requests([1] * rows, [1] * rows, [[self.scratch_page]] * rows, self.page_tokens)
@@ -814,13 +816,13 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
     sampler = Sampler(seed=seed, device=device)
     attention = CudaAttention(model, scheme, page_tokens, dtype, device)
     forward = CompiledDecoder(model) if compile_model else model
+    eager_forward = forward if attention.kernels.compiled_eager_steps else model
     copies = HostCopies(device)
     graphs = GraphRunner(forward, state, attention, sampler, copies, decode_capacities=decode_capacities,
                          prefill_capacities=prefill_capacities, context_length=context_length,
                          compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
                          triton_attention=triton_attention, speculative_capacities=speculative_capacities,
-                         final_hidden=final_hidden)
-    eager_forward = forward if attention.kernels.compiled_eager_steps else model
+                         final_hidden=final_hidden, eager_model=eager_forward)
     runner = ModelRunner(state, sampler, EagerRunner(eager_forward, state, sampler, attention.plan_prefill, final_hidden),
                          copies, graphs)
     graphs.prepare()
