@@ -18,6 +18,7 @@ entries, HCA's records) against the device's copy bandwidth; the 131,072 / 4,096
 
     python3 benchmarks/deepseek_v4_decode.py --fp8 --out benchmarks/results/h200-deepseek-v4.json
     python3 benchmarks/deepseek_v4_decode.py --tiny --device cpu      # a smoke run of the script
+    python3 benchmarks/deepseek_v4_decode.py --experts-sweep ...      # the FP4 experts' tiles first
 """
 
 from __future__ import annotations
@@ -167,6 +168,53 @@ def decode_times(model, config, device: torch.device, contexts: list[int], steps
     return times
 
 
+def experts_sweep(config, device: torch.device, layers: int = 4, repeats: int = 50) -> dict:
+    """The FP4 experts op's two launches alone at one token (V4 Flash's experts: 256, top-6, packed
+    FP4 as published), over a grid of tiles, each over `layers` layers of distinct weights and
+    routes replayed as one CUDA graph (as moe_decode.py's op_sweep times 16-bit experts):
+    microseconds per layer and the bandwidth of the chosen experts' bytes (codes and scales).
+    The first entry of each is the tiles `experts_config` picks."""
+    from flare_core.kernels import moe
+    from moe_decode import graph_us
+
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def packed(rows: int, cols: int):
+        codes = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device=device, generator=generator)
+        exponents = torch.randint(-8, -4, (experts, rows, cols // 32), device=device, generator=generator)
+        return codes, torch.exp2(exponents.float()).to(torch.float8_e8m0fnu)
+
+    weights = [(packed(2 * inter, hidden), packed(hidden, inter)) for _ in range(layers)]
+    routes = [torch.randperm(experts, device=device, generator=generator)[:top_k] for _ in range(layers)]
+    x = torch.randn(1, hidden, device=device, generator=generator).bfloat16()
+    route_weights = torch.rand(top_k, device=device, generator=generator)
+    activated = x.new_empty(top_k, inter)
+    weighted = torch.empty(top_k, hidden, dtype=torch.float32, device=device)
+    results: dict = {}
+    for gated, name in ((True, "gate_up"), (False, "down")):
+        rows, cols = (2 * inter, hidden) if gated else (hidden, inter)
+        chosen_bytes = top_k * rows * (cols // 2 + cols // 32)
+        grid = [moe.ExpertsConfig(1, n, k, w, 1) for n in (4, 8, 16, 32) for k in (128, 256, 512, 1024) for w in (4, 8)]
+        results[name] = {}
+        for tiles in [moe.experts_config(top_k, experts, gated, torch.uint8), *grid]:
+            key = f"n{tiles.block_n} k{tiles.block_k} w{tiles.warps}"
+            if key in results[name]:
+                continue
+
+            def step(tiles=tiles):
+                for ((gate_up, gate_up_scale), (down, down_scale)), ids in zip(weights, routes):
+                    moe._launch(x if gated else activated, gate_up if gated else down,
+                                gate_up_scale if gated else down_scale, activated if gated else weighted,
+                                route_weights, ids, None, top_k, gated, tiles, config.swiglu_limit if gated else 0.0)
+
+            us = graph_us(step, repeats) / layers
+            results[name][key] = {"us_per_layer": round(us, 2), "gb_s": round(chosen_bytes / us / 1e3, 1)}
+            print(f"experts sweep {name} {key}: {results[name][key]}", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
@@ -180,10 +228,15 @@ def main() -> None:
                         help="the decoder layers' linear weights as FP8 blocks, as V4 Flash publishes them")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
+    parser.add_argument("--experts-sweep", action="store_true",
+                        help="first time the FP4 experts op alone at one token per tile choice (experts_sweep)")
     args = parser.parse_args()
     device = torch.device(args.device)
     config = v4_config(args.layers, args.tiny)
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.experts_sweep:
+        sys.path.insert(0, str(Path(__file__).parent))
+        sweep = experts_sweep(config, device)
     model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device, args.fp8)
     # A step reads each MoE layer's experts its rows chose: top-k per row, at most all of them.
     chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
@@ -211,7 +264,8 @@ def main() -> None:
               "contexts": per_context,
               "roofline_fraction_c1": per_context[first]["roofline_fraction"] if args.rows == 1 else None,
               "step_128k_over_4k": times[max(contexts)] / times[min(contexts)] if len(contexts) > 1 else None,
-              "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5}
+              "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5,
+              "experts_sweep": sweep if args.experts_sweep else None}
     report(result, args.out)
 
 
