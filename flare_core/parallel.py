@@ -125,6 +125,9 @@ def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor
         for group in source_names(name, num_experts):
             for part in group:
                 dims[part] = dim - 1 if packed else dim  # a packed tensor stacks its parts along dim 0
+    if spec.checkpoint_names is not None:  # the checkpoint names the parts otherwise
+        renamed = spec.checkpoint_names(iter(checkpoint))
+        dims = {renamed.get(part, part): dim for part, dim in dims.items()}
     return _RankSlices(checkpoint, dims, ranks)
 
 

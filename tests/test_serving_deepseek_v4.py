@@ -5,7 +5,8 @@ HCA, hash routing, mHC; flare_testing.deepseek) named as DeepSeek publishes it, 
 byte-level tokenizer holding V4's special tokens (every other token is one printable character,
 so generated text compares exactly). Greedy answers must be Transformers' `generate` on the
 prompt V4's encoder renders; the second turn of a chat must resume from the first turn's
-snapshot (cached tokens) and still answer what an uncached `generate` does.
+snapshot (cached tokens) and still answer what an uncached `generate` does. The same checkpoint
+exported with `--tp 2` (two gloo ranks that `flare run` starts) must answer as `generate` too.
 """
 
 from __future__ import annotations
@@ -21,21 +22,35 @@ NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, session_flare):
+def checkpoint(tmp_path_factory):
     from flare_core.frontend import Tokenizer
     from flare_testing.deepseek import write_v4_checkpoint
 
-    root = tmp_path_factory.mktemp("deepseek-v4")
-    checkpoint = root / "checkpoint"
-    checkpoint.mkdir()
-    model = write_v4_checkpoint(checkpoint)
-    tokenizer = Tokenizer.from_str((checkpoint / "tokenizer.json").read_text(encoding="utf-8"))
-    core = session_flare.export(checkpoint, "--dtype", "float32", "--context-length", "1024")
-    process = ServerProcess(session_flare.config_path, core, root / "server.log", "--served-name", SERVED)
+    directory = tmp_path_factory.mktemp("deepseek-v4") / "checkpoint"
+    directory.mkdir()
+    model = write_v4_checkpoint(directory)
+    return directory, model, Tokenizer.from_str((directory / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+def serve(session_flare, checkpoint, *export_flags: str):
+    directory, model, tokenizer = checkpoint
+    core = session_flare.export(directory, "--dtype", "float32", "--context-length", "1024", *export_flags)
+    process = ServerProcess(session_flare.config_path, core, directory.parent / f"server{''.join(export_flags)}.log",
+                            "--served-name", SERVED)
     try:
         yield process.wait_ready(), model, tokenizer
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def served(session_flare, checkpoint):
+    yield from serve(session_flare, checkpoint)
+
+
+@pytest.fixture(scope="module")
+def served_split(session_flare, checkpoint):
+    yield from serve(session_flare, checkpoint, "--tp", "2")
 
 
 def greedy(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> str:
@@ -67,3 +82,16 @@ def test_chat_turns_match_generate_and_the_second_resumes_from_the_first(served)
     assert second.usage.prompt_tokens == len(prompt)
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # restored at the first turn's marks
     assert second.choices[0].message.content == greedy(model, tokenizer, prompt, 12)
+
+
+def test_a_core_split_over_two_ranks_answers_as_generate(served_split):
+    from flare_recipe_deepseek.v4_encoder import render
+
+    process, model, tokenizer = served_split
+    assert "tensor-parallel over 2 ranks" in process.log()
+    client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Count from one to five in French."}]
+    answer = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=16, temperature=0,
+                                            extra_body=NO_THINKING)
+    prompt = tokenizer.encode_prompt(render(messages, thinking=False)).ids
+    assert answer.choices[0].message.content == greedy(model, tokenizer, prompt, 16)

@@ -10,7 +10,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from flare_core.contract.protocols import BuildModel, ConversationRenderer, MapWeights, Proposer, StreamingParser
 from flare_core.contract.template_patch import TemplatePatch
@@ -599,11 +599,15 @@ class TensorParallelSpec:
     projections and packed experts slice each checkpoint part). The outputs of the decoder-layer
     submodules named in `partial_sums` (those ending in a row-parallel projection: attention,
     MLP) are each rank's share of a sum and are all-reduced. Prepared tensors computed from
-    another checkpoint tensor name it in `derived`. Everything else is replicated."""
+    another checkpoint tensor name it in `derived`. Everything else is replicated.
+    `checkpoint_names(names)`: for a checkpoint whose tensors are named otherwise than the
+    recipe's model and its per-expert parts (DeepSeek's published names), the model-side name of
+    each checkpoint tensor -> that checkpoint name (None: the names are the model's)."""
 
     divided: tuple[str, ...]
     partial_sums: tuple[str, ...]
     derived: tuple[DerivedShard, ...] = ()
+    checkpoint_names: Callable[[Iterator[str]], Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("divided", "partial_sums"):
@@ -612,6 +616,8 @@ class TensorParallelSpec:
                      "TensorParallelSpec", name, f"must be a non-empty tuple of names, got {values!r}")
         _require(isinstance(self.derived, tuple) and all(isinstance(d, DerivedShard) for d in self.derived),
                  "TensorParallelSpec", "derived", "must be a tuple of DerivedShard")
+        _require(self.checkpoint_names is None or callable(self.checkpoint_names), "TensorParallelSpec",
+                 "checkpoint_names", "must be a callable (checkpoint names -> model-side name: checkpoint name) or None")
 
 
 @dataclass(frozen=True)

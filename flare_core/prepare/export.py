@@ -396,7 +396,7 @@ def _rank_notes(recipe: Recipe, model_config, rank_model: torch.nn.Module, ranks
     head = f"the head split over the vocabulary ({model_config.vocab_size // ranks} rows each)" if split else \
         "the head whole on every rank (tied to the embeddings, or a vocabulary that does not divide)"
     return (f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(recipe.tensor_parallel.divided)} "
-            f"and its share of the KV cache (the cache scheme above is one rank's), {head}; `flare run` starts "
+            f"and the cache of the scheme above (one rank's: built from its share of the config), {head}; `flare run` starts "
             f"the ranks",)
 
 

@@ -515,6 +515,19 @@ def transformers_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
     return names
 
 
+def checkpoint_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
+    """`transformers_names`, each routed expert's matrices also under the names of Transformers'
+    per-expert parts (gate_proj, up_proj, down_proj for w1, w3, w2): what tensor parallelism
+    slices the checkpoint by (flare_core.parallel)."""
+    names = transformers_names(checkpoint_names)
+    parts = {short: long for long, short in _EXPERT_PARTS.items()}
+    for name, checkpoint_name in list(names.items()):
+        stem, _, leaf = name.rpartition(".weight")[0].rpartition(".")
+        if ".experts." in name and leaf in parts:
+            names[f"{stem}.{parts[leaf]}.weight"] = checkpoint_name
+    return names
+
+
 def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """(prepared name, tensor in the model's dtype for it) for every tensor the serving model loads;
     fp8 block-quantized weights dequantized. ValueError naming a missing checkpoint tensor, or the

@@ -3,8 +3,8 @@ encoder, DSML tool calls, thinking sections), cache scheme and capacities."""
 
 from __future__ import annotations
 
-from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy
-from flare_recipe_deepseek.v4 import build_model, check_config, map_weights, plan_notes
+from flare_core.api import Alias, Capacities, FrontendSpec, Recipe, SamplingPolicy, TensorParallelSpec
+from flare_recipe_deepseek.v4 import build_model, check_config, checkpoint_names, map_weights, plan_notes
 from flare_recipe_deepseek.v4_encoder import ASSISTANT, BOS, EOS, USER
 
 RECIPE_VERSION = "0.1.0"
@@ -27,6 +27,17 @@ DEEPSEEK_V4_FRONTEND = FrontendSpec(
     template_options={"thinking": True, "reasoning_effort": "high"},
 )
 
+# Tensor parallelism: each rank holds 1/size of the query heads (their rows of q_b_proj, their
+# sinks) and of the output groups (the grouped o_a_proj's rows, o_b_proj's columns: a head's group
+# stays on its rank), and 1/size of every expert's and the shared expert's intermediate features;
+# the shared K = V latent, the compressors, the indexer (whose top-k needs every head's score), the
+# routers, mHC and the caches are whole on every rank. Attention and MoE outputs are partial sums.
+DEEPSEEK_V4_TENSOR_PARALLEL = TensorParallelSpec(
+    divided=("num_attention_heads", "o_groups", "moe_intermediate_size"),
+    partial_sums=("self_attn", "mlp"),
+    checkpoint_names=checkpoint_names,
+)
+
 DEEPSEEK_V4 = Recipe(
     name="deepseek-v4",
     version=RECIPE_VERSION,
@@ -44,4 +55,5 @@ DEEPSEEK_V4 = Recipe(
                 "sparse / heavily compressed attention, mHC, hash and top-k routed MoE); CPU reference path, CUDA decode graphs in plain torch",
     check_config=check_config,
     plan_notes=plan_notes,
+    tensor_parallel=DEEPSEEK_V4_TENSOR_PARALLEL,
 )

@@ -2,7 +2,10 @@
 processes in a gloo group each hold half the attention heads (their rows of q_b_proj and of
 kv_b_proj, absorbed into w_uk / w_uv, their columns of o_proj), the whole latent KV path and
 cache, and half the dense and expert intermediate features; every logits row either rank produces
-over chunked prefill and batched decode must match the Transformers forward of the whole model."""
+over chunked prefill and batched decode must match the Transformers forward of the whole model.
+DeepSeek V4 the same way, from a checkpoint named as DeepSeek publishes it: half the query heads
+and output groups and half of every expert's features per rank, the shared K = V latent, the
+compressors, the indexer and the caches whole."""
 
 from __future__ import annotations
 
@@ -16,19 +19,25 @@ from test_deepseek_parity import saved_checkpoint, v3_config
 from flare_core.parallel import Ranks, rank_checkpoint, rank_config
 from flare_testing.parity import assert_logits_parity
 from flare_recipe_deepseek.recipes import DEEPSEEK_V3
-from flare_testing.deepseek import random_model
+from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
+from flare_testing.deepseek import random_model, random_v4_model, save_v4_as_published, tiny_v4_config
 
 
-def serve_rank(rank: int, size: int, directory: str) -> None:
+def serve_rank(rank: int, size: int, directory: str, v4: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        config = v3_config()
-        reference = random_model(config)
-        assert_logits_parity(DEEPSEEK_V3, reference, load_file(Path(directory) / "model.safetensors"), config,
-                             page_tokens=16, ranks=Ranks(rank, size))
+        checkpoint = load_file(Path(directory) / "model.safetensors")
+        if v4:  # prompts across the window, CSA and HCA boundaries, decode past the window
+            config = tiny_v4_config()
+            assert_logits_parity(DEEPSEEK_V4, random_v4_model(config), checkpoint, config, page_tokens=32,
+                                 prompt_lens=(1, 37, 70), decode_steps=6, ranks=Ranks(rank, size))
+        else:
+            config = v3_config()
+            assert_logits_parity(DEEPSEEK_V3, random_model(config), checkpoint, config, page_tokens=16,
+                                 ranks=Ranks(rank, size))
     finally:
         dist.destroy_process_group()
 
@@ -36,6 +45,30 @@ def serve_rank(rank: int, size: int, directory: str) -> None:
 def test_two_ranks_produce_the_whole_models_logits(tmp_path):
     random_model(v3_config()).save_pretrained(tmp_path)
     mp.spawn(serve_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+
+
+def test_two_v4_ranks_produce_the_whole_models_logits(tmp_path):
+    save_v4_as_published(tmp_path, random_v4_model(tiny_v4_config()))
+    mp.spawn(serve_rank, args=(2, str(tmp_path), True), nprocs=2, join=True)
+
+
+def test_a_v4_rank_holds_its_heads_groups_and_expert_features(tmp_path):
+    config = tiny_v4_config()  # 4 heads of 32 in 2 output groups, experts of 32 features
+    checkpoint = load_file(save_v4_as_published(tmp_path, random_v4_model(config)) / "model.safetensors")
+    spec = DEEPSEEK_V4.tensor_parallel
+    tensors = dict(DEEPSEEK_V4.map_weights(rank_config(config, spec, 2),
+                                           rank_checkpoint(DEEPSEEK_V4, config, checkpoint, Ranks(1, 2)), torch.float32))
+    ours, theirs = "model.layers.1.self_attn.", "layers.1.attn."
+    for name, part, dim in (("q_b_proj.weight", "wq_b.weight", 0), ("sinks", "attn_sink", 0),
+                            ("o_a_proj.weight", "wo_a.weight", 0), ("o_b_proj.weight", "wo_b.weight", 1)):
+        whole = checkpoint[theirs + part]
+        torch.testing.assert_close(tensors[ours + name], whole.chunk(2, dim=dim)[1], rtol=0, atol=0)
+    gate, up = checkpoint["layers.1.ffn.experts.3.w1.weight"], checkpoint["layers.1.ffn.experts.3.w3.weight"]
+    torch.testing.assert_close(tensors["model.layers.1.mlp.experts.gate_up_proj"][3],
+                               torch.cat([gate[16:], up[16:]]), rtol=0, atol=0)
+    for whole, name in ((f"{theirs}wkv.weight", f"{ours}kv_proj.weight"), (f"{theirs}wq_a.weight", f"{ours}q_a_proj.weight"),
+                        (f"{theirs}indexer.wq_b.weight", f"{ours}compressor.indexer.q_b_proj.weight")):
+        torch.testing.assert_close(tensors[name], checkpoint[whole], rtol=0, atol=0)
 
 
 def test_a_rank_holds_its_heads_and_the_whole_latent_path(tmp_path):
