@@ -6,14 +6,16 @@
 # and the weight bytes: the checkpoint's files against what the server holds on the device (its
 # "core loaded" line: parameters and buffers). Figures to OUTDIR/summary.json.
 #   bash benchmarks/deepseek_v4_serving.sh OUTDIR [--tiny] [flare run flags, e.g. --no-compile]
+#   bash benchmarks/deepseek_v4_serving.sh --prepare-only [--tiny]   (checkpoint + export, no serving:
+#   the files stay in /tmp/flare-bench for the next call of a warm machine)
 # --tiny: flare_testing's tiny V4 widths and 512-token prompts (a smoke run: add --device cpu).
 set -euo pipefail
 invocation="bash $0 $*"
-out=${1:?usage: deepseek_v4_serving.sh OUTDIR [--tiny] [flare run flags]}; shift
+out=${1:?usage: deepseek_v4_serving.sh OUTDIR|--prepare-only [--tiny] [flare run flags]}; shift
 tiny=""; [ "${1:-}" = --tiny ] && { tiny=--tiny; shift; }
 name=deepseek-v4-4l-random${tiny:+-tiny}
 context=$([ -n "$tiny" ] && echo 1024 || echo 8192); prompt=$([ -n "$tiny" ] && echo 512 || echo 4096)
-work=/tmp/flare-bench; mkdir -p "$work" "$out"
+work=/tmp/flare-bench; mkdir -p "$work"
 source benchmarks/flare_server.sh
 write_config "$work"
 flare="python3 -m flare_core.cli --config $work/config.toml"
@@ -23,6 +25,8 @@ if [ ! -f "$work/$name.core" ]; then
     > "$work/$name.export.log" 2>&1 || { tail -20 "$work/$name.export.log"; exit 1; }
   tail -1 "$work/$name.export.log" > "$work/$name.core"
 fi
+[ "$out" = --prepare-only ] && exit 0
+mkdir -p "$out"
 cp "$work/$name.export.log" "$out/export.log"
 start_server "$(cat "$work/$name.core")" "$out/run.log" "$@"
 trap 'kill -TERM $server 2>/dev/null || true' EXIT  # a failed step leaves no server behind
