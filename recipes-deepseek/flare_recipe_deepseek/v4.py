@@ -47,7 +47,6 @@ indexer's top-k and the sparse attention over it want the field's kernels, #48).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, Iterator, Mapping
 
@@ -494,8 +493,7 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV4ForServing:
 
 
 # A routed expert's matrices in DeepSeek's checkpoints: w1 (gate), w3 (up), w2 (down).
-_EXPERT = re.compile(r"(.*\.experts\.\d+\.)(gate_proj|up_proj|down_proj)(\.weight)$")
-_EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def transformers_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
@@ -516,15 +514,16 @@ def transformers_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
 
 
 def checkpoint_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
-    """`transformers_names`, each routed expert's matrices also under the names of Transformers'
-    per-expert parts (gate_proj, up_proj, down_proj for w1, w3, w2): what tensor parallelism
-    slices the checkpoint by (flare_core.parallel)."""
-    names = transformers_names(checkpoint_names)
-    parts = {short: long for long, short in _EXPERT_PARTS.items()}
-    for name, checkpoint_name in list(names.items()):
-        stem, _, leaf = name.rpartition(".weight")[0].rpartition(".")
-        if ".experts." in name and leaf in parts:
-            names[f"{stem}.{parts[leaf]}.weight"] = checkpoint_name
+    """The model-side name of each checkpoint tensor -> its checkpoint name: `transformers_names`,
+    each routed expert's matrices under the names of Transformers' per-expert parts (gate_proj,
+    up_proj, down_proj for w1, w3, w2), as `map_weights` reads them and tensor parallelism slices
+    them (flare_core.parallel)."""
+    names = {}
+    for name, checkpoint_name in transformers_names(checkpoint_names).items():
+        stem, _, leaf = name.removesuffix(".weight").rpartition(".")
+        if ".experts." in name and leaf in _EXPERT_PARTS:
+            name = f"{stem}.{_EXPERT_PARTS[leaf]}.weight"
+        names[name] = checkpoint_name
     return names
 
 
@@ -537,12 +536,9 @@ def map_weights(config: Any, checkpoint: Mapping[str, Tensor], dtype: torch.dtyp
     except Fp8ConfigError as exc:
         raise ValueError(f"config.json {exc}") from exc
     source = DequantizedCheckpoint(checkpoint, blocks)
-    names = transformers_names(iter(source))
+    names = checkpoint_names(iter(source))
 
     def read(name: str, target: str, target_dtype: torch.dtype) -> Tensor:
-        expert = _EXPERT.match(name)
-        if expert:
-            name = expert[1] + _EXPERT_PARTS[expert[2]] + expert[3]
         if name not in names:
             raise ValueError(f"checkpoint lacks the tensor Transformers names {name!r} (needed for prepared "
                              f"tensor {target!r})")
