@@ -1,6 +1,6 @@
 """`flare::sinkhorn` on the CPU: the reference's loop, and an op torch.compile traces whole (its fake
 shape), as the compiled decoder layers of DeepSeek V4 call it. The Triton program runs on CUDA
-(tests/gpu/test_sinkhorn.py)."""
+(tests/gpu/test_sinkhorn_gpu.py)."""
 
 from __future__ import annotations
 
