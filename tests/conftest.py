@@ -9,28 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from flare_core.cli import main
+from flare_testing.server import Flare, write_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN3_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
-
-
-def write_config(directory: Path) -> Path:
-    """A config whose paths all live under `directory`, so tests never touch the user's files."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "config.toml"
-    path.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "hub"\nkeys = "keys"\ntrust_store = "trust.json"\n'
-                    'checkpoint_cache = "checkpoints"\ncompile_cache = "compiled"\n[defaults]\ndevice = "cpu"\n')
-    return path
-
-
-def write_server_config(directory: Path, server_section: str) -> Path:
-    """`write_config` plus a [server] section (TOML lines)."""
-    path = write_config(directory)
-    path.write_text(path.read_text() + "[server]\n" + server_section)
-    return path
 
 
 def add_qwen_frontend_files(directory: Path) -> None:
@@ -84,25 +67,6 @@ def write_checkpoint(directory: Path, config, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     add_qwen_frontend_files(directory)
     return directory
-
-
-class Flare:
-    """Runs `flare` commands in-process against an isolated config."""
-
-    def __init__(self, config_path: Path):
-        self.config_path = config_path
-        self.runner = CliRunner()
-
-    def __call__(self, *args: str, expect_ok: bool = True, input: str | None = None):
-        result = self.runner.invoke(main, ["--config", str(self.config_path), *map(str, args)], input=input,
-                                    catch_exceptions=False)
-        if expect_ok:
-            assert result.exit_code == 0, result.output
-        return result
-
-    def export(self, *args: str) -> Path:
-        result = self("export", *args, "--no-progress")
-        return Path(result.output.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
@@ -190,7 +154,7 @@ def smollm2_core(session_flare, smollm2_gguf) -> Path:
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_core, session_flare, tmp_path_factory):
     """A `flare run` of the SmolLM2 core, one per test module."""
-    from server_process import ServerProcess
+    from flare_testing.server import ServerProcess
 
     server = ServerProcess(session_flare.config_path, smollm2_core, tmp_path_factory.mktemp("smollm2") / "run.log",
                            "--no-dashboard").wait_ready()

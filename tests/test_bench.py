@@ -21,7 +21,7 @@ from flare_core.bench import (
 )
 from flare_core.bench.command import bench
 from flare_core.bench.datasets import TOKEN_ID_RANGE
-from tests.server_process import ServerProcess
+from flare_testing.server import ServerProcess
 
 
 def test_percentile_interpolates_between_closest_ranks():

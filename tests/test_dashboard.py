@@ -21,7 +21,7 @@ import pytest
 from flare_core.observability import LogSink, Pane, Telemetry, parse_keys, render_lines
 from flare_core.observability.telemetry import DECODE, FINISHED, QUEUED
 from flare_core.observability.terminal import NEXT_PANE, PREVIOUS_PANE, QUIT
-from server_process import ServerProcess, http_request
+from flare_testing.server import ServerProcess, http_request
 
 PAGES = dict(total_pages=64, free_pages=50, cached_pages=6)
 _ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

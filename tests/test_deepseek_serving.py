@@ -23,10 +23,10 @@ import torch
 from tokenizers import Tokenizer
 from transformers import DeepseekV3Config, PreTrainedTokenizerFast
 
-from conftest import FIXTURES, Flare, write_config
+from conftest import FIXTURES
+from flare_testing.server import Flare, ServerProcess, stop_all, write_config
 from flare_core.core import open_core
 from flare_testing.deepseek import add_mtp_layer, ascii_tokenizer_json, random_model, save_model, write_frontend
-from server_process import ServerProcess, stop_all
 
 MAX_TOKENS = 12
 PREFILL_CHUNK = 128

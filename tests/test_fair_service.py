@@ -17,8 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from conftest import write_config
-from server_process import ServerProcess, wait_until
+from flare_testing.server import ServerProcess, wait_until, write_config
 
 SERVED = "smollm2"
 ROWS = 4  # the smollm2_core fixture's --max-concurrency

@@ -17,7 +17,7 @@ from flare_core.core import open_core
 from flare_core.plugins import load_registry
 from flare_core.engine.load import load_core
 from flare_testing.parity import serve_paged
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 
 EXPORT = ("--dtype", "bfloat16", "--max-concurrency", "4", "--context-length", "1024", "--prefill-chunk-size", "128")
 

@@ -15,7 +15,7 @@ from flare_core.engine.load import load_core
 from flare_core.kernels.fp8 import FP8_MAX, dequantize_blocks, quantize_blocks
 from flare_core.plugins import load_registry
 from flare_testing.parity import serve_paged
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 
 EXPORT = ("--max-concurrency", "4", "--context-length", "1024", "--prefill-chunk-size", "128", "--no-progress")
 

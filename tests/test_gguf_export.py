@@ -31,7 +31,7 @@ def test_export_plan_and_manifest(smollm2_core, session_flare, smollm2_gguf):
 
 
 def test_plan_names_what_was_dequantized(tmp_path, smollm2_gguf):
-    from conftest import Flare, write_config
+    from flare_testing.server import Flare, write_config
 
     flare = Flare(write_config(tmp_path / "flare"))
     # A directory holding one GGUF file is read as that file.

@@ -22,9 +22,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import write_config, write_server_config
+from flare_testing.server import http_request, HttpReply, ServerProcess, SseReader, write_config, write_server_config
 from hostile_bodies import BASES, SERVED, Hostile, hostile_bodies
-from server_process import HttpReply, ServerProcess, SseReader, http_request
 
 SEED = 20261201
 PER_FAMILY = 250  # 17 families: a little over 2,000 bodies

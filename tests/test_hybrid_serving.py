@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from conftest import tiny_qwen3_next_config, write_checkpoint
-from server_process import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
+from flare_testing.server import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
 from flare_core.requests import GenerationRequest, SamplingParams
 from test_engine_frames import make_engine
 

@@ -29,7 +29,7 @@ from conftest import FIXTURES
 from flare_core.contract.types import NEUTRAL_SAMPLING
 from flare_core.core import open_core
 from flare_testing.deepseek import ascii_tokenizer_json, scale_random_weights, write_frontend
-from server_process import second_turn_restores_the_first, with_and_without_prefix_cache
+from flare_testing.server import second_turn_restores_the_first, with_and_without_prefix_cache
 
 SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
 VOCAB = len(Tokenizer.from_str(ascii_tokenizer_json(SPECIAL_TOKENS)).get_vocab())

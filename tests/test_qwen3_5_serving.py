@@ -23,7 +23,7 @@ import torch
 
 from conftest import FIXTURES
 from flare_core.frontend import build_tokenizer_json
-from server_process import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
+from flare_testing.server import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "recipes-qwen" / "tests" / "fixtures" / "qwen3.5" / "chat_template.jinja"
 TEXT = dict(vocab_size=151669, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

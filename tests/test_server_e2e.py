@@ -26,8 +26,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import write_server_config
-from server_process import ServerProcess, SseReader, stop_all, wait_until
+from flare_testing.server import ServerProcess, SseReader, stop_all, wait_until, write_server_config
 
 SERVED = "flare-e2e"
 ALIAS = "org/flare-e2e"  # served names may hold "/" (Hugging Face repo ids)

@@ -27,7 +27,7 @@ import openai
 import pytest
 import torch
 
-from server_process import ServerProcess, stop_all
+from flare_testing.server import ServerProcess, stop_all
 
 STOP_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: the cores' stop tokens (generation_config eos)
 MAX_TOKENS = 16

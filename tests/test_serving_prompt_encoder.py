@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import tiny_qwen3_config
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 from flare_testing.plugins import require_test_recipe
 
 SERVED = "scripted-v4"

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import add_qwen_frontend_files, tiny_qwen3_config
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 from flare_testing.plugins import require_test_recipe
 
 SERVED = "scripted-qwen-xml"

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from flare_testing.plugins import require_test_recipe
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 from test_serving_scripted import write_scripted_checkpoint
 
 PROMPT = list(range(1000, 1012))

@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from flare_core.requests import GenerationRequest, SamplingParams
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 from test_engine_frames import make_engine, run_requests
 from test_speculative import PARAGRAPH
 

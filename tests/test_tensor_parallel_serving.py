@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import FIXTURES
-from server_process import ServerProcess, SseReader, wait_until
+from flare_testing.server import ServerProcess, SseReader, wait_until
 
 SERVED = "tiny"
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is the capital of Italy?"]

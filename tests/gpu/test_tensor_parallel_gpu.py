@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from server_process import ServerProcess
+from flare_testing.server import ServerProcess
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(os.environ.get("FLARE_TEST_GPU") != "1" or torch.cuda.device_count() < 2,

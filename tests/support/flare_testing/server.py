@@ -1,4 +1,5 @@
-"""A real `flare run` server in a subprocess, for end-to-end tests, and small raw-HTTP helpers.
+"""A real `flare run` server in a subprocess, for end-to-end tests, `flare` commands run in-process
+against an isolated config (`Flare`, `write_config`), and small raw-HTTP helpers.
 
 The server binds port 0; its bound URL is read from the `listening` log line. Readiness and
 state changes are observed by polling (/health, /metrics) against a deadline, never by sleeping
@@ -22,6 +23,46 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from click.testing import CliRunner
+
+from flare_core.cli import main
+
+
+def write_config(directory: Path) -> Path:
+    """A config whose paths all live under `directory`, so tests never touch the user's files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.toml"
+    path.write_text('[paths]\ncore_cache = "cores"\nhub_cache = "hub"\nkeys = "keys"\ntrust_store = "trust.json"\n'
+                    'checkpoint_cache = "checkpoints"\ncompile_cache = "compiled"\n[defaults]\ndevice = "cpu"\n')
+    return path
+
+
+def write_server_config(directory: Path, server_section: str) -> Path:
+    """`write_config` plus a [server] section (TOML lines)."""
+    path = write_config(directory)
+    path.write_text(path.read_text() + "[server]\n" + server_section)
+    return path
+
+
+class Flare:
+    """Runs `flare` commands in-process against an isolated config."""
+
+    def __init__(self, config_path: Path):
+        self.config_path = config_path
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str, expect_ok: bool = True, input: str | None = None):
+        result = self.runner.invoke(main, ["--config", str(self.config_path), *map(str, args)], input=input,
+                                    catch_exceptions=False)
+        if expect_ok:
+            assert result.exit_code == 0, result.output
+        return result
+
+    def export(self, *args: str) -> Path:
+        result = self("export", *args, "--no-progress")
+        return Path(result.output.strip().splitlines()[-1])
+
 
 # Generous: the suite must pass on a loaded machine, where start-up (imports, core verification)
 # can take minutes. Nothing waits this long unless something is wrong.

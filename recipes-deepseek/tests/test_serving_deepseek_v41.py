@@ -3,7 +3,7 @@ and anthropic SDKs.
 
 The checkpoint is the tiny V4.1 reference configuration "v41-tiny-ced" (KV and index sources in
 ratio-2 and ratio-1 groups, the two-level candidate top-k, Engram at two layers; its weights and
-tokenizer from flare-recipe-deepseek's tests/fixtures/deepseek-v41), named as Transformers names
+tokenizer from this directory's fixtures/deepseek-v41), named as Transformers names
 it. Greedy answers must be what the served model computes for the prompt V4.1's encoder renders,
 one request at a time with the chunks a server with state snapshots uses; the second turn of a
 chat must resume from the first turn's snapshot and still answer the same.
@@ -17,12 +17,17 @@ import anthropic
 import openai
 import pytest
 
-import flare_recipe_deepseek
-from server_process import ServerProcess
+from flare_testing.server import Flare, ServerProcess, write_config
 
 SERVED = "deepseek-v41-tiny"
 NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
-FIXTURES = Path(flare_recipe_deepseek.__file__).parents[1] / "tests" / "fixtures" / "deepseek-v41"
+FIXTURES = Path(__file__).parent / "fixtures" / "deepseek-v41"
+
+
+@pytest.fixture(scope="module")
+def session_flare(tmp_path_factory) -> Flare:
+    """`flare` commands against a config of this module's own (the core suite's fixture of the name)."""
+    return Flare(write_config(tmp_path_factory.mktemp("flare")))
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,16 @@ import openai
 import pytest
 import torch
 
-from server_process import ServerProcess
+from flare_testing.server import Flare, ServerProcess, write_config
 
 SERVED = "deepseek-v4-tiny"
 NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def session_flare(tmp_path_factory) -> Flare:
+    """`flare` commands against a config of this module's own (the core suite's fixture of the name)."""
+    return Flare(write_config(tmp_path_factory.mktemp("flare")))
 
 
 @pytest.fixture(scope="module")
