@@ -527,18 +527,18 @@ class GraphRunner:
 
     def _warm_eager(self) -> None:
         """Run the eager path once per step kind over the current storage. Compiled (each decoder
-        layer with symbolic token counts, one code for all layers): a prompt chunk (not where eager
-        steps run uncompiled: `compiled_eager_steps`) and a single decode row (size 1 compiles
-        separately), so that compilation happens at load, not in the first requests. Then the
-        largest prompt chunk: the allocator keeps its activations' memory reserved, so a KV pool
-        sized afterwards (`resize_cache`) leaves room for eager steps (restoring prefix resume
-        points, prompt chunks without graphs); compiled, it also compiles the path of many tokens
-        where it differs (MoE experts through grouped_mm, flare_core.ops.moe)."""
+        layer with symbolic token counts, one code for all layers): a prompt chunk and a decode row
+        (size 1 compiles apart), so that compilation happens at load, not in the first requests;
+        where eager steps run uncompiled (`compiled_eager_steps`), the decode row alone if graphs
+        replay it. Then the largest prompt chunk: the allocator keeps its activations' memory
+        reserved, so a KV pool sized afterwards (`resize_cache`) leaves room for eager steps; with
+        compiled eager steps, it also compiles the path of many tokens (MoE: grouped_mm)."""
         started = time.perf_counter()
         # (tokens, requests, model): two requests give two logits rows (one compiles apart from several).
-        steps = [(3, 2, self.model)] if self._compiled and self.kernels.compiled_eager_steps else []
-        steps += ([(1, 1, self.model)] if self._compiled else []) + \
-            ([(self._prefill_chunk_size, 1, self._eager_model)] if self._prefill_chunk_size else [])
+        compiled_steps = self._compiled and (self.kernels.compiled_eager_steps or bool(self._decode_capacities))
+        steps = [(3, 2, self.model)] if compiled_steps and self.kernels.compiled_eager_steps else []
+        steps += [(1, 1, self.model)] if compiled_steps else []
+        steps += [(self._prefill_chunk_size, 1, self._eager_model)] if self._prefill_chunk_size else []
         for tokens, requests, model in steps:
             self._warm_prefill(tokens, requests, model)
         torch.cuda.synchronize()
