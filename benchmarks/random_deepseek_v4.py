@@ -90,8 +90,9 @@ def random_tensors(config, device: torch.device, seed: int = 0):
             blocks = (-(-shape[0] // 128), -(-shape[1] // 128))
             yield stem + ".scale", torch.full(blocks, 2.0 ** -8, device=device).to(torch.float8_e8m0fnu)
         elif name.endswith("tid2eid"):
-            yield name, torch.stack([torch.randperm(config.n_routed_experts, device=device, generator=generator)
-                                     [:shape[1]] for _ in range(shape[0])]).to(twin[name].dtype)
+            # shape[1] distinct experts per token id: the first of a random order of all of them
+            order = torch.rand(shape[0], config.n_routed_experts, device=device, generator=generator).argsort(dim=1)
+            yield name, order[:, :shape[1]].contiguous().to(twin[name].dtype)
         elif not twin[name].is_floating_point():
             yield name, torch.zeros(shape, dtype=twin[name].dtype, device=device)
         elif "norm" in name:
