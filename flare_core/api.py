@@ -71,6 +71,7 @@ from flare_core.ops.gqa import FusedQKVAttention
 from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.mlp import FusedGatedMLP
 from flare_core.ops.model import STATIC_ROPE_TYPES, DecoderForServing, check_rope_type
+from flare_core.ops.moe import routed_experts
 from flare_core.ops.routing import SigmoidTopKRouter, SoftmaxTopKRouter
 from flare_core.ops.tables import TableRows, TableSource, embedding_tables, read_table, table_skeleton
 from flare_core.ops.weights import Reader, checkpoint_reader, fused_linear, prepare_weights
@@ -94,8 +95,8 @@ __all__ = [
     # The model kit: the layers serving models are made of.
     "DecoderForServing", "STATIC_ROPE_TYPES", "check_rope_type", "ForwardContext",
     "PagedAttention", "BatchAttention", "write_paged", "FusedQKVAttention", "MLAPagedAttention", "AbsorbedMLA", "FusedGatedMLP",
-    "SigmoidTopKRouter", "SoftmaxTopKRouter", "keep_router_bias_float32", "serve_sigmoid_moe_mlp", "DeltaRuleForServing",
-    "gated_delta_rule", "kimi_delta_rule", "kimi_delta_rule_step", "sinkhorn",
+    "SigmoidTopKRouter", "SoftmaxTopKRouter", "routed_experts", "keep_router_bias_float32", "serve_sigmoid_moe_mlp",
+    "DeltaRuleForServing", "gated_delta_rule", "kimi_delta_rule", "kimi_delta_rule_step", "sinkhorn",
     # Embedding tables read per step from the core instead of loaded (flare_core.ops.tables).
     "TableRows", "TableSource", "embedding_tables", "read_table", "table_skeleton",
     # Weight mapping: checkpoint tensors -> the prepared layout; fp8 / fp4 checkpoints read through their scales.

@@ -65,9 +65,20 @@ def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    pairs = torch.ops.flare.routed_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-                                           top_k_weights, gate_up_scale, down_scale, swiglu_limit)
-    return pairs.sum(dim=1).to(hidden_states.dtype)
+    return routed_experts(self, hidden_states, top_k_index, top_k_weights, swiglu_limit).sum(dim=1).to(
+        hidden_states.dtype)
+
+
+def routed_experts(experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                   swiglu_limit: float = 0.0) -> Tensor:
+    """`flare::routed_experts` over a packed experts module (`gate_up_proj` [E, 2I, hidden], gate
+    rows first, and `down_proj` [E, hidden, I]) with the scales its tensors carry where the core
+    keeps them as FP8 blocks or FP4 groups: [T, k, hidden] float32, each (token, expert) pair's
+    SiLU-gated output times its weight (gate and up clamped at `swiglu_limit` > 0). No host sync:
+    a recipe's own experts module runs it in captured graphs."""
+    return torch.ops.flare.routed_experts(hidden_states, experts.gate_up_proj, experts.down_proj, top_k_index,
+                                          top_k_weights, _scale(experts, "gate_up_proj"), _scale(experts, "down_proj"),
+                                          swiglu_limit)
 
 
 def use_fused_experts(causal_lm: nn.Module, clamped_swiglu: tuple[type, ...] = ()) -> bool:

@@ -57,8 +57,9 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from flare_core.api import (BatchAttention, CacheScheme, DecoderForServing, ForwardContext, PagedStore, StateTensor, embedding_tables,
-                            TableSource, read_table, table_skeleton, write_paged)
+from flare_core.api import (BatchAttention, CacheScheme, ContractError, DecoderForServing, ForwardContext, PagedStore,
+                            StateTensor, TableSource, embedding_tables, read_table, routed_experts, table_skeleton,
+                            write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
 from flare_recipe_deepseek.v4 import hyper_mixes, read_records, record_slots, rotate, sliding_keys
 from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
@@ -124,6 +125,14 @@ class Step:
         return cos[0], sin[0]
 
 
+class Float32Linear(nn.Linear):
+    """A linear layer the reference computes in float32 whatever the served dtype (a compressor's
+    pooling projections). `--quantize fp8` leaves it as it is: it quantizes plain nn.Linear layers."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Compressor(nn.Module):
     """A KV source's pooling: r tokens into one latent, `norm(sum softmax(gate) * kv)` over the
     group in float32 (r = 1: `norm(wkv(x))`, no gate)."""
@@ -131,8 +140,9 @@ class Compressor(nn.Module):
     def __init__(self, config: Any, ratio: int):
         super().__init__()
         self.ratio, self.head_dim = ratio, config.head_dim
-        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        linear = Float32Linear if ratio > 1 else nn.Linear
+        self.wkv = linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = Float32Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
         self.norm = v4.DeepseekV4RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, x: Tensor, pending: Tensor | None, first: int) -> tuple[Tensor, int]:
@@ -141,8 +151,7 @@ class Compressor(nn.Module):
         if self.wgate is None:
             return self.norm(self.wkv(x)), first
         ratio, tokens = self.ratio, x.shape[0]
-        projected = torch.cat([F.linear(x.float(), self.wkv.weight.float()),
-                               F.linear(x.float(), self.wgate.weight.float())], dim=-1)
+        projected = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
         opened, end = first // ratio, first + tokens
         span = torch.cat([pending[:first - opened * ratio], projected])  # from the open group's first token
         closed = end // ratio - opened
@@ -305,32 +314,21 @@ class Attention(BatchAttention):
 
 class Experts(nn.Module):
     """The routed experts, packed: `gate_up_proj` [E, 2I, hidden] (w1 rows, then w3), `down_proj`
-    [E, hidden, I]; SwiGLU with the up branch clamped to +-swiglu_limit and the gate from above,
-    each token's output times its route weight."""
+    [E, hidden, I]; SiLU-gated with the up branch clamped to +-swiglu_limit and the gate from
+    above, each token's output times its route weight. Computed by the core's routed-experts op
+    (no host sync), which reads the tensors as the core keeps them: FP4 groups as DeepSeek
+    publishes its experts, FP8 blocks, or the served dtype."""
 
     def __init__(self, config: Any, experts: int):
         super().__init__()
         inter, hidden = config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
-        self.limit, self.act = config.swiglu_limit, ACT2FN[config.hidden_act]
-
-    def expert(self, x: Tensor, gate_up: Tensor, down: Tensor, weight: Tensor | None = None) -> Tensor:
-        # Two matmuls, as the reference's w1 and w3: a fused one sums in another order.
-        gate_w, up_w = gate_up.chunk(2, dim=0)
-        gate, up = F.linear(x, gate_w).float(), F.linear(x, up_w).float()
-        if self.limit > 0:
-            up, gate = up.clamp(-self.limit, self.limit), gate.clamp(max=self.limit)
-        y = self.act(gate) * up
-        return F.linear((y if weight is None else weight * y).to(x.dtype), down)
+        self.limit = float(config.swiglu_limit)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for expert in ids.unique().tolist():  # ascending, as the reference's loop
-            token, slot = torch.where(ids == expert)
-            out[token] += self.expert(x[token], self.gate_up_proj[expert], self.down_proj[expert],
-                                      weights[token, slot, None]).float()
-        return out
+        """x [T, hidden], route weights and expert ids [T, k] -> [T, hidden] float32."""
+        return routed_experts(self, x, ids, weights, self.limit).sum(dim=1)
 
 
 class MoE(nn.Module):
@@ -356,8 +354,8 @@ class MoE(nn.Module):
         if self.normalize and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         out = self.experts(x, weights * self.scale, ids)
-        shared = self.shared_experts
-        out += shared.expert(x, shared.gate_up_proj[0], shared.down_proj[0]).float()
+        always = torch.zeros_like(ids[:, :1])  # the shared expert: expert 0 of its own, weight 1
+        out += self.shared_experts(x, torch.ones_like(weights[:, :1]), always)
         return out.to(x.dtype)
 
 
@@ -441,6 +439,9 @@ class DeepseekV41ForServing(DecoderForServing):
         causal_lm.model = Model(config)
         causal_lm.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         super().__init__(causal_lm, rotary_emb, tie_word_embeddings=False)
+        # Its experts modules run the core's routed-experts op: `--quantize fp8` keeps their tensors
+        # packed (FP4 groups as published, else FP8 blocks), and the op reads them so.
+        self.fused_experts = True
 
     def run(self, input_ids: Tensor, positions: Tensor, context: ForwardContext, groups: list[nn.Module] | None,
             logits: Any) -> Tensor:
@@ -461,6 +462,9 @@ class DeepseekV41ForServing(DecoderForServing):
 def check_config(config: Any) -> None:
     """ContractError naming the field when the checkpoint's config is one this path cannot serve."""
     v4_check_config(config, "deepseek_v41_text")
+    if config.hidden_act != "silu":  # the experts' gate (the routed-experts op computes SiLU)
+        raise ContractError(type(config).__name__, "hidden_act",
+                            f"{config.hidden_act!r} is not supported (supported: silu)")
 
 
 # The float32 tensors of the reference (`_keep_in_fp32_modules_strict`): mHC weights, sinks, router bias.

@@ -153,7 +153,7 @@ class Engram(nn.Module):
 
     def forward(self, streams: Tensor, rows: Tensor) -> Tensor:
         """streams [tokens, hc, hidden], rows [tokens, columns] -> streams with the gated value added."""
-        kv = self.wkv(self.embed(rows).flatten(-2).to(self.wkv.weight.dtype))
+        kv = self.wkv(self.embed(rows).flatten(-2).to(streams.dtype))  # the served dtype (an FP8 wkv reads it)
         key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))
         h = streams.float()

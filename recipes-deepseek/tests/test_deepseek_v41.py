@@ -321,39 +321,53 @@ def test_the_published_form_reads_as_its_dequantized_weights():
                            tiny.checkpoint["model.layers.1.engram.embed.weight"])  # it was quantized
 
 
-def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path):
+def _write_published(tiny: TinyV41, directory: Path, draft: dict[str, torch.Tensor] | None = None):
+    """`tiny` as a checkpoint directory in the published form (`_published`, with the FP8 / FP4
+    quantization_config), with `draft` (DSpark draft tensors under `mtp.`) beside it: (the stored
+    tensors, the values they dequantize to, the draft's)."""
     from safetensors.torch import save_file
 
-    from flare_core.cli import open_verified_core
-    from flare_core.config import load_config
-    from flare_core.core import open_core
-    from flare_core.engine.load import load_core
-    from flare_recipe_deepseek.v41 import map_weights
-    from flare_testing.deepseek import export_checkpoint
     from flare_testing.deepseek_v41 import write_checkpoint
 
-    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
-    directory = tmp_path / "published"
     write_checkpoint(tiny, directory, FIXTURES)
     stored, read = _published(tiny.checkpoint)
-    # A DSpark draft layer's tensors as published (FP8 blocks, an FP4 expert, a norm): carried, not loaded.
-    draft = {"mtp.0.attn.wq_a.weight": torch.randn(64, 64) * 0.02, "mtp.0.ffn.experts.0.w1.weight": torch.randn(32, 64),
-             "mtp.0.norm.weight": torch.ones(64)}
-    draft_stored, draft_read = _published({f"model.layers.0.{name}": t for name, t in draft.items()})
+    draft_stored, draft_read = _published({f"model.layers.0.{name}": t for name, t in (draft or {}).items()})
     stored |= {name.removeprefix('layers.0.'): t for name, t in draft_stored.items()}
     save_file(stored, directory / "model.safetensors")
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                      "weight_block_size": [32, 32], "expert_dtype": "fp4"}
     (directory / "config.json").write_text(json.dumps(config))
+    return stored, read, draft_read
+
+
+def _load(core: Path, config_path: Path):
+    from flare_core.cli import open_verified_core
+    from flare_core.config import load_config
+    from flare_core.engine.load import load_core
+
+    return load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True), load_registry(),
+                     torch.device("cpu"))
+
+
+def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path):
+    from flare_core.core import open_core
+    from flare_recipe_deepseek.v41 import map_weights
+    from flare_testing.deepseek import export_checkpoint
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
+    directory = tmp_path / "published"
+    # A DSpark draft layer's tensors as published (FP8 blocks, an FP4 expert, a norm): carried, not loaded.
+    draft = {"mtp.0.attn.wq_a.weight": torch.randn(64, 64) * 0.02, "mtp.0.ffn.experts.0.w1.weight": torch.randn(32, 64),
+             "mtp.0.norm.weight": torch.ones(64)}
+    _, read, draft_read = _write_published(tiny, directory, draft)
     core, printed, config_path = export_checkpoint(directory, tmp_path / "flare", "--dtype", "float32")
     assert "recipe        deepseek-v4.1" in printed and "fp8 checkpoint" in printed
     assert "carried       3 checkpoint tensors under mtp. stored as carried.<name> in float32" in printed
     carried = open_core(core).load_tensors(names=[f"carried.{name}" for name in draft])
     for name in draft:
         torch.testing.assert_close(carried[f"carried.{name}"], draft_read[f"model.layers.0.{name}"], atol=0, rtol=0)
-    loaded = load_core(open_verified_core(load_config(config_path), str(core), trust_publisher=True),
-                       load_registry(), torch.device("cpu"))
+    loaded = _load(core, config_path)
     expected = {**materialized(map_weights(tiny.config, read, torch.float32)), "model.ngram.token_map": tiny.token_map}
     # The Engram tables are read from the core per step (flare_core.engine.tables), not loaded.
     state = loaded.model.state_dict() | {name: store.gather(torch.arange(store.table.rows))
@@ -362,6 +376,81 @@ def test_an_export_of_the_published_form_holds_the_dequantized_weights(tmp_path)
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_quantize_fp8_keeps_the_published_fp4_experts_and_serves_them(tmp_path):
+    """The published form exported with `--quantize fp8`: the routed experts are the checkpoint's own
+    FP4 bytes and group scales (the FP8 32 x 32 blocks do not line up in the core's 128 x 128 ones
+    and are dequantized, as the shared experts' are), and the core serves what the dequantized
+    export serves, bit for bit (the routed-experts op decodes FP4 exactly)."""
+    from flare_core.core import open_core
+    from flare_testing.deepseek import export_checkpoint
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
+    directory = tmp_path / "published"
+    stored, _, _ = _write_published(tiny, directory)
+    plain, _, plain_config = export_checkpoint(directory, tmp_path / "plain", "--dtype", "float32")
+    packed, printed, packed_config = export_checkpoint(directory, tmp_path / "packed", "--dtype", "float32",
+                                                       "--quantize", "fp8")
+    layers = tiny.config.num_hidden_layers
+    assert re.search(rf"fp8 +0 of \d+ weights kept as the checkpoint's fp8 blocks and {2 * layers} as its FP4 experts",
+                     printed), printed
+    experts = "model.layers.3.ffn.experts"
+    held = open_core(packed).load_tensors(names=[f"{experts}.gate_up_proj", f"{experts}.gate_up_proj_fp4_scale",
+                                                 "model.layers.3.ffn.shared_experts.gate_up_proj"])
+    assert torch.equal(held[f"{experts}.gate_up_proj"][2],
+                       torch.cat([stored[f"layers.3.ffn.experts.2.{w}.weight"].view(torch.uint8) for w in ("w1", "w3")]))
+    assert torch.equal(held[f"{experts}.gate_up_proj_fp4_scale"][2].float(),
+                       torch.cat([stored[f"layers.3.ffn.experts.2.{w}.scale"].float() for w in ("w1", "w3")]))
+    assert held["model.layers.3.ffn.shared_experts.gate_up_proj"].dtype == torch.float32
+    ids, _ = tiny.sequence(1)
+    chunks = [100, 37, 1, 1, 1]
+    served = run_chunks(_load(packed, packed_config).model, tiny.config, ids[:140], chunks)
+    assert torch.equal(served, run_chunks(_load(plain, plain_config).model, tiny.config, ids[:140], chunks))
+
+
+def test_quantize_fp8_serves_what_its_dequantized_weights_compute(tmp_path):
+    """An unquantized checkpoint exported with `--quantize fp8`: the decoder layers' linear layers
+    and packed experts as FP8 blocks, except the compressors' pooling projections (the reference
+    computes them in float32); the Engram layers read their rows into an FP8 projection. The core
+    computes what the same model over its weights dequantized does, bit for bit."""
+    from flare_core.kernels.fp8 import dequantize_blocks
+    from flare_core.ops.fp8 import Fp8BlockLinear
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_recipe_deepseek.v41 import Float32Linear, build_model
+    from flare_testing.deepseek import export_checkpoint
+    from flare_testing.deepseek_v41 import write_checkpoint
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
+    write_checkpoint(tiny, tmp_path / "checkpoint", FIXTURES)
+    core, printed, config_path = export_checkpoint(tmp_path / "checkpoint", tmp_path / "flare", "--dtype", "float32",
+                                                   "--quantize", "fp8")
+    loaded = _load(core, config_path)
+    kinds = {type(module).__name__ for path, module in loaded.model.named_modules()
+             if path.endswith((".compressor.wkv", ".compressor.wgate"))}
+    assert kinds == {"Float32Linear", "Fp8BlockLinear"}  # ratio 2 pools in float32; ratio 1 is a projection
+    assert isinstance(loaded.model.get_submodule("model.layers.1.engram.wkv"), Fp8BlockLinear)
+    state = loaded.model.state_dict()
+    assert state["model.layers.0.ffn.experts.gate_up_proj"].dtype == torch.float8_e4m3fn
+    dequantized = {}
+    for name, tensor in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = state.get(name + "_scale_inv")  # P.weight_scale_inv of a linear layer, P_scale_inv of experts
+        if scale is None or tensor.dtype != torch.float8_e4m3fn:
+            dequantized[name] = tensor
+        elif tensor.dim() == 3:
+            dequantized[name] = torch.stack([dequantize_blocks(w, s) for w, s in zip(tensor, scale)])
+        else:
+            dequantized[name] = dequantize_blocks(tensor, scale)
+    reference = load_prepared_weights(build_model(tiny.config, torch.float32), dequantized | {
+        name: store.gather(torch.arange(store.table.rows)) for name, store in loaded.tables.items()}, "cpu")
+    assert not any(isinstance(m, Fp8BlockLinear) for m in reference.modules())
+    assert any(isinstance(m, Float32Linear) for m in reference.modules())
+    ids, _ = tiny.sequence(0)
+    chunks = [20, 10, 1, 1, 1, 1, 1]
+    assert torch.equal(run_chunks(loaded.model, tiny.config, ids, chunks),
+                       run_chunks(reference, tiny.config, ids, chunks))
 
 
 @pytest.mark.parametrize("rows_per_block", [1, 7, 40, 100_000])
