@@ -104,3 +104,29 @@ def test_the_sigmoid_router_refuses_groups_it_cannot_route():
     for experts, groups, top_groups, top_k in ((30, 4, 2, 4), (32, 4, 5, 4), (32, 4, 1, 9), (8, 8, 4, 2)):
         with pytest.raises(ValueError, match="groups must divide the experts"):
             SigmoidTopKRouter(16, experts, top_k, groups, top_groups, True, 1.0)
+
+
+def test_every_expert_computes_the_loop_over_the_experts_in_use():
+    """The path a CUDA graph captures over weights the Triton kernels do not take (no host sync:
+    every expert over every token) computes what the loop over the experts in use does, for 16-bit,
+    FP8-block and FP4 weights, clamped or not."""
+    from flare_core.kernels.fp4 import GROUP
+    from flare_core.kernels.fp8 import quantize_blocks
+    from flare_core.kernels.moe import every_expert, reference_experts
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 256, generator=generator)
+    gate_up = torch.randn(6, 256, 256, generator=generator) * 0.05
+    down = torch.randn(6, 256, 128, generator=generator) * 0.05
+    index, weights = torch.randint(0, 6, (9, 3), generator=generator), torch.rand(9, 3, generator=generator)
+    fp8 = [torch.stack(pair) for pair in zip(*(quantize_blocks(w) for w in gate_up))], \
+        [torch.stack(pair) for pair in zip(*(quantize_blocks(w) for w in down))]
+    fp4 = [(torch.randint(0, 256, (6, rows, cols // 2), dtype=torch.uint8, generator=generator),
+            torch.full((6, rows, cols // GROUP), 2.0 ** -6).to(torch.float8_e8m0fnu))
+           for rows, cols in ((256, 256), (256, 128))]
+    for (gu, gu_scale), (dn, dn_scale) in (((gate_up, None), (down, None)), fp8, fp4):
+        for limit in (0.0, 0.3):
+            expected = reference_experts(x, gu, dn, index, weights, gu_scale, dn_scale, limit)
+            torch.testing.assert_close(every_expert(x, gu, dn, index, weights, gu_scale, dn_scale, limit), expected,
+                                       atol=1e-5, rtol=1e-4)
+            assert expected.abs().amax() > 0.01

@@ -23,6 +23,7 @@ from flare_core.kernels.decode_attention import TritonDecode
 from flare_core.kernels.flashinfer_attention import FlashInferDecode, FlashInferPrefill, PagedLayout
 from flare_core.ops.attention import BatchAttention, PagedAttention
 from flare_core.ops.mla import MLAPagedAttention
+from flare_core.ops.tables import embedding_tables
 
 
 class PlannedAttention(Protocol):
@@ -181,7 +182,7 @@ class _NoPlan:
 class _BatchKernels:
     """For models whose attention layers are all `BatchAttention`: no kernel, no softmax scale
     of the executor's; prompt chunks run eagerly, decode steps too unless every layer's
-    `graph_decode`."""
+    `graph_decode` and the model reads no embedding table."""
 
     device: torch.device
     graph_decode: bool = True
@@ -206,7 +207,9 @@ def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dty
     modules = [m for m in model.modules() if isinstance(m, (PagedAttention, MLAPagedAttention))]
     own = [m for m in model.modules() if isinstance(m, BatchAttention)]
     if not modules and own:
-        return _BatchKernels(workspace.device, graph_decode=all(m.graph_decode for m in own))
+        # A model with embedding tables reads their rows on the host in each step (flare_core.ops.tables).
+        graph_decode = all(m.graph_decode for m in own) and not embedding_tables(model)
+        return _BatchKernels(workspace.device, graph_decode=graph_decode)
     if not modules:
         raise ValueError("the CUDA executor needs a model built on flare_core.ops.attention.PagedAttention, "
                          "flare_core.ops.mla.MLAPagedAttention or BatchAttention; this model has none")

@@ -300,25 +300,45 @@ def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Ten
                       swiglu_limit: float = 0.0) -> Tensor:
     """`flare::routed_experts` as a loop over the experts in use (host synchronising): the CPU
     path, and the GPU tests' reference. FP8 and FP4 experts are dequantized to x's dtype when used."""
+    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
+    for expert in top_k_index.unique().tolist():
+        token, slot = (top_k_index == expert).nonzero(as_tuple=True)
+        out[token, slot] = (_one_expert(x[token], gate_up, down, expert, gate_up_scale, down_scale, swiglu_limit)
+                            * top_k_weights[token, slot, None].float())
+    return out
+
+
+def every_expert(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                 gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
+                 swiglu_limit: float = 0.0) -> Tensor:
+    """`reference_experts` without its host sync, for a CUDA graph captured over weights the Triton
+    kernels do not take (float32 models: the GPU tests' exactness runs): every expert computed for
+    every token, each pair's output picked by its expert id. E times the work, in shapes the step
+    fixes."""
+    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
+    for expert in range(gate_up.shape[0]):
+        rows = _one_expert(x, gate_up, down, expert, gate_up_scale, down_scale, swiglu_limit)[:, None]
+        out += torch.where(top_k_index[..., None] == expert, rows * top_k_weights[..., None].float(), 0.0)
+    return out
+
+
+def _one_expert(x: Tensor, gate_up: Tensor, down: Tensor, expert: int, gate_up_scale: Tensor | None,
+                down_scale: Tensor | None, swiglu_limit: float) -> Tensor:
+    """down(silu(gate(x)) * up(x)) of one expert for rows x [n, hidden], float32 [n, hidden]."""
     from flare_core.kernels.fp4 import dequantize_fp4
     from flare_core.kernels.fp8 import dequantize_blocks
 
-    def weight(stored: Tensor, scale: Tensor | None, expert: int) -> Tensor:
+    def weight(stored: Tensor, scale: Tensor | None) -> Tensor:
         if scale is None:
             return stored[expert]
         if stored.dtype == torch.uint8:
             return dequantize_fp4(stored[expert], scale[expert], dtype=x.dtype)
         return dequantize_blocks(stored[expert], scale[expert], dtype=x.dtype)
 
-    out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
-    for expert in top_k_index.unique().tolist():
-        token, slot = (top_k_index == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], weight(gate_up, gate_up_scale, expert)).chunk(2, dim=-1)
-        if swiglu_limit > 0:
-            gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
-        out[token, slot] = (F.linear(F.silu(gate) * up, weight(down, down_scale, expert)).float()
-                            * top_k_weights[token, slot, None].float())
-    return out
+    gate, up = F.linear(x, weight(gate_up, gate_up_scale)).chunk(2, dim=-1)
+    if swiglu_limit > 0:
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return F.linear(F.silu(gate) * up, weight(down, down_scale)).float()
 
 
 def _triton_path(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_scale: Tensor | None,
@@ -352,6 +372,8 @@ def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor
     if _triton_path(x, gate_up, down, gate_up_scale, down_scale):
         return fused_experts(x, gate_up, down, top_k_index, top_k_weights, scales=(gate_up_scale, down_scale),
                              swiglu_limit=swiglu_limit)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return every_expert(x, gate_up, down, top_k_index, top_k_weights, gate_up_scale, down_scale, swiglu_limit)
     return reference_experts(x, gate_up, down, top_k_index, top_k_weights, gate_up_scale, down_scale, swiglu_limit)
 
 

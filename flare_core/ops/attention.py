@@ -248,7 +248,8 @@ class BatchAttention(nn.Module):
     their decode steps replay in graphs when computed from the batch's device tensors only: there
     a decode graph's page table is an input, each row's pages written in before every replay
     (flare_core.executor.backends). A subclass whose decode steps read the batch's host copies
-    sets `graph_decode` False: then every step of its model runs eagerly."""
+    sets `graph_decode` False: then every step of its model runs eagerly, as it does for a model
+    with embedding tables (their rows are read on the host, flare_core.ops.tables)."""
 
     graph_decode: bool = True
 

@@ -204,7 +204,7 @@ class Compressor:
         return rotate(pooled[:, None, :], cos, sin)[:, 0]
 
 
-def _decode_record_slots(page_table: Tensor, records: Tensor, rate: int, page_tokens: int) -> Tensor:
+def decode_record_slots(page_table: Tensor, records: Tensor, rate: int, page_tokens: int) -> Tensor:
     """`record_slots` of one record per request: record `records[b]` of request b, [B] (the page
     table int64)."""
     first_tokens = records * rate
@@ -212,7 +212,7 @@ def _decode_record_slots(page_table: Tensor, records: Tensor, rate: int, page_to
     return pages * (page_tokens // rate) + (first_tokens % page_tokens) // rate
 
 
-def _write_closed(layer_store: Tensor, entries: Tensor, closes: Tensor, slots: Tensor) -> None:
+def write_closed(layer_store: Tensor, entries: Tensor, closes: Tensor, slots: Tensor) -> None:
     """Write each request's entry at its record slot where `closes`; elsewhere the record is
     written back as it was (no branch on the host: a captured graph writes every row)."""
     records_per_page = layer_store.shape[1]
@@ -314,8 +314,8 @@ class CompressedAttention(BatchAttention):
         rows, page_table = batch.state_rows, batch.page_table.long()
         store = context.store(f"{prefix}_kv", self)
         entries, closes, window = self.pool.decode(x, context.store(f"{prefix}_pending", self), rows, positions, rope_at)
-        slots = _decode_record_slots(page_table, window, rate, batch.page_tokens)
-        _write_closed(store, entries, closes, slots)
+        slots = decode_record_slots(page_table, window, rate, batch.page_tokens)
+        write_closed(store, entries, closes, slots)
         count = (positions + 1) // rate
         records = page_table.shape[1] * store.shape[1]  # record r of a request: page r // per page, offset r % per page
         visible = torch.arange(records, device=x.device)[None, :] < count[:, None]
@@ -324,7 +324,7 @@ class CompressedAttention(BatchAttention):
         index_store = context.store("csa_index", self)
         index_entries, _, _ = self.index_pool.decode(x, context.store("csa_index_pending", self), rows, positions,
                                                      rope_at)
-        _write_closed(index_store, index_entries, closes, slots)
+        write_closed(index_store, index_entries, closes, slots)
         index_keys = index_store[page_table].flatten(1, 2).to(index_entries.dtype)
         indexer = self.compressor.indexer
         queries = rotate(indexer.q_b_proj(q_residual).view(x.shape[0], indexer.num_heads, indexer.head_dim), cos, sin)

@@ -39,9 +39,14 @@ The cache scheme (`shared_compressed_attention_scheme`), as data:
   by position modulo their length and nothing below position 0 is read, so a fresh row is the
   same as no history and a snapshot at any token continues exactly.
 
-Requests run one by one through attention, in float32 (the reference). On CUDA the executor
-plans no kernel for it (a `BatchAttention`) and runs every step eagerly: no captured graphs, since
-this path reads the batch's host copies (the GPU speed path is #48's).
+Prompt chunks run request by request through attention, in float32, from the batch's host copies
+(the reference's order). A step in which every request brings one token (decode) runs all requests
+at once from the batch's device tensors only (`Attention._decode`, the n-gram hashes' `decode`, the
+experts through the core's routed-experts op), which a captured graph can replay. On CUDA (a
+`BatchAttention`: the executor plans no kernel for it) decode steps replay captured graphs and
+prompt chunks run eagerly, unless the model has Engram layers: their table rows are read on the
+host each step, so every step of such a model runs eagerly. The attention is plain torch (the
+field's sparse kernels are #48's).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ from flare_core.api import (BatchAttention, CacheScheme, ContractError, DecoderF
                             StateTensor, TableSource, embedding_tables, read_table, routed_experts, table_skeleton,
                             write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
-from flare_recipe_deepseek.v4 import hyper_mixes, read_records, record_slots, rotate, sliding_keys
+from flare_recipe_deepseek.v4 import (decode_record_slots, hyper_mixes, read_records, record_slots, rotate,
+                                      sliding_keys, write_closed)
 from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
 from flare_recipe_deepseek.v41_quant import fp4_blocks, fp8_blocks
 
@@ -97,12 +103,15 @@ def shared_compressed_attention_scheme(config: Any, dtype: str) -> CacheScheme:
 class RequestShare:
     """What a request's source layers publish to the layers after them within one step: the
     group's compressed entries and indexer keys (all of the request's, [count, dim]), the picks
-    of the last index source [queries, count] and the candidate source's blocks."""
+    of the last index source [queries, count] and the candidate source's blocks. In a decode
+    step one share holds every request's, [B, records, ...] over the records its page table
+    bounds, with `visible` [B, records] saying which are written."""
 
     entries: Tensor | None = None
     keys: Tensor | None = None
     picks: Tensor | None = None
     candidates: Tensor | None = None
+    visible: Tensor | None = None
 
 
 @dataclass
@@ -116,8 +125,9 @@ class Step:
     pre: Tensor  # [tokens, hc]: the collapse weights the last site computed for the next one
     ngram: NgramHashes | None
     rope: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # rope type -> cos, sin
+    decode: bool = False  # one token per request, computed from the batch's device tensors only
     hashes: Tensor | None = None  # [tokens, engram layers, columns], computed at the first engram layer
-    shares: dict[int, RequestShare] = field(default_factory=dict)
+    shares: dict[int, RequestShare] = field(default_factory=dict)  # by request; a decode step's under -1
 
     def rope_at(self, positions: Tensor, rope_type: str) -> tuple[Tensor, Tensor]:
         """cos, sin [n, rope dims / 2] of a rope type at `positions` [n]."""
@@ -160,9 +170,24 @@ class Compressor(nn.Module):
         if closed == 0:
             return x.new_zeros(0, self.head_dim), opened
         groups = span[:closed * ratio].view(closed, ratio, 2 * self.head_dim)
+        return self._pool(groups, x.dtype), opened
+
+    def decode(self, x: Tensor, pending: Tensor | None, rows: Tensor, positions: Tensor) -> Tensor:
+        """One new token per request, all at once from device tensors: x [B, hidden] at `positions`
+        [B] into `pending` (the layer, [state rows, ratio, 2 x head_dim], rows `rows`). Returns the
+        pre-rotary latent [B, head_dim] of each request's open group as if it closed now (it does
+        where the token is the group's last; elsewhere the caller keeps the record as it was)."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x))
+        pending[rows, positions % self.ratio] = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+        # Rows after the token's hold an earlier group's projections: used only where nothing closes.
+        return self._pool(pending[rows], x.dtype)
+
+    def _pool(self, groups: Tensor, dtype: torch.dtype) -> Tensor:
+        """The latents [n, head_dim] of groups [n, ratio, kv | gate] (float32)."""
         kv, gate = groups[..., :self.head_dim], groups[..., self.head_dim:]
         latent = (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1)
-        return self.norm(latent.to(x.dtype)), opened
+        return self.norm(latent.to(dtype))
 
 
 class Indexer(nn.Module):
@@ -188,14 +213,30 @@ class Indexer(nn.Module):
     def pick(self, x: Tensor, q_residual: Tensor, keys: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
              share: RequestShare) -> None:
         """Publish the request's picks [queries, entries] (and at the candidate source its blocks)."""
-        tokens, count = x.shape[0], keys.shape[0]
+        tokens = x.shape[0]
         q = rotate(self.wq_b(q_residual).view(tokens, self.num_heads, self.head_dim), cos, sin)
         q = fp4_blocks(q, 32)
         scores = torch.einsum("bshd,btd->bsht", q[None].float(), keys[None].float()).relu_() * self.head_dim ** -0.5
         weights = self.weights_proj(x[None]).float() * self.num_heads ** -0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)[0]  # [tokens, entries], in the reference's shapes
+        self._choose(scores, positions, share)
+
+    def pick_rows(self, x: Tensor, q_residual: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                  share: RequestShare) -> None:
+        """`pick` for a decode step: one query per request [B] against its group's keys [B, records,
+        dim] (`share.keys`); the picks [B, records]."""
+        assert share.keys is not None
+        tokens = x.shape[0]
+        q = fp4_blocks(rotate(self.wq_b(q_residual).view(tokens, self.num_heads, self.head_dim), cos, sin), 32)
+        scores = torch.einsum("bhd,brd->bhr", q.float(), share.keys.float()).relu_() * self.head_dim ** -0.5
+        weights = self.weights_proj(x).float() * self.num_heads ** -0.5
+        self._choose((scores * weights.unsqueeze(-1)).sum(dim=1), positions, share)
+
+    def _choose(self, scores: Tensor, positions: Tensor, share: RequestShare) -> None:
+        """The picks of queries at `positions` [n] from their scores [n, entries]."""
+        count = scores.shape[-1]
         visible_count = ((positions + 1) // self.ratio)[:, None]  # entries whose group the query has passed
-        scores = scores.masked_fill(torch.arange(count, device=x.device)[None] >= visible_count, float("-inf"))
+        scores = scores.masked_fill(torch.arange(count, device=scores.device)[None] >= visible_count, float("-inf"))
         if self.is_candidate_source:
             share.candidates = self._blocks(scores, visible_count)
         elif self.uses_candidates and share.candidates is not None:
@@ -218,10 +259,9 @@ class Indexer(nn.Module):
 
 class Attention(BatchAttention):
     """V4.1's attention (module docstring) over the runtime's stores, its parameters under the
-    reference's names. Request by request from the batch's host copies (bit for bit the
-    reference's order): on CUDA its model's steps all run eagerly (`graph_decode`)."""
-
-    graph_decode = False
+    reference's names. Prompt chunks request by request from the batch's host copies (bit for bit
+    the reference's order); a decode step (one token per request) for all requests at once from
+    the batch's device tensors only (`_decode`), which a captured graph can replay."""
 
     def __init__(self, config: Any, layer_idx: int):
         super().__init__()
@@ -250,6 +290,16 @@ class Attention(BatchAttention):
         q_residual = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(q_residual).view(tokens, self.num_heads, self.head_dim), cos, sin)
         kv = fp8_blocks(rotate(self.kv_norm(self.wkv(x))[:, None], cos, sin)[:, 0], 32)
+        if step.decode:
+            out = self._decode(x, q, q_residual, kv, step, context, cos, sin)
+        else:
+            out = self._per_request(x, q, q_residual, kv, step, context, cos, sin)
+        out = rotate(out, cos, -sin)  # K = V: undo the rotation the values carried into the output
+        return self.wo_b(self.wo_a(out.reshape(tokens, self.o_groups, -1)).flatten(1))
+
+    def _per_request(self, x: Tensor, q: Tensor, q_residual: Tensor, kv: Tensor, step: Step, context: ForwardContext,
+                     cos: Tensor, sin: Tensor) -> Tensor:
+        """The attention request by request, from the batch's host copies (the reference's order)."""
         batch = context.batch
         out = torch.empty_like(q)
         for r in range(len(batch.query_start_host) - 1):
@@ -270,8 +320,7 @@ class Attention(BatchAttention):
                         torch.zeros(end - start, share.entries.shape[0], dtype=torch.bool, device=x.device)
                     keys, allowed = torch.cat([keys, share.entries]), torch.cat([allowed, picks], dim=1)
             out[rows] = self._attend(q[rows], keys, allowed)
-        out = rotate(out, cos, -sin)  # K = V: undo the rotation the values carried into the output
-        return self.wo_b(self.wo_a(out.reshape(tokens, self.o_groups, -1)).flatten(1))
+        return out
 
     def _publish(self, x: Tensor, first: int, request: int, context: ForwardContext, step: Step,
                  share: RequestShare) -> None:
@@ -296,6 +345,66 @@ class Attention(BatchAttention):
         share.keys = (read_records(keys_store, page_table, count, ratio, batch.page_tokens)
                       if self.indexer is not None and count else None)
         share.picks = None  # a new group: the picks of an earlier group's index source do not apply
+
+    def _decode(self, x: Tensor, q: Tensor, q_residual: Tensor, kv: Tensor, step: Step, context: ForwardContext,
+                cos: Tensor, sin: Tensor) -> Tensor:
+        """The attention of a decode step, every request at once from the batch's device tensors
+        (state rows, page table, positions), in shapes the batch fixes (its page table's width
+        bounds the records read): what the request-by-request path computes, in another order."""
+        rows, positions = context.batch.state_rows, step.positions
+        ring = context.store("window", self)
+        length = ring.shape[1]
+        ring[rows, positions % length] = kv.to(ring.dtype)
+        # The window's rows in position order, oldest first; positions below 0 were never written.
+        window_positions = positions[:, None] - self.window + 1 + torch.arange(self.window, device=x.device)
+        keys, allowed = ring[rows[:, None], window_positions % length].to(kv.dtype), window_positions >= 0
+        if self.ratio:
+            share = step.shares.setdefault(-1, RequestShare())
+            if self.is_kv_source:
+                self._publish_rows(x, step, context, share)
+            if self.indexer is not None and share.keys is not None:
+                self.indexer.pick_rows(x, q_residual, positions, cos, sin, share)
+            if share.entries is not None:
+                assert share.visible is not None
+                picks = share.picks if share.picks is not None else torch.zeros_like(share.visible)
+                keys = torch.cat([keys, share.entries.to(keys.dtype)], dim=1)
+                allowed = torch.cat([allowed, picks], dim=1)
+        return self._attend_rows(q, keys, allowed)
+
+    def _publish_rows(self, x: Tensor, step: Step, context: ForwardContext, share: RequestShare) -> None:
+        """`_publish` for a decode step: each request's group entry (and indexer key) written where
+        its token closes the group (elsewhere the record is written back as it was), then every
+        request's records, [B, records, dim], with which are written."""
+        batch, ratio = context.batch, self.ratio
+        rows, positions, page_table = batch.state_rows, step.positions, batch.page_table.long()
+        pending = context.store(f"pending_r{ratio}", self) if ratio > 1 else None
+        latent = self.compressor.decode(x, pending, rows, positions)
+        records, closes = positions // ratio, (positions + 1) % ratio == 0
+        slots = decode_record_slots(page_table, records, ratio, batch.page_tokens)
+        entries_store, keys_store = context.store(f"compressed_kv_r{ratio}", self), context.store(
+            f"index_keys_r{ratio}", self)
+        cos, sin = step.rope_at(records * ratio, "compress")
+        if self.indexer is not None:
+            write_closed(keys_store, self.indexer.keys(latent, cos, sin), closes, slots)
+        write_closed(entries_store, fp4_blocks(rotate(latent[:, None], cos, sin)[:, 0], 16, e4m3_scales=True), closes,
+                     slots)
+        count = page_table.shape[1] * entries_store.shape[1]  # record r: page r // per page, offset r % per page
+        share.visible = torch.arange(count, device=x.device)[None] < ((positions + 1) // ratio)[:, None]
+        share.entries = entries_store[page_table].flatten(1, 2)
+        share.keys = keys_store[page_table].flatten(1, 2) if self.indexer is not None else None
+        share.picks = None  # a new group: the picks of an earlier group's index source do not apply
+
+    def _attend_rows(self, q: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
+        """`_attend` for one query per request: q [B, heads, dim] over its keys = values [B, K, dim]
+        where `allowed` [B, K]."""
+        keys = keys.to(q.dtype)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        scores = torch.einsum("bhd,bkd->bhk", q, keys) * self.head_dim ** -0.5 + mask[:, None]
+        sinks = self.attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(keys.dtype)
+        return torch.einsum("bhk,bkd->bhd", probs, keys)
 
     def _attend(self, q: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
         """Softmax attention of q [n, heads, dim] over keys = values [K, dim] where `allowed`
@@ -411,6 +520,8 @@ class DecoderLayer(nn.Module):
 
     def _hashes(self, step: Step, context: ForwardContext) -> Tensor:
         batch, history = context.batch, context.store("ngram_history", self)
+        if step.decode:
+            return step.ngram.decode(step.input_ids, history, batch.state_rows, step.positions)
         hashes = []
         for r in range(len(batch.query_start_host) - 1):
             start, end = batch.query_start_host[r], batch.query_start_host[r + 1]
@@ -434,6 +545,8 @@ class DeepseekV41ForServing(DecoderForServing):
     """The runtime model protocol over V4.1: the embedding copied into `hc_mult` streams, the layers
     with a per-step `Step`, the streams collapsed by the last site's mix before the norm."""
 
+    compiles = False  # its layers hand the `Step` from one to the next: no CompiledDecoder groups
+
     def __init__(self, config: Any, rotary_emb: nn.Module):
         causal_lm = nn.Module()
         causal_lm.model = Model(config)
@@ -446,13 +559,15 @@ class DeepseekV41ForServing(DecoderForServing):
     def run(self, input_ids: Tensor, positions: Tensor, context: ForwardContext, groups: list[nn.Module] | None,
             logits: Any) -> Tensor:
         if groups is not None:
-            raise ValueError("DeepSeek V4.1 runs uncompiled on the reference path")
+            raise ValueError("DeepSeek V4.1 runs uncompiled (DeepseekV41ForServing.compiles)")
         model = self.model
         embedded = model.embed(input_ids)
         streams = embedded.unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
         pre = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0  # the first site collapses stream 0
-        step = Step(input_ids, positions, embedded, model.rotary_emb, pre, model.ngram)
+        batch = context.batch
+        step = Step(input_ids, positions, embedded, model.rotary_emb, pre, model.ngram,
+                    decode=batch.num_tokens == batch.num_requests and batch.state_rows is not None)
         step.rope = {kind: step.rope_at(positions, kind) for kind in ("main", "compress")}
         for index, layer in enumerate(model.layers):
             streams = layer(streams, step, context.for_layer(index))

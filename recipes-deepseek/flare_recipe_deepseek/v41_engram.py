@@ -125,7 +125,21 @@ class NgramHashes(nn.Module):
         positions = torch.arange(first, first + tokens, device=input_ids.device)
         index = positions[:, None] - torch.arange(self.max_ngram, device=input_ids.device)  # [tokens, look-back]
         grams = known[(index - (first - earlier.shape[0])).clamp_min(0)]
-        grams = torch.where(index >= 0, grams, pad)
+        return self._rows(torch.where(index >= 0, grams, pad))
+
+    def decode(self, input_ids: Tensor, history: Tensor, rows: Tensor, positions: Tensor) -> Tensor:
+        """`forward` for one new token per request, all at once from device tensors: `input_ids`
+        [B] at `positions` [B], `history` the layer's [state rows, max_ngram - 1] (rows `rows`)."""
+        compressed = self.token_map[input_ids]
+        span = history.shape[1]
+        earlier = positions[:, None] - torch.arange(1, self.max_ngram, device=input_ids.device)  # [B, look-back 1..]
+        known = history[rows[:, None], earlier % span]
+        grams = torch.cat([compressed[:, None], torch.where(earlier >= 0, known, self.token_map[self.pad])], dim=1)
+        history[rows, positions % span] = compressed  # after reading: it replaces the oldest look-back
+        return self._rows(grams)
+
+    def _rows(self, grams: Tensor) -> Tensor:
+        """The row ids [tokens, layers, columns] of the n-grams `grams` [tokens, look-back] end."""
         products = grams[:, None, :] * self.multipliers[None]  # [tokens, layers, look-back]
         rolling, hashes = products[..., 0], []
         for back in range(1, self.max_ngram):

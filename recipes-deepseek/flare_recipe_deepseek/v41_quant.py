@@ -66,13 +66,24 @@ def fp8_blocks(x: Tensor, block: int = 32) -> Tensor:
     return (quantized * scale).view(x.shape).to(x.dtype)
 
 
+_E2M1_TABLES: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _e2m1_tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(midpoints, ties up, magnitudes by code) on `device`, copied there once: a captured graph's
+    steps copy nothing from the host."""
+    if device not in _E2M1_TABLES:
+        _E2M1_TABLES[device] = (torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=device),
+                                torch.tensor(E2M1_TIES_UP, device=device), E2M1_VALUES.to(device))
+    return _E2M1_TABLES[device]
+
+
 def e2m1(x: Tensor) -> Tensor:
     """float32 values already within [-6, 6] rounded to the nearest e2m1 value, ties to even."""
     magnitude = x.abs().unsqueeze(-1)
-    midpoints = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    ties_up = torch.tensor(E2M1_TIES_UP, device=x.device)
+    midpoints, ties_up, magnitudes = _e2m1_tables(x.device)
     above = torch.where(ties_up, magnitude >= midpoints, magnitude > midpoints)
-    values = E2M1_VALUES.to(x.device)[above.sum(-1)]
+    values = magnitudes[above.sum(-1)]
     return torch.where(torch.signbit(x), -values, values)
 
 

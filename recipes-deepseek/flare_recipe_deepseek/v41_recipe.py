@@ -49,8 +49,9 @@ def tokenizer_tensors(config: Any, tokenizer_json: str) -> dict[str, torch.Tenso
 
 
 def plan_notes(config: Any) -> tuple[str, ...]:
-    notes = ["DeepSeek V4.1 runs its reference path on either device: on CUDA every step eagerly (no captured "
-             "graphs, no fast kernels for its compressed attention yet)",
+    notes = ["DeepSeek V4.1 on CUDA: decode steps in captured graphs unless it has Engram layers (their rows are "
+             "read on the host each step: then every step runs eagerly), prompt chunks eager, its compressed attention "
+             "in plain torch (no fast kernels yet); --device cpu serves the reference path",
              "the vision tower (vision.*, aligner.*) stays in the checkpoint: this core serves text, and image "
              "content is refused",
              "the DSpark draft layers (mtp.*) are carried into the core for speculative decoding (the carried "
@@ -70,4 +71,4 @@ DEEPSEEK_V41 = replace(
     served_config=served_config, tokenizer_tensors=tokenizer_tensors, carried_prefixes=("mtp.",),
     description="DeepSeek V4.1 (CSA2 shared compressed attention with candidate top-k, mHC, sqrt-softplus routed "
                 "MoE, Engram n-gram memory; Flare's own modeling of the definition on Transformers' main branch); "
-                "reference path (CUDA: every step eager)")
+                "CUDA: decode steps in captured graphs where it has no Engram layers)")

@@ -398,8 +398,8 @@ def test_quantize_fp8_keeps_the_published_fp4_experts_and_serves_them(tmp_path):
     experts = "model.layers.3.ffn.experts"
     held = open_core(packed).load_tensors(names=[f"{experts}.gate_up_proj", f"{experts}.gate_up_proj_fp4_scale",
                                                  "model.layers.3.ffn.shared_experts.gate_up_proj"])
-    assert torch.equal(held[f"{experts}.gate_up_proj"][2],
-                       torch.cat([stored[f"layers.3.ffn.experts.2.{w}.weight"].view(torch.uint8) for w in ("w1", "w3")]))
+    published = [stored[f"layers.3.ffn.experts.2.{w}.weight"].view(torch.uint8) for w in ("w1", "w3")]
+    assert torch.equal(held[f"{experts}.gate_up_proj"][2], torch.cat(published))
     assert torch.equal(held[f"{experts}.gate_up_proj_fp4_scale"][2].float(),
                        torch.cat([stored[f"layers.3.ffn.experts.2.{w}.scale"].float() for w in ("w1", "w3")]))
     assert held["model.layers.3.ffn.shared_experts.gate_up_proj"].dtype == torch.float32
@@ -468,3 +468,13 @@ def test_tables_and_weights_read_in_row_blocks_equal_the_whole(rows_per_block):
         pieces = list(checkpoint.row_blocks(name, rows_per_block))
         assert torch.equal(torch.cat(pieces), checkpoint[name].float()), name
         assert all(piece.shape[0] <= max(rows_per_block, 32) for piece in pieces)
+
+
+def test_decode_steps_are_captured_unless_engram_rows_are_read_on_the_host():
+    """A decode step reads only the batch's device tensors, so the CUDA executor captures decode
+    graphs, but not for a model with Engram layers: their table rows are read on the host."""
+    from flare_core.executor.backends import kernels_for
+
+    for name, captured in (("v41-tiny-ced", False), ("v41-tiny-ratio4", False), ("v41-tiny-defaults", True)):
+        model = TinyV41(FIXTURES, name).served()
+        assert kernels_for(model, torch.empty(1), 16, torch.float32).graph_decode is captured, name

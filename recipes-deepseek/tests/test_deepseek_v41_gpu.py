@@ -1,5 +1,5 @@
 """DeepSeek V4.1's served model on a CUDA device against the reference's logits (the GPU lockstep
-of the V4.1 issue; the captured-graph speed path is the V4 GPU issue's). The same tiny
+of the V4.1 issue), eagerly and in the CUDA runner's decode graphs. The same tiny
 configurations as test_deepseek_v41.py, float32 weights and caches on the device: the whole
 sequence in one forward and the reference's chunk plan (prefill chunks, then decode steps) track
 the reference's logits, and the greedy continuation is the reference's.
@@ -60,10 +60,12 @@ def test_cuda_greedy_continuation_is_the_reference(tiny, served):
 
 
 def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
-    """The served model under the CUDA runner as `flare run --device cuda` builds it: V4.1's
-    attention is a BatchAttention whose steps read the batch's host copies, so no decode graph is
-    captured and every step (the prompt in chunks of the scheduler's size, then one token at a
-    time) runs eagerly; the greedy continuation is the reference's."""
+    """The served model under the CUDA runner as `flare run --device cuda` builds it (compiling
+    asked for: V4.1 runs uncompiled): prompt chunks run eagerly; decode steps replay captured graphs
+    (attention, compressors, indexer, n-gram hashes and experts from the batch's device tensors;
+    float32 experts through the op's every-expert path, which needs no host sync), except in a
+    model with Engram layers, whose rows are read on the host: there every step runs eagerly. The
+    greedy continuation is the reference's either way."""
     import sys
 
     from flare_core.executor.graphs import cuda_runner
@@ -78,9 +80,12 @@ def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
     runner = cuda_runner(served, shared_compressed_attention_scheme(tiny.config, "float32"), num_pages=64,
                          page_tokens=64, num_rows=4, num_snapshot_rows=8, num_logits_rows=16,
                          vocab_size=tiny.config.vocab_size, device=torch.device("cuda"), decode_capacities=(1, 2, 4),
-                         context_length=2048)
-    assert not runner.graphs.decode_graphs, "no decode graph is captured over V4.1's attention"
+                         context_length=2048, compile_model=True)
+    captures = not tiny.config.engram_layer_ids  # v41-tiny-defaults has no Engram layer
+    assert bool(runner.graphs.decode_graphs) == captures
     scheduler = make_scheduler(64, 4, 8)
     scheduler.submit("r", ids, len(tokens))
     rows, _ = drive_greedy(scheduler, runner, len(tokens))
     assert [int(row.argmax()) for row in rows["r"]] == tokens
+    if captures:
+        assert any(graph.replays for graph in runner.graphs.decode_graphs.values())
