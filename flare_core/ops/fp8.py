@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from flare_core.kernels.fp8 import BLOCK, SCALE_SUFFIX
+from flare_core.kernels.fp8 import BLOCK, SCALE_SUFFIX, dequantize_blocks
 
 
 class Fp8BlockLinear(nn.Module):
@@ -28,6 +28,41 @@ class Fp8BlockLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = torch.ops.flare.fp8_linear(x, self.weight, self.weight_scale_inv)
         return out if self.bias is None else out + self.bias
+
+
+def linear_groups(module: nn.Module) -> int | None:
+    """The group count of a block-diagonal grouped linear layer: an nn.Linear with an integer
+    `n_groups` whose [out_features, in_features] weight stacks one block of out_features / n_groups
+    rows per group, group g applied to input slice g ([..., n_groups, in_features] -> [..., n_groups,
+    out_features / n_groups]: Transformers' `DeepseekV4GroupedLinear`); None for another module."""
+    groups = getattr(module, "n_groups", None)
+    return groups if isinstance(module, nn.Linear) and isinstance(groups, int) and module.bias is None else None
+
+
+class Fp8GroupedLinear(nn.Module):
+    """A grouped linear layer (`linear_groups`) over a block-quantized FP8 weight. Each group's rows
+    go through `flare::fp8_linear` as a weight of their own where the 128-row block grid splits at
+    group boundaries (rows per group a multiple or a divisor of 128: every slice has its own scale
+    rows); otherwise the weight is dequantized in each call."""
+
+    def __init__(self, in_features: int, out_features: int, n_groups: int):
+        super().__init__()
+        self.in_features, self.out_features, self.n_groups = in_features, out_features, n_groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        grid = (-(-out_features // BLOCK[0]), -(-in_features // BLOCK[1]))
+        self.register_buffer("weight_scale_inv", torch.empty(grid, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = self.out_features // self.n_groups
+        if rows % BLOCK[0] == 0 or BLOCK[0] % rows == 0:
+            outputs = [torch.ops.flare.fp8_linear(x[..., g, :].contiguous(), self.weight[g * rows:(g + 1) * rows],
+                                                  self.weight_scale_inv[g * rows // BLOCK[0]:
+                                                                        ((g + 1) * rows - 1) // BLOCK[0] + 1])
+                       for g in range(self.n_groups)]
+            return torch.stack(outputs, dim=-2)
+        weight = dequantize_blocks(self.weight, self.weight_scale_inv, dtype=x.dtype)
+        return torch.einsum("...gi,goi->...go", x, weight.view(self.n_groups, rows, self.in_features))
 
 
 def quantizable_experts(model: nn.Module) -> list[str]:
@@ -59,24 +94,30 @@ def use_fp8_experts(model: nn.Module, names: Iterable[str]) -> nn.Module:
 
 def quantizable_linears(model: nn.Module) -> list[str]:
     """Module paths of the linear layers `--quantize fp8` quantizes: every nn.Linear inside the
-    decoder layers (`model.model.layers`). Routers, packed experts, embeddings, norms and the
-    head are no nn.Linear there (packed experts: `quantizable_experts`)."""
+    decoder layers (`model.model.layers`), grouped ones (`linear_groups`) included. Routers, packed
+    experts, embeddings, norms and the head are no nn.Linear there (packed experts:
+    `quantizable_experts`); nor is a subclass computing otherwise (DeepSeek V4.1's float32 pooling
+    projections)."""
     layers = model.model.layers
-    return [f"model.layers.{path}" for path, module in layers.named_modules() if type(module) is nn.Linear]
+    return [f"model.layers.{path}" for path, module in layers.named_modules()
+            if type(module) is nn.Linear or linear_groups(module) is not None]
 
 
 def use_fp8_blocks(model: nn.Module, paths: Iterable[str]) -> nn.Module:
-    """Replace the nn.Linear modules at `paths` by `Fp8BlockLinear`s of the same shape (on the
-    meta device, to be filled by flare_core.ops.loading), in place; returns `model`."""
+    """Replace the nn.Linear modules at `paths` by `Fp8BlockLinear`s (grouped ones by
+    `Fp8GroupedLinear`s) of the same shape (on the meta device, to be filled by
+    flare_core.ops.loading), in place; returns `model`."""
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         linear = getattr(parent, name)
-        if type(linear) is not nn.Linear:
+        groups = linear_groups(linear)
+        if type(linear) is not nn.Linear and groups is None:
             raise ValueError(f"{path}: FP8 weights replace nn.Linear layers, this is a {type(linear).__name__}")
         with torch.device("meta"):
             setattr(parent, name, Fp8BlockLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                                                 linear.weight.dtype))
+                                                 linear.weight.dtype) if groups is None else
+                    Fp8GroupedLinear(linear.in_features, linear.out_features, groups))
     return model
 
 

@@ -92,6 +92,11 @@ def test_quantize_fp8_keeps_the_published_fp4_experts_and_fp8_blocks_and_serves_
     assert stored["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
     assert torch.equal(stored["model.layers.1.self_attn.q_a_proj.weight"].view(torch.uint8),
                        original[f"{LINEAR}.weight"].view(torch.uint8))
+    # The grouped output projection too (served by Fp8GroupedLinear, group by group).
+    assert torch.equal(stored["model.layers.1.self_attn.o_a_proj.weight"].view(torch.uint8),
+                       original["layers.1.attn.wo_a.weight"].view(torch.uint8))
+    assert torch.equal(stored["model.layers.1.self_attn.o_a_proj.weight_scale_inv"],
+                       original["layers.1.attn.wo_a.scale"].float())
     # Served through flare::routed_experts, dequantized per step: Transformers' logits.
     assert_core_matches(core, config_path, transformers_model, prompt_lens=(7, 45, 70), decode_steps=6,
                         page_tokens=32)
