@@ -66,6 +66,26 @@ def test_fp8_gated_gemv_matches_silu_gate_times_up(half):
     _close(torch.ops.flare.fp8_gated_linear(x, weight, scale_inv), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fp8_grouped_linear_matches_the_dequantized_weight(tokens):
+    """V4 Flash's grouped output projection (8 groups of 4096 features to 1024 rows each) as FP8
+    blocks: each group through flare::fp8_linear (the GEMV at one token, the GEMM at several)
+    against the dequantized weight applied group by group in float32. At several tokens the GEMM
+    quantizes the activations (the module docstring's second bound)."""
+    from flare_core.kernels.fp8 import dequantize_blocks, quantize_blocks
+    from flare_core.ops.fp8 import Fp8GroupedLinear
+
+    groups, rows, features = 8, 1024, 4096
+    weight, scale = quantize_blocks(torch.randn(groups * rows, features, device="cuda") * 0.02)
+    layer = Fp8GroupedLinear(features, groups * rows, groups).cuda()
+    layer.weight.data, layer.weight_scale_inv.data = weight, scale
+    x = torch.randn(tokens, groups, features, device="cuda", dtype=torch.bfloat16)
+    expected = torch.einsum("tgi,goi->tgo", x.float(), dequantize_blocks(weight, scale).view(groups, rows, features))
+    actual = layer(x)
+    assert actual.shape == (tokens, groups, rows) and actual.dtype == torch.bfloat16
+    _close(actual, expected, ULPS if tokens == 1 else 2**-4)
+
+
 def test_quantize_groups_gives_e4m3_per_token_and_128_columns():
     from flare_core.kernels.fp8 import quantize_groups
 
