@@ -76,14 +76,20 @@ def per_pair(pairs: int, experts: int) -> bool:
 def experts_config(pairs: int, experts: int, gated: bool, weights: torch.dtype = torch.bfloat16) -> ExpertsConfig:
     """The tiles of one launch for `pairs` pairs over `experts` experts whose weights are stored as
     `weights`: float8_e4m3fn blocks, whose 128 x 128 blocks a tile must not straddle (128 input
-    features per iteration); FP4 bytes (uint8), read pair by pair 512 features (256 bytes) a row
-    per iteration, the bytes per iteration of the 16-bit tiles (at 128 features, 64 bytes a row,
-    the V4 Flash shape's gate/up took 114 us a layer for 80 MB on an H100, 0.47 TB/s: latency,
-    not bandwidth; benchmarks/results/h100-deepseek-v4-compiled.json)."""
+    features per iteration); FP4 bytes (uint8), tiles as measured below."""
     if per_pair(pairs, experts):
         if weights == torch.float8_e4m3fn:  # 128 input features per iteration, rows that divide a 128-row block
             return ExpertsConfig(block_m=1, block_n=16, block_k=128, warps=4, stages=1)
-        block_k = 512 if weights == torch.uint8 else 128
+        if weights == torch.uint8:
+            # FP4 at V4 Flash's shape, one token, each launch alone on an H200 over 4-32 rows x
+            # 128-1024 features x 4-8 warps (benchmarks/deepseek_v4_decode.py --experts-sweep,
+            # h200-deepseek-v4.json, 2026-12-07): 4 rows and 4 warps best for both, gate/up at 128
+            # features 167 us a layer (8 x 512, 8 warps: 271), down at 256 features 76 us (32 x 512,
+            # 8 warps: 124). At most 0.35 TB/s whatever the tiles: decoding the codes, not reading
+            # them, bounds it (the exp2 decode before, at 8 x 128 / 32 x 128, averaged 114 us a
+            # launch on an H100: not measured side by side).
+            return ExpertsConfig(block_m=1, block_n=4, block_k=128 if gated else 256, warps=4, stages=1)
+        block_k = 128
         # One token on the H200, each launch alone over a grid of 4-32 rows x 128-512 columns x
         # 2-8 warps (benchmarks/moe_decode.py --sweep; h200-experts-sweep-*.json): gate/up best
         # with 8 rows x 128 columns and 8 warps (Kimi Linear 21.0 us a layer, Qwen3-30B-A3B 15.7,
