@@ -602,7 +602,8 @@ class GraphRunner:
             torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
             slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
             page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
-            kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.state.scheme.state else None)
+            kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.state.scheme.state else None,
+            one_token_each=True)
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._scratch_layout(capacity), self.scale)
         last_sampled = self.state.last_sampled

@@ -73,6 +73,10 @@ class AttentionBatch:
     # from `query_start` on the device, each recurrent layer would wait for the device to learn
     # the number of chunks.
     chunk_indices: Tensor | None = None
+    # Whether every request brings exactly one new token (a decode step). Stored, not derived from
+    # the host tuples: compiled layers that branch on it then guard on this flag, not on the
+    # request count (which made Dynamo compile them again for each decode graph's batch size).
+    one_token_each: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -143,6 +147,7 @@ class AttentionBatch:
             state_rows_host=tuple(state_rows),
             state_rows=to_device(list(state_rows), torch.int64, device) if state_rows else None,
             chunk_indices=to_device(chunks, torch.int64, device) if chunks else None,
+            one_token_each=max(lengths) == 1,
         )
 
 

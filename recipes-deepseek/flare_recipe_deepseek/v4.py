@@ -257,7 +257,7 @@ class CompressedAttention(BatchAttention):
         q = rotate(self.q_b_norm(self.q_b_proj(q_residual).view(tokens, self.num_heads, self.head_dim)), cos, sin)
         kv = rotate(self.kv_norm(self.kv_proj(x))[:, None, :], cos, sin)[:, 0]
         batch = context.batch
-        if batch.num_tokens == batch.num_requests and batch.state_rows is not None:
+        if batch.one_token_each and batch.state_rows is not None:
             out = self._decode(x, q, q_residual, kv, positions, context, rope_at, cos, sin)
         else:
             out = self._per_request(x, q, q_residual, kv, context, rope_at, cos, sin)

@@ -567,7 +567,7 @@ class DeepseekV41ForServing(DecoderForServing):
         pre[:, 0] = 1.0  # the first site collapses stream 0
         batch = context.batch
         step = Step(input_ids, positions, embedded, model.rotary_emb, pre, model.ngram,
-                    decode=batch.num_tokens == batch.num_requests and batch.state_rows is not None)
+                    decode=batch.one_token_each and batch.state_rows is not None)
         step.rope = {kind: step.rope_at(positions, kind) for kind in ("main", "compress")}
         for index, layer in enumerate(model.layers):
             streams = layer(streams, step, context.for_layer(index))

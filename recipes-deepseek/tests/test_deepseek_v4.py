@@ -149,3 +149,42 @@ def test_a_bfloat16_model_keeps_the_tensors_transformers_keeps_in_float32(refere
                 .state_dict().items()}
     served = {n: t.dtype for n, t in build_model(tiny_config(), torch.bfloat16).state_dict().items()}
     assert served == expected and torch.float32 in served.values()
+
+
+def test_compiled_layers_decode_every_batch_size_with_one_compilation(reference):
+    """Through CompiledDecoder (as the CUDA runner's decode graphs call it), decode steps of 4, 8 and
+    3 requests reuse the compilation the second size made (Dynamo compiles the first size it sees
+    statically, then once with the size symbolic), and compute the eager model's logits: the
+    attention branches on the batch's `one_token_each` flag, not on its request count (a guard on
+    that made Dynamo compile the layers again for each decode graph's size, and the GPU test of the
+    compiled graphs ran out of time)."""
+    from torch._dynamo.utils import counters
+
+    from flare_core.executor.storage import allocate_cache_storage
+    from flare_core.ops.attention import AttentionBatch, ForwardContext
+    from flare_core.ops.loading import load_prepared_weights
+    from flare_core.ops.model import CompiledDecoder
+    from flare_recipe_deepseek.v4 import compressed_attention_scheme
+
+    model, _ = reference
+    config = model.config
+    served = load_prepared_weights(build_model(config, torch.float32),
+                                   dict(map_weights(config, reference[1], torch.float32)), "cpu")
+    scheme = compressed_attention_scheme(config, "float32")
+    compiled = CompiledDecoder(served)
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    graphs = []
+    for requests in (2, 4, 8, 3):
+        batch = AttentionBatch.build([(1, 40 + r, [r]) for r in range(requests)], 64, "cpu",
+                                     state_rows=list(range(requests)))
+        ids = torch.randint(4, config.vocab_size, (requests,), generator=generator)
+        logits = []
+        for forward in (compiled, served):  # each over a cache of its own, filled alike
+            storage = allocate_cache_storage(scheme, 8, 64, "cpu", num_rows=8)
+            context = ForwardContext(batch, storage, layer_map=scheme.layer_map())
+            with torch.no_grad():
+                logits.append(forward(ids, batch.positions(), context))
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[2:] == [graphs[1]] * 2, graphs
