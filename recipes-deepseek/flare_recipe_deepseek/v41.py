@@ -104,14 +104,19 @@ class RequestShare:
     """What a request's source layers publish to the layers after them within one step: the
     group's compressed entries and indexer keys (all of the request's, [count, dim]), the picks
     of the last index source [queries, count] and the candidate source's blocks. In a decode
-    step one share holds every request's, [B, records, ...] over the records its page table
-    bounds, with `visible` [B, records] saying which are written."""
+    step one share holds every request's: the keys [B, records, dim] over the records its page
+    table bounds, `visible` [B, records] saying which are written, the group's entries left in
+    their store (`store`, read only where picked) and the picks as record indices `chosen` [B, k]
+    with `chosen_valid` [B, k]."""
 
     entries: Tensor | None = None
     keys: Tensor | None = None
     picks: Tensor | None = None
     candidates: Tensor | None = None
     visible: Tensor | None = None
+    store: Tensor | None = None
+    chosen: Tensor | None = None
+    chosen_valid: Tensor | None = None
 
 
 @dataclass
@@ -242,8 +247,8 @@ class Indexer(nn.Module):
         elif self.uses_candidates and share.candidates is not None:
             scores = scores.masked_fill(~share.candidates, float("-inf"))
         top = scores.topk(min(self.topk, count), dim=-1, sorted=False)
-        picks = torch.zeros_like(scores, dtype=torch.bool)
-        share.picks = picks.scatter_(1, top.indices, top.values > float("-inf"))
+        share.chosen, share.chosen_valid = top.indices, top.values > float("-inf")
+        share.picks = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, share.chosen, share.chosen_valid)
 
     def _blocks(self, scores: Tensor, visible_count: Tensor) -> Tensor:
         """The candidate blocks [queries, entries]: per query the `candidate_blocks` blocks of
@@ -350,7 +355,8 @@ class Attention(BatchAttention):
                 cos: Tensor, sin: Tensor) -> Tensor:
         """The attention of a decode step, every request at once from the batch's device tensors
         (state rows, page table, positions), in shapes the batch fixes (its page table's width
-        bounds the records read): what the request-by-request path computes, in another order."""
+        bounds the indexer keys scored; of the entries only the picked ones are read): what the
+        request-by-request path computes, in another order."""
         rows, positions = context.batch.state_rows, step.positions
         ring = context.store("window", self)
         length = ring.shape[1]
@@ -364,17 +370,17 @@ class Attention(BatchAttention):
                 self._publish_rows(x, step, context, share)
             if self.indexer is not None and share.keys is not None:
                 self.indexer.pick_rows(x, q_residual, positions, cos, sin, share)
-            if share.entries is not None:
-                assert share.visible is not None
-                picks = share.picks if share.picks is not None else torch.zeros_like(share.visible)
-                keys = torch.cat([keys, share.entries.to(keys.dtype)], dim=1)
-                allowed = torch.cat([allowed, picks], dim=1)
+            if share.store is not None and share.chosen is not None:  # no picks yet: the window alone
+                page_table, per_page = context.batch.page_table.long(), share.store.shape[1]
+                chosen = share.store[page_table.gather(1, share.chosen // per_page), share.chosen % per_page]
+                keys = torch.cat([keys, chosen.to(keys.dtype)], dim=1)
+                allowed = torch.cat([allowed, share.chosen_valid], dim=1)
         return self._attend_rows(q, keys, allowed)
 
     def _publish_rows(self, x: Tensor, step: Step, context: ForwardContext, share: RequestShare) -> None:
         """`_publish` for a decode step: each request's group entry (and indexer key) written where
-        its token closes the group (elsewhere the record is written back as it was), then every
-        request's records, [B, records, dim], with which are written."""
+        its token closes the group (elsewhere the record is written back as it was); the group's
+        indexer keys, [B, records, dim], with which are written, and its entries' store."""
         batch, ratio = context.batch, self.ratio
         rows, positions, page_table = batch.state_rows, step.positions, batch.page_table.long()
         pending = context.store(f"pending_r{ratio}", self) if ratio > 1 else None
@@ -390,9 +396,9 @@ class Attention(BatchAttention):
                      slots)
         count = page_table.shape[1] * entries_store.shape[1]  # record r: page r // per page, offset r % per page
         share.visible = torch.arange(count, device=x.device)[None] < ((positions + 1) // ratio)[:, None]
-        share.entries = entries_store[page_table].flatten(1, 2)
+        share.store = entries_store  # its entries are read where picked (`_decode`), not all of them
         share.keys = keys_store[page_table].flatten(1, 2) if self.indexer is not None else None
-        share.picks = None  # a new group: the picks of an earlier group's index source do not apply
+        share.picks = share.chosen = None  # a new group: an earlier group's picks do not apply
 
     def _attend_rows(self, q: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
         """`_attend` for one query per request: q [B, heads, dim] over its keys = values [B, K, dim]

@@ -413,7 +413,7 @@ def test_quantize_fp8_serves_what_its_dequantized_weights_compute(tmp_path):
     """An unquantized checkpoint exported with `--quantize fp8`: the decoder layers' linear layers
     and packed experts as FP8 blocks, except the compressors' pooling projections (the reference
     computes them in float32); the Engram layers read their rows into an FP8 projection. The core
-    computes what the same model over its weights dequantized does, bit for bit."""
+    computes what the same model over its weights dequantized does, within the reference's floor."""
     from flare_core.kernels.fp8 import dequantize_blocks
     from flare_core.ops.fp8 import Fp8BlockLinear
     from flare_core.ops.loading import load_prepared_weights
@@ -449,8 +449,10 @@ def test_quantize_fp8_serves_what_its_dequantized_weights_compute(tmp_path):
     assert any(isinstance(m, Float32Linear) for m in reference.modules())
     ids, _ = tiny.sequence(0)
     chunks = [20, 10, 1, 1, 1, 1, 1]
-    assert torch.equal(run_chunks(loaded.model, tiny.config, ids, chunks),
-                       run_chunks(reference, tiny.config, ids, chunks))
+    # The grouped output projection sums group by group (Fp8GroupedLinear) where the reference's
+    # batched matmul sums in its own order: the reference's floor, near codes rounded its way.
+    assert_reference_logits(loaded.model, tiny.config, ids[:35], chunks, run_chunks(reference, tiny.config, ids[:35],
+                                                                                    chunks), FLOOR)
 
 
 @pytest.mark.parametrize("rows_per_block", [1, 7, 40, 100_000])
