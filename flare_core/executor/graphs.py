@@ -439,6 +439,19 @@ class CudaAttention:
         return self._prefill
 
 
+def _decode_batch(capacity: int, page_table: torch.Tensor, cache_indices: torch.Tensor,
+                  state_rows: torch.Tensor | None, page_tokens: int) -> AttentionBatch:
+    """The batch a decode graph of `capacity` rows is captured over: one token a row, its page
+    table, cache indices and state rows inputs written before each replay."""
+    device = cache_indices.device
+    return AttentionBatch(
+        query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
+        kv_lens=torch.ones(capacity, dtype=torch.int32, device=device), page_table=page_table,
+        slot_mapping=cache_indices, logits_indices=torch.arange(capacity, device=device), page_tokens=page_tokens,
+        query_start_host=tuple(range(capacity + 1)), kv_lens_host=(1,) * capacity, state_rows=state_rows,
+        one_token_each=True)
+
+
 class GraphRunner:
     """Captures one graph per catalog capacity over the device state and replays the smallest
     that covers a step (`can_run`: decode-only or with prompt chunks, no stored logits restored,
@@ -595,15 +608,10 @@ class GraphRunner:
                                                     triton=capacity <= self._triton_rows))
         ints = self._int_inputs(capacity)
         floats = _Inputs(FLOAT_INPUTS, capacity, torch.float32, device)
-        batch = AttentionBatch(
-            query_start=torch.arange(capacity + 1, dtype=torch.int32, device=device),
-            kv_lens=torch.ones(capacity, dtype=torch.int32, device=device),
-            page_table=attention.backend.page_table if self.kernels.page_table_input else
-            torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device),
-            slot_mapping=ints["cache_indices"], logits_indices=torch.arange(capacity, device=device),
-            page_tokens=self.page_tokens, query_start_host=tuple(range(capacity + 1)),
-            kv_lens_host=(1,) * capacity, state_rows=ints["state_rows"] if self.state.scheme.state else None,
-            one_token_each=True)
+        page_table = attention.backend.page_table if self.kernels.page_table_input else \
+            torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device)
+        batch = _decode_batch(capacity, page_table, ints["cache_indices"],
+                              ints["state_rows"] if self.state.scheme.state else None, self.page_tokens)
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
         attention.plan(self._scratch_layout(capacity), self.scale)
         last_sampled = self.state.last_sampled
