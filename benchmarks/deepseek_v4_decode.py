@@ -49,11 +49,12 @@ def v4_config(layers: int, tiny: bool):
                             mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
 
 
-def random_model(config, device: torch.device, fp8: bool = False):
-    """The served V4 model with random weights, its routed experts FP4 (random codes, scales of
-    2^-8 .. 2^-5), with `fp8` its decoder layers' linear weights FP8 blocks as V4 Flash publishes
-    them (random values, scales of 2^-8), on `device`; returns (model, routed-expert bytes,
-    embedding bytes, all weight bytes)."""
+def random_model(config, device: torch.device, fp8: bool = False, recipe=None,
+                 embedding: str = "model.embed_tokens.weight"):
+    """The served model of `recipe` (V4's unless given) with random weights, its routed experts FP4
+    (random codes, scales of 2^-8 .. 2^-5), with `fp8` its decoder layers' linear weights (and packed
+    shared experts) FP8 blocks as DeepSeek publishes them (random values, scales of 2^-8), on
+    `device`; returns (model, routed-expert bytes, bytes of the `embedding` table, all weight bytes)."""
     from flare_core.kernels.fp4 import SCALE_SUFFIX
     from flare_core.kernels.fp8 import SCALE_SUFFIX as FP8_SCALE_SUFFIX
     from flare_core.ops.fp8 import quantizable_experts, quantizable_linears
@@ -61,11 +62,15 @@ def random_model(config, device: torch.device, fp8: bool = False):
     from flare_core.ops.serving import ServingOptions, serving_model
     from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
 
-    skeleton = DEEPSEEK_V4.build_model(config, torch.bfloat16)
-    experts = tuple(f"{path}.{leaf}" for path in quantizable_experts(skeleton) for leaf in ("gate_up_proj", "down_proj"))
+    recipe = recipe or DEEPSEEK_V4
+    skeleton = recipe.build_model(config, torch.bfloat16)
+    packed = [f"{path}.{leaf}" for path in quantizable_experts(skeleton) for leaf in ("gate_up_proj", "down_proj")]
+    experts = tuple(name for name in packed if ".shared_experts." not in name)
+    shared = tuple(name for name in packed if ".shared_experts." in name) if fp8 else ()
     linears = tuple(quantizable_linears(skeleton)) if fp8 else ()
-    model = serving_model(DEEPSEEK_V4, config, torch.bfloat16,
-                          ServingOptions(gemv=device.type == "cuda", fp4_experts=experts, fp8_linears=linears))
+    model = serving_model(recipe, config, torch.bfloat16,
+                          ServingOptions(gemv=device.type == "cuda", fp4_experts=experts, fp8_linears=linears,
+                                         fp8_experts=shared))
     generator = torch.Generator(device=device).manual_seed(0)
     prepared = {}
     for name, target in model.state_dict().items():
@@ -88,8 +93,7 @@ def random_model(config, device: torch.device, fp8: bool = False):
     sizes = {name: t.numel() * t.element_size() for name, t in prepared.items()}
     routed = sum(size for name, size in sizes.items() if any(name.startswith(e) for e in experts))
     # The embedding table: a step reads a row per token, not the table (the head, untied, is read whole).
-    embedding = sizes["model.embed_tokens.weight"]
-    return load_prepared_weights(model, prepared, device), routed, embedding, sum(sizes.values())
+    return load_prepared_weights(model, prepared, device), routed, sizes[embedding], sum(sizes.values())
 
 
 def step_cache_bytes(config, context: int) -> int:
@@ -106,16 +110,17 @@ def step_cache_bytes(config, context: int) -> int:
 
 
 def decode_times(model, config, device: torch.device, contexts: list[int], steps: int, rows: int,
-                 compile_model: bool, profile: Path | None = None) -> dict[int, float]:
-    """Seconds per decode step at each context (see the module docstring); with `profile`, a table
-    of where 20 steps at the longest context spend their time, by kernel, written there."""
+                 compile_model: bool, profile: Path | None = None, scheme=None) -> dict[int, float]:
+    """Seconds per decode step at each context (see the module docstring) over the cache `scheme`
+    (V4's unless given); with `profile`, a table of where 20 steps at the longest context spend
+    their time, by kernel, written there."""
     from flare_core.executor.sampling import StepSampling
     from flare_core.requests import SamplingParams
     from flare_core.scheduler import DecodeEntry, RequestHandle, StepPlan
     from flare_core.scheduler.estimates import StepKind
     from flare_recipe_deepseek.v4 import compressed_attention_scheme
 
-    scheme = compressed_attention_scheme(config, "bfloat16")
+    scheme = scheme or compressed_attention_scheme(config, "bfloat16")
     page_tokens = 128
     longest = max(contexts) + steps + 16
     per_request = -(-longest // page_tokens)

@@ -1,0 +1,108 @@
+"""DeepSeek V4.1 decode on the CUDA runner at V4.1 Flash's per-layer shapes (#48's targets for V4.1).
+
+`DeepseekV41TextConfig`'s defaults are V4.1 Flash's shapes (hidden 5120, 64 heads of 512 over one
+shared K = V latent, a 128-token window, 384 routed experts of 2304, top-6, an indexer of 32 heads
+of 128 keeping 512, 4 mHC streams); the depth is cut to `--layers` (default 4, the config's own
+schedule for that depth: two sliding-window layers, a ratio-2 group, a ratio-1 group whose source
+is also the candidate source: every attention kind), no Engram layer (their rows are read on the
+host, so a model with them runs every step eagerly: not what this measures), random weights, the
+routed experts packed FP4 as published, with `--fp8` the linear weights and the shared expert FP8
+blocks (the published V4.1 keeps 32 x 32 blocks, which the core does not take: see
+docs/benchmarks.md). As benchmarks/deepseek_v4_decode.py (whose step loop this uses): requests'
+pages held, not prefilled; per context the ms per decode step and the bytes it must read against
+the device's copy bandwidth; the 131,072 / 4,096 step ratio.
+
+    python3 benchmarks/deepseek_v41_decode.py --fp8 --out benchmarks/results/h200-deepseek-v41.json
+    python3 benchmarks/deepseek_v41_decode.py --tiny --device cpu --contexts 256,512 --steps 4   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from deepseek_v4_decode import decode_times, random_model
+from provenance import commit_and_date, report
+
+
+def v41_config(layers: int, tiny: bool):
+    """V4.1 Flash's shapes at `layers` layers without Engram layers, or (`tiny`) the same schedule
+    at flare_testing's tiny widths."""
+    from flare_recipe_deepseek.v41_config import DeepseekV41TextConfig
+
+    small = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=64, q_lora_rank=32,
+                 qk_rope_head_dim=16, sliding_window=16, index_n_heads=4, index_head_dim=32, index_topk=8,
+                 o_groups=2, o_lora_rank=16, moe_intermediate_size=64, n_routed_experts=16,
+                 candidate_topk_blocks=4, candidate_block_size=4) if tiny else {}
+    return DeepseekV41TextConfig(num_hidden_layers=layers, engram_layer_ids=[], **small)
+
+
+def step_cache_bytes(config, context: int) -> int:
+    """What one decode step reads of the caches at `context` tokens, per request, bf16: every layer
+    its window; each index source every indexer key of its group; each compressed layer the
+    entries picked (at most `index_topk`)."""
+    total = 0
+    for layer, ratio in enumerate(config.compress_ratios[:config.num_hidden_layers]):
+        total += config.sliding_window * config.head_dim * 2
+        if ratio:
+            records = context // ratio
+            total += min(records, config.index_topk) * config.head_dim * 2
+            if layer in config.index_source_layer_ids:
+                total += records * config.index_head_dim * 2
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--contexts", default="4096,131072")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run of the script)")
+    parser.add_argument("--fp8", action="store_true", help="the linear weights and the shared expert as FP8 blocks")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
+    args = parser.parse_args()
+    from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
+    from flare_recipe_deepseek.v41_recipe import DEEPSEEK_V41
+
+    device = torch.device(args.device)
+    config = v41_config(args.layers, args.tiny)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device, args.fp8, DEEPSEEK_V41,
+                                                                      "model.embed.weight")
+    chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
+    active = weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
+    # V4.1 runs uncompiled (DecoderForServing.compiles): the decode graphs replay its layers as they are.
+    times = decode_times(model, config, device, contexts, args.steps, args.rows, False, args.profile,
+                         shared_compressed_attention_scheme(config, "bfloat16"))
+    bandwidth = None
+    if device.type == "cuda":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from decode_c1 import copy_bandwidth
+
+        bandwidth = copy_bandwidth(device)
+    per_context = {}
+    for context, seconds in times.items():
+        step_bytes = active + args.rows * step_cache_bytes(config, context)
+        per_context[str(context)] = {"step_ms": 1000 * seconds, "step_bytes": step_bytes,
+                                     "roofline_fraction": step_bytes / seconds / bandwidth if bandwidth else None}
+    first = str(min(contexts))
+    report({**commit_and_date(), "command": "python3 " + " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "layers": config.num_hidden_layers, "compress_ratios": config.compress_ratios[:config.num_hidden_layers],
+            "rows": args.rows, "linear_weights": "fp8 blocks" if args.fp8 else "bfloat16",
+            "weight_bytes": weight_bytes, "routed_expert_bytes_fp4": routed_bytes,
+            "active_weight_bytes_per_step": active, "copy_bandwidth_bytes_s": bandwidth, "contexts": per_context,
+            "roofline_fraction_c1": per_context[first]["roofline_fraction"] if args.rows == 1 else None,
+            "step_128k_over_4k": times[max(contexts)] / times[min(contexts)] if len(contexts) > 1 else None,
+            "bench_c32_output_tok_s": None,
+            "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5}, args.out)
+
+
+if __name__ == "__main__":
+    main()
