@@ -4,7 +4,8 @@ a small byte-level tokenizer holding Kimi's chat tokens, exported through the CL
 --recipe and served by real `flare run` processes.
 
 Kimi Linear's own chat template is no fixture: the checkpoint carries Kimi K2's published
-template (tests/fixtures/chat_templates/moonshotai-Kimi-K2.jinja), which gets K2's message marks.
+template (the core suite's tests/fixtures/chat_templates/moonshotai-Kimi-K2.jinja), which gets K2's
+message marks.
 
 * Export picks kimi-linear by architecture and model_type and plans KDA state rows beside MLA
   latent pages.
@@ -25,11 +26,13 @@ from tokenizers import Tokenizer
 from transformers import KimiLinearConfig
 from transformers.models.kimi_linear import modeling_kimi_linear as kl
 
-from conftest import FIXTURES
 from flare_core.contract.types import NEUTRAL_SAMPLING
 from flare_core.core import open_core
 from flare_testing.deepseek import ascii_tokenizer_json, scale_random_weights, write_frontend
-from flare_testing.server import second_turn_restores_the_first, with_and_without_prefix_cache
+from flare_testing.server import Flare, second_turn_restores_the_first, with_and_without_prefix_cache, write_config
+
+# Kimi K2's published template, kept with the core suite's templates (as test_kimi_parity.py reads it).
+KIMI_TEMPLATE = Path(__file__).parents[2] / "tests" / "fixtures" / "chat_templates" / "moonshotai-Kimi-K2.jinja"
 
 SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")
 VOCAB = len(Tokenizer.from_str(ascii_tokenizer_json(SPECIAL_TOKENS)).get_vocab())
@@ -54,12 +57,18 @@ def random_model(seed: int = 0) -> kl.KimiLinearForCausalLM:
 
 
 @pytest.fixture(scope="module")
+def session_flare(tmp_path_factory) -> Flare:
+    """`flare` commands against a config of this module's own (the core suite's fixture of the name)."""
+    return Flare(write_config(tmp_path_factory.mktemp("flare")))
+
+
+@pytest.fixture(scope="module")
 def served(tmp_path_factory, session_flare):
     directory = tmp_path_factory.mktemp(NAME)
     reference = random_model()
     reference.save_pretrained(directory)
     # The template's exact bytes (CRLF line ends), which K2's patch was made for.
-    template = (FIXTURES / "chat_templates" / "moonshotai-Kimi-K2.jinja").read_bytes().decode("utf-8")
+    template = KIMI_TEMPLATE.read_bytes().decode("utf-8")
     write_frontend(directory, vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS, bos_token="[BOS]",
                    eos_token="<|im_end|>", stop_token="<|im_end|>", chat_template=template)
     result = session_flare("export", directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length",
