@@ -230,13 +230,21 @@ def test_second_chat_turn_reuses_the_first_turns_complete_messages(served, name)
 
 def test_the_draft_head_proposed_what_was_checked(served):
     # Runs after the completions above on the MTP server (any order: it sends its own request first).
+    # Whether a request gets drafts is the server's call (its width rule prices rounds by measured
+    # step costs, and with two steps in flight the head may hold no state for it yet; one that gets
+    # none decodes plainly past these 12 tokens): on a loaded 2-core CI machine one request got
+    # none. So requests are sent, each checked against Transformers, until the head has proposed.
     server = served[MTP_NAME]
-    prompt = torch.randint(1, 98, (40,), generator=torch.Generator().manual_seed(9)).tolist()
-    response = server.client().completions.create(model=MTP_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                  temperature=0, extra_body={"skip_special_tokens": False})
-    assert response.choices[0].text == server.expected(prompt)[0]
-    metrics = httpx.get(server.process.url + "/metrics", timeout=30).text
-    proposed = [line for line in metrics.splitlines() if line.startswith("flare_spec_proposed_tokens_total")]
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(8):
+        prompt = torch.randint(1, 98, (40,), generator=generator).tolist()
+        response = server.client().completions.create(model=MTP_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                      temperature=0, extra_body={"skip_special_tokens": False})
+        assert response.choices[0].text == server.expected(prompt)[0]
+        metrics = httpx.get(server.process.url + "/metrics", timeout=30).text
+        proposed = [line for line in metrics.splitlines() if line.startswith("flare_spec_proposed_tokens_total")]
+        if proposed and float(proposed[0].split()[-1]) > 0:
+            break
     assert proposed and float(proposed[0].split()[-1]) > 0, proposed
     # The head's records come from a pool planned with the KV pool, which the start-up line reports.
     assert "draft_pool_mib=" in server.process.log() and "draft_pool_mib=" not in served[DEEPSEEK.name].process.log()
