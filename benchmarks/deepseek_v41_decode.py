@@ -18,13 +18,11 @@ the device's copy bandwidth; the 131,072 / 4,096 step ratio.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from deepseek_v4_decode import decode_times, random_model
+from deepseek_v4_decode import active_weight_bytes, decode_arguments, decode_figures, decode_times, random_model
 from provenance import commit_and_date, report
 
 
@@ -56,16 +54,9 @@ def step_cache_bytes(config, context: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--contexts", default="4096,131072")
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--device", default="cuda")
+    parser = decode_arguments(__doc__)
     parser.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run of the script)")
     parser.add_argument("--fp8", action="store_true", help="the linear weights and the shared expert as FP8 blocks")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
     args = parser.parse_args()
     from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
     from flare_recipe_deepseek.v41_recipe import DEEPSEEK_V41
@@ -75,33 +66,17 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device, args.fp8, DEEPSEEK_V41,
                                                                       "model.embed.weight")
-    chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
-    active = weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
+    active = active_weight_bytes(config, args.rows, weight_bytes, embedding_bytes, routed_bytes)
     # V4.1 runs uncompiled (DecoderForServing.compiles): the decode graphs replay its layers as they are.
     times = decode_times(model, config, device, contexts, args.steps, args.rows, False, args.profile,
                          shared_compressed_attention_scheme(config, "bfloat16"))
-    bandwidth = None
-    if device.type == "cuda":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from decode_c1 import copy_bandwidth
-
-        bandwidth = copy_bandwidth(device)
-    per_context = {}
-    for context, seconds in times.items():
-        step_bytes = active + args.rows * step_cache_bytes(config, context)
-        per_context[str(context)] = {"step_ms": 1000 * seconds, "step_bytes": step_bytes,
-                                     "roofline_fraction": step_bytes / seconds / bandwidth if bandwidth else None}
-    first = str(min(contexts))
     report({**commit_and_date(), "command": "python3 " + " ".join(sys.argv),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "layers": config.num_hidden_layers, "compress_ratios": config.compress_ratios[:config.num_hidden_layers],
             "rows": args.rows, "linear_weights": "fp8 blocks" if args.fp8 else "bfloat16",
             "weight_bytes": weight_bytes, "routed_expert_bytes_fp4": routed_bytes,
-            "active_weight_bytes_per_step": active, "copy_bandwidth_bytes_s": bandwidth, "contexts": per_context,
-            "roofline_fraction_c1": per_context[first]["roofline_fraction"] if args.rows == 1 else None,
-            "step_128k_over_4k": times[max(contexts)] / times[min(contexts)] if len(contexts) > 1 else None,
-            "bench_c32_output_tok_s": None,
-            "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5}, args.out)
+            "active_weight_bytes_per_step": active,
+            **decode_figures(times, active, args.rows, lambda context: step_cache_bytes(config, context), device),
+            "bench_c32_output_tok_s": None}, args.out)
 
 
 if __name__ == "__main__":

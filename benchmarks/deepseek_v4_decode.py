@@ -220,19 +220,58 @@ def experts_sweep(config, device: torch.device, layers: int = 4, repeats: int = 
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def decode_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments the DeepSeek decode benchmarks share (each adds its own `--tiny` and `--fp8`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
+    return parser
+
+
+def active_weight_bytes(config, rows: int, weight_bytes: int, embedding_bytes: int, routed_bytes: int) -> int:
+    """The weight bytes a decode step of `rows` rows reads: everything but the embedding table and
+    the routed experts, and of these each MoE layer's experts the rows chose (top-k a row, at most
+    all of them)."""
+    chosen = min(rows * config.num_experts_per_tok, config.n_routed_experts)
+    return weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
+
+
+def decode_figures(times: dict[int, float], active: int, rows: int, cache_bytes, device: torch.device) -> dict:
+    """The results' figures from the seconds per step at each context: the device's copy bandwidth,
+    per context the ms per step, the bytes it reads (`active` weights plus `cache_bytes(context)`
+    per row) and their fraction of the roofline, the first context's fraction at one row, and the
+    longest context's step over the shortest's."""
+    bandwidth = None
+    if device.type == "cuda":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from decode_c1 import copy_bandwidth
+
+        bandwidth = copy_bandwidth(device)
+    per_context = {}
+    for context, seconds in times.items():
+        step_bytes = active + rows * cache_bytes(context)
+        per_context[str(context)] = {
+            "step_ms": 1000 * seconds, "step_bytes": step_bytes,
+            "roofline_fraction": step_bytes / seconds / bandwidth if bandwidth else None}
+    first, last = min(times), max(times)
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "copy_bandwidth_bytes_s": bandwidth, "contexts": per_context,
+            "roofline_fraction_c1": per_context[str(first)]["roofline_fraction"] if rows == 1 else None,
+            "step_128k_over_4k": times[last] / times[first] if len(times) > 1 else None,
+            "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5}
+
+
+def main() -> None:
+    parser = decode_arguments(__doc__)
+    parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="flare_testing's tiny V4 (a smoke run of the script)")
     parser.add_argument("--fp8", action="store_true",
                         help="the decoder layers' linear weights as FP8 blocks, as V4 Flash publishes them")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
     parser.add_argument("--experts-sweep", action="store_true",
                         help="first time the FP4 experts op alone at one token per tile choice (experts_sweep)")
     args = parser.parse_args()
@@ -243,33 +282,14 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         sweep = experts_sweep(config, device)
     model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device, args.fp8)
-    # A step reads each MoE layer's experts its rows chose: top-k per row, at most all of them.
-    chosen = min(args.rows * config.num_experts_per_tok, config.n_routed_experts)
-    active = weight_bytes - embedding_bytes - routed_bytes + routed_bytes * chosen // config.n_routed_experts
+    active = active_weight_bytes(config, args.rows, weight_bytes, embedding_bytes, routed_bytes)
     times = decode_times(model, config, device, contexts, args.steps, args.rows, not args.no_compile, args.profile)
-    bandwidth = None
-    if device.type == "cuda":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from decode_c1 import copy_bandwidth
-
-        bandwidth = copy_bandwidth(device)
-    per_context = {}
-    for context, seconds in times.items():
-        step_bytes = active + args.rows * step_cache_bytes(config, context)
-        per_context[str(context)] = {
-            "step_ms": 1000 * seconds, "step_bytes": step_bytes,
-            "roofline_fraction": step_bytes / seconds / bandwidth if bandwidth else None}
-    first, last = str(min(contexts)), str(max(contexts))
     result = {**commit_and_date(), "command": "python3 " + " ".join(sys.argv),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "layers": config.num_hidden_layers, "layer_types": list(config.layer_types), "rows": args.rows,
               "linear_weights": "fp8 blocks" if args.fp8 else "bfloat16",
               "weight_bytes": weight_bytes, "routed_expert_bytes_fp4": routed_bytes,
-              "active_weight_bytes_per_step": active, "copy_bandwidth_bytes_s": bandwidth,
-              "contexts": per_context,
-              "roofline_fraction_c1": per_context[first]["roofline_fraction"] if args.rows == 1 else None,
-              "step_128k_over_4k": times[max(contexts)] / times[min(contexts)] if len(contexts) > 1 else None,
-              "target_roofline_fraction_c1": 0.45, "target_step_128k_over_4k": 1.5,
+              "active_weight_bytes_per_step": active,
+              **decode_figures(times, active, args.rows, lambda context: step_cache_bytes(config, context), device),
               "experts_sweep": sweep if args.experts_sweep else None}
     report(result, args.out)
 
