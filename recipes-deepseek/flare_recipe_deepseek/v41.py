@@ -105,15 +105,14 @@ class RequestShare:
     group's compressed entries and indexer keys (all of the request's, [count, dim]), the picks
     of the last index source [queries, count] and the candidate source's blocks. In a decode
     step one share holds every request's: the keys [B, records, dim] over the records its page
-    table bounds, `visible` [B, records] saying which are written, the group's entries left in
-    their store (`store`, read only where picked) and the picks as record indices `chosen` [B, k]
-    with `chosen_valid` [B, k]."""
+    table bounds (the index sources mask those not written yet by position), the group's entries
+    left in their store (`store`, read only where picked) and the picks as record indices `chosen`
+    [B, k] with `chosen_valid` [B, k]."""
 
     entries: Tensor | None = None
     keys: Tensor | None = None
     picks: Tensor | None = None
     candidates: Tensor | None = None
-    visible: Tensor | None = None
     store: Tensor | None = None
     chosen: Tensor | None = None
     chosen_valid: Tensor | None = None
@@ -380,7 +379,8 @@ class Attention(BatchAttention):
     def _publish_rows(self, x: Tensor, step: Step, context: ForwardContext, share: RequestShare) -> None:
         """`_publish` for a decode step: each request's group entry (and indexer key) written where
         its token closes the group (elsewhere the record is written back as it was); the group's
-        indexer keys, [B, records, dim], with which are written, and its entries' store."""
+        indexer keys, [B, records, dim] (record r: page r // per page, offset r % per page), and its
+        entries' store."""
         batch, ratio = context.batch, self.ratio
         rows, positions, page_table = batch.state_rows, step.positions, batch.page_table.long()
         pending = context.store(f"pending_r{ratio}", self) if ratio > 1 else None
@@ -394,8 +394,6 @@ class Attention(BatchAttention):
             write_closed(keys_store, self.indexer.keys(latent, cos, sin), closes, slots)
         write_closed(entries_store, fp4_blocks(rotate(latent[:, None], cos, sin)[:, 0], 16, e4m3_scales=True), closes,
                      slots)
-        count = page_table.shape[1] * entries_store.shape[1]  # record r: page r // per page, offset r % per page
-        share.visible = torch.arange(count, device=x.device)[None] < ((positions + 1) // ratio)[:, None]
         share.store = entries_store  # its entries are read where picked (`_decode`), not all of them
         share.keys = keys_store[page_table].flatten(1, 2) if self.indexer is not None else None
         share.picks = share.chosen = None  # a new group: an earlier group's picks do not apply
