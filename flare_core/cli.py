@@ -81,6 +81,9 @@ def recipes() -> None:
 @click.option("--tp", "tensor_parallel", type=int, default=1,
               help="Split the model over this many tensor-parallel ranks (served on that many GPUs, flare run "
                    "--gpus, or on the CPU).")
+@click.option("--expert-parallel", is_flag=True,
+              help="With --tp N: spread the routed experts whole over the ranks (1/N of the experts each) instead "
+                   "of 1/N of every expert's features; shared experts whole on every rank.")
 @click.option("--quantize", type=click.Choice(["fp8"]), default=None,
               help="Keep the decoder layers' linear weights and routed experts as FP8 with one scale per "
                    "128x128 block (served on Hopper GPUs or with --device cpu).")
@@ -89,7 +92,7 @@ def recipes() -> None:
                    "K/V pages on CUDA and the CPU, latent (MLA) pages with --device cpu only).")
 @click.pass_context
 def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_length, page_tokens, speculative_tokens,
-           recipe_name, offline, no_progress, tensor_parallel, quantize, kv_dtype) -> None:
+           recipe_name, offline, no_progress, tensor_parallel, expert_parallel, quantize, kv_dtype) -> None:
     """Prepare MODEL (alias, Hugging Face repo id or checkpoint dir) into a runtime core."""
     from flare_core.prepare import ExportRequest, export_model
     from flare_core.prepare.plan import CapacityRequest
@@ -102,7 +105,7 @@ def export(ctx, model, dtype, max_concurrency, prefill_chunk_size, context_lengt
                                    prefill_chunk_size or defaults.prefill_chunk_size,
                                    context_length or defaults.context_length, page_tokens, speculative_tokens),
         offline=offline, recipe=recipe_name, progress=not no_progress, tensor_parallel=tensor_parallel,
-        quantize=quantize, kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+        expert_parallel=expert_parallel, quantize=quantize, kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     try:
         result = export_model(request, config, _registry(), echo=click.echo)
     except (ValueError, LookupError, OSError) as exc:
@@ -425,7 +428,8 @@ def serve_core(config: Config, core: str, *, device: str, host: str | None, port
             leader = RankLeader.start(runtime_core.path, ranks, tables, devices)
         except (RuntimeError, ValueError) as exc:
             raise FlareCommandError(f"{runtime_core.path}: the tensor-parallel ranks did not start ({exc})") from exc
-        log.info("tensor-parallel ranks", ranks=ranks, worker_pids=leader.worker_pids)
+        log.info("tensor-parallel ranks", ranks=ranks,
+                 expert_parallel=runtime_core.manifest.get("expert_parallel", False), worker_pids=leader.worker_pids)
     try:
         compile_cache, compiling = None, contextlib.nullcontext()
         if torch_device.type == "cuda":  # the CPU reference compiles nothing

@@ -15,6 +15,19 @@ another checkpoint tensor (the spec's `derived`) has that one sliced as declared
 rank's share of a sum: `reduce_partial_sums` all-reduces the outputs of the decoder-layer
 submodules the spec names, and every rank then carries the same residual stream.
 
+Expert parallelism (`Ranks.experts`, for a spec that names `routed_experts`): the spec's
+`expert_features` are not divided, and each routed experts module (a packed `gate_up_proj` of
+every expert) holds only the rank's 1/size of the experts, whole: rank r experts
+[r * E / size, (r + 1) * E / size), numbered from 0 in the module, which also says
+`num_experts` (its count) and `first_expert`. Every rank routes every token as the whole model
+does; a route to another rank's expert becomes the sentinel id `num_experts` with weight 0, whose
+output is zero (flare_core.ops.moe; Transformers' experts forwards read the same sentinel when
+`_is_expert_parallel` is set), and the experts module's output is the partial sum all-reduced, in
+place of the MLP block's: shared experts are whole on every rank. The all-reduce scheme of
+Transformers 5.23's `AllReduceEP` (transformers/distributed/expert_parallel.py): no tokens move,
+every shape is fixed, so it captures in graphs. The recipe maps whole experts; `held_experts`
+slices the rank's out of them (the checkpoint is not sliced for them).
+
 The head (an untied `lm_head` of a vocabulary that divides over the ranks) is vocabulary-parallel:
 rank r holds rows [r * V / size, (r + 1) * V / size) and the logits rows are gathered from every
 rank's slice before sampling. A tied head reads the embedding matrix, which every rank holds
@@ -24,7 +37,7 @@ whole, and stays replicated.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +51,13 @@ from flare_core.ops.weights import packed_experts, source_names
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in a tensor-parallel group: `rank` of `size`, all-reducing over
-    `group` (a torch.distributed process group; None: the default group)."""
+    `group` (a torch.distributed process group; None: the default group); `experts`: the routed
+    experts expert-parallel (whole experts, 1/size of them on each rank)."""
 
     rank: int
     size: int
     group: Any = None
+    experts: bool = False
 
 
 def rank_tensor_name(rank: int, name: str) -> str:
@@ -57,14 +72,20 @@ def spec_of(recipe: Recipe) -> TensorParallelSpec:
     return recipe.tensor_parallel
 
 
-def rank_config(config: Any, spec: TensorParallelSpec, size: int) -> Any:
-    """A copy of `config` with each `spec.divided` field divided by `size`. A config that derives
-    head_dim from hidden_size / num_attention_heads gets it set explicitly first, so that dividing
-    the heads does not change it. ValueError naming a field that is missing or does not divide."""
+def rank_config(config: Any, spec: TensorParallelSpec, size: int, experts: bool = False) -> Any:
+    """A copy of `config` with each `spec.divided` field divided by `size` (`experts`: expert
+    parallel, the `spec.expert_features` kept whole). A config that derives head_dim from
+    hidden_size / num_attention_heads gets it set explicitly first, so that dividing the heads does
+    not change it. ValueError naming a field that is missing or does not divide, or the recipe's
+    lack of expert parallelism."""
     local = copy.deepcopy(config)
     if getattr(config, "head_dim", None) is None and getattr(config, "num_attention_heads", None):
         local.head_dim = config.hidden_size // config.num_attention_heads
+    if experts:
+        expert_count(config, spec, size)
     for name in spec.divided:
+        if experts and name in spec.expert_features:
+            continue
         value = getattr(config, name, None)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"config.{name}: tensor parallelism divides it, but the config has {value!r}")
@@ -74,16 +95,80 @@ def rank_config(config: Any, spec: TensorParallelSpec, size: int) -> Any:
     return local
 
 
-def build_rank_model(recipe: Recipe, config: Any, dtype: torch.dtype, size: int) -> nn.Module:
-    """One rank's model (parameters on the meta device): the recipe's model of `rank_config`, its
-    head split over the vocabulary where `splits_head` says it can be."""
-    model = recipe.build_model(rank_config(config, spec_of(recipe), size), dtype)
+def expert_count(config: Any, spec: TensorParallelSpec, size: int) -> int:
+    """The routed experts of `config` that expert parallelism spreads over `size` ranks; ValueError
+    where the recipe declares none or they do not divide."""
+    if spec.routed_experts is None:
+        raise ValueError("the recipe declares no expert parallelism (TensorParallelSpec.routed_experts)")
+    count = getattr(config, spec.routed_experts, None)
+    if not isinstance(count, int) or count <= 0:
+        raise ValueError(f"config.{spec.routed_experts}: expert parallelism divides it, but the config has {count!r}")
+    if count % size:
+        raise ValueError(f"config.{spec.routed_experts} = {count} does not divide over {size} expert-parallel ranks")
+    return count
+
+
+def build_rank_model(recipe: Recipe, config: Any, dtype: torch.dtype, ranks: Ranks) -> nn.Module:
+    """Rank `ranks.rank`'s model (parameters on the meta device): the recipe's model of
+    `rank_config`, its routed experts narrowed to the rank's (`ranks.experts`), its head split over
+    the vocabulary where `splits_head` says it can be."""
+    spec, size = spec_of(recipe), ranks.size
+    model = recipe.build_model(rank_config(config, spec, size, ranks.experts), dtype)
+    if ranks.experts:
+        count = expert_count(config, spec, size)
+        if not hold_experts(model, count, ranks):
+            raise ValueError(f"expert parallelism: recipe {recipe.name}'s model has no routed experts module packing "
+                             f"config.{spec.routed_experts} = {count} experts")
     if splits_head(model, size):
         head = model.lm_head
         with torch.device("meta"):
             model.lm_head = HeadSlice(head.in_features, head.out_features // size, bias=False,
                                       dtype=head.weight.dtype)
     return model
+
+
+def hold_experts(model: nn.Module, count: int, ranks: Ranks) -> int:
+    """Narrow every routed experts module of `model` (one whose `gate_up_proj` packs `count`
+    experts along dim 0) to rank `ranks.rank`'s experts: its per-expert parameters hold
+    count / size experts (meta), `num_experts` says so, `first_expert` is the first one's global
+    id, `_is_expert_parallel` is set (Transformers' experts forwards then skip sentinel ids).
+    Returns how many modules it narrowed."""
+    held = count // ranks.size
+    narrowed = 0
+    for module in model.modules():
+        packed = getattr(module, "gate_up_proj", None)
+        if not (isinstance(packed, nn.Parameter) and packed.dim() == 3 and packed.shape[0] == count):
+            continue
+        for name, whole in list(module.named_parameters(recurse=False)):
+            if whole.dim() and whole.shape[0] == count:
+                setattr(module, name, nn.Parameter(torch.empty((held, *whole.shape[1:]), dtype=whole.dtype,
+                                                               device="meta"), requires_grad=whole.requires_grad))
+        module.num_experts = held
+        module.first_expert = ranks.rank * held
+        module._is_expert_parallel = True
+        narrowed += 1
+    return narrowed
+
+
+def held_experts(model: nn.Module) -> dict[str, slice]:
+    """Prepared tensor name -> the slice of experts (dim 0 of the recipe's whole tensor) rank's
+    `model` (`build_rank_model` with `Ranks.experts`) holds of it."""
+    shares = {}
+    for path, module in model.named_modules():
+        first = getattr(module, "first_expert", None)
+        if first is None:
+            continue
+        for name, tensor in module.named_parameters(recurse=False):
+            shares[f"{path}.{name}"] = slice(first, first + module.num_experts)
+    return shares
+
+
+def hold_weights(named: Iterable[tuple[str, Tensor]], shares: Mapping[str, slice]) -> Iterator[tuple[str, Tensor]]:
+    """A recipe's prepared tensors (`map_weights` over the rank's config and checkpoint) as the
+    rank holds them: the routed experts' tensors cut to the rank's experts (`held_experts`)."""
+    for name, tensor in named:
+        share = shares.get(name)
+        yield name, tensor if share is None else tensor[share].contiguous()
 
 
 class HeadSlice(nn.Linear):
@@ -105,10 +190,13 @@ def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor
     `rank_config(config, ...)`. ValueError naming a tensor whose shapes do not split evenly."""
     spec = spec_of(recipe)
     full = recipe.build_model(config, torch.float32).state_dict()  # meta tensors: shapes only
-    local = build_rank_model(recipe, config, torch.float32, ranks.size).state_dict()
+    local_model = build_rank_model(recipe, config, torch.float32, ranks)
+    local, held = local_model.state_dict(), held_experts(local_model)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0
     dims: dict[str, int] = {}
     for name, target in local.items():
+        if name in held:
+            continue  # whole experts: the recipe maps every one, `hold_weights` keeps the rank's
         whole = full[name].shape
         differing = [d for d, (a, b) in enumerate(zip(whole, target.shape)) if a != b]
         if not differing:
@@ -171,8 +259,12 @@ def join_group(model: nn.Module, spec: TensorParallelSpec, ranks: Ranks) -> int:
     for layer in model.model.layers:
         for name in spec.partial_sums:
             module = getattr(layer, name, None)
-            if module is not None:
-                module.register_forward_hook(hook)
+            if module is None:
+                continue
+            # Expert parallel: a MoE block's routed experts are the partial sum (its shared experts are whole).
+            held = [m for m in module.modules() if getattr(m, "first_expert", None) is not None]
+            for partial in held or [module]:
+                partial.register_forward_hook(hook)
                 hooked += 1
     if isinstance(getattr(model, "lm_head", None), HeadSlice):
         def gather_logits(logits: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ from transformers import DeepseekV3Config, Qwen3MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
-from flare_core.ops.moe import EXPERTS_IMPLEMENTATION, use_fused_experts
+from flare_core.ops.moe import EXPERTS_IMPLEMENTATION, GROUPED_MM_IMPLEMENTATION, use_fused_experts
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -37,7 +37,7 @@ def test_moe_models_switch_to_the_op_and_dense_ones_are_left_alone():
 
 def test_experts_the_op_does_not_compute_keep_grouped_mm():
     model = qwen3_moe(hidden_act="gelu")
-    assert not use_fused_experts(model) and model.config._experts_implementation == "grouped_mm"
+    assert not use_fused_experts(model) and model.config._experts_implementation == GROUPED_MM_IMPLEMENTATION
 
 
 def test_the_ops_cpu_path_matches_transformers_experts():
@@ -130,3 +130,34 @@ def test_every_expert_computes_the_loop_over_the_experts_in_use():
             torch.testing.assert_close(every_expert(x, gu, dn, index, weights, gu_scale, dn_scale, limit), expected,
                                        atol=1e-5, rtol=1e-4)
             assert expected.abs().amax() > 0.01
+
+
+def test_expert_parallel_ranks_sum_to_the_whole_experts():
+    """Two expert-parallel ranks (flare_core.parallel.hold_experts: 4 of 8 experts each) route every
+    token as the whole block does; each computes its own experts' pairs (another rank's come as the
+    sentinel id, weight 0) — through the op (3 tokens), through Transformers' grouped_mm where the
+    op hands a prompt chunk to it (37 tokens), and for experts the op does not compute (GELU) — and
+    their outputs sum to the whole experts module's."""
+    from flare_core.parallel import Ranks, hold_experts
+
+    for tokens, act in ((3, "silu"), (37, "silu"), (37, "gelu")):
+        whole = qwen3_moe(hidden_act=act)
+        assert use_fused_experts(whole) == (act == "silu")
+        experts = whole.model.layers[0].mlp.experts
+        generator = torch.Generator().manual_seed(tokens)
+        hidden = torch.randn(tokens, 64, generator=generator)
+        index = torch.randint(0, 8, (tokens, 2), generator=generator)
+        weights = torch.rand(tokens, 2, generator=generator)
+        expected = experts(hidden, index, weights)
+        total = torch.zeros_like(expected)
+        for rank in range(2):
+            share = qwen3_moe(hidden_act=act)
+            use_fused_experts(share)
+            assert hold_experts(share, 8, Ranks(rank, 2, experts=True)) == 2  # both layers' blocks
+            held = share.model.layers[0].mlp.experts
+            assert held.gate_up_proj.shape[0] == held.num_experts == 4 and held.first_expert == 4 * rank
+            mine = slice(4 * rank, 4 * rank + 4)
+            held.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[mine].detach().clone(), requires_grad=False)
+            held.down_proj = torch.nn.Parameter(experts.down_proj[mine].detach().clone(), requires_grad=False)
+            total += held(hidden, index, weights)
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6, msg=f"{tokens} tokens, {act}")

@@ -4,7 +4,8 @@ openai SDK it answers greedy requests token for token as the unsplit core does (
 Qwen3-MoE and DeepSeek-V3), reuses a shared prefix (cached tokens > 0, same answer), survives a client that hangs
 up mid-stream with every slot back, and stops its worker on SIGTERM; a worker that dies fails the
 server (exit status 1), not a hang. A recipe without a tensor-parallel declaration, or a config
-that does not divide, is refused at export."""
+that does not divide, is refused at export. DeepSeek-V3 also with its routed experts
+expert-parallel (`--expert-parallel`: half of the experts whole on each rank)."""
 
 from __future__ import annotations
 
@@ -45,15 +46,17 @@ def deepseek_v3_checkpoint(directory: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "deepseek-v3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "deepseek-v3", "deepseek-v3-expert-parallel"])
 def servers(request, session_flare, qwen3_checkpoint, qwen3_moe_checkpoint, tmp_path_factory):
     """(split server, whole server) over the same checkpoint."""
     root = tmp_path_factory.mktemp(f"tp-{request.param}")
     checkpoint, flags = {"qwen3": (qwen3_checkpoint, ()), "qwen3-moe": (qwen3_moe_checkpoint, ())}.get(
         request.param) or (deepseek_v3_checkpoint(root / "checkpoint"), ("--recipe", "deepseek-v3"))
-    split_core = session_flare.export(checkpoint, *EXPORT, *flags, "--tp", "2")
+    expert_parallel = ("--expert-parallel",) if request.param.endswith("expert-parallel") else ()
+    split_core = session_flare.export(checkpoint, *EXPORT, *flags, "--tp", "2", *expert_parallel)
     whole_core = session_flare.export(checkpoint, *EXPORT, *flags)
     split = ServerProcess(session_flare.config_path, split_core, root / "split.log", "--served-name", SERVED)
+    split.expert_parallel = bool(expert_parallel)
     whole = ServerProcess(session_flare.config_path, whole_core, root / "whole.log", "--served-name", SERVED)
     try:
         for server in (split, whole):
@@ -77,6 +80,7 @@ def greedy(server: ServerProcess, prompt: str):
 def test_split_core_answers_as_the_whole_core(servers):
     split, whole = servers
     assert "tensor-parallel over 2 ranks" in split.log()
+    assert f"expert_parallel={split.expert_parallel}" in split.log()
     counts = [server.post("/api/show", {"model": SERVED}).json()["model_info"]["general.parameter_count"]
               for server in (split, whole)]
     assert counts[0] == counts[1]  # the whole model's, not rank 0's share
@@ -122,7 +126,17 @@ def test_export_plans_the_split_and_refuses_what_does_not_split(flare, qwen3_che
     assert "tensor parallelism: 2 ranks" in plan and "the head split over the vocabulary (75968 rows each)" in plan
     plan = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "2", "--no-progress").output
     assert "the head whole on every rank (tied to the embeddings" in plan
-    assert [line.split()[3:5] for line in flare("cores").output.splitlines()] == [["float32", "tp2"]] * 2
+    plan = flare("export", qwen3_moe_checkpoint, *EXPORT, "--tp", "2", "--expert-parallel", "--no-progress").output
+    assert ("the routed experts expert-parallel: 2 of the 4 whole on each rank" in plan
+            and "1/2 of num_attention_heads, num_key_value_heads, intermediate_size, the routed" in plan)
+    assert sorted(line.split()[3:5] for line in flare("cores").output.splitlines()) == [
+        ["float32", "tp2"], ["float32", "tp2"], ["float32", "tp2-ep"]]
+    result = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "2", "--expert-parallel", "--no-progress",
+                   expect_ok=False)
+    assert result.exit_code != 0 and "recipe qwen3: the recipe declares no expert parallelism" in result.output
+    result = flare("export", qwen3_moe_checkpoint, *EXPORT, "--expert-parallel", "--no-progress", expect_ok=False)
+    assert result.exit_code != 0 and "--expert-parallel spreads the routed experts over the ranks of --tp N" in \
+        result.output
     result = flare("export", qwen3_checkpoint, *EXPORT, "--tp", "4", "--no-progress", expect_ok=False)
     assert result.exit_code != 0 and "config.num_key_value_heads = 2 does not divide over 4" in result.output
     llama = write_checkpoint(tmp_path / "llama", LlamaConfig(

@@ -602,12 +602,20 @@ class TensorParallelSpec:
     another checkpoint tensor name it in `derived`. Everything else is replicated.
     `checkpoint_names(names)`: for a checkpoint whose tensors are named otherwise than the
     recipe's model and its per-expert parts (DeepSeek's published names), the model-side name of
-    each checkpoint tensor -> that checkpoint name (None: the names are the model's)."""
+    each checkpoint tensor -> that checkpoint name (None: the names are the model's).
+
+    Expert parallelism (`flare export --tp N --expert-parallel`), for a recipe that names
+    `routed_experts` (the config field counting the routed experts): each rank holds 1/size of
+    the routed experts whole instead of 1/size of every expert's features; the `expert_features`
+    (those of `divided` that size the experts, shared experts included) are then not divided, so
+    shared experts are whole on every rank, and the routed experts' output is the partial sum."""
 
     divided: tuple[str, ...]
     partial_sums: tuple[str, ...]
     derived: tuple[DerivedShard, ...] = ()
     checkpoint_names: Callable[[Iterator[str]], Mapping[str, str]] | None = None
+    routed_experts: str | None = None
+    expert_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("divided", "partial_sums"):
@@ -618,6 +626,13 @@ class TensorParallelSpec:
                  "TensorParallelSpec", "derived", "must be a tuple of DerivedShard")
         _require(self.checkpoint_names is None or callable(self.checkpoint_names), "TensorParallelSpec",
                  "checkpoint_names", "must be a callable (checkpoint names -> model-side name: checkpoint name) or None")
+        _require(self.routed_experts is None or (isinstance(self.routed_experts, str) and bool(self.routed_experts)),
+                 "TensorParallelSpec", "routed_experts", "must be a config field name or None")
+        _require(isinstance(self.expert_features, tuple) and all(f in self.divided for f in self.expert_features),
+                 "TensorParallelSpec", "expert_features", f"must be a tuple of names in divided {self.divided!r}, "
+                 f"got {self.expert_features!r}")
+        _require(not self.expert_features or self.routed_experts is not None, "TensorParallelSpec", "expert_features",
+                 "names fields sized by experts, but routed_experts names no expert count")
 
 
 @dataclass(frozen=True)

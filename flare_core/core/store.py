@@ -71,12 +71,14 @@ class CoreEntry:
     dtype: str | None = None  # the weights' dtype name
     quantization: str | None = None  # "fp8" where the core keeps FP8 weights
     tensor_parallel: int = 1  # the ranks the core is split over
+    expert_parallel: bool = False  # its routed experts spread whole over the ranks
 
     @property
     def form(self) -> str:
-        """The weights' dtype, then `fp8` for FP8 weights and `tpN` for a core split over N ranks."""
-        parts = [self.dtype or "?", self.quantization or "", f"tp{self.tensor_parallel}" if self.tensor_parallel > 1
-                 else ""]
+        """The weights' dtype, then `fp8` for FP8 weights and `tpN` for a core split over N ranks
+        (`tpN-ep`: its routed experts expert-parallel)."""
+        ranks = f"tp{self.tensor_parallel}{'-ep' if self.expert_parallel else ''}" if self.tensor_parallel > 1 else ""
+        parts = [self.dtype or "?", self.quantization or "", ranks]
         return " ".join(part for part in parts if part)
 
     @property
@@ -199,7 +201,8 @@ class CoreStore:
         return CoreEntry(name, path, _served_names(manifest), recipe_name, recipe_version, created, size_bytes,
                          dtype=_optional_str(manifest.get("dtype")),
                          quantization=_optional_str(quantization.get("method")) if isinstance(quantization, dict)
-                         else None, tensor_parallel=ranks if isinstance(ranks, int) else 1)
+                         else None, tensor_parallel=ranks if isinstance(ranks, int) else 1,
+                         expert_parallel=manifest.get("expert_parallel") is True)
 
     def _core_directories(self) -> list[str]:
         if not self.root.is_dir():

@@ -144,7 +144,8 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
                              fp8_experts=tuple(quantized_experts(tensor_names)),
                              fp4_experts=tuple(fp4_experts(tensor_names)),
-                             ranks=Ranks(rank, ranks) if ranks > 1 else None)
+                             ranks=Ranks(rank, ranks, experts=manifest.get("expert_parallel", False)) if ranks > 1
+                             else None)
     if ranks > 1 and recipe.tensor_parallel is None:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel ranks, but the installed recipe "
                             f"{recipe.name} declares no tensor parallelism")

@@ -125,8 +125,20 @@ if triton is not None:
         return _e2m1_times(packed & 15, scale), _e2m1_times(packed >> 4, scale)
 
     @triton.jit
+    def _segment_pairs(order_ptr, start, m0, count, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
+        # The pairs of slots m0 .. m0 + BLOCK_M of a segment of `count` pairs from `start` (its own
+        # pair, or the expert's run of the sorted order), and which of the slots are in it.
+        slots = m0 + tl.arange(0, BLOCK_M)
+        m_mask = slots < count
+        if PER_PAIR:
+            pairs = (start + slots).to(tl.int64)
+        else:
+            pairs = tl.load(order_ptr + start + slots, mask=m_mask, other=0)
+        return pairs, m_mask
+
+    @triton.jit
     def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
-                        counts_ptr, N, K, limit, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
+                        counts_ptr, E, N, K, limit, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
                         SCALED: tl.constexpr, FP4: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
@@ -139,7 +151,9 @@ if triton is not None:
         # divides 128 and N, so each iteration's tile lies in one block and its products take one
         # scale. FP4: the weights are bytes [E, rows, K / 2] of two e2m1 values (feature 2j in the
         # low nibble of byte j) with e8m0 scales [E, rows, K / 32] (flare_core.kernels.fp4); the
-        # even and odd features of a tile are two products (two dots) over half the tile.
+        # even and odd features of a tile are two products (two dots) over half the tile. A pair
+        # whose id is E (the experts held: another expert-parallel rank's, segment E when sorted)
+        # is not computed; the down launch (not GATED) writes its output as zeros.
         segment = tl.program_id(0)
         if PER_PAIR:
             expert = tl.load(ids_ptr + segment).to(tl.int64)
@@ -152,6 +166,14 @@ if triton is not None:
         first_n = tl.program_id(1) * BLOCK_N
         n = first_n + tl.arange(0, BLOCK_N)
         n_mask = n < N
+        elsewhere = tl.where(expert < E, 0, count)
+        count -= elsewhere
+        expert = tl.minimum(expert, E - 1)
+        if not GATED:
+            for m0 in range(0, elsewhere, BLOCK_M):
+                pairs, m_mask = _segment_pairs(order_ptr, start, m0, elsewhere, PER_PAIR, BLOCK_M)
+                zeros = tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty)
+                tl.store(out_ptr + pairs[:, None] * N + n[None, :], zeros, mask=m_mask[:, None] & n_mask[None, :])
         rows_per_expert = 2 * N if GATED else N
         HALF: tl.constexpr = BLOCK_K // 2
         if FP4:
@@ -166,12 +188,7 @@ if triton is not None:
         scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + first_n // 128) * scale_columns
         up_scales = scale_ptr + (expert * tl.cdiv(rows_per_expert, 128) + (first_n + N) // 128) * scale_columns
         for m0 in range(0, count, BLOCK_M):
-            slots = m0 + tl.arange(0, BLOCK_M)
-            m_mask = slots < count
-            if PER_PAIR:
-                pairs = (start + slots).to(tl.int64)
-            else:
-                pairs = tl.load(order_ptr + start + slots, mask=m_mask, other=0)
+            pairs, m_mask = _segment_pairs(order_ptr, start, m0, count, PER_PAIR, BLOCK_M)
             if GATED:
                 in_rows = in_ptr + (pairs // TOP_K)[:, None] * K  # [BLOCK_M, 1]: token rows
             else:
@@ -264,10 +281,10 @@ def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor,
         scales = scales.view(torch.uint8)  # e8m0: the exponent byte
     n = rows // 2 if gated else rows
     order, starts, counts = sorted_pairs if sorted_pairs is not None else (ids, ids, ids)  # unread per pair
-    segments = ids.numel() if sorted_pairs is None else experts
+    segments = ids.numel() if sorted_pairs is None else experts + 1  # + the other ranks' pairs
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
         inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
-        n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
+        experts, n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
         SCALED=scales is not None and not fp4, FP4=fp4, CLAMP=gated and swiglu_limit > 0, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
 
@@ -286,7 +303,7 @@ def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor,
     sorted_pairs = None
     if not per_pair(pairs, experts):
         order = torch.argsort(ids, stable=True)
-        counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
+        counts = torch.zeros(experts + 1, dtype=torch.int32, device=x.device).scatter_add_(
             0, ids, torch.ones(pairs, dtype=torch.int32, device=x.device))
         sorted_pairs = (order, counts.cumsum(0, dtype=torch.int32) - counts, counts)
     up_scales, down_scales = scales
@@ -308,6 +325,8 @@ def reference_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Ten
     path, and the GPU tests' reference. FP8 and FP4 experts are dequantized to x's dtype when used."""
     out = torch.zeros((*top_k_index.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in top_k_index.unique().tolist():
+        if expert >= gate_up.shape[0]:
+            continue  # another expert-parallel rank's (the sentinel id): zero
         token, slot = (top_k_index == expert).nonzero(as_tuple=True)
         out[token, slot] = (_one_expert(x[token], gate_up, down, expert, gate_up_scale, down_scale, swiglu_limit)
                             * top_k_weights[token, slot, None].float())
@@ -369,8 +388,9 @@ def routed_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor
                    gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
                    swiglu_limit: float = 0.0) -> Tensor:
     """[T, k, hidden] float32: top_k_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
-    e = top_k_index[t, k]; x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows first), down
-    [E, hidden, I]; `*_scale`: the block scales of a float8_e4m3fn weight (flare_core.kernels.fp8)
+    e = top_k_index[t, k], zero where e is E (another expert-parallel rank's expert: the sentinel
+    id, flare_core.ops.moe.held_routes); x [T, hidden], gate_up [E, 2 * I, hidden] (gate rows
+    first), down [E, hidden, I]; `*_scale`: the block scales of a float8_e4m3fn weight (flare_core.kernels.fp8)
     or the group scales of an FP4 one, whose bytes are [E, rows, cols / 2] uint8
     (flare_core.kernels.fp4); `swiglu_limit` > 0: gate and up clamped before SiLU * up."""
     if x.shape[0] == 0:

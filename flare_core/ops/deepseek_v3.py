@@ -403,10 +403,11 @@ DEEPSEEK_V3_DRAFT_HEAD = DraftHead(shipped=_ships_mtp, build=build_deepseek_v3_h
 # with the heads so a rank's config passes the same checks). Dense-layer and expert intermediate features
 # split too (the shared experts' size is moe_intermediate_size * n_shared_experts); the router
 # stays whole. kv_b_proj's rows are per head ([H * (nope + v), kv_lora_rank]), so a rank's w_uk and
-# w_uv come from its slice of rows.
+# w_uv come from its slice of rows. Expert parallel: n_routed_experts / size whole experts a rank,
+# the shared experts whole on every rank.
 DEEPSEEK_V3_TENSOR_PARALLEL = TensorParallelSpec(
     divided=("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"),
-    partial_sums=("self_attn", "mlp"),
+    partial_sums=("self_attn", "mlp"), routed_experts="n_routed_experts", expert_features=("moe_intermediate_size",),
     derived=(DerivedShard("self_attn.w_uk", "self_attn.kv_b_proj.weight", 0),
              DerivedShard("self_attn.w_uv", "self_attn.kv_b_proj.weight", 0)),
 )

@@ -16,8 +16,10 @@ from torch import Tensor, nn
 from flare_core.kernels import fp4, fp8
 from flare_core.kernels.moe import MAX_PAIRS_PER_EXPERT
 
-# The implementation's name in Transformers' experts interface.
+# The implementations' names in Transformers' experts interface: the op, and Transformers'
+# grouped_mm for experts the op does not compute (both take an expert-parallel rank's routes).
 EXPERTS_IMPLEMENTATION = "flare"
+GROUPED_MM_IMPLEMENTATION = "flare_grouped_mm"
 
 
 # Transformers' default gate (`transformers.integrations.moe._default_apply_gate`), looked up when
@@ -53,7 +55,21 @@ def _scale(experts: nn.Module, leaf: str) -> Tensor | None:
     return None
 
 
+def held_routes(experts: nn.Module, top_k_index: Tensor, top_k_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The routes as an expert-parallel rank's experts module takes them (flare_core.parallel:
+    `first_expert` set, `num_experts` held): global ids made local, a route to another rank's
+    expert the sentinel id `num_experts` with weight 0 (as Transformers' `AllReduceEP` marks them).
+    Unchanged for a module that holds every expert."""
+    first = getattr(experts, "first_expert", None)
+    if first is None:
+        return top_k_index, top_k_weights
+    local = top_k_index - first
+    elsewhere = (local < 0) | (local >= experts.num_experts)
+    return local.masked_fill(elsewhere, experts.num_experts), top_k_weights.masked_fill(elsewhere, 0.0)
+
+
 def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    top_k_index, top_k_weights = held_routes(self, top_k_index, top_k_weights)
     gate_up_scale, down_scale = _scale(self, "gate_up_proj"), _scale(self, "down_proj")
     # The op runs only over experts `_fusable` admitted: a gate other than the default is clamped.
     swiglu_limit = 0.0 if _default_gate(self) else float(self.limit)
@@ -65,8 +81,14 @@ def _experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return routed_experts(self, hidden_states, top_k_index, top_k_weights, swiglu_limit).sum(dim=1).to(
+    return _held_experts(self, hidden_states, top_k_index, top_k_weights, swiglu_limit).sum(dim=1).to(
         hidden_states.dtype)
+
+
+def _grouped_mm_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(self, hidden_states, *held_routes(self, top_k_index, top_k_weights))
 
 
 def routed_experts(experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
@@ -74,8 +96,15 @@ def routed_experts(experts: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     """`flare::routed_experts` over a packed experts module (`gate_up_proj` [E, 2I, hidden], gate
     rows first, and `down_proj` [E, hidden, I]) with the scales its tensors carry where the core
     keeps them as FP8 blocks or FP4 groups: [T, k, hidden] float32, each (token, expert) pair's
-    SiLU-gated output times its weight (gate and up clamped at `swiglu_limit` > 0). No host sync:
-    a recipe's own experts module runs it in captured graphs."""
+    SiLU-gated output times its weight (gate and up clamped at `swiglu_limit` > 0); on an
+    expert-parallel rank (`held_routes`) zero for the pairs of another rank's experts. No host
+    sync: a recipe's own experts module runs it in captured graphs."""
+    top_k_index, top_k_weights = held_routes(experts, top_k_index, top_k_weights)
+    return _held_experts(experts, hidden_states, top_k_index, top_k_weights, swiglu_limit)
+
+
+def _held_experts(experts: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                  swiglu_limit: float) -> Tensor:
     return torch.ops.flare.routed_experts(hidden_states, experts.gate_up_proj, experts.down_proj, top_k_index,
                                           top_k_weights, _scale(experts, "gate_up_proj"), _scale(experts, "down_proj"),
                                           swiglu_limit)
@@ -86,8 +115,9 @@ def use_fused_experts(causal_lm: nn.Module, clamped_swiglu: tuple[type, ...] = (
     module is one the op computes exactly (else Transformers' `grouped_mm`, which also keeps
     fixed shapes for CUDA graphs: its default loop finds the experts in use with a host sync).
     `clamped_swiglu`: experts classes whose gate clamps gate and up at their `limit` (the family
-    says so: a gate is never guessed from its code). Returns whether the op is used; a model
-    without switchable experts is left as it is."""
+    says so: a gate is never guessed from its code). Either way an expert-parallel rank's routes
+    are made its own (`held_routes`). Returns whether the op is used; a model without switchable
+    experts is left as it is."""
     can_set = getattr(type(causal_lm), "_can_set_experts_implementation", None)
     if can_set is None or not can_set():
         return False
@@ -96,7 +126,8 @@ def use_fused_experts(causal_lm: nn.Module, clamped_swiglu: tuple[type, ...] = (
 
     _DEFAULT_GATES[1:] = [getattr(moe, "_default_apply_gate", None)]
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
+    ExpertsInterface.register(GROUPED_MM_IMPLEMENTATION, _grouped_mm_forward)
     experts = [m for m in causal_lm.modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
     fused = bool(experts) and all(_fusable(m, clamped_swiglu) for m in experts)
-    causal_lm.set_experts_implementation(EXPERTS_IMPLEMENTATION if fused else "grouped_mm")
+    causal_lm.set_experts_implementation(EXPERTS_IMPLEMENTATION if fused else GROUPED_MM_IMPLEMENTATION)
     return fused

@@ -49,7 +49,7 @@ def serving_model(recipe: Recipe, config: Any, dtype: torch.dtype,
     if options.ranks is None:
         model = recipe.build_model(config, dtype)
     else:
-        model = build_rank_model(recipe, config, dtype, options.ranks.size)
+        model = build_rank_model(recipe, config, dtype, options.ranks)
     use_fp8_blocks(model, options.fp8_linears)
     use_fp8_experts(model, options.fp8_experts)
     use_fp4_experts(model, options.fp4_experts)

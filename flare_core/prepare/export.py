@@ -46,6 +46,7 @@ class ExportRequest:
     recipe: str | None = None  # force a recipe instead of choosing by alias/architecture
     progress: bool = True
     tensor_parallel: int = 1  # ranks the core is split over (flare_core.parallel)
+    expert_parallel: bool = False  # the routed experts whole, 1/ranks of them on each rank
     quantize: str | None = None  # "fp8": the decoder layers' linear weights kept as block-scaled FP8
     kv_dtype: str | None = None  # "fp8_e4m3": KV pages as float8_e4m3fn; None: the weights' dtype
 
@@ -129,6 +130,9 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     if request.quantize is not None and request.tensor_parallel != 1:
         raise ExportError(f"--quantize {request.quantize} with --tp {request.tensor_parallel}: FP8 cores are not "
                           f"split over ranks yet (export one or the other)")
+    if request.expert_parallel and request.tensor_parallel == 1:
+        raise ExportError("--expert-parallel spreads the routed experts over the ranks of --tp N (N >= 2); "
+                          "this export has one rank")
     source = resolve_model(request.model, registry, config.paths.hub_cache, request.offline)
     checkpoint = open_checkpoint(source.path, request.dtype)
     choice = choose_recipe(registry, source, checkpoint, request.recipe)
@@ -158,7 +162,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     checkpoint_tensors = DequantizedCheckpoint(raw, blocks)
     capacities = plan_capacities(recipe, model_config, request.capacities)
     ranks = request.tensor_parallel
-    rank_model_config = _rank_config(recipe, model_config, ranks)
+    rank_model_config = _rank_config(recipe, model_config, ranks, request.expert_parallel)
     # The cache scheme of one rank: each holds its share of the KV heads.
     scheme = registry.cache_schemes[recipe.cache_scheme].build(rank_model_config, request.dtype)
     try:
@@ -207,10 +211,10 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                            f"Hopper (FP8 GEMV / GEMM) or the CPU (dequantized in each call)",)
     rank_notes, rank_skeleton = (), {}
     if ranks > 1:
-        from flare_core.parallel import build_rank_model
+        from flare_core.parallel import Ranks, build_rank_model
 
-        rank_model = build_rank_model(recipe, model_config, torch_dtype, ranks)
-        rank_notes = _rank_notes(recipe, model_config, rank_model, ranks)
+        rank_model = build_rank_model(recipe, model_config, torch_dtype, Ranks(0, ranks, experts=request.expert_parallel))
+        rank_notes = _rank_notes(recipe, model_config, rank_model, ranks, request.expert_parallel)
         rank_skeleton = dict(rank_model.state_dict()) | table_skeleton(rank_model)
     plan = ExportPlan(
         model=request.model, source=_describe_source(source), recipe=recipe, recipe_reason=choice.reason,
@@ -253,7 +257,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                          keep)
         else:
             _rank_tensors(recipe, model_config, rank_model_config, checkpoint_tensors, torch_dtype, skeleton,
-                          rank_skeleton, ranks, request.progress, derived, tensors.put)
+                          rank_skeleton, ranks, request.expert_parallel, request.progress, derived, tensors.put)
         carried = _carry(recipe, checkpoint_tensors, torch_dtype, tensors)
         head_tensors = _draft_head(recipe, model_config, checkpoint.tensors, torch_dtype, request.progress, tensors.put)
         fp8_count, fp4_count = 0, len(kept_fp4)
@@ -268,6 +272,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
                              assets)
         manifest["tensor_parallel"] = ranks
+        if request.expert_parallel:
+            manifest["expert_parallel"] = True
         if declared:
             manifest["embedding_tables"] = [dataclasses.asdict(table) for table in declared]
         if carried:
@@ -371,9 +377,10 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
     return done
 
 
-def _rank_config(recipe: Recipe, model_config, ranks: int):
-    """The config each of `ranks` tensor-parallel ranks builds its model from (ExportError when the
-    recipe declares no tensor parallelism or the config does not divide)."""
+def _rank_config(recipe: Recipe, model_config, ranks: int, experts: bool):
+    """The config each of `ranks` tensor-parallel ranks builds its model from, its routed experts
+    expert-parallel with `experts` (ExportError when the recipe declares no tensor or expert
+    parallelism or the config does not divide)."""
     if ranks < 1:
         raise ExportError(f"--tp {ranks}: the number of tensor-parallel ranks must be at least 1")
     if ranks == 1:
@@ -384,33 +391,45 @@ def _rank_config(recipe: Recipe, model_config, ranks: int):
         raise ExportError(f"--tp {ranks}: recipe {recipe.name} declares no tensor parallelism (its models run on "
                           f"one device)")
     try:
-        return rank_config(model_config, recipe.tensor_parallel, ranks)
+        return rank_config(model_config, recipe.tensor_parallel, ranks, experts)
     except ValueError as exc:
-        raise ExportError(f"--tp {ranks}: {exc}") from exc
+        flags = f"--tp {ranks} --expert-parallel" if experts else f"--tp {ranks}"
+        raise ExportError(f"{flags}: recipe {recipe.name}: {exc}") from exc
 
 
-def _rank_notes(recipe: Recipe, model_config, rank_model: torch.nn.Module, ranks: int) -> tuple[str, ...]:
-    from flare_core.parallel import HeadSlice
+def _rank_notes(recipe: Recipe, model_config, rank_model: torch.nn.Module, ranks: int,
+                experts: bool) -> tuple[str, ...]:
+    from flare_core.parallel import HeadSlice, expert_count
 
+    spec = recipe.tensor_parallel
     split = isinstance(getattr(rank_model, "lm_head", None), HeadSlice)
     head = f"the head split over the vocabulary ({model_config.vocab_size // ranks} rows each)" if split else \
         "the head whole on every rank (tied to the embeddings, or a vocabulary that does not divide)"
-    return (f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(recipe.tensor_parallel.divided)} "
+    divided = [name for name in spec.divided if not (experts and name in spec.expert_features)]
+    held = ""
+    if experts:
+        count = expert_count(model_config, spec, ranks)
+        held = (f", the routed experts expert-parallel: {count // ranks} of the {count} whole on each rank (rank r "
+                f"experts r * {count // ranks} ..), shared experts whole on every rank")
+    return (f"tensor parallelism: {ranks} ranks, each holding 1/{ranks} of {', '.join(divided)}{held} "
             f"and the cache of the scheme above (one rank's: built from its share of the config), {head}; `flare run` starts "
             f"the ranks",)
 
 
 def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: Mapping[str, torch.Tensor],
                   dtype: torch.dtype, skeleton: dict[str, torch.Tensor], rank_skeleton: dict[str, torch.Tensor],
-                  ranks: int, progress: bool, derived: Mapping[str, torch.Tensor],
+                  ranks: int, experts: bool, progress: bool, derived: Mapping[str, torch.Tensor],
                   keep: Callable[[str, torch.Tensor], None]) -> None:
     """Every rank's tensors, each handed to `keep`: those a rank holds a slice of under
     `rank{r}.NAME` (flare_core.parallel.rank_tensor_name), the replicated ones once under their
-    name. `rank_skeleton`: a rank's prepared layout (flare_core.parallel.build_rank_model)."""
-    from flare_core.parallel import Ranks, rank_checkpoint, rank_tensor_name
+    name. `rank_skeleton`: a rank's prepared layout (flare_core.parallel.build_rank_model);
+    `experts`: expert parallel (each rank's routed experts cut out of the whole ones mapped)."""
+    from flare_core.parallel import Ranks, build_rank_model, held_experts, hold_weights, rank_checkpoint, rank_tensor_name
 
     for rank in range(ranks):
-        share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks))
+        place = Ranks(rank, ranks, experts=experts)
+        share = rank_checkpoint(recipe, model_config, checkpoint, place)
+        held = held_experts(build_rank_model(recipe, model_config, dtype, place)) if experts else {}
 
         def keep_share(name: str, tensor: torch.Tensor, rank: int = rank) -> None:
             if rank_skeleton[name].shape != skeleton[name].shape:
@@ -418,7 +437,9 @@ def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: M
             elif rank == 0:
                 keep(name, tensor)
 
-        _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress, derived, keep_share)
+        named = hold_weights(recipe.map_weights(rank_model_config, share, dtype), held)
+        _keep_checked(itertools.chain(named, derived.items()), rank_skeleton, f"recipe {recipe.name}", "its model",
+                      progress, keep_share)
 
 
 def _tokenizer_tensors(recipe: Recipe, model_config, assets: FrontendAssets) -> Mapping[str, torch.Tensor]:

@@ -32,9 +32,10 @@ DEEPSEEK_V4_FRONTEND = FrontendSpec(
 # stays on its rank), and 1/size of every expert's and the shared expert's intermediate features;
 # the shared K = V latent, the compressors, the indexer (whose top-k needs every head's score), the
 # routers, mHC and the caches are whole on every rank. Attention and MoE outputs are partial sums.
+# Expert parallel: n_routed_experts / size whole experts a rank, the shared expert whole on every rank.
 DEEPSEEK_V4_TENSOR_PARALLEL = TensorParallelSpec(
     divided=("num_attention_heads", "o_groups", "moe_intermediate_size"),
-    partial_sums=("self_attn", "mlp"),
+    partial_sums=("self_attn", "mlp"), routed_experts="n_routed_experts", expert_features=("moe_intermediate_size",),
     checkpoint_names=checkpoint_names,
 )
 

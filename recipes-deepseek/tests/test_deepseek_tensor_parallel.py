@@ -5,12 +5,14 @@ cache, and half the dense and expert intermediate features; every logits row eit
 over chunked prefill and batched decode must match the Transformers forward of the whole model.
 DeepSeek V4 the same way, from a checkpoint named as DeepSeek publishes it: half the query heads
 and output groups and half of every expert's features per rank, the shared K = V latent, the
-compressors, the indexer and the caches whole."""
+compressors, the indexer and the caches whole. Both also with their routed experts expert-parallel
+(each rank half of the experts whole, the shared experts whole on both)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
@@ -23,7 +25,7 @@ from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4
 from flare_testing.deepseek import random_model, random_v4_model, save_v4_as_published, tiny_v4_config
 
 
-def serve_rank(rank: int, size: int, directory: str, v4: bool = False) -> None:
+def serve_rank(rank: int, size: int, directory: str, v4: bool = False, experts: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=size)
@@ -33,23 +35,25 @@ def serve_rank(rank: int, size: int, directory: str, v4: bool = False) -> None:
         if v4:  # prompts across the window, CSA and HCA boundaries, decode past the window
             config = tiny_v4_config()
             assert_logits_parity(DEEPSEEK_V4, random_v4_model(config), checkpoint, config, page_tokens=32,
-                                 prompt_lens=(1, 37, 70), decode_steps=6, ranks=Ranks(rank, size))
+                                 prompt_lens=(1, 37, 70), decode_steps=6, ranks=Ranks(rank, size, experts=experts))
         else:
             config = v3_config()
             assert_logits_parity(DEEPSEEK_V3, random_model(config), checkpoint, config, page_tokens=16,
-                                 ranks=Ranks(rank, size))
+                                 ranks=Ranks(rank, size, experts=experts))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_produce_the_whole_models_logits(tmp_path):
+@pytest.mark.parametrize("experts", [False, True], ids=["tensor-parallel", "expert-parallel"])
+def test_two_ranks_produce_the_whole_models_logits(tmp_path, experts):
     random_model(v3_config()).save_pretrained(tmp_path)
-    mp.spawn(serve_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(serve_rank, args=(2, str(tmp_path), False, experts), nprocs=2, join=True)
 
 
-def test_two_v4_ranks_produce_the_whole_models_logits(tmp_path):
+@pytest.mark.parametrize("experts", [False, True], ids=["tensor-parallel", "expert-parallel"])
+def test_two_v4_ranks_produce_the_whole_models_logits(tmp_path, experts):
     save_v4_as_published(tmp_path, random_v4_model(tiny_v4_config()))
-    mp.spawn(serve_rank, args=(2, str(tmp_path), True), nprocs=2, join=True)
+    mp.spawn(serve_rank, args=(2, str(tmp_path), True, experts), nprocs=2, join=True)
 
 
 def test_a_v4_rank_holds_its_heads_groups_and_expert_features(tmp_path):

@@ -47,11 +47,13 @@ QWEN3_FRONTEND = FrontendSpec(
 
 
 # Attention heads and MLP / expert intermediate features split over tensor-parallel ranks; the
-# attention and MLP outputs (row-parallel o_proj, down_proj) are summed over the ranks.
+# attention and MLP outputs (row-parallel o_proj, down_proj) are summed over the ranks. Expert
+# parallel: each rank holds num_experts / size whole experts.
 QWEN3_TENSOR_PARALLEL = TensorParallelSpec(
     divided=("num_attention_heads", "num_key_value_heads", "intermediate_size"), partial_sums=("self_attn", "mlp"))
 QWEN3_MOE_TENSOR_PARALLEL = TensorParallelSpec(
-    divided=(*QWEN3_TENSOR_PARALLEL.divided, "moe_intermediate_size"), partial_sums=("self_attn", "mlp"))
+    divided=(*QWEN3_TENSOR_PARALLEL.divided, "moe_intermediate_size"), partial_sums=("self_attn", "mlp"),
+    routed_experts="num_experts", expert_features=("moe_intermediate_size",))
 
 
 def _asset(file_name: str) -> Callable[[], bytes]:

@@ -23,7 +23,7 @@ CASES = {"qwen3": (QWEN3, Qwen3ForCausalLM, qwen3_config),
          "qwen3-moe": (QWEN3_MOE, Qwen3MoeForCausalLM, qwen3_moe_config)}
 
 
-def serve_rank(rank: int, size: int, directory: str, case: str) -> None:
+def serve_rank(rank: int, size: int, directory: str, case: str, experts: bool = False) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=size)
@@ -32,7 +32,7 @@ def serve_rank(rank: int, size: int, directory: str, case: str) -> None:
         recipe, model_class, make_config = CASES[case]
         reference = model_class.from_pretrained(directory).eval()
         assert_logits_parity(recipe, reference, load_file(Path(directory) / "model.safetensors"), make_config(),
-                             page_tokens=16, ranks=Ranks(rank, size))
+                             page_tokens=16, ranks=Ranks(rank, size, experts=experts))
     finally:
         dist.destroy_process_group()
 
@@ -43,6 +43,14 @@ def test_two_ranks_produce_the_whole_models_logits(tmp_path, case):
     torch.manual_seed(0)
     model_class(make_config()).save_pretrained(tmp_path)
     mp.spawn(serve_rank, args=(2, str(tmp_path), case), nprocs=2, join=True)
+
+
+def test_two_expert_parallel_ranks_produce_the_whole_models_logits(tmp_path):
+    """Qwen3-MoE with its experts expert-parallel: each rank holds 2 of the 4 experts whole (and half
+    the attention heads and of the dense layer's MLP)."""
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(qwen3_moe_config()).save_pretrained(tmp_path)
+    mp.spawn(serve_rank, args=(2, str(tmp_path), "qwen3-moe", True), nprocs=2, join=True)
 
 
 def test_a_rank_holds_its_heads_and_features(tmp_path):
@@ -72,6 +80,39 @@ def test_a_rank_holds_its_heads_and_features(tmp_path):
     torch.testing.assert_close(tensors["lm_head.weight"], head[head.shape[0] // 2:], rtol=0, atol=0)
     for whole in ("model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", f"{attention}q_norm.weight"):
         torch.testing.assert_close(tensors[whole], checkpoint[whole], rtol=0, atol=0)
+
+
+def test_an_expert_parallel_rank_holds_whole_experts(tmp_path):
+    """Rank 1 of 2, expert parallel: the packed experts are experts 2 and 3 of 4, every feature of
+    them; the router whole; the attention still split by heads."""
+    from flare_core.parallel import build_rank_model, held_experts, hold_weights
+
+    config = qwen3_moe_config()
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+    ranks = Ranks(1, 2, experts=True)
+    model = build_rank_model(QWEN3_MOE, config, torch.float32, ranks)
+    experts = model.model.layers[0].mlp.experts
+    assert (experts.num_experts, experts.first_expert, experts.gate_up_proj.shape[0]) == (2, 2, 2)
+    local = rank_config(config, QWEN3_MOE.tensor_parallel, 2, experts=True)
+    assert local.moe_intermediate_size == config.moe_intermediate_size and local.num_experts == config.num_experts
+    tensors = dict(hold_weights(QWEN3_MOE.map_weights(local, rank_checkpoint(QWEN3_MOE, config, checkpoint, ranks),
+                                                      torch.float32), held_experts(model)))
+    for held, expert in enumerate((2, 3)):
+        gate, up, down = (checkpoint[f"model.layers.0.mlp.experts.{expert}.{part}_proj.weight"]
+                          for part in ("gate", "up", "down"))
+        torch.testing.assert_close(tensors["model.layers.0.mlp.experts.gate_up_proj"][held], torch.cat([gate, up]),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(tensors["model.layers.0.mlp.experts.down_proj"][held], down, rtol=0, atol=0)
+    torch.testing.assert_close(tensors["model.layers.0.mlp.gate.weight"], checkpoint["model.layers.0.mlp.gate.weight"],
+                               rtol=0, atol=0)
+    o = checkpoint["model.layers.0.self_attn.o_proj.weight"]
+    torch.testing.assert_close(tensors["model.layers.0.self_attn.o_proj.weight"], o[:, o.shape[1] // 2:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"config\.num_experts = 4 does not divide over 3 expert-parallel ranks"):
+        rank_config(config, QWEN3_MOE.tensor_parallel, 3, experts=True)
+    with pytest.raises(ValueError, match="declares no expert parallelism"):
+        rank_config(qwen3_config(), QWEN3.tensor_parallel, 2, experts=True)
 
 
 def test_a_config_that_does_not_divide_is_refused():

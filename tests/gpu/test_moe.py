@@ -95,6 +95,51 @@ def test_fp4_experts_match_the_float32_reference(tokens, swiglu_limit):
     assert_close(out, expected)
 
 
+# Expert parallelism (flare_core.parallel): a rank holds half of 128 experts; routes to the other
+# half arrive as the sentinel id 64 (flare_core.ops.moe.held_routes) and give zero rows, on the
+# per-pair path (1 token) and the sorted one (64), 16-bit, FP8-block and FP4 weights.
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("weights_kind", ["bf16", "fp8", "fp4"])
+def test_an_expert_parallel_ranks_share_of_the_routes(tokens, weights_kind):
+    from torch import nn
+
+    from flare_core.kernels.fp4 import dequantize_fp4
+    from flare_core.kernels.fp8 import dequantize_blocks, quantize_blocks
+    from flare_core.kernels.moe import reference_experts
+    from flare_core.ops.moe import routed_experts
+
+    held = 64
+    if weights_kind == "fp4":
+        (gate_up, gate_up_scale), (down, down_scale) = fp4_experts(held, 512, 256)
+        dense = dequantize_fp4(gate_up, gate_up_scale), dequantize_fp4(down, down_scale)
+    else:
+        gate_up, down = experts(held, 512, 256)
+        gate_up_scale = down_scale = None
+        if weights_kind == "fp8":
+            (gate_up, gate_up_scale), (down, down_scale) = (
+                [torch.stack(part) for part in zip(*(quantize_blocks(w.float()) for w in weights))]
+                for weights in (gate_up, down))
+            dense = (torch.stack([dequantize_blocks(w, s) for w, s in zip(gate_up, gate_up_scale)]),
+                     torch.stack([dequantize_blocks(w, s) for w, s in zip(down, down_scale)]))
+        else:
+            dense = gate_up.float(), down.float()
+    module = nn.Module()
+    module.gate_up_proj, module.down_proj = nn.Parameter(gate_up, False), nn.Parameter(down, False)
+    if gate_up_scale is not None:
+        from flare_core.kernels import fp4, fp8
+
+        suffix = fp8.SCALE_SUFFIX if weights_kind == "fp8" else fp4.SCALE_SUFFIX
+        setattr(module, "gate_up_proj" + suffix, nn.Parameter(gate_up_scale, False))
+        setattr(module, "down_proj" + suffix, nn.Parameter(down_scale, False))
+    module.num_experts, module.first_expert = held, held  # rank 1 of 2: experts 64 .. 127
+    x, index, weights = routed(tokens, 512, 2 * held, 8)
+    out = routed_experts(module, x, index, weights)
+    mine = index >= held
+    expected = reference_experts(x.float(), *dense, torch.where(mine, index - held, held), weights.float())
+    assert torch.count_nonzero(out[~mine]) == 0 and mine.any() and (~mine).any()
+    assert_close(out, expected)
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_fused_experts_replay_in_a_cuda_graph_with_new_routes(tokens):
     """Captured once, replayed with other tokens routed to other experts: the same bits as an

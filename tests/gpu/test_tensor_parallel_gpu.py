@@ -1,6 +1,7 @@
 """A core split over two tensor-parallel ranks served on two GPUs (`flare run --gpus 0,1`: one
 rank per GPU, an NCCL group, the all-reduces inside the captured graphs) answers greedy requests
-as the whole core does on one GPU. Opt in with FLARE_TEST_GPU=1 on a machine of two or more CUDA
+as the whole core does on one GPU: Qwen3, Qwen3-MoE, and Qwen3-MoE with its experts
+expert-parallel. Opt in with FLARE_TEST_GPU=1 on a machine of two or more CUDA
 devices."""
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ def answers(server: ServerProcess) -> list[str]:
             for prompt in PROMPTS]
 
 
-def test_two_gpus_answer_as_one(session_flare, qwen3_checkpoint, tmp_path):
-    split_core = session_flare.export(qwen3_checkpoint, *EXPORT, "--tp", "2")
-    whole_core = session_flare.export(qwen3_checkpoint, *EXPORT)
+@pytest.mark.parametrize("model,split", [("qwen3", ()), ("qwen3-moe", ()), ("qwen3-moe", ("--expert-parallel",))],
+                         ids=["qwen3", "qwen3-moe", "qwen3-moe-expert-parallel"])
+def test_two_gpus_answer_as_one(session_flare, qwen3_checkpoint, qwen3_moe_checkpoint, tmp_path, model, split):
+    checkpoint = qwen3_checkpoint if model == "qwen3" else qwen3_moe_checkpoint
+    split_core = session_flare.export(checkpoint, *EXPORT, "--tp", "2", *split)
+    whole_core = session_flare.export(checkpoint, *EXPORT)
     whole = ServerProcess(session_flare.config_path, whole_core, tmp_path / "whole.log", "--served-name", "tiny",
                           "--device", "cuda")
     try:
@@ -39,11 +43,12 @@ def test_two_gpus_answer_as_one(session_flare, qwen3_checkpoint, tmp_path):
     finally:
         whole.stop()
     # --device cpu from ServerProcess is overridden: the last --device counts.
-    split = ServerProcess(session_flare.config_path, split_core, tmp_path / "split.log", "--served-name", "tiny",
-                          "--device", "cuda", "--gpus", "0,1")
+    server = ServerProcess(session_flare.config_path, split_core, tmp_path / "split.log", "--served-name", "tiny",
+                           "--device", "cuda", "--gpus", "0,1")
     try:
-        split.wait_ready()
-        assert answers(split) == expected
-        assert "tensor-parallel over 2 ranks (nccl)" in (tmp_path / "split.log").read_text()
+        server.wait_ready()
+        assert answers(server) == expected
+        log = (tmp_path / "split.log").read_text()
+        assert "tensor-parallel over 2 ranks (nccl)" in log and f"expert_parallel={bool(split)}" in log
     finally:
-        split.stop()
+        server.stop()

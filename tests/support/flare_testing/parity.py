@@ -71,12 +71,17 @@ def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config,
     if recipe.check_config is not None:
         recipe.check_config(config)
     model = serving_model(recipe, config, torch.float32, ServingOptions(ranks=ranks))
+    held: dict = {}
     if ranks is not None:
-        from flare_core.parallel import rank_checkpoint, rank_config, spec_of
+        from flare_core.parallel import held_experts, rank_checkpoint, rank_config, spec_of
 
         checkpoint = rank_checkpoint(recipe, config, checkpoint, ranks)
-        config = rank_config(config, spec_of(recipe), ranks.size)
-    model = load_prepared_weights(model, dict(recipe.map_weights(config, checkpoint, torch.float32)), "cpu")
+        config = rank_config(config, spec_of(recipe), ranks.size, ranks.experts)
+        held = held_experts(model)
+    from flare_core.parallel import hold_weights
+
+    model = load_prepared_weights(model, dict(hold_weights(recipe.map_weights(config, checkpoint, torch.float32), held)),
+                                  "cpu")
     scheme = load_registry().cache_schemes[recipe.cache_scheme].build(config, "float32")
     generator = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(0, config.vocab_size, (n + decode_steps,), generator=generator).tolist()
