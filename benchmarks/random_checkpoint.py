@@ -4,6 +4,7 @@ chat template, for GPU benchmarks on a machine that cannot download weights.
 
     python benchmarks/random_checkpoint.py /tmp/qwen3-8b-random
     python benchmarks/random_checkpoint.py --moe /tmp/qwen3-moe-12l-random
+    python benchmarks/random_checkpoint.py --layers 40 --hidden 5120 --intermediate 25600 --heads 64 DIR  # Qwen3-32B's layers
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="36 (dense) or 12 (--moe) unless given")
     parser.add_argument("--hidden", type=int, default=4096, help="dense only")
     parser.add_argument("--intermediate", type=int, default=12288, help="dense only")
+    parser.add_argument("--heads", type=int, default=32, help="dense only: query heads (8 KV heads)")
     parser.add_argument("--moe", action="store_true", help="the Qwen3-30B-A3B shape (MoE issue's benchmark)")
     args = parser.parse_args()
     if args.moe:
         config = qwen3_moe_config(args.layers or 12)
     else:
-        config = qwen3_config(args.layers or 36, args.hidden, args.intermediate)
+        config = qwen3_config(args.layers or 36, args.hidden, args.intermediate, args.heads)
     model = random_hf_model(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model.save_pretrained(args.directory, max_shard_size="5GB")
     for name, load in QWEN3_ASSETS.items():

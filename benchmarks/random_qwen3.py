@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 
 
-def qwen3_config(layers: int = 36, hidden: int = 4096, intermediate: int = 12288):
-    """Qwen3-8B's shape by default: 36 layers, hidden 4096, 32/8 heads, head_dim 128."""
+def qwen3_config(layers: int = 36, hidden: int = 4096, intermediate: int = 12288, heads: int = 32):
+    """Qwen3-8B's shape by default: 36 layers, hidden 4096, 32/8 heads, head_dim 128 (Qwen3-32B's:
+    hidden 5120, intermediate 25600, 64 heads)."""
     from transformers import Qwen3Config
 
     return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1_000_000.0,
                        bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
 
