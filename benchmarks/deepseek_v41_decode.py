@@ -67,12 +67,12 @@ def main() -> None:
     model, routed_bytes, embedding_bytes, weight_bytes = random_model(config, device, args.fp8, DEEPSEEK_V41,
                                                                       "model.embed.weight")
     active = active_weight_bytes(config, args.rows, weight_bytes, embedding_bytes, routed_bytes)
-    # V4.1 runs uncompiled (DecoderForServing.compiles): the decode graphs replay its layers as they are.
-    times = decode_times(model, config, device, contexts, args.steps, args.rows, False, args.profile,
+    times = decode_times(model, config, device, contexts, args.steps, args.rows, not args.no_compile, args.profile,
                          shared_compressed_attention_scheme(config, "bfloat16"))
     report({**commit_and_date(), "command": "python3 " + " ".join(sys.argv),
             "layers": config.num_hidden_layers, "compress_ratios": config.compress_ratios[:config.num_hidden_layers],
-            "rows": args.rows, "linear_weights": "fp8 blocks" if args.fp8 else "bfloat16",
+            "rows": args.rows, "compiled": not args.no_compile,
+            "linear_weights": "fp8 blocks" if args.fp8 else "bfloat16",
             "weight_bytes": weight_bytes, "routed_expert_bytes_fp4": routed_bytes,
             "active_weight_bytes_per_step": active,
             **decode_figures(times, active, args.rows, lambda context: step_cache_bytes(config, context), device),

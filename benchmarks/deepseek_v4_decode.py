@@ -230,6 +230,7 @@ def decode_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="write a per-kernel table of 20 steps at the longest context here")
+    parser.add_argument("--no-compile", action="store_true", help="the decode graphs replay the layers uncompiled")
     return parser
 
 
@@ -268,7 +269,6 @@ def decode_figures(times: dict[int, float], active: int, rows: int, cache_bytes,
 
 def main() -> None:
     parser = decode_arguments(__doc__)
-    parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="flare_testing's tiny V4 (a smoke run of the script)")
     parser.add_argument("--fp8", action="store_true",
                         help="the decoder layers' linear weights as FP8 blocks, as V4 Flash publishes them")

@@ -818,9 +818,7 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
     `dtype`: the model's activation dtype (the attention queries'). `speculative_capacities`:
     the token capacities of speculative rounds to capture (none unless the server speculates);
     `round_saves`: it speculates over continuation state (DeviceState); `final_hidden`: handed
-    every step's final hidden states, replayed or eager (a draft head's `record`). A model that
-    does not compile (`DecoderForServing.compiles`) is called as it is whatever `compile_model`."""
-    compile_model = compile_model and getattr(model, "compiles", True)
+    every step's final hidden states, replayed or eager (a draft head's `record`)."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
                         device=device, scratch_page=True, round_saves=round_saves)

@@ -64,10 +64,6 @@ class DecoderForServing(nn.Module):
     # Experts classes of the family whose gate clamps gate and up at their `limit` before SiLU * up
     # (flare_core.ops.moe.use_fused_experts); a family subclass names its own.
     clamped_swiglu_experts: tuple[type, ...] = ()
-    # Whether a runner may call it through `CompiledDecoder` (layers in groups, one signature): a
-    # family whose layers hand a step record of their own from one to the next (DeepSeek V4.1's
-    # `run`) says no, and runs as it is.
-    compiles: bool = True
 
     def __init__(self, causal_lm: nn.Module, rotary_emb: nn.Module | None, tie_word_embeddings: bool):
         super().__init__()

@@ -549,8 +549,6 @@ class DeepseekV41ForServing(DecoderForServing):
     """The runtime model protocol over V4.1: the embedding copied into `hc_mult` streams, the layers
     with a per-step `Step`, the streams collapsed by the last site's mix before the norm."""
 
-    compiles = False  # its layers hand the `Step` from one to the next: no CompiledDecoder groups
-
     def __init__(self, config: Any, rotary_emb: nn.Module):
         causal_lm = nn.Module()
         causal_lm.model = Model(config)
@@ -562,8 +560,6 @@ class DeepseekV41ForServing(DecoderForServing):
 
     def run(self, input_ids: Tensor, positions: Tensor, context: ForwardContext, groups: list[nn.Module] | None,
             logits: Any) -> Tensor:
-        if groups is not None:
-            raise ValueError("DeepSeek V4.1 runs uncompiled (DeepseekV41ForServing.compiles)")
         model = self.model
         embedded = model.embed(input_ids)
         streams = embedded.unsqueeze(1).expand(-1, model.config.hc_mult, -1).contiguous()
@@ -573,8 +569,15 @@ class DeepseekV41ForServing(DecoderForServing):
         step = Step(input_ids, positions, embedded, model.rotary_emb, pre, model.ngram,
                     decode=batch.one_token_each and batch.state_rows is not None)
         step.rope = {kind: step.rope_at(positions, kind) for kind in ("main", "compress")}
-        for index, layer in enumerate(model.layers):
-            streams = layer(streams, step, context.for_layer(index))
+        if groups is None:
+            for index, layer in enumerate(model.layers):
+                streams = layer(streams, step, context.for_layer(index))
+        else:  # CompiledDecoder's layer groups: each layer called with the step record as its argument
+            first = 0
+            for group in groups:
+                contexts = tuple(context.for_layer(first + i) for i in range(len(group.layers)))
+                streams = group(streams, {"step": step}, contexts)
+                first += len(group.layers)
         return logits(DecoderLayer.collapse(streams, step.pre)[None], context.batch.logits_indices)
 
 

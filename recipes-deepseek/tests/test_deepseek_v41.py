@@ -480,3 +480,44 @@ def test_decode_steps_are_captured_unless_engram_rows_are_read_on_the_host():
     for name, captured in (("v41-tiny-ced", False), ("v41-tiny-ratio4", False), ("v41-tiny-defaults", True)):
         model = TinyV41(FIXTURES, name).served()
         assert kernels_for(model, torch.empty(1), 16, torch.float32).graph_decode is captured, name
+
+
+def test_compiled_layers_decode_as_the_model_does_with_one_compilation():
+    """Through CompiledDecoder (as the CUDA runner's decode graphs call it: the step record handed to
+    each layer group), decode steps of 2, 4 and 3 requests after their prompts compute what the
+    model called as it is computes, and the third size reuses the compilation the second made
+    (Dynamo compiles the first size statically, then once with the size symbolic)."""
+    from torch._dynamo.utils import counters
+
+    from flare_core.executor.storage import allocate_cache_storage
+    from flare_core.ops.attention import AttentionBatch, ForwardContext
+    from flare_core.ops.model import CompiledDecoder
+    from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-defaults")
+    config, served = tiny.config, tiny.served()
+    scheme = shared_compressed_attention_scheme(config, "float32")
+    compiled = CompiledDecoder(served)
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    graphs = []
+    for requests in (2, 4, 3):
+        lengths = [29 + 6 * r for r in range(requests)]  # past the window and several groups of each ratio
+        pages = [list(range(4 * r, 4 * r + 4)) for r in range(requests)]
+        prompts = [torch.randint(4, config.vocab_size, (n,), generator=generator) for n in lengths]
+        ids = torch.randint(4, config.vocab_size, (requests,), generator=generator)
+        logits = []
+        for forward in (compiled, served):  # each over a cache of its own, its prompts written eagerly
+            storage = allocate_cache_storage(scheme, 4 * requests, 16, "cpu", num_rows=requests)
+            prompt = AttentionBatch.build([(n, 0, p) for n, p in zip(lengths, pages)], 16, "cpu",
+                                          state_rows=list(range(requests)))
+            decode = AttentionBatch.build([(1, n, p) for n, p in zip(lengths, pages)], 16, "cpu",
+                                          state_rows=list(range(requests)))
+            with torch.no_grad():
+                served(torch.cat(prompts), prompt.positions(), ForwardContext(prompt, storage,
+                                                                              layer_map=scheme.layer_map()))
+                logits.append(forward(ids, decode.positions(), ForwardContext(decode, storage,
+                                                                              layer_map=scheme.layer_map())))
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[2] == graphs[1], graphs

@@ -60,8 +60,8 @@ def test_cuda_greedy_continuation_is_the_reference(tiny, served):
 
 
 def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
-    """The served model under the CUDA runner as `flare run --device cuda` builds it (compiling
-    asked for: V4.1 runs uncompiled): prompt chunks run eagerly; decode steps replay captured graphs
+    """The served model under the CUDA runner as `flare run --device cuda` builds it (compiled):
+    prompt chunks run eagerly and uncompiled; decode steps replay captured graphs of the compiled layers
     (attention, compressors, indexer, n-gram hashes and experts from the batch's device tensors;
     float32 experts through the op's every-expert path, which needs no host sync), except in a
     model with Engram layers, whose rows are read on the host: there every step runs eagerly. The
