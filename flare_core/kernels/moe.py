@@ -58,13 +58,18 @@ MAX_PAIRS_PER_EXPERT = 16
 @dataclass(frozen=True)
 class ExpertsConfig:
     """One launch's tiles: pairs per program iteration (1: the GEMV-style path), output features
-    per program, input features per loop iteration, warps and pipeline stages."""
+    per program, input features per loop iteration, warps and pipeline stages. `fp4_groups`: FP4
+    weights decoded a 32-feature group at a time (`_fp4_group_weights`: the scale read and turned
+    into a float once per group, the codes without it) instead of value by value with the scale
+    in each value's bits (`_fp4_value_weights`); the same products. Off until measured side by side
+    (benchmarks/deepseek_v4_decode.py --experts-sweep times both)."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int
+    fp4_groups: bool = False
 
 
 def per_pair(pairs: int, experts: int) -> bool:
@@ -111,7 +116,17 @@ if triton is not None:
         return tl.where((code & 7) == 0, 0.0, bits.to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _fp4_weights(rows, scale_rows, k0, K, n_mask, HALF: tl.constexpr):
+    def _fp4_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                     GROUPS: tl.constexpr):
+        # The [BLOCK_N, HALF] weights of input features k0 + 2j and k0 + 2j + 1 (see the two below).
+        if GROUPS:
+            even, odd = _fp4_group_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N, HALF)
+        else:
+            even, odd = _fp4_value_weights(rows, scale_rows, k0, K, n_mask, HALF)
+        return even, odd
+
+    @triton.jit
+    def _fp4_value_weights(rows, scale_rows, k0, K, n_mask, HALF: tl.constexpr):
         # The [BLOCK_N, HALF] weights of input features k0 + 2j (low nibbles) and k0 + 2j + 1 (high
         # nibbles), j < HALF: each e2m1 value times its row's scale of 32 features (an e8m0 byte),
         # built as float32 bits, exactly the product (sign from the code's bit 3, exponent scale +
@@ -123,6 +138,30 @@ if triton is not None:
         packed = tl.load(rows + j[None, :], mask=mask, other=0).to(tl.int32)
         scale = tl.load(scale_rows + (j // 16)[None, :], mask=mask, other=127).to(tl.int32)
         return _e2m1_times(packed & 15, scale), _e2m1_times(packed >> 4, scale)
+
+    @triton.jit
+    def _e2m1(code):
+        # The e2m1 value of a code as float32: its magnitude bits q (exponent, mantissa) placed
+        # under a biased exponent, 2^((q >> 1) - 1) * (1 + (q & 1) / 2), exact for q >= 2; q = 1 is
+        # 0.5 (the subnormal code), q = 0 zero; the sign from bit 3.
+        q = code & 7
+        bits = tl.where(q >= 2, (q << 22) + 0x3F000000, tl.where(q == 1, 0x3F000000, 0))
+        return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp4_group_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+        # `_fp4_weights` a group at a time: the row's HALF bytes as HALF / 16 groups of 16 bytes (32
+        # features), each group's e8m0 scale read once as the float 2^(scale - 127) and multiplying
+        # its codes' values: exact products (powers of two), the same weights for scale bytes 1 .. 254.
+        GROUPS: tl.constexpr = HALF // 16
+        j = k0 // 2 + tl.arange(0, HALF)
+        packed = tl.load(rows + j[None, :], mask=n_mask[:, None] & (j[None, :] < K // 2), other=0).to(tl.int32)
+        g = k0 // 32 + tl.arange(0, GROUPS)
+        scale = tl.load(scale_rows + g[None, :], mask=n_mask[:, None] & (g[None, :] < K // 32), other=127)
+        factor = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BLOCK_N, GROUPS, 1]
+        even = tl.reshape(tl.reshape(_e2m1(packed & 15), (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
+        odd = tl.reshape(tl.reshape(_e2m1(packed >> 4), (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
+        return even, odd
 
     @triton.jit
     def _segment_pairs(order_ptr, start, m0, count, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -139,8 +178,8 @@ if triton is not None:
     @triton.jit
     def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
                         counts_ptr, E, N, K, limit, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
-                        SCALED: tl.constexpr, FP4: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SCALED: tl.constexpr, FP4: tl.constexpr, FP4_GROUPS: tl.constexpr, CLAMP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
         # segment s: one pair (PER_PAIR) or all pairs routed to expert s. GATED: the input rows
         # are tokens (pair // TOP_K), the weights [E, 2N, K] (gate rows, then up rows), and the
@@ -209,7 +248,7 @@ if triton is not None:
                     a_mask = m_mask[:, None] & (features[None, :] < K)
                     a_even = tl.load(in_rows + features[None, :], mask=a_mask, other=0.0)
                     a_odd = tl.load(in_rows + features[None, :] + 1, mask=a_mask, other=0.0)
-                    w_even, w_odd = _fp4_weights(w_rows, scale_rows, k0, K, n_mask, HALF)
+                    w_even, w_odd = _fp4_weights(w_rows, scale_rows, k0, K, n_mask, BLOCK_N, HALF, FP4_GROUPS)
                     if BLOCK_M == 1:
                         acc += w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32)
                     else:
@@ -217,7 +256,7 @@ if triton is not None:
                         acc = tl.dot(a_odd, tl.trans(w_odd.to(a_odd.dtype)), acc)
                     if GATED:
                         up_even, up_odd = _fp4_weights(w_rows + up_shift, scale_rows + up_scale_shift, k0, K, n_mask,
-                                                       HALF)
+                                                       BLOCK_N, HALF, FP4_GROUPS)
                         if BLOCK_M == 1:
                             up_acc += up_even * a_even.to(tl.float32) + up_odd * a_odd.to(tl.float32)
                         else:
@@ -285,7 +324,7 @@ def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor,
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
         inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
         experts, n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
-        SCALED=scales is not None and not fp4, FP4=fp4, CLAMP=gated and swiglu_limit > 0, BLOCK_M=config.block_m,
+        SCALED=scales is not None and not fp4, FP4=fp4, FP4_GROUPS=config.fp4_groups, CLAMP=gated and swiglu_limit > 0, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
 
 
