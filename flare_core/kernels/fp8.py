@@ -94,17 +94,19 @@ def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] 
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["N"])  # as flare_core.kernels.gemv's: an N of 1 stays a runtime value
-    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, ROWS: tl.constexpr,
+    @triton.jit(do_not_specialize=["N", "GROUP_ROWS"])  # as flare_core.kernels.gemv's: an N of 1 stays a runtime value
+    def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, GROUP_ROWS, ROWS: tl.constexpr,
                          COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
         # flare_core.kernels.gemv's kernel over FP8 rows: program p reads weight rows [p * ROWS, (p + 1)
         # * ROWS) (gated: and the up rows N below them), COLUMNS at a time. Its rows lie in one
         # 128-row block (ROWS divides 128 and, gated, N), so x is multiplied by the block's scales
         # rather than each weight: one scale per iteration when COLUMNS is 128, else each column's
-        # (a load that the L1 cache serves).
+        # (a load that the L1 cache serves). A grouped weight (GROUP_ROWS rows per group, ROWS
+        # dividing it) multiplies group g's rows by x's g-th K features; else GROUP_ROWS is N.
         if PDL:  # the kernel after this one may start now: it waits for our output itself
             tl.extra.cuda.gdc_launch_dependents()
         first_row = tl.program_id(0) * ROWS
+        x_ptr += (first_row // GROUP_ROWS).to(tl.int64) * K
         rows = first_row + tl.arange(0, ROWS)
         row_mask = rows[:, None] < N
         columns = tl.arange(0, COLUMNS)
@@ -209,14 +211,17 @@ def _fp8_gemv_path(x: Tensor, weight: Tensor, out_features: int, gated: bool = F
     return fp8_gemv_config(out_features, weight.shape[1], gated, _pdl(x.device.index))
 
 
-def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, gated: bool = False) -> Tensor:
+def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, gated: bool = False,
+             groups: int = 1) -> Tensor:
     """x [K] @ W^T -> [N] in x's dtype for a block-quantized FP8 weight (weight [N, K], scale_inv
-    [ceil(N / 128), K / 128]; gated: [2N, K], and the result is silu(gate) * up, [N])."""
+    [ceil(N / 128), K / 128]; gated: [2N, K], and the result is silu(gate) * up, [N]). `groups`:
+    a block-diagonal grouped weight, x [groups * K], group g's N / groups rows times x's g-th K
+    features (N / groups a multiple of the config's rows)."""
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     out = x.new_empty(out_features)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.rows),)](
-        x, weight, scale_inv, out, out_features, weight.shape[1], scale_inv.shape[1], ROWS=config.rows,
-        COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps, num_stages=config.stages,
+        x, weight, scale_inv, out, out_features, weight.shape[1], scale_inv.shape[1], out_features // groups,
+        ROWS=config.rows, COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps, num_stages=config.stages,
         launch_pdl=config.pdl)
     return out
 
@@ -297,6 +302,28 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
 @fp8_linear.register_fake
 def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("flare::fp8_grouped_linear", mutates_args=())
+def fp8_grouped_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    """A block-diagonal grouped linear layer over a block-quantized FP8 weight: x [..., G, K],
+    weight [G * R, K] (group g's R rows applied to x[..., g, :]) -> [..., G, R] in x's dtype. One
+    token on a GPU: every group in one FP8 GEMV launch; else group by group through `fp8_linear`
+    (the 128-row block grid must split at group boundaries: R a multiple or a divisor of 128)."""
+    groups = x.shape[-2]
+    rows = weight.shape[0] // groups
+    config = _fp8_gemv_path(x[..., 0, :], weight, weight.shape[0])  # one token: one group's features
+    if config is not None and rows % config.rows == 0:
+        return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config, groups=groups).view(
+            *x.shape[:-1], rows)
+    outputs = [fp8_linear(x[..., g, :].contiguous(), weight[g * rows:(g + 1) * rows],
+                          scale_inv[g * rows // BLOCK[0]:((g + 1) * rows - 1) // BLOCK[0] + 1]) for g in range(groups)]
+    return torch.stack(outputs, dim=-2)
+
+
+@fp8_grouped_linear.register_fake
+def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // x.shape[-2]))
 
 
 @torch.library.custom_op("flare::fp8_gated_linear", mutates_args=())

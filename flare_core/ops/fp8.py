@@ -40,10 +40,10 @@ def linear_groups(module: nn.Module) -> int | None:
 
 
 class Fp8GroupedLinear(nn.Module):
-    """A grouped linear layer (`linear_groups`) over a block-quantized FP8 weight. Each group's rows
-    go through `flare::fp8_linear` as a weight of their own where the 128-row block grid splits at
-    group boundaries (rows per group a multiple or a divisor of 128: every slice has its own scale
-    rows); otherwise the weight is dequantized in each call."""
+    """A grouped linear layer (`linear_groups`) over a block-quantized FP8 weight, computed by
+    `flare::fp8_grouped_linear` (one token: one launch for every group) where the 128-row block
+    grid splits at group boundaries (rows per group a multiple or a divisor of 128: every slice has
+    its own scale rows); otherwise the weight is dequantized in each call."""
 
     def __init__(self, in_features: int, out_features: int, n_groups: int):
         super().__init__()
@@ -56,11 +56,7 @@ class Fp8GroupedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = self.out_features // self.n_groups
         if rows % BLOCK[0] == 0 or BLOCK[0] % rows == 0:
-            outputs = [torch.ops.flare.fp8_linear(x[..., g, :].contiguous(), self.weight[g * rows:(g + 1) * rows],
-                                                  self.weight_scale_inv[g * rows // BLOCK[0]:
-                                                                        ((g + 1) * rows - 1) // BLOCK[0] + 1])
-                       for g in range(self.n_groups)]
-            return torch.stack(outputs, dim=-2)
+            return torch.ops.flare.fp8_grouped_linear(x, self.weight, self.weight_scale_inv)
         weight = dequantize_blocks(self.weight, self.weight_scale_inv, dtype=x.dtype)
         return torch.einsum("...gi,goi->...go", x, weight.view(self.n_groups, rows, self.in_features))
 

@@ -69,9 +69,10 @@ def test_fp8_gated_gemv_matches_silu_gate_times_up(half):
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_fp8_grouped_linear_matches_the_dequantized_weight(tokens):
     """V4 Flash's grouped output projection (8 groups of 4096 features to 1024 rows each) as FP8
-    blocks: each group through flare::fp8_linear (the GEMV at one token, the GEMM at several)
-    against the dequantized weight applied group by group in float32. At several tokens the GEMM
-    quantizes the activations (the module docstring's second bound)."""
+    blocks through flare::fp8_grouped_linear (one FP8 GEMV launch for every group at one token,
+    each group through the GEMM at several) against the dequantized weight applied group by group
+    in float32. At several tokens the GEMM quantizes the activations (the module docstring's second
+    bound)."""
     from flare_core.kernels.fp8 import dequantize_blocks, quantize_blocks
     from flare_core.ops.fp8 import Fp8GroupedLinear
 
