@@ -5,7 +5,7 @@ shared K = V latent, a 128-token window, 384 routed experts of 2304, top-6, an i
 of 128 keeping 512, 4 mHC streams); the depth is cut to `--layers` (default 4, the config's own
 schedule for that depth: two sliding-window layers, a ratio-2 group, a ratio-1 group whose source
 is also the candidate source: every attention kind), no Engram layer (their rows are read on the
-host, so a model with them runs every step eagerly: not what this measures), random weights, the
+host and staged before each captured step: not what this measures), random weights, the
 routed experts packed FP4 as published, with `--fp8` the linear weights and the shared expert FP8
 blocks (the published V4.1 keeps 32 x 32 blocks, which the core does not take: see
 docs/benchmarks.md). As benchmarks/deepseek_v4_decode.py (whose step loop this uses): requests'

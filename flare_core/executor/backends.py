@@ -182,7 +182,8 @@ class _NoPlan:
 class _BatchKernels:
     """For models whose attention layers are all `BatchAttention`: no kernel, no softmax scale
     of the executor's; prompt chunks run eagerly, decode steps too unless every layer's
-    `graph_decode` and the model reads no embedding table."""
+    `graph_decode` and the model stages any embedding table's rows it reads (`stage_tables`,
+    flare_core.ops.tables)."""
 
     device: torch.device
     graph_decode: bool = True
@@ -207,8 +208,9 @@ def kernels_for(model: nn.Module, workspace: torch.Tensor, page_tokens: int, dty
     modules = [m for m in model.modules() if isinstance(m, (PagedAttention, MLAPagedAttention))]
     own = [m for m in model.modules() if isinstance(m, BatchAttention)]
     if not modules and own:
-        # A model with embedding tables reads their rows on the host in each step (flare_core.ops.tables).
-        graph_decode = all(m.graph_decode for m in own) and not embedding_tables(model)
+        # Embedding tables are read on the host: a captured step needs its rows staged before it.
+        graph_decode = all(m.graph_decode for m in own) and (not embedding_tables(model)
+                                                             or hasattr(model, "stage_tables"))
         return _BatchKernels(workspace.device, graph_decode=graph_decode)
     if not modules:
         raise ValueError("the CUDA executor needs a model built on flare_core.ops.attention.PagedAttention, "

@@ -50,6 +50,7 @@ from flare_core.executor.storage import TORCH_DTYPES
 from flare_core.kernels.flashinfer_attention import WORKSPACE_BYTES, PagedLayout
 from flare_core.ops.attention import LINEAR_CHUNK_TOKENS, AttentionBatch, ForwardContext, cache_index, linear_chunks
 from flare_core.ops.model import CompiledDecoder
+from flare_core.ops.tables import allocate_staging, embedding_tables
 from flare_core.executor.sampling import (FLOAT_COLUMNS, INT_COLUMNS, SampleOutput, Sampler, StepSampling, constrain, penalise, row_columns, sample_rows, window)
 from flare_core.kernels.transfer import to_device, upload
 from flare_core.scheduler import StepPlan
@@ -452,6 +453,22 @@ def _decode_batch(capacity: int, page_table: torch.Tensor, cache_indices: torch.
         one_token_each=True)
 
 
+def _decode_ids(ints: _Inputs, last_sampled: torch.Tensor) -> torch.Tensor:
+    """A decode graph's token ids: each row's uploaded id, or its request's last sampled token."""
+    return torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ints["ids"])
+
+
+def _table_stager(model: torch.nn.Module, tokens: int, device: torch.device) -> Callable | None:
+    """For a model that reads embedding tables (flare_core.ops.tables): staging buffers for decode
+    steps of up to `tokens` rows and its `stage_tables`, which fills them before a decode graph
+    replays; None for a model without tables."""
+    served = model.model if isinstance(model, CompiledDecoder) else model
+    if not embedding_tables(served):
+        return None
+    allocate_staging(served, tokens, device)
+    return served.stage_tables
+
+
 class GraphRunner:
     """Captures one graph per catalog capacity over the device state and replays the smallest
     that covers a step (`can_run`: decode-only or with prompt chunks, no stored logits restored,
@@ -488,6 +505,7 @@ class GraphRunner:
         self.prefill_graphs: dict[int, _Graph] = {}  # prefill graphs by token capacity
         self.speculative_graphs: dict[int, _Graph] = {}  # speculative rounds by token capacity
         self._decode_capacities = decode_capacities if self.kernels.graph_decode else ()
+        self._stage_tables = _table_stager(model, max(self._decode_capacities, default=0), self.device)
         self._prefill_capacities = prefill_capacities if self.kernels.graph_prefill else ()
         self._speculative_capacities = speculative_capacities if self.kernels.graph_prefill else ()
         self.compile_s = self.capture_s = 0.0
@@ -612,14 +630,14 @@ class GraphRunner:
             torch.full((capacity, 1), self.scratch_page, dtype=torch.int32, device=device)
         batch = _decode_batch(capacity, page_table, ints["cache_indices"],
                               ints["state_rows"] if self.state.scheme.state else None, self.page_tokens)
-        context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
+        context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map,
+                                 staged_tables=self._stage_tables is not None)
         attention.plan(self._scratch_layout(capacity), self.scale)
-        last_sampled = self.state.last_sampled
         hidden: list[torch.Tensor] = []
 
         def forward() -> torch.Tensor:
-            ids = torch.where(ints["from_device"] != 0, last_sampled[ints["state_rows"]], ints["ids"])
-            return self.model(ids, ints["positions"], context, **_hidden_into(hidden, self._final_hidden is not None))
+            return self.model(_decode_ids(ints, self.state.last_sampled), ints["positions"], context,
+                              **_hidden_into(hidden, self._final_hidden is not None))
 
         forward_graph, logits = captured(forward, pool)
         samplers = capture_samplers(logits, ints, floats, forward_graph.pool(), self.state, self._sample_rows)
@@ -758,6 +776,8 @@ class GraphRunner:
                       for name, default in FLOAT_INPUTS.items()}
         graph.ints.upload(ints)
         graph.floats.upload(floats)
+        if graph.kind == "decode" and self._stage_tables is not None:  # host reads: before the replay
+            self._stage_tables(_decode_ids(graph.ints, self.state.last_sampled), graph.ints["positions"], graph.context)
         graph.forward.replay()
         graph.replays += 1
         graph.mixed_replays += bool(plan.decodes and plan.prefills)

@@ -164,13 +164,17 @@ class ForwardContext:
     layer instead of one shared by all).
 
     `layer_map` (`CacheScheme.layer_map`): for the stores that cover only some model layers,
-    model layer -> the store's own layer index; a layer a store does not cover has none of it."""
+    model layer -> the store's own layer index; a layer a store does not cover has none of it.
+
+    `staged_tables`: the step's embedding-table rows were staged before it (a captured decode
+    step, flare_core.ops.tables): the model reads them from its tables' staging buffers."""
 
     batch: AttentionBatch
     cache: Mapping[str, Sequence[Tensor]]
     attention: "AttentionBackend | None" = None
     layer: Mapping[str, Tensor] | None = None
     layer_map: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    staged_tables: bool = False
 
     def for_layer(self, index: int) -> ForwardContext:
         own = {name: self._own_layer(name, index) for name in self.cache}
@@ -254,7 +258,8 @@ class BatchAttention(nn.Module):
     a decode graph's page table is an input, each row's pages written in before every replay
     (flare_core.executor.backends). A subclass whose decode steps read the batch's host copies
     sets `graph_decode` False: then every step of its model runs eagerly, as it does for a model
-    with embedding tables (their rows are read on the host, flare_core.ops.tables)."""
+    that reads embedding tables (their rows are read on the host, flare_core.ops.tables) and does
+    not stage them before a captured step (`stage_tables`)."""
 
     graph_decode: bool = True
 

@@ -6,6 +6,12 @@ has no parameter: export stores the table as the prepared tensor `<module path>.
 the checkpoint's order) and records it in the core's manifest as an `EmbeddingTable`; the runtime
 binds the module to a row source (flare_core.engine.tables: rows read from the core on disk
 through a host row cache, or held in host RAM) that answers each step's lookups.
+
+A captured CUDA graph cannot read the host. Before a captured decode step replays, the runner
+asks the model to stage its rows (`stage_tables(input_ids, positions, context)`: the model
+computes the step's lookups and `TableRows.stage` gathers their rows into the table's staging
+buffer, `allocate_staging`); the step then runs with `ForwardContext.staged_tables` and the model
+reads `TableRows.staged` instead of looking rows up.
 """
 
 from __future__ import annotations
@@ -29,16 +35,28 @@ class TableRows(nn.Module):
     """The rows of a `rows` x `width` table in `dtype` that the model looks up by id (module
     docstring); `forward(ids)` is `nn.Embedding`'s, read from the bound source."""
 
-    def __init__(self, rows: int, width: int, dtype: torch.dtype):
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, per_token: int = 1):
         super().__init__()
-        self.rows, self.width, self.row_dtype = rows, width, dtype
+        self.rows, self.width, self.row_dtype, self.per_token = rows, width, dtype, per_token
         self.source: RowSource | None = None
+        # [tokens, per_token, width] on the model's device: the rows of a captured step (module docstring).
+        self.staging: Tensor | None = None
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.source is None:
             raise RuntimeError(f"embedding table of {self.rows} rows is not bound to a row source "
                                f"(flare_core.ops.tables.bind_tables)")
         return self.source.gather(ids)
+
+    def stage(self, ids: Tensor) -> None:
+        """Gather the rows of `ids` [tokens, per_token] into the staging buffer's first tokens."""
+        assert self.staging is not None, "allocate_staging first"
+        self.staging[:ids.shape[0]].copy_(self(ids), non_blocking=True)
+
+    def staged(self, tokens: int) -> Tensor:
+        """The rows `stage` gathered for a step of `tokens` tokens, [tokens, per_token, width]."""
+        assert self.staging is not None, "allocate_staging first"
+        return self.staging[:tokens]
 
 
 class TensorRows:
@@ -54,6 +72,12 @@ class TensorRows:
 def embedding_tables(model: nn.Module) -> dict[str, TableRows]:
     """The model's tables by prepared tensor name (`<module path>.weight`)."""
     return {f"{path}.weight": module for path, module in model.named_modules() if isinstance(module, TableRows)}
+
+
+def allocate_staging(model: nn.Module, tokens: int, device: torch.device) -> None:
+    """Give each of the model's tables a staging buffer for steps of up to `tokens` tokens."""
+    for table in embedding_tables(model).values():
+        table.staging = torch.zeros(tokens, table.per_token, table.width, dtype=table.row_dtype, device=device)
 
 
 def table_skeleton(model: nn.Module) -> dict[str, Tensor]:

@@ -511,9 +511,12 @@ class DecoderLayer(nn.Module):
     def forward(self, streams: Tensor, step: Step, context: ForwardContext) -> Tensor:
         """streams [tokens, hc, hidden] -> the same after this block; updates `step.pre`."""
         if self.engram is not None:
-            if self.first_engram:
-                step.hashes = self._hashes(step, context)
-            streams = self.engram(streams, step.hashes[:, self.engram.table_index])
+            if context.staged_tables:  # rows staged before the step (DeepseekV41ForServing.stage_tables)
+                streams = self.engram(streams, None)
+            else:
+                if self.first_engram:
+                    step.hashes = self._hashes(step, context)
+                streams = self.engram(streams, step.hashes[:, self.engram.table_index])
         attn_pre, post, comb = self.mixes(streams, "attn")
         x = self.attn(self.attn_norm(self.collapse(streams, step.pre)), step, context)
         streams = self.expand(x, streams, post, comb)
@@ -579,6 +582,19 @@ class DeepseekV41ForServing(DecoderForServing):
                 streams = group(streams, {"step": step}, contexts)
                 first += len(group.layers)
         return logits(DecoderLayer.collapse(streams, step.pre)[None], context.batch.logits_indices)
+
+    def stage_tables(self, input_ids: Tensor, positions: Tensor, context: ForwardContext) -> None:
+        """Before a captured decode step (flare_core.api.TableRows): its n-gram hashes, each
+        request's history row taking the new token as the step's first Engram layer would, and
+        every Engram layer's rows gathered into its table's staging buffer. The step then runs with
+        `context.staged_tables` and computes no hash."""
+        layers = self.model.layers
+        first = next(layer for layer in layers if layer.first_engram)
+        hashes = self.model.ngram.decode(input_ids, context.store("ngram_history", first), context.batch.state_rows,
+                                         positions)
+        for layer in layers:
+            if layer.engram is not None:
+                layer.engram.embed.stage(hashes[:, layer.engram.table_index])
 
 
 def check_config(config: Any) -> None:

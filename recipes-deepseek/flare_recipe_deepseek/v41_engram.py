@@ -160,14 +160,16 @@ class Engram(nn.Module):
         # ~384 M rows per table in the published model: read per step from the core (disk or host
         # RAM, flare run --embedding-table-storage), never loaded as a weight.
         self.embed = TableRows(config.engram_num_embeddings[self.table_index], config.engram_head_dim,
-                               torch.float32)  # build_model gives it the served dtype
+                               torch.float32, per_token=columns)  # build_model gives it the served dtype
         self.wkv = nn.Linear(columns * config.engram_head_dim, config.hidden_size * (config.hc_mult + 1), bias=False)
         self.q_weight = nn.Parameter(torch.empty(config.hc_mult, config.hidden_size))
         self.k_weight = nn.Parameter(torch.empty(config.hc_mult, config.hidden_size))
 
-    def forward(self, streams: Tensor, rows: Tensor) -> Tensor:
-        """streams [tokens, hc, hidden], rows [tokens, columns] -> streams with the gated value added."""
-        kv = self.wkv(self.embed(rows).flatten(-2).to(streams.dtype))  # the served dtype (an FP8 wkv reads it)
+    def forward(self, streams: Tensor, rows: Tensor | None) -> Tensor:
+        """streams [tokens, hc, hidden], rows [tokens, columns] (None: staged before a captured step,
+        flare_core.api.TableRows.staged) -> streams with the gated value added."""
+        table = self.embed.staged(streams.shape[0]) if rows is None else self.embed(rows)
+        kv = self.wkv(table.flatten(-2).to(streams.dtype))  # the served dtype (an FP8 wkv reads it)
         key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))
         h = streams.float()

@@ -49,8 +49,8 @@ def tokenizer_tensors(config: Any, tokenizer_json: str) -> dict[str, torch.Tenso
 
 
 def plan_notes(config: Any) -> tuple[str, ...]:
-    notes = ["DeepSeek V4.1 on CUDA: decode steps in captured graphs unless it has Engram layers (their rows are "
-             "read on the host each step: then every step runs eagerly), prompt chunks eager, its compressed attention "
+    notes = ["DeepSeek V4.1 on CUDA: decode steps in captured graphs (Engram rows read on the host and staged "
+             "before each replay, one step in flight), prompt chunks eager, its compressed attention "
              "in plain torch (no fast kernels yet); --device cpu serves the reference path",
              "the vision tower (vision.*, aligner.*) stays in the checkpoint: this core serves text, and image "
              "content is refused",

@@ -472,14 +472,54 @@ def test_tables_and_weights_read_in_row_blocks_equal_the_whole(rows_per_block):
         assert all(piece.shape[0] <= max(rows_per_block, 32) for piece in pieces)
 
 
-def test_decode_steps_are_captured_unless_engram_rows_are_read_on_the_host():
+def test_decode_steps_are_captured_their_engram_rows_staged_before():
     """A decode step reads only the batch's device tensors, so the CUDA executor captures decode
-    graphs, but not for a model with Engram layers: their table rows are read on the host."""
+    graphs, for a model with Engram layers too: their rows, read on the host, are staged before the
+    step replays (DeepseekV41ForServing.stage_tables)."""
     from flare_core.executor.backends import kernels_for
 
-    for name, captured in (("v41-tiny-ced", False), ("v41-tiny-ratio4", False), ("v41-tiny-defaults", True)):
+    for name in NAMES:
         model = TinyV41(FIXTURES, name).served()
-        assert kernels_for(model, torch.empty(1), 16, torch.float32).graph_decode is captured, name
+        assert kernels_for(model, torch.empty(1), 16, torch.float32).graph_decode, name
+
+
+@pytest.mark.parametrize("name", ["v41-tiny-ced", "v41-tiny-ratio4"])
+def test_staged_engram_rows_give_the_decode_step_the_model_computes_itself(name):
+    """What a captured decode step does (flare_core.ops.tables): `stage_tables` hashes the step's
+    n-grams and gathers every Engram layer's rows before it, and the step, run with
+    `staged_tables`, reads them instead of hashing and looking up: the same logits and the same
+    n-gram history rows, bit for bit, as the step that does both itself; over three requests after
+    their prompts, twice in a row."""
+    from flare_core.executor.storage import allocate_cache_storage
+    from flare_core.ops.attention import AttentionBatch, ForwardContext
+    from flare_core.ops.tables import allocate_staging
+    from flare_recipe_deepseek.v41 import shared_compressed_attention_scheme
+
+    tiny = TinyV41(FIXTURES, name)
+    config, served = tiny.config, tiny.served()
+    allocate_staging(served, 3, torch.device("cpu"))
+    scheme = shared_compressed_attention_scheme(config, "float32")
+    generator = torch.Generator().manual_seed(0)
+    lengths = [29, 35, 41]
+    pages = [list(range(4 * r, 4 * r + 4)) for r in range(3)]
+    prompts = [torch.randint(4, config.vocab_size, (n,), generator=generator) for n in lengths]
+    tokens = torch.randint(4, config.vocab_size, (2, 3), generator=generator)
+    logits, histories = [], []
+    for staged in (False, True):
+        storage = allocate_cache_storage(scheme, 12, 16, "cpu", num_rows=3)
+        prompt = AttentionBatch.build([(n, 0, p) for n, p in zip(lengths, pages)], 16, "cpu", state_rows=[0, 1, 2])
+        with torch.no_grad():
+            served(torch.cat(prompts), prompt.positions(), ForwardContext(prompt, storage, layer_map=scheme.layer_map()))
+            for step, ids in enumerate(tokens):
+                decode = AttentionBatch.build([(1, n + step, p) for n, p in zip(lengths, pages)], 16, "cpu",
+                                              state_rows=[0, 1, 2])
+                context = ForwardContext(decode, storage, layer_map=scheme.layer_map(), staged_tables=staged)
+                if staged:
+                    served.stage_tables(ids, decode.positions(), context)
+                logits.append(served(ids, decode.positions(), context))
+        histories.append([layer.clone() for layer in storage["ngram_history"]])
+    assert all(torch.equal(a, b) for a, b in zip(logits[:2], logits[2:]))
+    assert all(torch.equal(a, b) for a, b in zip(*histories))
 
 
 def test_compiled_layers_decode_as_the_model_does_with_one_compilation():

@@ -62,10 +62,10 @@ def test_cuda_greedy_continuation_is_the_reference(tiny, served):
 def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
     """The served model under the CUDA runner as `flare run --device cuda` builds it (compiled):
     prompt chunks run eagerly and uncompiled; decode steps replay captured graphs of the compiled layers
-    (attention, compressors, indexer, n-gram hashes and experts from the batch's device tensors;
-    float32 experts through the op's every-expert path, which needs no host sync), except in a
-    model with Engram layers, whose rows are read on the host: there every step runs eagerly. The
-    greedy continuation is the reference's either way."""
+    (attention, compressors, indexer and experts from the batch's device tensors; float32 experts
+    through the op's every-expert path, which needs no host sync); a model with Engram layers has
+    each decode step's rows, read on the host, staged before the replay (n-gram hashes included).
+    The greedy continuation is the reference's."""
     import sys
 
     from flare_core.executor.graphs import cuda_runner
@@ -81,11 +81,9 @@ def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
                          page_tokens=64, num_rows=4, num_snapshot_rows=8, num_logits_rows=16,
                          vocab_size=tiny.config.vocab_size, device=torch.device("cuda"), decode_capacities=(1, 2, 4),
                          context_length=2048, compile_model=True)
-    captures = not tiny.config.engram_layer_ids  # v41-tiny-defaults has no Engram layer
-    assert bool(runner.graphs.decode_graphs) == captures
+    assert runner.graphs.decode_graphs
     scheduler = make_scheduler(64, 4, 8)
     scheduler.submit("r", ids, len(tokens))
     rows, _ = drive_greedy(scheduler, runner, len(tokens))
     assert [int(row.argmax()) for row in rows["r"]] == tokens
-    if captures:
-        assert any(graph.replays for graph in runner.graphs.decode_graphs.values())
+    assert any(graph.replays for graph in runner.graphs.decode_graphs.values())
