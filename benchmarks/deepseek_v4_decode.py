@@ -50,11 +50,12 @@ def v4_config(layers: int, tiny: bool):
 
 
 def random_model(config, device: torch.device, fp8: bool = False, recipe=None,
-                 embedding: str = "model.embed_tokens.weight"):
+                 embedding: str = "model.embed_tokens.weight", tables: dict | None = None):
     """The served model of `recipe` (V4's unless given) with random weights, its routed experts FP4
     (random codes, scales of 2^-8 .. 2^-5), with `fp8` its decoder layers' linear weights (and packed
     shared experts) FP8 blocks as DeepSeek publishes them (random values, scales of 2^-8), on
-    `device`; returns (model, routed-expert bytes, bytes of the `embedding` table, all weight bytes)."""
+    `device`, its embedding tables (flare_core.ops.tables) read from `tables` where they are; returns
+    (model, routed-expert bytes, bytes of the `embedding` table, all weight bytes)."""
     from flare_core.kernels.fp4 import SCALE_SUFFIX
     from flare_core.kernels.fp8 import SCALE_SUFFIX as FP8_SCALE_SUFFIX
     from flare_core.ops.fp8 import quantizable_experts, quantizable_linears
@@ -93,7 +94,8 @@ def random_model(config, device: torch.device, fp8: bool = False, recipe=None,
     sizes = {name: t.numel() * t.element_size() for name, t in prepared.items()}
     routed = sum(size for name, size in sizes.items() if any(name.startswith(e) for e in experts))
     # The embedding table: a step reads a row per token, not the table (the head, untied, is read whole).
-    return load_prepared_weights(model, prepared, device), routed, sizes[embedding], sum(sizes.values())
+    return (load_prepared_weights(model, {**prepared, **(tables or {})}, device), routed, sizes[embedding],
+            sum(sizes.values()))
 
 
 def step_cache_bytes(config, context: int) -> int:
