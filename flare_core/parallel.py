@@ -12,7 +12,7 @@ dimension where the full model's shape and the rank's model's shape differ, and
 fused projection, every expert of a packed tensor) before the recipe's own `map_weights` fuses
 them, so each rank's fused QKV holds its own q, k and v heads. A tensor the recipe computes from
 another checkpoint tensor (the spec's `derived`) has that one sliced as declared. The row-parallel outputs are each
-rank's share of a sum: `reduce_partial_sums` all-reduces the outputs of the decoder-layer
+rank's share of a sum: `join_group` all-reduces the outputs of the decoder-layer
 submodules the spec names, and every rank then carries the same residual stream.
 
 Expert parallelism (`Ranks.experts`, for a spec that names `routed_experts`): the spec's
@@ -25,8 +25,8 @@ output is zero (flare_core.ops.moe; Transformers' experts forwards read the same
 `_is_expert_parallel` is set), and the experts module's output is the partial sum all-reduced, in
 place of the MLP block's: shared experts are whole on every rank. The all-reduce scheme of
 Transformers 5.23's `AllReduceEP` (transformers/distributed/expert_parallel.py): no tokens move,
-every shape is fixed, so it captures in graphs. The recipe maps whole experts; `held_experts`
-slices the rank's out of them (the checkpoint is not sliced for them).
+every shape is fixed, so it captures in graphs. The recipe maps whole experts (the checkpoint is
+not sliced for them); `hold_weights` cuts the rank's out of them (`held_experts` says which).
 
 The head (an untied `lm_head` of a vocabulary that divides over the ranks) is vocabulary-parallel:
 rank r holds rows [r * V / size, (r + 1) * V / size) and the logits rows are gathered from every
