@@ -8,10 +8,12 @@ j + 1, and keeps records of its own (one cache row of pages per live request, le
 proposing request's row reused first). The served model hands the hidden states of every token it
 computes to `record` (the eager runner's `final_hidden`); the head computes its records as soon
 as the token after a position is certain (a prompt's tokens, the input of the request's next
-step), so what waits is at most one step's tokens per request. A proposal computes what still
-waits, up to the newest sampled token, and guesses on from its own output, drawing each guess as
-the draft model does (flare_core.engine.drafting.draft_token): coupled verification keeps every
-output what plain decoding gives.
+step), so what waits is at most one step's tokens per request — unless a step's input was
+sampled by a step still in flight (the host has not seen it yet): then the positions from the one
+before it wait for the next proposal, which brings the request's tokens (at most WAITING_LIMIT).
+A proposal computes what still waits, up to the newest sampled token, and guesses on from its own
+output, drawing each guess as the draft model does (flare_core.engine.drafting.draft_token):
+coupled verification keeps every output what plain decoding gives.
 
 Positions the served model never computed (a prompt read from the prefix cache) give the head no
 hidden state: its records then start at the first position it saw (`_Row.origin`), and it
@@ -35,6 +37,11 @@ from flare_core.ops.attention import AttentionBatch, ForwardContext
 from flare_core.plugins import Registry
 from flare_core.requests import SamplingParams
 from flare_core.scheduler import StepPlan
+
+
+# Positions whose hidden states may wait for a proposal when the host has not seen their next
+# token (steps in flight) before they are dropped: at most this many hidden states a request.
+WAITING_LIMIT = 64
 
 
 @dataclass(eq=False)
@@ -126,14 +133,17 @@ class HeadProposer:
             row = self.rows.take(request_id)
             step_hidden = hidden[offset:offset + len(fed)]
             offset += len(fed)
-            if fed[0] < 0:
-                row.hidden, row.fed, row.certain = None, [], 0
-                continue
             self._take(row, first, fed, step_hidden, certain)
-            # Positions before the last certain token have their next token: the head can read them.
-            ready = row.certain - 1
+            # Positions before the last certain token have their next token: the head reads them
+            # now where the host has seen it. An input sampled by a step still running (-1: two
+            # steps in flight) holds the positions from the one before it back until a proposal
+            # brings the request's tokens; past WAITING_LIMIT positions what waits is dropped.
+            known = row.fed.index(-1) if -1 in row.fed else len(row.fed)
+            ready = min(row.certain, known) - 1
             if ready > 0:
                 work.append((row, ready, row.fed[1:ready + 1]))
+            elif len(row.fed) > WAITING_LIMIT:
+                row.hidden, row.fed, row.certain = None, [], 0
         if work:
             self._run(work)
 

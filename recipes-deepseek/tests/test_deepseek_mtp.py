@@ -166,3 +166,37 @@ def test_an_fp8_checkpoints_mtp_layer_is_dequantized(tmp_path):
                                dequantized["model.layers.3.mlp.experts.5.down_proj.weight"])
     torch.testing.assert_close(head["decoder.lm_head.weight"], dequantized["model.layers.3.shared_head.head.weight"])
     assert not any(name.endswith("scale_inv") for name in head)
+
+
+def test_draft_head_guesses_after_steps_whose_input_the_host_had_not_seen(tmp_path):
+    """With two steps in flight, a decode step's input was sampled by the step before it, still
+    running: the host hands it to the head unseen (-1). The head keeps that step's hidden state and
+    reads it at the next proposal, which brings the request's tokens: its guesses are the
+    reference's, asked after every step or every other one. (It used to drop what waited: the
+    request then got no guess again while its steps stayed in flight, as under load they do.)"""
+    from types import SimpleNamespace
+
+    config = v3_config()
+    reference, mtp, checkpoint = mtp_checkpoint(config, tmp_path)
+    head = load_prepared_weights(DEEPSEEK_V3.draft_head.build(config, torch.float32),
+                                 dict(DEEPSEEK_V3.draft_head.map_weights(config, checkpoint, torch.float32)), "cpu")
+    prompt = prompts_of(config)[0]
+    tokens = prompt + greedy_continuation(reference)(prompt, 10)
+    with torch.no_grad():  # the served model's final hidden states, after the final norm
+        hidden = reference.model(torch.tensor([tokens])).last_hidden_state[0]
+    for every in (1, 2):
+        proposer = HeadProposer(head, head_scheme(load_registry(), DEEPSEEK_V3, config, "float32"), rows=1,
+                                longest=256, page_tokens=PAGE_TOKENS, vocab_size=config.vocab_size,
+                                device=torch.device("cpu"), pool_tokens=256)
+        request = SimpleNamespace(request_id="r")
+        chunk = SimpleNamespace(handle=request, start=0, tokens=prompt)
+        proposer.record(SimpleNamespace(decodes=[], prefills=[chunk]), hidden[:len(prompt)])
+        asked = 0
+        for position in range(len(prompt), len(tokens) - 1):
+            decode = SimpleNamespace(handle=request, position=position, input_token=None, drafts=())
+            proposer.record(SimpleNamespace(decodes=[decode], prefills=[]), hidden[position:position + 1])
+            if (position - len(prompt)) % every == 0:
+                seen = tokens[:position + 2]  # read back: the step's sample too
+                assert list(proposer.propose(seen, 3, "r")) == mtp.drafts(reference, seen, 3), position
+                asked += 1
+        assert asked >= 4
