@@ -26,7 +26,7 @@ output is zero (flare_core.ops.moe; Transformers' experts forwards read the same
 place of the MLP block's: shared experts are whole on every rank. The all-reduce scheme of
 Transformers 5.23's `AllReduceEP` (transformers/distributed/expert_parallel.py): no tokens move,
 every shape is fixed, so it captures in graphs. The recipe maps whole experts (the checkpoint is
-not sliced for them); `hold_weights` cuts the rank's out of them (`held_experts` says which).
+not sliced for them); `hold_weights` cuts the rank's out of them (`RankCheckpoint.held` says which).
 
 The head (an untied `lm_head` of a vocabulary that divides over the ranks) is vocabulary-parallel:
 rank r holds rows [r * V / size, (r + 1) * V / size) and the logits rows are gathered from every
@@ -165,7 +165,8 @@ def held_experts(model: nn.Module) -> dict[str, slice]:
 
 def hold_weights(named: Iterable[tuple[str, Tensor]], shares: Mapping[str, slice]) -> Iterator[tuple[str, Tensor]]:
     """A recipe's prepared tensors (`map_weights` over the rank's config and checkpoint) as the
-    rank holds them: the routed experts' tensors cut to the rank's experts (`held_experts`)."""
+    rank holds them: the routed experts' tensors cut to the rank's experts (`held_experts`,
+    `RankCheckpoint.held`)."""
     for name, tensor in named:
         share = shares.get(name)
         yield name, tensor if share is None else tensor[share].contiguous()
@@ -183,11 +184,11 @@ def splits_head(model: nn.Module, size: int) -> bool:
             and head.out_features % size == 0)
 
 
-def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor],
-                    ranks: Ranks) -> Mapping[str, Tensor]:
+def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor], ranks: Ranks) -> RankCheckpoint:
     """`checkpoint` as rank `ranks.rank` reads it: the tensors its sharded tensors are built from
     sliced to the rank's share, the others whole. Hand it to the recipe's `map_weights` with
-    `rank_config(config, ...)`. ValueError naming a tensor whose shapes do not split evenly."""
+    `rank_config(config, ...)`, and what it maps to `hold_weights` with its `held`. ValueError
+    naming a tensor whose shapes do not split evenly."""
     spec = spec_of(recipe)
     full = recipe.build_model(config, torch.float32).state_dict()  # meta tensors: shapes only
     local_model = build_rank_model(recipe, config, torch.float32, ranks)
@@ -216,12 +217,16 @@ def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor
     if spec.checkpoint_names is not None:  # the checkpoint names the parts otherwise
         renamed = spec.checkpoint_names(iter(checkpoint))
         dims = {renamed.get(part, part): dim for part, dim in dims.items()}
-    return _RankSlices(checkpoint, dims, ranks)
+    return RankCheckpoint(checkpoint, dims, ranks, held)
 
 
-class _RankSlices(Mapping):
-    def __init__(self, checkpoint: Mapping[str, Tensor], dims: Mapping[str, int], ranks: Ranks):
-        self._checkpoint, self._dims, self._ranks = checkpoint, dims, ranks
+class RankCheckpoint(Mapping):
+    """A checkpoint as one rank reads it (`rank_checkpoint`). `held`: the prepared tensors of the
+    routed experts it holds whole (expert parallel), each with the experts it keeps of them."""
+
+    def __init__(self, checkpoint: Mapping[str, Tensor], dims: Mapping[str, int], ranks: Ranks,
+                 held: Mapping[str, slice]):
+        self._checkpoint, self._dims, self._ranks, self.held = checkpoint, dims, ranks, held
 
     def __getitem__(self, name: str) -> Tensor:
         tensor = self._checkpoint[name]

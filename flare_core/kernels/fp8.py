@@ -221,8 +221,8 @@ def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, g
     out = x.new_empty(out_features)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.rows),)](
         x, weight, scale_inv, out, out_features, weight.shape[1], scale_inv.shape[1], out_features // groups,
-        ROWS=config.rows, COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps, num_stages=config.stages,
-        launch_pdl=config.pdl)
+        ROWS=config.rows, COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps,
+        num_stages=config.stages, launch_pdl=config.pdl)
     return out
 
 

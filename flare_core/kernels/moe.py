@@ -324,8 +324,9 @@ def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor,
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
         inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
         experts, n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
-        SCALED=scales is not None and not fp4, FP4=fp4, FP4_GROUPS=config.fp4_groups, CLAMP=gated and swiglu_limit > 0, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps, num_stages=config.stages)
+        SCALED=scales is not None and not fp4, FP4=fp4, FP4_GROUPS=config.fp4_groups, CLAMP=gated and swiglu_limit > 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
+        num_stages=config.stages)
 
 
 def fused_experts(x: Tensor, gate_up: Tensor, down: Tensor, top_k_index: Tensor, top_k_weights: Tensor,

@@ -213,7 +213,8 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
     if ranks > 1:
         from flare_core.parallel import Ranks, build_rank_model
 
-        rank_model = build_rank_model(recipe, model_config, torch_dtype, Ranks(0, ranks, experts=request.expert_parallel))
+        rank_model = build_rank_model(recipe, model_config, torch_dtype,
+                                      Ranks(0, ranks, experts=request.expert_parallel))
         rank_notes = _rank_notes(recipe, model_config, rank_model, ranks, request.expert_parallel)
         rank_skeleton = dict(rank_model.state_dict()) | table_skeleton(rank_model)
     plan = ExportPlan(
@@ -424,12 +425,10 @@ def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: M
     `rank{r}.NAME` (flare_core.parallel.rank_tensor_name), the replicated ones once under their
     name. `rank_skeleton`: a rank's prepared layout (flare_core.parallel.build_rank_model);
     `experts`: expert parallel (each rank's routed experts cut out of the whole ones mapped)."""
-    from flare_core.parallel import Ranks, build_rank_model, held_experts, hold_weights, rank_checkpoint, rank_tensor_name
+    from flare_core.parallel import Ranks, rank_checkpoint, rank_tensor_name
 
     for rank in range(ranks):
-        place = Ranks(rank, ranks, experts=experts)
-        share = rank_checkpoint(recipe, model_config, checkpoint, place)
-        held = held_experts(build_rank_model(recipe, model_config, dtype, place)) if experts else {}
+        share = rank_checkpoint(recipe, model_config, checkpoint, Ranks(rank, ranks, experts=experts))
 
         def keep_share(name: str, tensor: torch.Tensor, rank: int = rank) -> None:
             if rank_skeleton[name].shape != skeleton[name].shape:
@@ -437,9 +436,8 @@ def _rank_tensors(recipe: Recipe, model_config, rank_model_config, checkpoint: M
             elif rank == 0:
                 keep(name, tensor)
 
-        named = hold_weights(recipe.map_weights(rank_model_config, share, dtype), held)
-        _keep_checked(itertools.chain(named, derived.items()), rank_skeleton, f"recipe {recipe.name}", "its model",
-                      progress, keep_share)
+        _map_weights(recipe, rank_model_config, share, dtype, rank_skeleton, progress, derived, keep_share,
+                     share.held)
 
 
 def _tokenizer_tensors(recipe: Recipe, model_config, assets: FrontendAssets) -> Mapping[str, torch.Tensor]:
@@ -454,12 +452,16 @@ def _tokenizer_tensors(recipe: Recipe, model_config, assets: FrontendAssets) -> 
 
 def _map_weights(recipe: Recipe, model_config, checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  skeleton: dict[str, torch.Tensor], progress: bool, derived: Mapping[str, torch.Tensor],
-                 keep: Callable[[str, torch.Tensor], None]) -> None:
+                 keep: Callable[[str, torch.Tensor], None], held: Mapping[str, slice] | None = None) -> None:
     """Hand `keep` each prepared tensor as the recipe yields it (with those derived from the
-    tokenizer), checked against `skeleton`; ExportError for a tensor the model lacks or misshapes,
-    or one it needs and did not get."""
-    _keep_checked(itertools.chain(recipe.map_weights(model_config, checkpoint, dtype), derived.items()), skeleton,
-                  f"recipe {recipe.name}", "its model", progress, keep)
+    tokenizer; `held`: an expert-parallel rank's experts cut out, flare_core.parallel.hold_weights),
+    checked against `skeleton`; ExportError for a tensor the model lacks or misshapes, or one it
+    needs and did not get."""
+    from flare_core.parallel import hold_weights
+
+    named = hold_weights(recipe.map_weights(model_config, checkpoint, dtype), held or {})
+    _keep_checked(itertools.chain(named, derived.items()), skeleton, f"recipe {recipe.name}", "its model", progress,
+                  keep)
 
 
 def _keep_checked(named: Iterable[tuple[str, torch.Tensor]], skeleton: dict[str, torch.Tensor], who: str,

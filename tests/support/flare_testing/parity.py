@@ -73,11 +73,11 @@ def assert_logits_parity(recipe, reference: torch.nn.Module, checkpoint, config,
     model = serving_model(recipe, config, torch.float32, ServingOptions(ranks=ranks))
     held: dict = {}
     if ranks is not None:
-        from flare_core.parallel import held_experts, rank_checkpoint, rank_config, spec_of
+        from flare_core.parallel import rank_checkpoint, rank_config, spec_of
 
         checkpoint = rank_checkpoint(recipe, config, checkpoint, ranks)
         config = rank_config(config, spec_of(recipe), ranks.size, ranks.experts)
-        held = held_experts(model)
+        held = checkpoint.held
     from flare_core.parallel import hold_weights
 
     model = load_prepared_weights(model, dict(hold_weights(recipe.map_weights(config, checkpoint, torch.float32), held)),
