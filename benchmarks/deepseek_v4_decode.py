@@ -181,7 +181,7 @@ def experts_sweep(config, device: torch.device, layers: int = 4, repeats: int = 
     routes replayed as one CUDA graph (as moe_decode.py's op_sweep times 16-bit experts):
     microseconds per layer and the bandwidth of the chosen experts' bytes (codes and scales).
     The first entry of each is the tiles `experts_config` picks; each tile with the codes decoded
-    value by value and (" groups") a scale group at a time (ExpertsConfig.fp4_groups)."""
+    each way of ExpertsConfig.fp4_decode (value by value unnamed, " groups", " fp8")."""
     from flare_core.kernels import moe
     from moe_decode import graph_us
 
@@ -204,11 +204,12 @@ def experts_sweep(config, device: torch.device, layers: int = 4, repeats: int = 
     for gated, name in ((True, "gate_up"), (False, "down")):
         rows, cols = (2 * inter, hidden) if gated else (hidden, inter)
         chosen_bytes = top_k * rows * (cols // 2 + cols // 32)
-        grid = [moe.ExpertsConfig(1, n, k, w, 1, groups) for groups in (False, True) for n in (4, 8, 16, 32)
-                for k in (128, 256, 512, 1024) for w in (4, 8)]
+        grid = [moe.ExpertsConfig(1, n, k, w, 1, decode) for decode in moe.FP4_DECODES for n in (4, 8, 16, 32)
+                for k in (128, 256, 512) for w in (4, 8)]
         results[name] = {}
         for tiles in [moe.experts_config(top_k, experts, gated, torch.uint8), *grid]:
-            key = f"n{tiles.block_n} k{tiles.block_k} w{tiles.warps}" + (" groups" if tiles.fp4_groups else "")
+            decode = "" if tiles.fp4_decode == "values" else " " + tiles.fp4_decode
+            key = f"n{tiles.block_n} k{tiles.block_k} w{tiles.warps}{decode}"
             if key in results[name]:
                 continue
 

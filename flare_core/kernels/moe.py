@@ -58,18 +58,23 @@ MAX_PAIRS_PER_EXPERT = 16
 @dataclass(frozen=True)
 class ExpertsConfig:
     """One launch's tiles: pairs per program iteration (1: the GEMV-style path), output features
-    per program, input features per loop iteration, warps and pipeline stages. `fp4_groups`: FP4
-    weights decoded a 32-feature group at a time (`_fp4_group_weights`: the scale read and turned
-    into a float once per group, the codes without it) instead of value by value with the scale
-    in each value's bits (`_fp4_value_weights`); the same products. Off until measured side by side
-    (benchmarks/deepseek_v4_decode.py --experts-sweep times both)."""
+    per program, input features per loop iteration, warps and pipeline stages. `fp4_decode`: how
+    FP4 weights become floats, each way giving the same products (FP4_DECODES): value by value
+    with the scale in each value's bits (`_fp4_value_weights`), a 32-feature group at a time with
+    the scale read once per group (`_fp4_group_weights`), or each code's bits placed as a
+    float8_e4m3fn byte that the hardware converts, times the group's scale (`_fp4_fp8_weights`).
+    "values" until measured side by side (benchmarks/deepseek_v4_decode.py --experts-sweep times
+    all three)."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int
-    fp4_groups: bool = False
+    fp4_decode: str = "values"
+
+
+FP4_DECODES = ("values", "groups", "fp8")
 
 
 def per_pair(pairs: int, experts: int) -> bool:
@@ -117,9 +122,12 @@ if triton is not None:
 
     @triton.jit
     def _fp4_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-                     GROUPS: tl.constexpr):
-        # The [BLOCK_N, HALF] weights of input features k0 + 2j and k0 + 2j + 1 (see the two below).
-        if GROUPS:
+                     DECODE: tl.constexpr):
+        # The [BLOCK_N, HALF] weights of input features k0 + 2j and k0 + 2j + 1, decoded as DECODE
+        # says (the index of ExpertsConfig.fp4_decode in FP4_DECODES; the three below).
+        if DECODE == 2:
+            even, odd = _fp4_fp8_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N, HALF)
+        elif DECODE == 1:
             even, odd = _fp4_group_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N, HALF)
         else:
             even, odd = _fp4_value_weights(rows, scale_rows, k0, K, n_mask, HALF)
@@ -164,6 +172,28 @@ if triton is not None:
         return even, odd
 
     @triton.jit
+    def _fp4_fp8_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+        # `_fp4_group_weights` with the codes' values from the hardware: a code's sign bit moved to
+        # bit 7 and its three magnitude bits (exponent, mantissa) to bits 4 .. 2 make the e4m3 byte
+        # of its e2m1 value times 2^-6, exactly (e2m1's subnormal 0.5 becomes e4m3's subnormal
+        # 2^-7); a few integer operations a byte for two codes, then the float8 -> float32
+        # conversion. The group's scale, as the float 2^(scale - 127 + 6), undoes the 2^-6: exact
+        # products, the same weights for scale bytes 0 .. 248.
+        GROUPS: tl.constexpr = HALF // 16
+        j = k0 // 2 + tl.arange(0, HALF)
+        packed = tl.load(rows + j[None, :], mask=n_mask[:, None] & (j[None, :] < K // 2), other=0).to(tl.uint8)
+        low = (((packed << 4) & 0x80) | ((packed << 2) & 0x1C)).to(tl.uint8)
+        high = ((packed & 0x80) | ((packed >> 2) & 0x1C)).to(tl.uint8)
+        g = k0 // 32 + tl.arange(0, GROUPS)
+        scale = tl.load(scale_rows + g[None, :], mask=n_mask[:, None] & (g[None, :] < K // 32), other=121)
+        factor = ((scale.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BLOCK_N, GROUPS, 1]
+        even = low.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        odd = high.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        even = tl.reshape(tl.reshape(even, (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
+        odd = tl.reshape(tl.reshape(odd, (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
+        return even, odd
+
+    @triton.jit
     def _segment_pairs(order_ptr, start, m0, count, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
         # The pairs of slots m0 .. m0 + BLOCK_M of a segment of `count` pairs from `start` (its own
         # pair, or the expert's run of the sorted order), and which of the slots are in it.
@@ -178,7 +208,7 @@ if triton is not None:
     @triton.jit
     def _experts_kernel(in_ptr, w_ptr, scale_ptr, out_ptr, route_weights_ptr, ids_ptr, order_ptr, starts_ptr,
                         counts_ptr, E, N, K, limit, TOP_K: tl.constexpr, GATED: tl.constexpr, PER_PAIR: tl.constexpr,
-                        SCALED: tl.constexpr, FP4: tl.constexpr, FP4_GROUPS: tl.constexpr, CLAMP: tl.constexpr,
+                        SCALED: tl.constexpr, FP4: tl.constexpr, FP4_DECODE: tl.constexpr, CLAMP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Program (s, j) computes output features [j * BLOCK_N, (j + 1) * BLOCK_N) of the pairs of
         # segment s: one pair (PER_PAIR) or all pairs routed to expert s. GATED: the input rows
@@ -248,7 +278,7 @@ if triton is not None:
                     a_mask = m_mask[:, None] & (features[None, :] < K)
                     a_even = tl.load(in_rows + features[None, :], mask=a_mask, other=0.0)
                     a_odd = tl.load(in_rows + features[None, :] + 1, mask=a_mask, other=0.0)
-                    w_even, w_odd = _fp4_weights(w_rows, scale_rows, k0, K, n_mask, BLOCK_N, HALF, FP4_GROUPS)
+                    w_even, w_odd = _fp4_weights(w_rows, scale_rows, k0, K, n_mask, BLOCK_N, HALF, FP4_DECODE)
                     if BLOCK_M == 1:
                         acc += w_even * a_even.to(tl.float32) + w_odd * a_odd.to(tl.float32)
                     else:
@@ -256,7 +286,7 @@ if triton is not None:
                         acc = tl.dot(a_odd, tl.trans(w_odd.to(a_odd.dtype)), acc)
                     if GATED:
                         up_even, up_odd = _fp4_weights(w_rows + up_shift, scale_rows + up_scale_shift, k0, K, n_mask,
-                                                       BLOCK_N, HALF, FP4_GROUPS)
+                                                       BLOCK_N, HALF, FP4_DECODE)
                         if BLOCK_M == 1:
                             up_acc += up_even * a_even.to(tl.float32) + up_odd * a_odd.to(tl.float32)
                         else:
@@ -324,7 +354,7 @@ def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor,
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
         inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
         experts, n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
-        SCALED=scales is not None and not fp4, FP4=fp4, FP4_GROUPS=config.fp4_groups, CLAMP=gated and swiglu_limit > 0,
+        SCALED=scales is not None and not fp4, FP4=fp4, FP4_DECODE=FP4_DECODES.index(config.fp4_decode), CLAMP=gated and swiglu_limit > 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
         num_stages=config.stages)
 

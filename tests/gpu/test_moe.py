@@ -96,21 +96,21 @@ def test_fp4_experts_match_the_float32_reference(tokens, swiglu_limit):
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_fp4_codes_decoded_by_groups_give_the_same_outputs(tokens):
-    """ExpertsConfig.fp4_groups (the scale read once per group of 32 features) computes the same
-    weights, so the same bits, as the value-by-value decode, on the per-pair and sorted paths."""
-    from flare_core.kernels.moe import ExpertsConfig, experts_config, fused_experts
+def test_every_fp4_decode_gives_the_same_outputs(tokens):
+    """Each ExpertsConfig.fp4_decode (value by value, a scale group at a time, the codes' bits as
+    float8 bytes) computes the same weights, so the same bits, on the per-pair and sorted paths."""
+    from flare_core.kernels.moe import FP4_DECODES, ExpertsConfig, experts_config, fused_experts
 
     (gate_up, gate_up_scale), (down, down_scale) = fp4_experts(256, 512, 256)
     x, index, weights = routed(tokens, 512, 256, 8)
     outputs = []
-    for groups in (False, True):
-        configs = tuple(ExpertsConfig(c.block_m, c.block_n, c.block_k, c.warps, c.stages, groups)
+    for decode in FP4_DECODES:
+        configs = tuple(ExpertsConfig(c.block_m, c.block_n, c.block_k, c.warps, c.stages, decode)
                         for c in (experts_config(tokens * 8, 256, True, torch.uint8),
                                   experts_config(tokens * 8, 256, False, torch.uint8)))
         outputs.append(fused_experts(x, gate_up, down, index, weights, configs=configs,
                                      scales=(gate_up_scale, down_scale), swiglu_limit=0.4))
-    assert torch.equal(outputs[0], outputs[1])
+    assert all(torch.equal(outputs[0], output) for output in outputs[1:])
 
 
 # Expert parallelism (flare_core.parallel): a rank holds half of 128 experts; routes to the other
