@@ -1,4 +1,5 @@
-"""FP8 block-scaled linear layers against bf16 on Qwen3-8B's weight shapes, side by side in one
+"""FP8 block-scaled linear layers against bf16 on one model's weight shapes (`--shape`, Qwen3-8B's
+by default; benchmarks/gemv.py's SHAPES), side by side in one
 run, at 1 to 2,048 tokens: the bf16 path (Flare's GEMV at one token, cuBLAS otherwise), Flare's
 FP8 path (`flare::fp8_linear`), and each FP8 route on its own: the FP8 GEMV (one token), the
 Triton kernel widening FP8 tiles for 16-bit tensor-core dots (`fp8_mm`), activation quantization +
@@ -10,6 +11,7 @@ distinct weight matrices (>= 2 GiB of bf16 weights in all) that none is still in
 when its turn comes (benchmarks/gemv.py's method).
 
     python benchmarks/fp8_linear.py --out benchmarks/results/h200-fp8-linear.json
+    python benchmarks/fp8_linear.py --shape deepseek-v4-flash --tokens 1 --out ...
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ MM_SWEEP_TOKENS = (8, 64)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="only the shipped configurations")
     parser.add_argument("--tokens", help="comma-separated token counts (default: %s)" % ",".join(map(str, TOKENS)))
     parser.add_argument("--mm-sweep", action="store_true", help="also sweep fp8_mm's tiles at 8 and 64 tokens")
@@ -43,7 +46,7 @@ def main() -> None:
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
     results = {}
-    for name, (n, k, gated) in SHAPES["qwen3-8b"].items():
+    for name, (n, k, gated) in SHAPES[args.shape].items():
         if name == "lm_head":  # the head stays bf16
             continue
         copies = max(2, min(64, math.ceil(ROTATION_BYTES / (n * k * 2))))
@@ -110,7 +113,7 @@ def main() -> None:
         results[name] = row
         del bf16, fp8
         torch.cuda.empty_cache()
-    result = {"results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    result = {"shape": args.shape, "results": results, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

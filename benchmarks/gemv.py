@@ -54,6 +54,22 @@ SHAPES = {
     "dense down": (2304, 9216, False),
     "lm_head": (163840, 2304, False),
   },
+  # DeepSeek V4 Flash's decoder-layer linears (Transformers 5.23's DeepseekV4Config defaults:
+  # hidden 4096, q rank 1024, 64 heads of 512, one KV head, 8 output groups of rank 1024, the CSA
+  # compressor and its indexer of 64 heads of 128, a shared expert of 2048), FP8 blocks as published.
+  "deepseek-v4-flash": {
+    "q_a_proj": (1024, 4096, False),
+    "q_b_proj": (32768, 1024, False),
+    "kv_proj": (512, 4096, False),
+    "o_a_proj (one group)": (1024, 4096, False),
+    "o_b_proj": (4096, 8192, False),
+    "compressor kv_proj / gate_proj": (1024, 4096, False),
+    "indexer kv_proj / gate_proj": (256, 4096, False),
+    "indexer q_b_proj": (8192, 1024, False),
+    "indexer weights_proj": (64, 4096, False),
+    "shared expert gate_up + silu*up": (4096, 4096, True),
+    "shared expert down": (4096, 2048, False),
+  },
 }
 ROTATION_BYTES = 2 * 2**30
 
