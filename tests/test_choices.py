@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 
 from flare_core.requests import GenerationRequest, SamplingParams
-from test_engine_frames import make_engine, run_requests
+from flare_testing.engine import make_engine, run_requests
 
 # A flat distribution (this random model's logits are peaked), so that seeds tell choices apart.
 LEADER = GenerationRequest(prompt_ids=tuple(range(300, 420)), max_tokens=10, ignore_eos=True,

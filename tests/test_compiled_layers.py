@@ -21,7 +21,7 @@ from flare_core.plugins import load_registry
 from flare_testing.parity import serve_paged
 from flare_recipe_qwen.recipes import QWEN3
 
-from conftest import tiny_qwen3_config
+from flare_testing.qwen import tiny_qwen3_config
 
 
 def loaded_model(config, seed: int = 0, gemv: bool = False):

@@ -9,35 +9,12 @@ whose tokens must be dropped and whose pages must come back at its fence.
 
 from __future__ import annotations
 
-import functools
-
 import asyncio
 
 import pytest
-import torch
 
-from flare_core.config import load_config
-from flare_core.plugins import load_registry
-from flare_core.engine.build import build_engine
-from flare_core.engine.service import Engine
-from flare_core.engine.load import load_core
-from flare_core.engine.memory import plan_kv
+from flare_testing.engine import make_engine, run_requests
 from flare_core.requests import GenerationRequest, SamplingParams
-
-
-def make_engine(flare, core_path, frames: int, device: str = "cpu", compile_model: bool = False,
-                kv_pages: int | None = None, **options) -> Engine:
-    from flare_core.cli import open_verified_core
-
-    config = load_config(flare.config_path)
-    loaded = load_core(open_verified_core(config, str(core_path), trust_publisher=True), load_registry(),
-                       torch.device(device))
-    kv_limit = "64M" if kv_pages is None else str(kv_pages * loaded.cache_scheme.page_bytes(
-        loaded.capacities.page_tokens))
-    kv = functools.partial(plan_kv, loaded.cache_scheme, loaded.capacities, 4, torch.device(device), "0.9", kv_limit)
-    return build_engine(loaded, kv, load_registry(), max_concurrency=4, queue_capacity=8, frames_in_flight=frames,
-                        compile_model=compile_model, **options)
-
 
 REQUESTS = [
     GenerationRequest(prompt_ids=tuple(range(5, 40)), max_tokens=12, sampling=SamplingParams(temperature=0.0),
@@ -53,27 +30,6 @@ REQUESTS = [
     GenerationRequest(prompt_ids=tuple(range(300, 340)), max_tokens=20, ignore_eos=True,
                       sampling=SamplingParams(temperature=0.0)),
 ]
-
-
-async def run_requests(engine: Engine, requests, cancel_after: dict[int, int] | None = None):
-    engine.start()
-    try:
-        streams = [engine.submit(r) for r in requests]
-
-        async def collect(i, stream):
-            tokens, logprobs, last = [], [], None
-            async for event in stream:
-                tokens.extend(event.token_ids)
-                logprobs.extend((lp.token_id, round(lp.logprob, 4), tuple(t[0] for t in lp.top))
-                                for lp in event.logprobs)
-                if cancel_after and i in cancel_after and len(tokens) >= cancel_after[i]:
-                    stream.cancel()
-                last = event
-            return tokens, logprobs, last.finish_reason, last.usage
-
-        return await asyncio.gather(*(collect(i, s) for i, s in enumerate(streams)))
-    finally:
-        await engine.aclose()
 
 
 @pytest.fixture(scope="module")

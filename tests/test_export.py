@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import add_qwen_frontend_files, tiny_qwen3_config, write_checkpoint
+from conftest import add_qwen_frontend_files, write_checkpoint
+from flare_testing.qwen import tiny_qwen3_config
 from flare_testing.server import Flare, write_config
 from flare_core.core import open_core
 

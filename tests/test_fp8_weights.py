@@ -222,7 +222,8 @@ def test_a_moe_fp8_checkpoint_keeps_each_experts_blocks(session_flare, tmp_path)
     """Packed routed experts from an fp8 checkpoint: expert e's gate/up is its own gate and up
     blocks (128 rows each: they line up), stacked over the experts; the served logits are the
     dequantized model's."""
-    from conftest import tiny_qwen3_moe_config, write_checkpoint
+    from conftest import write_checkpoint
+    from flare_testing.qwen import tiny_qwen3_moe_config
 
     source = write_checkpoint(tmp_path / "moe", tiny_qwen3_moe_config(moe_intermediate_size=128))
     directory, on_disk = fp8_checkpoint(tmp_path / "moe-fp8", source)

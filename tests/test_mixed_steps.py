@@ -27,7 +27,7 @@ from flare_core.ops.loading import load_prepared_weights
 from flare_core.plugins import load_registry
 from flare_core.scheduler import GraphCapacities, Scheduler, SchedulerConfig, StepKind, StepPlan, StepResult
 
-from conftest import tiny_qwen3_config
+from flare_testing.qwen import tiny_qwen3_config
 
 PAGE_TOKENS = 16
 ROWS = 4

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import tiny_qwen3_config
+from flare_testing.qwen import tiny_qwen3_config
 from flare_testing.server import ServerProcess
 from flare_testing.plugins import require_test_recipe
 

@@ -28,7 +28,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import add_qwen_frontend_files, tiny_qwen3_config
+from conftest import add_qwen_frontend_files
+from flare_testing.qwen import tiny_qwen3_config
 from flare_testing.server import ServerProcess
 from flare_testing.plugins import require_test_recipe
 

@@ -23,7 +23,7 @@ from flare_core.plugins import load_registry
 from flare_core.requests import GenerationRequest, SamplingParams
 from openai import OpenAI
 from flare_testing.server import ServerProcess
-from test_engine_frames import make_engine, run_requests
+from flare_testing.engine import make_engine, run_requests
 from test_speculative_serving import MODEL, REWRITE, ROOMY, _requests, rewrite_ids  # noqa: F401 - a fixture
 
 

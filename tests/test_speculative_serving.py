@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from flare_core.requests import GenerationRequest, SamplingParams
 from flare_testing.server import ServerProcess
-from test_engine_frames import make_engine, run_requests
+from flare_testing.engine import make_engine, run_requests
 from test_speculative import PARAGRAPH
 
 MODEL = "smollm2-135m-instruct.q4_1"

@@ -20,7 +20,7 @@ from flare_core.frontend.grammar import GrammarKind, GrammarMatcher, GrammarSpec
 from flare_core.kernels.token_masks import apply_token_masks
 from flare_core.requests import MASK_BITS
 from flare_core.requests import GenerationRequest, SamplingParams
-from test_engine_frames import make_engine, run_requests
+from flare_testing.engine import make_engine, run_requests
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]},
                                            "tag": {"type": "string", "enum": ["red", "green"]}},

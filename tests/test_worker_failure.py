@@ -28,7 +28,7 @@ from flare_core.requests import WORKER_FAILED, GenerationRequest, SamplingError,
 from flare_core.server.app import build_app
 from flare_core.server.state import STATE
 from flare_testing.server import ServerProcess
-from test_engine_frames import make_engine
+from flare_testing.engine import make_engine
 from test_serving_scripted import write_scripted_checkpoint
 from flare_testing.plugins import require_test_recipe
 

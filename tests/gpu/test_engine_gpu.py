@@ -16,7 +16,8 @@ import os
 import pytest
 import torch
 
-from test_engine_frames import REQUESTS, make_engine, run_requests
+from test_engine_frames import REQUESTS
+from flare_testing.engine import make_engine, run_requests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(os.environ.get("FLARE_TEST_GPU") != "1" or not torch.cuda.is_available(),
@@ -28,7 +29,8 @@ EXPORT = ("--dtype", "bfloat16", "--max-concurrency", "8", "--context-length", "
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from conftest import tiny_qwen3_config, write_checkpoint
+    from conftest import write_checkpoint
+    from flare_testing.qwen import tiny_qwen3_config
 
     return write_checkpoint(tmp_path_factory.mktemp("qwen3-head128"),
                             tiny_qwen3_config(hidden_size=256, intermediate_size=512, head_dim=128))
@@ -211,7 +213,8 @@ def hybrid_checkpoint(directory):
     """A small Qwen3-Next (Gated DeltaNet state rows beside paged attention) of head dims FlashInfer
     and flash-linear-attention have kernels for; every token routed to all four experts, so that no
     near-tied route flips between a round's kernels and a decode step's."""
-    from conftest import tiny_qwen3_next_config, write_checkpoint
+    from conftest import write_checkpoint
+    from flare_testing.qwen import tiny_qwen3_next_config
 
     config = tiny_qwen3_next_config(hidden_size=256, head_dim=128, intermediate_size=512, moe_intermediate_size=128,
                                     shared_expert_intermediate_size=128, num_experts_per_tok=4,
@@ -252,7 +255,7 @@ def test_speculation_over_continuation_state_on_cuda(session_flare, hybrid_core)
     # an earlier form of this test (no bias) parted from the run without speculation at its
     # seventh token although no round had run, while the greedy ones, whose margins are wide, did
     # not (cause not established). Seeded samples are held to equality on the CPU
-    # (tests/test_hybrid_serving.py) and over a dense core on CUDA (test_speculation_on_cuda).
+    # (recipes-qwen/tests/test_serving_qwen3_next.py) and over a dense core on CUDA (test_speculation_on_cuda).
     for index, (got, want) in enumerate(zip(results[:3], reference)):
         assert got[0] == want[0], f"request {index} ({samplings[index]}) differs"
     assert len(results[3][0]) == 100 and results[3][2] == "length"

@@ -270,7 +270,8 @@ def test_deepseek_fp8_checkpoint_serves_its_fp8_weights_on_cuda(tmp_path):
     from flare_testing.parity import serve_paged
     from flare_testing.deepseek import (dequantized_reference, export_checkpoint, quantize_fp8_checkpoint,
                                                random_model, save_model, write_frontend)
-    from test_engine_frames import REQUESTS, make_engine, run_requests
+    from test_engine_frames import REQUESTS
+    from flare_testing.engine import make_engine, run_requests
     from test_mla_graph import ROUTED_EXPERT_SCALE, deepseek_v3_config
 
     directory = tmp_path / "deepseek-v3-fp8"

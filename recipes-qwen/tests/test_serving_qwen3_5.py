@@ -21,11 +21,12 @@ import openai
 import pytest
 import torch
 
-from conftest import FIXTURES
 from flare_core.frontend import build_tokenizer_json
-from flare_testing.server import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
+from flare_testing.server import (Flare, WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache,
+                                  write_config)
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "recipes-qwen" / "tests" / "fixtures" / "qwen3.5" / "chat_template.jinja"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"  # the suites' shared tokenizers and templates
+TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "qwen3.5" / "chat_template.jinja"
 TEXT = dict(vocab_size=151669, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=2048, bos_token_id=151643,
@@ -45,7 +46,7 @@ def write_published(directory: Path, moe: bool) -> torch.nn.Module:
         Qwen3_5Config(text_config=TEXT, vision_config=VISION)
     torch.manual_seed(0)
     model = (Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration)(config).float().eval()
-    with torch.no_grad():  # clear-cut greedy choices (see conftest.write_checkpoint)
+    with torch.no_grad():  # clear-cut greedy choices (see flare_testing.qwen.write_checkpoint)
         model.get_input_embeddings().weight.normal_(0.0, 1.0)
     model.save_pretrained(directory)
     # Qwen3.5 checkpoints ship tokenizer.json (Transformers would read vocab.json + merges.txt with
@@ -57,11 +58,16 @@ def write_published(directory: Path, moe: bool) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def flare(tmp_path_factory) -> Flare:
+    return Flare(write_config(tmp_path_factory.mktemp("flare")))
+
+
 @pytest.fixture(scope="module", params=["dense", "moe"])
-def exported(request, tmp_path_factory, session_flare):
+def exported(request, tmp_path_factory, flare):
     directory = tmp_path_factory.mktemp(f"qwen3.5-{request.param}")
     model = write_published(directory, moe=request.param == "moe")
-    core = session_flare.export(directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
+    core = flare.export(directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
                                 "--prefill-chunk-size", "128")
     return request.param, directory, model, core
 
@@ -78,7 +84,7 @@ def test_the_checkpoint_is_laid_out_as_published(exported):
     assert config["architectures"][0].endswith("ForConditionalGeneration") and "text_config" in config
 
 
-def test_the_core_serves_the_text_model(exported, session_flare):
+def test_the_core_serves_the_text_model(exported, flare):
     from flare_core.cli import open_verified_core
     from flare_core.config import load_config
     from flare_core.plugins import load_registry
@@ -86,7 +92,7 @@ def test_the_core_serves_the_text_model(exported, session_flare):
     from flare_testing.parity import serve_paged
 
     kind, _, model, core = exported
-    opened = open_verified_core(load_config(session_flare.config_path), str(core), trust_publisher=True)
+    opened = open_verified_core(load_config(flare.config_path), str(core), trust_publisher=True)
     manifest = opened.manifest
     assert manifest["recipe"]["name"] == ("qwen3.5-moe" if kind == "moe" else "qwen3.5")
     assert manifest["architecture"]["name"].endswith("ForConditionalGeneration")
@@ -107,13 +113,13 @@ def test_the_core_serves_the_text_model(exported, session_flare):
 
 
 @pytest.fixture(scope="module")
-def chat_servers(tmp_path_factory, session_flare):
+def chat_servers(tmp_path_factory, flare):
     directory = tmp_path_factory.mktemp("qwen3.5-served")
     write_published(directory, moe=False)
-    core = session_flare.export(directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
+    core = flare.export(directory, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
                                 "--prefill-chunk-size", "128")
     root = tmp_path_factory.mktemp("qwen3.5-servers")
-    with with_and_without_prefix_cache(session_flare.config_path, core, root, "q35") as clients:
+    with with_and_without_prefix_cache(flare.config_path, core, root, "q35") as clients:
         yield clients
 
 

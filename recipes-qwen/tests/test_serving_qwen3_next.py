@@ -10,14 +10,17 @@ served on the CPU:
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
-from conftest import tiny_qwen3_next_config, write_checkpoint
-from flare_testing.server import WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache
+from flare_testing.engine import make_engine, run_requests
+from flare_testing.qwen import tiny_qwen3_next_config, write_checkpoint
+from flare_testing.server import (Flare, WEATHER_TURN, second_turn_restores_the_first, with_and_without_prefix_cache,
+                                  write_config)
 from flare_core.requests import GenerationRequest, SamplingParams
-from test_engine_frames import make_engine
 
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"  # the suites' shared tokenizers and templates
 SHARED = tuple(range(1000, 1077))  # the messages both requests start with (77 tokens: mid-page)
 FIRST = GenerationRequest(prompt_ids=SHARED + tuple(range(2000, 2030)), max_tokens=8, message_ends=(len(SHARED),),
                           ignore_eos=True, sampling=SamplingParams(temperature=0.0))
@@ -26,9 +29,14 @@ SECOND = GenerationRequest(prompt_ids=SHARED + tuple(range(3000, 3050)), max_tok
 
 
 @pytest.fixture(scope="module")
-def qwen3_next_core(session_flare, tmp_path_factory):
-    checkpoint = write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-next"), tiny_qwen3_next_config())
-    return session_flare.export(checkpoint, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
+def flare(tmp_path_factory) -> Flare:
+    return Flare(write_config(tmp_path_factory.mktemp("flare")))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_core(flare, tmp_path_factory):
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-next"), tiny_qwen3_next_config(), FIXTURES)
+    return flare.export(checkpoint, "--dtype", "float32", "--max-concurrency", "4", "--context-length", "1024",
                                 "--prefill-chunk-size", "128")
 
 
@@ -48,11 +56,11 @@ async def one_by_one(engine, requests):
         await engine.aclose()
 
 
-def test_a_request_sharing_messages_restores_the_state_snapshot_exactly(session_flare, qwen3_next_core):
-    engine = make_engine(session_flare, qwen3_next_core, frames=1)
+def test_a_request_sharing_messages_restores_the_state_snapshot_exactly(flare, qwen3_next_core):
+    engine = make_engine(flare, qwen3_next_core, frames=1)
     (first, first_usage), (second, second_usage) = asyncio.run(one_by_one(engine, [FIRST, SECOND]))
     assert first_usage.cached_tokens == 0 and second_usage.cached_tokens == len(SHARED)
-    [(alone, alone_usage)] = asyncio.run(one_by_one(make_engine(session_flare, qwen3_next_core, frames=1), [SECOND]))
+    [(alone, alone_usage)] = asyncio.run(one_by_one(make_engine(flare, qwen3_next_core, frames=1), [SECOND]))
     assert alone_usage.cached_tokens == 0
     assert second == alone and len(second) == 8
     resources = engine.resources()
@@ -60,9 +68,9 @@ def test_a_request_sharing_messages_restores_the_state_snapshot_exactly(session_
 
 
 @pytest.fixture(scope="module")
-def chat_servers(tmp_path_factory, session_flare, qwen3_next_core):
+def chat_servers(tmp_path_factory, flare, qwen3_next_core):
     root = tmp_path_factory.mktemp("hybrid-servers")
-    with with_and_without_prefix_cache(session_flare.config_path, qwen3_next_core, root, "next") as clients:
+    with with_and_without_prefix_cache(flare.config_path, qwen3_next_core, root, "next") as clients:
         yield clients
 
 
@@ -72,7 +80,7 @@ def test_turn_two_of_a_chat_restores_turn_one_and_answers_as_without_cache(chat_
 
 
 @pytest.mark.parametrize("frames", [1, 2], ids=["one-step", "two-steps-in-flight"])
-def test_speculative_decoding_over_continuation_state_changes_no_token(session_flare, qwen3_next_core, frames):
+def test_speculative_decoding_over_continuation_state_changes_no_token(flare, qwen3_next_core, frames):
     """Prompt lookup over a hybrid core served by the engine, one step at a time and with two in
     flight (as on CUDA: a request waits for its round to settle before it rewinds or decodes on):
     `build_engine` has the executor keep each state row before a round and the scheduler rewind
@@ -82,17 +90,15 @@ def test_speculative_decoding_over_continuation_state_changes_no_token(session_f
     logits against the reference). Greedy with logprobs, and seeded with penalties: the same
     tokens and logprobs as without speculation, and every row and page back. The memory plan
     counts the rows' copies."""
-    from test_engine_frames import run_requests
-
     bias = ((1001, 30.0), (1002, 30.0), (1003, 30.0))
     prompt = tuple(range(1000, 1040))
     requests = [GenerationRequest(prompt_ids=prompt, max_tokens=32, ignore_eos=True, logprobs=True, top_logprobs=2,
                                   logit_bias=bias, sampling=SamplingParams(temperature=0.0)),
                 GenerationRequest(prompt_ids=prompt[7:], max_tokens=32, ignore_eos=True, logit_bias=bias,
                                   sampling=SamplingParams(temperature=0.8, seed=5, frequency_penalty=0.5))]
-    plain_engine = make_engine(session_flare, qwen3_next_core, frames=1)
+    plain_engine = make_engine(flare, qwen3_next_core, frames=1)
     plain = asyncio.run(run_requests(plain_engine, requests))
-    engine = make_engine(session_flare, qwen3_next_core, frames=frames, spec_method="prompt-lookup",
+    engine = make_engine(flare, qwen3_next_core, frames=frames, spec_method="prompt-lookup",
                          spec_draft_tokens=4)
     assert engine.core.scheduler.speculation.rewinds and engine.core.executor.state.round_saves
     # The memory plan counted the copies: 4 live rows, 8 snapshot rows, 4 + 1 saved rows.

@@ -10,15 +10,17 @@ fixed script after one known prompt: here a reasoning block, a sentence and one 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import add_qwen_frontend_files, tiny_qwen3_config
-from flare_testing.server import ServerProcess
+from flare_testing.qwen import add_qwen_frontend_files, tiny_qwen3_config
+from flare_testing.server import Flare, ServerProcess, write_config
 from flare_testing.plugins import require_test_recipe
 
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"  # the suites' shared tokenizers and templates
 SERVED = "scripted-qwen-xml"
 QUESTION = [{"role": "user", "content": "Weather at Berlin 10115 for three days?"}]
 TOOLS = [{"type": "function", "function": {
@@ -33,22 +35,26 @@ ARGUMENTS = {"zip": "10115", "days": 3, "metric": True}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, session_flare, qwen3_checkpoint):
+def flare(tmp_path_factory) -> Flare:
+    return Flare(write_config(tmp_path_factory.mktemp("flare")))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, flare):
     from transformers import AutoTokenizer
 
-
     require_test_recipe(SERVED)
-    tokenizer = AutoTokenizer.from_pretrained(qwen3_checkpoint)
-    prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
-                                           tokenize=True)["input_ids"]
     directory = tmp_path_factory.mktemp("scripted-qwen-xml") / "checkpoint"
     directory.mkdir()
+    add_qwen_frontend_files(directory, FIXTURES)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
+                                           tokenize=True)["input_ids"]
     tiny_qwen3_config(architectures=["ScriptedQwenXmlForCausalLM"]).save_pretrained(directory)
     save_file({"script": torch.tensor(tokenizer.encode(SCRIPT, add_special_tokens=False), dtype=torch.int64),
                "prompt_length": torch.tensor(len(prompt), dtype=torch.int64)}, str(directory / "model.safetensors"))
-    add_qwen_frontend_files(directory)
-    core = session_flare.export(directory, "--dtype", "float32")
-    process = ServerProcess(session_flare.config_path, core, directory.parent / "server.log", "--served-name", SERVED)
+    core = flare.export(directory, "--dtype", "float32")
+    process = ServerProcess(flare.config_path, core, directory.parent / "server.log", "--served-name", SERVED)
     try:
         yield process.wait_ready(), len(prompt)
     finally:
