@@ -66,6 +66,14 @@ def rank_tensor_name(rank: int, name: str) -> str:
     return f"rank{rank}.{name}"
 
 
+def rank_view(names: Iterable[str], rank: int, size: int) -> list[str]:
+    """A split core's tensor names as rank `rank` of `size` holds them: its slices under the
+    prepared names, and the replicated tensors."""
+    prefixes = tuple(rank_tensor_name(r, "") for r in range(size))
+    mine = rank_tensor_name(rank, "")
+    return [name.removeprefix(mine) for name in names if name.startswith(mine) or not name.startswith(prefixes)]
+
+
 def spec_of(recipe: Recipe) -> TensorParallelSpec:
     if recipe.tensor_parallel is None:
         raise ValueError(f"recipe {recipe.name} declares no tensor parallelism: its models run on one device")

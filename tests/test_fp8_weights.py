@@ -99,12 +99,32 @@ def test_fp8_core_computes_its_dequantized_weights(fp8_core, qwen3_moe_checkpoin
     assert worst < 0.05, f"FP8 logits differ from the unquantized model's by {worst:.3f} standard deviations"
 
 
-def test_flare_cores_shows_fp8_and_tp_does_not_combine(session_flare, qwen3_checkpoint):
-    core = open_core(session_flare.export(qwen3_checkpoint, "--dtype", "bfloat16", "--quantize", "fp8", *EXPORT[:-1]))
-    listed = next(line for line in session_flare("cores").output.splitlines() if line.startswith(core.path.name))
-    assert listed.split()[3:5] == ["bfloat16", "fp8"]  # flare cores: name, recipe, form, ...
-    result = session_flare("export", qwen3_checkpoint, "--quantize", "fp8", "--tp", "2", *EXPORT, expect_ok=False)
-    assert result.exit_code != 0 and "FP8 cores are not split over ranks yet" in result.output
+def test_flare_cores_shows_fp8_and_a_split_core_quantizes_each_ranks_slices(session_flare, qwen3_moe_checkpoint,
+                                                                           fp8_core):
+    """`--quantize fp8 --tp 2` of an unquantized checkpoint: each rank's slices of the weights that
+    the whole core keeps as FP8 are quantized on their own block grid (a rank's 16 of the 32 expert
+    features in one block of its own), so each rank loads FP8 layers where the whole core has them,
+    and each slice's values are within e4m3's precision of the checkpoint's."""
+    from safetensors.torch import load_file
+
+    _, whole = fp8_core
+    split = open_core(session_flare.export(qwen3_moe_checkpoint, "--dtype", "float32", "--quantize", "fp8",
+                                           "--tp", "2", *EXPORT[:-1]))
+    for core, form in ((whole, ["float32", "fp8"]), (split, ["float32", "fp8", "tp2"])):
+        listed = next(line for line in session_flare("cores").output.splitlines() if line.startswith(core.path.name))
+        assert listed.split()[3:3 + len(form)] == form  # flare cores: name, recipe, form, ...
+    assert split.manifest["quantization"]["weights"] == whole.manifest["quantization"]["weights"] == 8
+    checkpoint = load_file(qwen3_moe_checkpoint / "model.safetensors")
+    fp8 = lambda model: sorted(n for n, t in model.state_dict().items() if t.dtype == torch.float8_e4m3fn)  # noqa: E731
+    expected = fp8(load_core(whole, load_registry(), torch.device("cpu")).model)
+    tensors = split.load_tensors(device="cpu")
+    for rank in (0, 1):
+        assert fp8(load_core(split, load_registry(), torch.device("cpu"), rank=rank).model) == expected
+        down = dequantize(tensors[f"rank{rank}.model.layers.1.mlp.experts.down_proj"],
+                          tensors[f"rank{rank}.model.layers.1.mlp.experts.down_proj_scale_inv"])
+        whole_down = checkpoint["model.layers.1.mlp.experts.3.down_proj.weight"]  # [hidden, 32 features]
+        share = whole_down.chunk(2, dim=1)[rank]
+        assert ((down[3] - share).abs() <= share.abs() * 2 ** -4 + share.abs().max() / FP8_MAX * 2 ** -6).all()
 
 
 PARAGRAPH = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists disliked it, "

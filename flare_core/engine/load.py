@@ -21,7 +21,7 @@ from flare_core.ops.mla import MLAPagedAttention
 from flare_core.ops.serving import ServingOptions, serving_model
 from flare_core.ops.tables import bind_tables, embedding_tables
 from flare_core.engine.tables import TableError, TableOptions, TableStore, open_tables
-from flare_core.parallel import Ranks, rank_tensor_name
+from flare_core.parallel import Ranks, rank_tensor_name, rank_view
 from flare_core.plugins import Registry
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -141,9 +141,9 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
         raise CoreLoadError(f"core is split over {ranks} tensor-parallel rank(s); there is no rank {rank}")
     # Tensors the core carries for other features (Recipe.carried_prefixes, the draft head) are not the model's.
     tensor_names = [name for name in core.tensor_names() if not name.startswith((CARRIED_PREFIX, DRAFT_HEAD_PREFIX))]
-    options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(tensor_names)),
-                             fp8_experts=tuple(quantized_experts(tensor_names)),
-                             fp4_experts=tuple(fp4_experts(tensor_names)),
+    held = rank_view(tensor_names, rank, ranks) if ranks > 1 else tensor_names  # which of them are FP8 / FP4
+    options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(held)),
+                             fp8_experts=tuple(quantized_experts(held)), fp4_experts=tuple(fp4_experts(held)),
                              ranks=Ranks(rank, ranks, experts=manifest.get("expert_parallel", False)) if ranks > 1
                              else None)
     if ranks > 1 and recipe.tensor_parallel is None:

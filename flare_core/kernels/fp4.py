@@ -42,3 +42,25 @@ def dequantize_fp4(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.flo
     values = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1).flatten(-2)
     groups = values.unflatten(-1, (-1, GROUP)) * scale.to(torch.float32)[..., None]
     return groups.flatten(-2).to(dtype)
+
+
+def quantize_fp4(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(packed uint8 [..., rows, cols / 2], float8_e8m0fnu scale [..., rows, cols / 32]) of a
+    [..., rows, cols] weight as DeepSeek publishes FP4: per group of 32 columns the smallest power
+    of two that brings its largest magnitude to at most 6 (1 for an all-zero group), each value
+    divided by it and rounded to the nearest e2m1 magnitude (ties to the even code). A group of
+    such a weight quantizes back to the same bytes and scale."""
+    if weight.shape[-1] % GROUP:
+        raise ValueError(f"FP4 weight of {weight.shape[-1]} columns: not a whole number of {GROUP}-column groups")
+    groups = weight.float().unflatten(-1, (-1, GROUP))
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6.0))), torch.ones_like(amax))
+    magnitude = (groups / scale[..., None]).abs().flatten(-2)
+    # Codes by the midpoints between neighbouring magnitudes; at a midpoint, the even code.
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=weight.device)
+    codes = torch.bucketize(magnitude, midpoints, right=False)  # a tie takes the lower code ...
+    tie = (codes < 7) & (magnitude == midpoints[codes.clamp(max=6)]) & (codes % 2 == 1)
+    codes = (codes + tie.to(codes.dtype)).to(torch.uint8)  # ... unless that code is odd
+    codes |= (groups.flatten(-2) < 0).to(torch.uint8) << 3
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), scale.to(torch.float8_e8m0fnu).contiguous()

@@ -60,10 +60,12 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # P.weight -> P.weight_scale_inv
 
 
-def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor]:
+def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK, powers: bool = False) -> tuple[Tensor, Tensor]:
     """(float8_e4m3fn weight, float32 scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)])
     of a [rows, cols] weight: per block, scale_inv = amax / 448 (1 for an all-zero block) and the
-    weight divided by it, rounded to e4m3."""
+    weight divided by it, rounded to e4m3. `powers`: scale_inv the smallest power of two at or above
+    amax / 448 (DeepSeek's ue8m0 scales): a block of such a weight, or any part of one, quantizes
+    back to the same values (scaled by powers of two)."""
     rows, cols = weight.shape
     block_rows, block_cols = block
     grid = (-(-rows // block_rows), -(-cols // block_cols))
@@ -72,6 +74,8 @@ def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Ten
     tiles = padded.view(grid[0], block_rows, grid[1], block_cols)
     amax = tiles.abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if powers:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     scaled = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:rows, :cols]
     return scaled.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
 
@@ -343,8 +347,8 @@ def _(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
-def quantize_experts(packed: Tensor, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor]:
+def quantize_experts(packed: Tensor, block: tuple[int, int] = BLOCK, powers: bool = False) -> tuple[Tensor, Tensor]:
     """`quantize_blocks` of each expert of a packed [E, rows, cols] tensor: (float8_e4m3fn
     [E, rows, cols], float32 scale_inv [E, ceil(rows / 128), ceil(cols / 128)])."""
-    weights, scales = zip(*(quantize_blocks(expert, block) for expert in packed))
+    weights, scales = zip(*(quantize_blocks(expert, block, powers) for expert in packed))
     return torch.stack(weights), torch.stack(scales)

@@ -127,9 +127,6 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         raise ExportError(f"--kv-dtype {request.kv_dtype!r} is not supported (choose from auto, fp8_e4m3)")
     if request.quantize not in QUANTIZATIONS:
         raise ExportError(f"--quantize {request.quantize!r} is not supported (choose from fp8)")
-    if request.quantize is not None and request.tensor_parallel != 1:
-        raise ExportError(f"--quantize {request.quantize} with --tp {request.tensor_parallel}: FP8 cores are not "
-                          f"split over ranks yet (export one or the other)")
     if request.expert_parallel and request.tensor_parallel == 1:
         raise ExportError("--expert-parallel spreads the routed experts over the ranks of --tp N (N >= 2); "
                           "this export has one rank")
@@ -262,7 +259,9 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         carried = _carry(recipe, checkpoint_tensors, torch_dtype, tensors)
         head_tensors = _draft_head(recipe, model_config, checkpoint.tensors, torch_dtype, request.progress, tensors.put)
         fp8_count, fp4_count = 0, len(kept_fp4)
-        if quantized:
+        if quantized and ranks > 1:
+            fp8_count, fp4_count = _quantize_rank_fp8(tensors, quantized, ranks, checkpoint_tensors.blocks)
+        elif quantized:
             fp8_count = _quantize_fp8(tensors, [name for name in quantized if name not in kept_fp4], checkpoint_tensors,
                                       sources, checkpoint.tensors)
             if blocks is not None:
@@ -376,6 +375,56 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
             tensors.put(name + SCALE_SUFFIX, fp8[1])
             done += 1
     return done
+
+
+def _quantize_rank_fp8(tensors: SpilledTensors, names: list[str], ranks: int, blocks) -> tuple[int, int]:
+    """`_quantize_fp8` for a core split over `ranks` ranks: each rank's slice of the weights
+    `names` (or the replicated weight) staged as FP8 blocks, or FP4 groups for the packed experts
+    of a checkpoint that publishes them so (`blocks`, None for an unquantized checkpoint). Returns
+    how many of `names` are FP8 (on some rank) and how many FP4. An unquantized checkpoint's
+    weights are quantized. An fp8 checkpoint's rank slices are its blocks or groups quantized
+    again, kept only where that gives back exactly the weight's values (the checkpoint's
+    power-of-two or amax / 448 scales over a slice along whole blocks or 32-column groups); the
+    others keep the dequantized weight (never requantized to make a split fit)."""
+    from flare_core.kernels import fp4
+    from flare_core.kernels.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks, quantize_experts
+    from flare_core.parallel import rank_tensor_name
+
+    def as_fp4(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if blocks is None or blocks.experts != "fp4" or tensor.dim() != 3 or tensor.shape[-1] % fp4.GROUP:
+            return None
+        packed, scale = fp4.quantize_fp4(tensor)
+        return (packed, scale) if torch.equal(fp4.dequantize_fp4(packed, scale, tensor.dtype), tensor) else None
+
+    def as_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        for powers in ((False,) if blocks is None else (True, False)):
+            weight, scale = quantize_experts(tensor, powers=powers) if tensor.dim() == 3 else \
+                quantize_blocks(tensor, powers=powers)
+            pairs = zip(weight, scale) if weight.dim() == 3 else [(weight, scale)]
+            values = [dequantize_blocks(w, s, dtype=tensor.dtype) for w, s in pairs]
+            if blocks is None or torch.equal(torch.stack(values) if weight.dim() == 3 else values[0], tensor):
+                return weight, scale
+        return None
+
+    stored = set(tensors)
+    fp8_count = fp4_count = 0
+    for name in names:
+        shares = [rank_tensor_name(r, name) for r in range(ranks)]
+        kinds = set()
+        for staged in shares if shares[0] in stored else [name]:
+            tensor = tensors.load(staged)
+            kind, quantized = fp4.SCALE_SUFFIX, as_fp4(tensor)  # else FP8 blocks (a shared expert's)
+            if quantized is None:
+                kind, quantized = SCALE_SUFFIX, as_fp8(tensor)
+            if quantized is None:
+                kinds.add(None)
+                continue
+            tensors.put(staged, quantized[0])
+            tensors.put(staged + kind, quantized[1])
+            kinds.add(kind)
+        fp8_count += SCALE_SUFFIX in kinds  # on some rank at least (where a split lines up on one rank only)
+        fp4_count += fp4.SCALE_SUFFIX in kinds and SCALE_SUFFIX not in kinds
+    return fp8_count, fp4_count
 
 
 def _rank_config(recipe: Recipe, model_config, ranks: int, experts: bool):
