@@ -34,6 +34,25 @@ def test_blocks_round_trip_within_e4m3_precision():
     assert ((restored - weight).abs() <= weight.abs() * 2 ** -4 + block_scale * 2 ** -6).all()
 
 
+def test_power_of_two_blocks_and_fp4_groups_quantize_back_to_their_values():
+    """What a split FP8 core relies on (flare_core.prepare.export._quantize_rank_fp8): a weight
+    published with power-of-two block scales, or as FP4 groups, quantized again, whole or any slice
+    of it (here across block boundaries), gives back exactly its values; FP4 rounds a midpoint to
+    the even code (round half to even, as DeepSeek V4.1's quantizers do)."""
+    from flare_core.kernels.fp4 import dequantize_fp4, quantize_fp4
+
+    generator = torch.Generator().manual_seed(3)
+    published = dequantize_blocks(*quantize_blocks(torch.randn(300, 260, generator=generator), powers=True))
+    for part in (published, published[:150], published[64:200, 130:], published[:, 7:9]):
+        assert torch.equal(dequantize_blocks(*quantize_blocks(part, powers=True)), part)
+    groups = dequantize_fp4(*quantize_fp4(torch.randn(2, 16, 128, generator=generator) * 0.02))
+    for part in (groups, groups[:, 3:9], groups[..., 32:96]):
+        assert torch.equal(dequantize_fp4(*quantize_fp4(part)), part)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] + [0.0] * 24)
+    assert dequantize_fp4(*quantize_fp4(-midpoints[None]))[0, :8].tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0,
+                                                                                -4.0, -6.0]
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """A stored FP8 weight in float32: a matrix, or packed experts expert by expert."""
     if weight.dim() == 3:
