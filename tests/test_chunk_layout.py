@@ -57,3 +57,16 @@ def test_a_decode_graphs_page_table_input_holds_each_rows_pages_and_padding_the_
     _, layout = decode_step_inputs([entry(2, 0, [1])], capacity, page_tokens, scratch_page, scratch_row=9)
     table.plan(layout, 1.0)
     assert table.page_table.tolist() == [[1, 0, 0, 0], [99, 0, 0, 0], [99, 0, 0, 0], [99, 0, 0, 0]]
+
+
+def test_page_table_models_decode_at_widths_by_fours_up_to_the_whole_context():
+    """The page-table widths a BatchAttention model's decode graphs are captured at
+    (flare_core.executor.graphs.decode_widths): from the narrowest, four times wider while at most
+    half the whole context's, then the whole context's; a context within twice the narrowest has
+    one width."""
+    from flare_core.executor.graphs import decode_widths
+
+    assert decode_widths(8193, 32) == (32, 128, 512, 2048, 8193)  # 1M tokens in pages of 128, from 4,096 tokens
+    assert decode_widths(1025, 32) == (32, 128, 512, 1025)
+    assert decode_widths(33, 1) == (1, 4, 16, 33)
+    assert decode_widths(63, 32) == (63,)

@@ -9,6 +9,12 @@ with logits, and samples, at every token. Steps no graph covers (steps that rest
 stored logits or score prompts, prompt chunks of kernels without prefill graphs, drafts beside
 prompt chunks) run the same model eagerly over FlashInfer paged prefill.
 
+A model whose attention reads the page table itself (`BatchAttention`: DeepSeek V4 / V4.1, whose
+decode steps read compressed records, indexer keys and top-k over as many pages as the table
+holds) gets its decode graphs of each capacity at several page-table widths (`decode_widths`:
+4,096 tokens' pages, four times that, ..., the whole context): a step replays the narrowest that
+holds its longest row, so a short request does not pay for the context the core allows.
+
 A step pads to the smallest covering capacity. Padding rows and tokens read and write a scratch
 page that no request owns, so a replay never touches live cache pages beyond its own rows.
 Between replays only buffer contents change: token ids, positions, cache indices, sampling
@@ -332,6 +338,21 @@ def _hidden_into(hidden: list[torch.Tensor], wanted: bool) -> dict[str, Any]:
     return {"final_hidden": hidden.append} if wanted else {}
 
 
+# The narrowest page table decode graphs of page-table models are captured with, in tokens.
+NARROWEST_DECODE_TOKENS = 4096
+
+
+def decode_widths(pages_per_row: int, narrowest: int) -> tuple[int, ...]:
+    """Page-table widths (pages per row) to capture decode graphs at, narrowest first: `narrowest`
+    pages, four times as many, ... while at most half of `pages_per_row`, then `pages_per_row`
+    (a whole context)."""
+    widths = []
+    while 2 * narrowest <= pages_per_row:
+        widths.append(narrowest)
+        narrowest *= 4
+    return (*widths, pages_per_row)
+
+
 @dataclass
 class _Graph:
     """The graphs of one capacity of the catalog: the forward (inputs -> logits) and its
@@ -359,11 +380,34 @@ class _Graph:
     hidden: torch.Tensor | None = None  # every token's final hidden state, for a draft head
     replays: int = 0
     mixed_replays: int = 0  # of a prefill graph: replays with decode rows beside the chunks
+    width: int = 0  # of a decode graph of a page-table model: its page table's pages per row
+    narrower: list[_Graph] = dataclasses.field(default_factory=list)  # the same capacity's, narrowest first
 
     @property
     def rows(self) -> int:
         """Its logits rows, which its input columns hold one entry each for."""
         return self.ints.width
+
+    def upload_step(self, plan: StepPlan, page_tokens: int, scratch_page: int, scratch_row: int,
+                    scale: float) -> dict[str, list[int]]:
+        """Plan the step's attention (a prefill or speculative graph's: upload its tokens, each
+        decode's input and drafts, then the chunks'); return its rows' inputs by name."""
+        if self.kind == "decode":
+            inputs, layout = decode_step_inputs(plan.decodes, self.capacity, page_tokens, scratch_page, scratch_row)
+            self.attention.plan(layout, scale)
+            return inputs
+        if self.kind == "speculative":
+            step = speculative_step_inputs(plan.decodes, self.capacity, self.context.batch.num_requests, page_tokens,
+                                           scratch_page, scratch_row)
+        else:
+            step = prefill_step_inputs(plan.decodes, plan.prefills, self.capacity, self.rows, page_tokens,
+                                       scratch_page, scratch_row)
+        assert self.tokens_in is not None
+        self.tokens_in.upload(step.tokens)
+        self.attention.plan(step.attention, scale)
+        if self.chunks is not None:
+            self.chunks.upload(step.lengths, step.chunk_state_rows)
+        return step.rows
 
 
 def capture_samplers(logits: torch.Tensor, ints: _Inputs, floats: _Inputs, pool, state: DeviceState,
@@ -480,10 +524,11 @@ class GraphRunner:
                  context_length: int, compiled: bool, prefill_chunk_size: int, triton_attention: bool = True,
                  speculative_capacities: tuple[int, ...] = (),
                  final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None,
-                 eager_model: torch.nn.Module | None = None):
+                 eager_model: torch.nn.Module | None = None, narrowest_decode_tokens: int = NARROWEST_DECODE_TOKENS):
         """`final_hidden(plan, hidden)`: handed the final hidden states of every token a replayed
         step computes, in the eager runner's order (a draft head's input, EagerRunner);
-        `eager_model`: what the steps that run eagerly call (None: `model`)."""
+        `eager_model`: what the steps that run eagerly call (None: `model`);
+        `narrowest_decode_tokens`: the narrowest page table of a page-table model's decode graphs."""
         assert state.scratch_page is not None, "graphs pad onto a scratch page: DeviceState(scratch_page=True)"
         self.model, self.state, self.attention, self.sampler, self.copies = model, state, attention, sampler, copies
         self._eager_model = eager_model if eager_model is not None else model
@@ -491,6 +536,8 @@ class GraphRunner:
         self.vocab_size = state.logits_store.shape[1]
         self.kernels, self.scale = attention.kernels, attention.scale
         self._pages_per_context = -(-context_length // self.page_tokens)
+        self._decode_widths = decode_widths(self._pages_per_context + 1, -(-narrowest_decode_tokens // self.page_tokens)) \
+            if self.kernels.page_table_input else (self._pages_per_context + 1,)
         # The capacity-1 decode graph (one request decoding) attends through the Triton kernels of
         # flare_core.kernels.decode_attention where the model's shape allows, unless `triton_attention`
         # is off; wider batches keep FlashInfer's decode.
@@ -528,7 +575,9 @@ class GraphRunner:
                    if self.prefill_graphs else "no prompt-chunk graphs (eager FlashInfer prefill)")
         if self.speculative_graphs:
             prefill += f", speculative rounds of {sorted(self.speculative_graphs)} tokens"
-        return (f"CUDA graphs for decode batches {sorted(self.decode_graphs)} and {prefill}, sampling inside "
+        widths = f" (page tables of {', '.join(map(str, self._decode_widths))} pages)" if len(self._decode_widths) > 1 \
+            else ""
+        return (f"CUDA graphs for decode batches {sorted(self.decode_graphs)}{widths} and {prefill}, sampling inside "
                 f"({compiled}captured in {self.capture_s:.1f} s, {self.graph_bytes / 2**20:.0f} MiB)")
 
     def prepare(self) -> None:
@@ -606,9 +655,13 @@ class GraphRunner:
             pool = graph.forward.pool()
             self.speculative_graphs[capacity] = graph
         for capacity in sorted(self._decode_capacities, reverse=True):
-            graph = self._capture_decode(capacity, pool)
-            pool = graph.forward.pool()
-            self.decode_graphs[capacity] = graph
+            for width in reversed(self._decode_widths):  # the whole context's first, then narrower
+                graph = self._capture_decode(capacity, width, pool)
+                pool = graph.forward.pool()
+                if width == self._decode_widths[-1]:
+                    self.decode_graphs[capacity] = graph
+                else:
+                    self.decode_graphs[capacity].narrower.insert(0, graph)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - started  # over every capture, `resize_cache`'s included
         log.info("captured CUDA graphs", decode_capacities=sorted(self.decode_graphs),
@@ -620,10 +673,9 @@ class GraphRunner:
         defaults.update(state_rows=self.scratch_row, cache_indices=self.scratch_page * self.page_tokens)
         return _Inputs(defaults, width, torch.int64, self.device)
 
-    def _capture_decode(self, capacity: int, pool) -> _Graph:
+    def _capture_decode(self, capacity: int, width: int, pool) -> _Graph:
         device = self.device
-        attention = _FencedPlan(self.kernels.decode(capacity, capacity * (self._pages_per_context + 1),
-                                                    triton=capacity <= self._triton_rows))
+        attention = _FencedPlan(self.kernels.decode(capacity, capacity * width, triton=capacity <= self._triton_rows))
         ints = self._int_inputs(capacity)
         floats = _Inputs(FLOAT_INPUTS, capacity, torch.float32, device)
         page_table = attention.backend.page_table if self.kernels.page_table_input else \
@@ -642,7 +694,7 @@ class GraphRunner:
         forward_graph, logits = captured(forward, pool)
         samplers = capture_samplers(logits, ints, floats, forward_graph.pool(), self.state, self._sample_rows)
         return _Graph("decode", capacity, forward_graph, samplers, ints, floats, logits, attention, context,
-                      hidden=hidden[-1] if hidden else None)
+                      hidden=hidden[-1] if hidden else None, width=width)
 
     def _capture_prefill(self, capacity: int, pool, speculative: bool = False) -> _Graph:
         """A prefill graph of `capacity` tokens, or with `speculative` a speculative round of
@@ -676,7 +728,8 @@ class GraphRunner:
             state_rows=chunks.state_rows if chunks is not None else None,
             chunk_indices=chunks.chunk_indices if chunks is not None else None)
         context = ForwardContext(batch, self.state.storage, attention, layer_map=self.state.layer_map)
-        attention.plan(self._prefill_step((), (), capacity, requests).attention, self.scale)
+        attention.plan(prefill_step_inputs((), (), capacity, requests, self.page_tokens, self.scratch_page,
+                                           self.scratch_row).attention, self.scale)
         last_sampled, head = self.state.last_sampled, min(capacity, requests)
         hidden: list[torch.Tensor] = []
 
@@ -716,7 +769,11 @@ class GraphRunner:
             return None if plan.prefills else _smallest(self.speculative_graphs, plan.fed_tokens)
         if plan.prefills:
             return _smallest(self.prefill_graphs, plan.fed_tokens)
-        return _smallest(self.decode_graphs, len(plan.decodes))
+        graph = _smallest(self.decode_graphs, len(plan.decodes))
+        if graph is not None and graph.narrower:  # the narrowest page table that holds every row's pages
+            pages = max(entry.position // self.page_tokens + 1 for entry in plan.decodes)
+            return next((narrow for narrow in graph.narrower if narrow.width >= pages), graph)
+        return graph
 
     @torch.inference_mode()
     def step(self, plan: StepPlan, sampling: StepSampling | None) -> SampleOutput | None:
@@ -759,9 +816,7 @@ class GraphRunner:
         resume points its chunks save. Returns the rows that sample (DeviceState.finish_chunks)."""
         self.state.restore(plan)  # no stored logits here (`_graph_for`): pages and state rows only
         self.state.start_rows(plan)
-        inputs = {"decode": self._decode_inputs, "prefill": self._prefill_inputs,
-                  "speculative": self._speculative_inputs}[graph.kind]
-        ints = inputs(graph, plan)
+        ints = graph.upload_step(plan, self.page_tokens, self.scratch_page, self.scratch_row, self.scale)
         floats = {}
         if sampling is not None and not (sampling.greedy and not sampling.penalised):
             # Sampling columns go to the rows that sample, in plan.samples order: every decode
@@ -786,39 +841,6 @@ class GraphRunner:
             self._final_hidden(plan, graph.hidden[:plan.fed_tokens])
         return self.state.finish_chunks(plan, graph.logits)
 
-    def _decode_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
-        """Plan the decode rows' attention; return their token and cache inputs by name."""
-        inputs, layout = decode_step_inputs(plan.decodes, graph.capacity, self.page_tokens, self.scratch_page,
-                                            self.scratch_row)
-        graph.attention.plan(layout, self.scale)
-        return inputs
-
-    def _prefill_step(self, decodes, chunks, capacity: int, requests: int) -> PrefillStepInputs:
-        return prefill_step_inputs(decodes, chunks, capacity, requests, self.page_tokens, self.scratch_page,
-                                   self.scratch_row)
-
-    def _speculative_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
-        """Upload the step's tokens (each decode's input and drafts) and plan their attention;
-        return the tokens' sampling inputs by name."""
-        step = speculative_step_inputs(plan.decodes, graph.capacity, graph.context.batch.num_requests,
-                                       self.page_tokens, self.scratch_page, self.scratch_row)
-        assert graph.tokens_in is not None
-        graph.tokens_in.upload(step.tokens)
-        graph.attention.plan(step.attention, self.scale)
-        if graph.chunks is not None:
-            graph.chunks.upload(step.lengths, step.chunk_state_rows)
-        return step.rows
-
-    def _prefill_inputs(self, graph: _Graph, plan: StepPlan) -> dict[str, list[int]]:
-        """Upload the step's tokens (decode rows', then the chunks') and plan their attention;
-        return the requests' inputs by name."""
-        step = self._prefill_step(plan.decodes, plan.prefills, graph.capacity, graph.rows)
-        graph.tokens_in.upload(step.tokens)
-        graph.attention.plan(step.attention, self.scale)
-        if graph.chunks is not None:
-            graph.chunks.upload(step.lengths, step.chunk_state_rows)
-        return step.rows
-
 
 def _smallest(graphs: dict[int, _Graph], size: int) -> _Graph | None:
     """The graph of the smallest capacity that holds `size`, or None."""
@@ -831,14 +853,16 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                 compile_model: bool = False, triton_attention: bool = True, prefill_chunk_size: int = 0,
                 seed: int = 0, dtype: torch.dtype | None = None,
                 speculative_capacities: tuple[int, ...] = (), round_saves: bool = False,
-                final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None) -> ModelRunner:
+                final_hidden: Callable[[StepPlan, torch.Tensor], None] | None = None,
+                narrowest_decode_tokens: int = NARROWEST_DECODE_TOKENS) -> ModelRunner:
     """The CUDA runner over `num_pages` pages: `model` (built for serving: flare_core.ops.serving)
     called as it is, or through `CompiledDecoder` with `compile_model` (the steps that run eagerly
     too, unless its attention reads host values there: `compiled_eager_steps`), warmed and captured.
     `dtype`: the model's activation dtype (the attention queries'). `speculative_capacities`:
     the token capacities of speculative rounds to capture (none unless the server speculates);
     `round_saves`: it speculates over continuation state (DeviceState); `final_hidden`: handed
-    every step's final hidden states, replayed or eager (a draft head's `record`)."""
+    every step's final hidden states, replayed or eager (a draft head's `record`);
+    `narrowest_decode_tokens`: see GraphRunner."""
     state = DeviceState(scheme, num_pages=num_pages, page_tokens=page_tokens, num_rows=num_rows,
                         num_snapshot_rows=num_snapshot_rows, num_logits_rows=num_logits_rows, vocab_size=vocab_size,
                         device=device, scratch_page=True, round_saves=round_saves)
@@ -851,7 +875,8 @@ def cuda_runner(model: torch.nn.Module, scheme: CacheScheme, *, num_pages: int, 
                          prefill_capacities=prefill_capacities, context_length=context_length,
                          compiled=compile_model, prefill_chunk_size=prefill_chunk_size,
                          triton_attention=triton_attention, speculative_capacities=speculative_capacities,
-                         final_hidden=final_hidden, eager_model=eager_forward)
+                         final_hidden=final_hidden, eager_model=eager_forward,
+                         narrowest_decode_tokens=narrowest_decode_tokens)
     runner = ModelRunner(state, sampler, EagerRunner(eager_forward, state, sampler, attention.plan_prefill, final_hidden),
                          copies, graphs)
     graphs.prepare()

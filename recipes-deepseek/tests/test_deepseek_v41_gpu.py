@@ -80,10 +80,11 @@ def test_the_cuda_runner_serves_the_reference_greedy_continuation(tiny, served):
     runner = cuda_runner(served, shared_compressed_attention_scheme(tiny.config, "float32"), num_pages=64,
                          page_tokens=64, num_rows=4, num_snapshot_rows=8, num_logits_rows=16,
                          vocab_size=tiny.config.vocab_size, device=torch.device("cuda"), decode_capacities=(1, 2, 4),
-                         context_length=2048, compile_model=True)
-    assert runner.graphs.decode_graphs
+                         context_length=2048, compile_model=True, narrowest_decode_tokens=128)
+    assert [g.width for g in runner.graphs.decode_graphs[1].narrower] == [2, 8]  # pages of 64 tokens, then 33
     scheduler = make_scheduler(64, 4, 8)
     scheduler.submit("r", ids, len(tokens))
     rows, _ = drive_greedy(scheduler, runner, len(tokens))
     assert [int(row.argmax()) for row in rows["r"]] == tokens
-    assert any(graph.replays for graph in runner.graphs.decode_graphs.values())
+    # The sequence (316 tokens) stays within five pages: its decode steps replay the 8-page graphs.
+    assert any(g.replays for top in runner.graphs.decode_graphs.values() for g in top.narrower)

@@ -1,6 +1,7 @@
 """DeepSeek V4 on the CUDA runner (opt in: FLARE_TEST_GPU=1): its compressed attention is a
 `BatchAttention`, so the executor plans no kernel for it, prompt chunks run eagerly and decode steps
-replay captured graphs whose page table is an input (flare_core.executor.backends.PageTableInput).
+replay captured graphs whose page table is an input (flare_core.executor.backends.PageTableInput),
+the narrowest that holds the step's longest row (graphs.decode_widths).
 In lockstep with the CPU reference over the same bf16 weights (the tiny V4 of flare_testing: every
 layer kind, CSA rate 4, HCA rate 32, an 8-token window), the logits of every step agree within 3 %
 of their range across compression boundaries and past the window, one request cancelled mid-way,
@@ -44,16 +45,22 @@ def test_deepseek_v4_decode_graphs_track_the_cpu_reference(tmp_path, compile_mod
     models = [load_prepared_weights(serving_model(DEEPSEEK_V4, config, torch.bfloat16,
                                                   ServingOptions(gemv=where.type == "cuda")), prepared, where)
               for where in (torch.device("cpu"), torch.device("cuda"))]
+    # Decode graphs at page tables of 1, 4, 16 and 33 pages of 64 tokens: rows of up to 110 tokens
+    # replay the 1- and 4-page ones.
     reference, graphs, schedulers = lockstep_executors(models, compressed_attention_scheme(config, "bfloat16"),
-                                                       config.vocab_size, compile_model)
+                                                       config.vocab_size, compile_model, narrowest_decode_tokens=64)
+    assert [g.width for g in graphs.graphs.decode_graphs[1].narrower] == [1, 4, 16]
     assert not graphs.graphs.prefill_graphs, "BatchAttention prompt chunks run eagerly"
     generator = torch.Generator().manual_seed(3)
     # Prompts of 1 to 70 tokens, answers of 40: decode crosses CSA and HCA window ends and the window.
     prompts = {f"r{i}": torch.randint(4, config.vocab_size, (n,), generator=generator).tolist()
                for i, n in enumerate((1, 5, 31, 33, 70))}
     result = run_lockstep(reference, graphs, schedulers, prompts, max_tokens=40, tolerance=0.03)
-    replayed = {c for c, g in graphs.graphs.decode_graphs.items() if g.replays}
+    every = [g for top in graphs.graphs.decode_graphs.values() for g in (top, *top.narrower)]
+    replayed = {g.capacity for g in every if g.replays}
     assert len(replayed) >= 2, f"decode graphs of several batch sizes must have been replayed, got {replayed}"
+    widths = {g.width for g in every if g.replays}
+    assert {1, 4} <= widths and 33 not in widths, f"page tables of 1 and 4 pages, not the whole context: {widths}"
     assert result.compared > 100
     print(f"compared {result.compared} logits rows, worst max|diff|/range {result.worst:.4f}, "
           f"decode graphs replayed {sorted(replayed)}")

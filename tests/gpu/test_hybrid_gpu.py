@@ -179,9 +179,9 @@ def make_scheduler(num_pages: int, rows: int, snapshots: int, chunk: int = 128, 
                      KvCacheManager(pages, rows, 64, prefix))
 
 
-def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = False):
+def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = False, **graph_options):
     """(the CPU reference over models[0], the CUDA executor over models[1], a scheduler for each)
-    with 8 state rows, 16 snapshot rows and 256 pages of 64 tokens."""
+    with 8 state rows, 16 snapshot rows and 256 pages of 64 tokens; `graph_options` to cuda_runner."""
     from flare_core.executor.graphs import cuda_runner
     from flare_core.executor.runner import eager_runner
 
@@ -190,7 +190,8 @@ def lockstep_executors(models, scheme, vocab_size: int, compile_model: bool = Fa
                   num_logits_rows=16, vocab_size=vocab_size)
     reference = eager_runner(models[0], scheme, **common, device=torch.device("cpu"))
     graphs = cuda_runner(models[1], scheme, **common, device=torch.device("cuda"), decode_capacities=(1, 2, 4, 8),
-                           prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model)
+                           prefill_capacities=(64, 128), context_length=2048, compile_model=compile_model,
+                           **graph_options)
     return reference, graphs, [make_scheduler(num_pages, rows, snapshots) for _ in range(2)]
 
 
