@@ -204,7 +204,7 @@ def experts_sweep(config, device: torch.device, layers: int = 4, repeats: int = 
     for gated, name in ((True, "gate_up"), (False, "down")):
         rows, cols = (2 * inter, hidden) if gated else (hidden, inter)
         chosen_bytes = top_k * rows * (cols // 2 + cols // 32)
-        grid = [moe.ExpertsConfig(1, n, k, w, 1, decode) for decode in moe.FP4_DECODES for n in (4, 8, 16, 32)
+        grid = [moe.ExpertsConfig(1, n, k, w, 1, decode) for decode in moe.FP4_DECODES for n in (4, 8, 16)
                 for k in (128, 256, 512) for w in (4, 8)]
         results[name] = {}
         for tiles in [moe.experts_config(top_k, experts, gated, torch.uint8), *grid]:
