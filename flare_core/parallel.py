@@ -214,9 +214,10 @@ def rank_checkpoint(recipe: Recipe, config: Any, checkpoint: Mapping[str, Tensor
         if len(differing) > 1 or whole[dim] != target.shape[dim] * ranks.size:
             raise ValueError(f"{name}: the full model's {tuple(whole)} and a rank's {tuple(target.shape)} are no even "
                              f"split over {ranks.size} ranks along one dimension")
-        derived = next((d for d in spec.derived if name.endswith("." + d.prepared)), None)
-        if derived is not None:
-            dims[name[:-len(derived.prepared)] + derived.source] = derived.dim
+        derived = [d for d in spec.derived if name.endswith("." + d.prepared)]
+        for shard in derived:  # each checkpoint tensor the recipe builds this one from
+            dims[name[:-len(shard.prepared)] + shard.source] = shard.dim
+        if derived:
             continue
         packed = packed_experts(name, num_experts)
         for group in source_names(name, num_experts):
@@ -279,6 +280,9 @@ def join_group(model: nn.Module, spec: TensorParallelSpec, ranks: Ranks) -> int:
             for partial in held or [module]:
                 partial.register_forward_hook(hook)
                 hooked += 1
+    if not hooked:  # else every rank would add up only its own share: wrong logits, no error
+        raise ValueError(f"tensor parallelism: no decoder layer of the model has the submodules {spec.partial_sums} "
+                         f"whose outputs the recipe declares partial sums (TensorParallelSpec.partial_sums)")
     if isinstance(getattr(model, "lm_head", None), HeadSlice):
         def gather_logits(logits: Tensor) -> Tensor:
             slices = [torch.empty_like(logits) for _ in range(ranks.size)]

@@ -577,7 +577,9 @@ class DerivedShard:
     """A prepared tensor that a recipe's `map_weights` computes from another checkpoint tensor
     rather than fusing or packing parts (DeepSeek's absorbed MLA `w_uk` / `w_uv` come from
     `kv_b_proj.weight`): a rank's share of a prepared tensor whose name ends in `prepared` comes
-    from the checkpoint tensor of the same module path ending in `source`, sliced along `dim`."""
+    from the checkpoint tensor of the same module path ending in `source`, sliced along `dim`.
+    A tensor built from several (DeepSeek V4.1's packed shared expert from `w1` and `w3`) has an
+    entry for each."""
 
     prepared: str
     source: str

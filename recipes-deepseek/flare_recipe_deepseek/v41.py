@@ -628,6 +628,26 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV41ForServing:
 
 
 _EXPERT = re.compile(r"(.*\.ffn)\.(experts|shared_experts)\.(gate_up_proj|down_proj)$")
+# A routed expert's matrices under the names of the per-expert parts tensor parallelism slices
+# (flare_core.parallel: gate_proj, up_proj, down_proj of a packed gate_up_proj / down_proj).
+_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ROUTED = re.compile(r"(.*\.ffn\.experts\.\d+)\.(w[123])\.weight$")
+
+
+def checkpoint_names(names: Iterator[str]) -> dict[str, str]:
+    """The model-side name of each checkpoint tensor -> its checkpoint name, for tensor
+    parallelism to slice what `map_weights` reads: Transformers' names (DeepSeek's gain `model.`,
+    its `head.weight` is `lm_head.weight`), each routed expert's `w1` / `w3` / `w2` under its part's
+    name. The shared expert keeps its names (the recipe's TensorParallelSpec derives it)."""
+    model_side = {}
+    for name in names:
+        ours = "lm_head.weight" if name == "head.weight" else name if name.startswith(("model.", "lm_head.")) \
+            else f"model.{name}"
+        routed = _ROUTED.match(ours)
+        if routed is not None:
+            ours = f"{routed[1]}.{_EXPERT_PARTS[routed[2]]}.weight"
+        model_side[ours] = name
+    return model_side
 
 
 def map_weights(config: Any, checkpoint: Mapping[str, Tensor],

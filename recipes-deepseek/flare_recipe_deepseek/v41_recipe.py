@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from flare_core.api import Alias
-from flare_recipe_deepseek.v41 import build_model, check_config, map_weights
+from flare_core.api import Alias, DerivedShard, TensorParallelSpec
+from flare_recipe_deepseek.v41 import build_model, check_config, checkpoint_names, map_weights
 from flare_recipe_deepseek.v41_engram import compressed_token_map
 from flare_recipe_deepseek.v4_encoder import SYSTEM
 from flare_recipe_deepseek.v4_recipe import DEEPSEEK_V4, DEEPSEEK_V4_FRONTEND, DEEPSEEK_V4_SAMPLING
@@ -62,6 +62,18 @@ def plan_notes(config: Any) -> tuple[str, ...]:
     return tuple(notes)
 
 
+# Tensor parallelism as V4's (query heads with their sinks, output groups, expert features split;
+# the single K = V head, compressors, indexer, Engram and caches whole), over V4.1's own modules: the
+# partial sums are the layers' `attn` and `ffn` outputs, and the shared expert (packed from w1 / w3,
+# w2) is sliced from those.
+DEEPSEEK_V41_TENSOR_PARALLEL = TensorParallelSpec(
+    divided=("num_attention_heads", "o_groups", "moe_intermediate_size"), partial_sums=("attn", "ffn"),
+    derived=(DerivedShard("ffn.shared_experts.gate_up_proj", "ffn.shared_experts.w1.weight", 0),
+             DerivedShard("ffn.shared_experts.gate_up_proj", "ffn.shared_experts.w3.weight", 0),
+             DerivedShard("ffn.shared_experts.down_proj", "ffn.shared_experts.w2.weight", 1)),
+    checkpoint_names=checkpoint_names, routed_experts="n_routed_experts", expert_features=("moe_intermediate_size",),
+)
+
 # V4's declaration where V4.1 is the same (page size, float32 reference path), its own elsewhere.
 DEEPSEEK_V41 = replace(
     DEEPSEEK_V4, name="deepseek-v4.1", version=RECIPE_VERSION, architectures=("DeepseekV41ForCausalLM",),
@@ -69,6 +81,7 @@ DEEPSEEK_V41 = replace(
     sampling=DEEPSEEK_V41_SAMPLING, frontend=DEEPSEEK_V41_FRONTEND, cache_scheme="shared-compressed-attention",
     build_model=build_model, map_weights=map_weights, check_config=check_config, plan_notes=plan_notes,
     served_config=served_config, tokenizer_tensors=tokenizer_tensors, carried_prefixes=("mtp.",),
+    tensor_parallel=DEEPSEEK_V41_TENSOR_PARALLEL,
     description="DeepSeek V4.1 (CSA2 shared compressed attention with candidate top-k, mHC, sqrt-softplus routed "
                 "MoE, Engram n-gram memory; Flare's own modeling of the definition on Transformers' main branch); "
                 "CUDA: decode steps in captured graphs where it has no Engram layers)")

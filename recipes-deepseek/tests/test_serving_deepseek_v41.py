@@ -43,6 +43,7 @@ def exported(tmp_path_factory, session_flare):
     printed = session_flare("export", root / "checkpoint", "--dtype", "float32", "--context-length", "512",
                             "--no-progress").output
     tiny.model = tiny.served()  # the same weights in this process: what the answers must equal
+    tiny.checkpoint_directory = root / "checkpoint"
     return Path(printed.strip().splitlines()[-1]), printed, tiny, tokenizer
 
 
@@ -85,6 +86,26 @@ def test_chat_turns_answer_as_the_model_and_the_second_resumes_from_the_first(se
     assert second.usage.prompt_tokens == prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # restored at the first turn's marks
     assert second.choices[0].message.content == answer
+
+
+def test_a_core_split_over_two_ranks_answers_as_the_model(exported, session_flare, tmp_path):
+    """`flare export --tp 2 --expert-parallel`: two gloo ranks (half the query heads and output
+    groups, half the routed experts whole each; Engram, compressors, indexer and caches whole)
+    answer the chat as the whole model does."""
+    _, _, tiny, tokenizer = exported
+    core = session_flare.export(tiny.checkpoint_directory, "--dtype", "float32", "--context-length", "512", "--tp", "2",
+                                "--expert-parallel")
+    process = ServerProcess(session_flare.config_path, core, tmp_path / "split.log", "--served-name", SERVED)
+    try:
+        process.wait_ready()
+        assert "tensor-parallel over 2 ranks" in process.log()
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a prime, please."}]
+        answer = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=10, temperature=0,
+                                                extra_body=NO_THINKING)
+        assert answer.choices[0].message.content == expected(tiny, tokenizer, messages, 10)[1]
+    finally:
+        process.stop()
 
 
 def test_the_anthropic_sdk_gets_the_same_answer(served):
