@@ -142,7 +142,8 @@ def load_core(core: RuntimeCore, registry: Registry, device: torch.device, rank:
     # Tensors the core carries for other features (Recipe.carried_prefixes, the draft head) are not the model's.
     tensor_names = [name for name in core.tensor_names() if not name.startswith((CARRIED_PREFIX, DRAFT_HEAD_PREFIX))]
     held = rank_view(tensor_names, rank, ranks) if ranks > 1 else tensor_names  # which of them are FP8 / FP4
-    options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(held)),
+    block = tuple((quantization or {}).get("weight_block_size", (128, 128)))
+    options = ServingOptions(gemv=device.type == "cuda", fp8_linears=tuple(quantized_paths(held)), fp8_block=block,
                              fp8_experts=tuple(quantized_experts(held)), fp4_experts=tuple(fp4_experts(held)),
                              ranks=Ranks(rank, ranks, experts=manifest.get("expert_parallel", False)) if ranks > 1
                              else None)

@@ -56,6 +56,10 @@ except ImportError:  # CPU-only installs: every call dequantizes
     triton = None
 
 BLOCK = (128, 128)
+# The block sides a weight's scales may cover, largest first: 128 (DeepSeek V3 / V4, Qwen -FP8), 64,
+# and 32 (DeepSeek V4.1 publishes 32 x 32 blocks). A layer's block follows from its weight's and
+# scales' shapes (`block_of`).
+BLOCK_SIDES = (128, 64, 32)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # P.weight -> P.weight_scale_inv
 
@@ -80,13 +84,28 @@ def quantize_blocks(weight: Tensor, block: tuple[int, int] = BLOCK, powers: bool
     return scaled.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
 
 
-def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = BLOCK,
+def block_of(weight: Tensor, scale_inv: Tensor) -> tuple[int, int]:
+    """The (rows, cols) block whose grid over `weight` [..., N, K] is `scale_inv`'s [..., ceil(N /
+    rows), ceil(K / cols)]: on each side the largest of BLOCK_SIDES that gives it (sides that give
+    the same grid quantize the weight the same way). ValueError where none does."""
+    def side(size: int, count: int) -> int:
+        for candidate in BLOCK_SIDES:
+            if -(-size // candidate) == count:
+                return candidate
+        raise ValueError(f"FP8 scales {tuple(scale_inv.shape)} cover no block of {BLOCK_SIDES} over a weight of "
+                         f"{tuple(weight.shape)}")
+
+    return side(weight.shape[-2], scale_inv.shape[-2]), side(weight.shape[-1], scale_inv.shape[-1])
+
+
+def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] | None = None,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """The value of a block-quantized [rows, cols] weight as `dtype` (each product computed in
-    float32 and rounded once). Memory: one `dtype` copy of the weight (scales are expanded over
-    rows only and broadcast over columns through a view)."""
+    float32 and rounded once); `block` as its scales' grid says (`block_of`) unless given. Memory:
+    one `dtype` copy of the weight (scales are expanded over rows only and broadcast over columns
+    through a view)."""
     rows, cols = weight.shape
-    block_rows, block_cols = block
+    block_rows, block_cols = block or block_of(weight, scale_inv)
     out = weight.to(dtype, copy=True)
     scale = scale_inv.to(torch.float32).repeat_interleave(block_rows, dim=0)[:rows]
     full, partial = divmod(cols, block_cols)
@@ -100,12 +119,13 @@ def dequantize_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] 
 if triton is not None:
     @triton.jit(do_not_specialize=["N", "GROUP_ROWS"])  # as flare_core.kernels.gemv's: an N of 1 stays a runtime value
     def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, N, K, SCALE_COLUMNS, GROUP_ROWS, ROWS: tl.constexpr,
-                         COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                         COLUMNS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+                         BLOCK_ROWS: tl.constexpr = 128, BLOCK_COLS: tl.constexpr = 128):
         # flare_core.kernels.gemv's kernel over FP8 rows: program p reads weight rows [p * ROWS, (p + 1)
         # * ROWS) (gated: and the up rows N below them), COLUMNS at a time. Its rows lie in one
-        # 128-row block (ROWS divides 128 and, gated, N), so x is multiplied by the block's scales
-        # rather than each weight: one scale per iteration when COLUMNS is 128, else each column's
-        # (a load that the L1 cache serves). A grouped weight (GROUP_ROWS rows per group, ROWS
+        # block of BLOCK_ROWS rows (ROWS divides it and, gated, N), so x is multiplied by the block's
+        # scales rather than each weight: one scale per iteration when COLUMNS is BLOCK_COLS, else
+        # each column's (a load that the L1 cache serves). A grouped weight (GROUP_ROWS rows per group, ROWS
         # dividing it) multiplies group g's rows by x's g-th K features; else GROUP_ROWS is N.
         if PDL:  # the kernel after this one may start now: it waits for our output itself
             tl.extra.cuda.gdc_launch_dependents()
@@ -116,30 +136,30 @@ if triton is not None:
         columns = tl.arange(0, COLUMNS)
         offsets = rows[:, None].to(tl.int64) * K + columns[None, :]
         up_shift = N.to(tl.int64) * K
-        scales = scale_ptr + (first_row // 128) * SCALE_COLUMNS
-        up_scales = scale_ptr + ((first_row + N) // 128) * SCALE_COLUMNS
+        scales = scale_ptr + (first_row // BLOCK_ROWS) * SCALE_COLUMNS
+        up_scales = scale_ptr + ((first_row + N) // BLOCK_ROWS) * SCALE_COLUMNS
         # The weights do not depend on the kernel before: the first columns load while it ends.
         w = tl.load(w_ptr + offsets, mask=row_mask, other=0.0)
         up = tl.load(w_ptr + offsets + up_shift, mask=row_mask, other=0.0) if GATED else w
         if PDL:  # x is the previous kernel's output
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + columns).to(tl.float32)
-        if COLUMNS == 128:
+        if COLUMNS == BLOCK_COLS:
             x_up = x * tl.load(up_scales) if GATED else x
             x = x * tl.load(scales)
         else:
-            x_up = x * tl.load(up_scales + columns // 128) if GATED else x
-            x = x * tl.load(scales + columns // 128)
+            x_up = x * tl.load(up_scales + columns // BLOCK_COLS) if GATED else x
+            x = x * tl.load(scales + columns // BLOCK_COLS)
         acc = w.to(tl.float32) * x[None, :]
         up_acc = up.to(tl.float32) * x_up[None, :]
         for start in range(COLUMNS, K, COLUMNS):
             x = tl.load(x_ptr + start + columns).to(tl.float32)
-            if COLUMNS == 128:
-                x_up = x * tl.load(up_scales + start // 128) if GATED else x
-                x = x * tl.load(scales + start // 128)
+            if COLUMNS == BLOCK_COLS:
+                x_up = x * tl.load(up_scales + start // BLOCK_COLS) if GATED else x
+                x = x * tl.load(scales + start // BLOCK_COLS)
             else:
-                x_up = x * tl.load(up_scales + (start + columns) // 128) if GATED else x
-                x = x * tl.load(scales + (start + columns) // 128)
+                x_up = x * tl.load(up_scales + (start + columns) // BLOCK_COLS) if GATED else x
+                x = x * tl.load(scales + (start + columns) // BLOCK_COLS)
             w = tl.load(w_ptr + offsets + start, mask=row_mask, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
@@ -152,22 +172,23 @@ if triton is not None:
 
     @triton.jit
     def _fp8_mm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, SCALE_COLUMNS, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-        # out[M, N] = x[M, K] @ W^T for a few tokens: the FP8 weight tile of each 128-column block
-        # is widened to x's dtype in registers for a tensor-core dot with the 16-bit activations,
-        # and the block's product is scaled once (BLOCK_N divides 128: one scale per tile).
+                       BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr = 128, BLOCK_COLS: tl.constexpr = 128):
+        # out[M, N] = x[M, K] @ W^T for a few tokens: the FP8 weight tile of each BLOCK_COLS-column
+        # block is widened to x's dtype in registers for a tensor-core dot with the 16-bit
+        # activations, and the block's product is scaled once (BLOCK_N divides BLOCK_ROWS: one
+        # scale per tile).
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         first_n = tl.program_id(0) * BLOCK_N
         n = first_n + tl.arange(0, BLOCK_N)
-        k = tl.arange(0, 128)
+        k = tl.arange(0, BLOCK_COLS)
         x_rows = x_ptr + m[:, None].to(tl.int64) * K + k[None, :]
         w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
-        scales = scale_ptr + (first_n // 128) * SCALE_COLUMNS
+        scales = scale_ptr + (first_n // BLOCK_ROWS) * SCALE_COLUMNS
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for block in range(0, tl.cdiv(K, 128)):
-            k_mask = k[None, :] < K - block * 128
-            a = tl.load(x_rows + block * 128, mask=(m[:, None] < M) & k_mask, other=0.0)
-            w = tl.load(w_rows + block * 128, mask=(n[:, None] < N) & k_mask, other=0.0)
+        for block in range(0, tl.cdiv(K, BLOCK_COLS)):
+            k_mask = k[None, :] < K - block * BLOCK_COLS
+            a = tl.load(x_rows + block * BLOCK_COLS, mask=(m[:, None] < M) & k_mask, other=0.0)
+            w = tl.load(w_rows + block * BLOCK_COLS, mask=(n[:, None] < N) & k_mask, other=0.0)
             acc += tl.dot(a, tl.trans(w.to(a.dtype))) * tl.load(scales + block)
         tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
@@ -223,10 +244,11 @@ def fp8_gemv(x: Tensor, weight: Tensor, scale_inv: Tensor, config: GemvConfig, g
     features (N / groups a multiple of the config's rows)."""
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
     out = x.new_empty(out_features)
+    block_rows, block_cols = block_of(weight, scale_inv)
     _fp8_gemv_kernel[(triton.cdiv(out_features, config.rows),)](
         x, weight, scale_inv, out, out_features, weight.shape[1], scale_inv.shape[1], out_features // groups,
-        ROWS=config.rows, COLUMNS=config.columns, GATED=gated, PDL=config.pdl, num_warps=config.warps,
-        num_stages=config.stages, launch_pdl=config.pdl)
+        ROWS=config.rows, COLUMNS=config.columns, GATED=gated, PDL=config.pdl, BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols, num_warps=config.warps, num_stages=config.stages, launch_pdl=config.pdl)
     return out
 
 
@@ -238,9 +260,11 @@ def fp8_mm(x: Tensor, weight: Tensor, scale_inv: Tensor, block_n: int = 32, warp
     out_features = weight.shape[0]
     out = x.new_empty(rows, out_features)
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_rows, block_cols = block_of(weight, scale_inv)
+    block_n = min(block_n, block_rows)
     _fp8_mm_kernel[(triton.cdiv(out_features, block_n), triton.cdiv(rows, block_m))](
         x, weight, scale_inv, out, rows, out_features, features, scale_inv.shape[1], BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -269,13 +293,13 @@ def _triton_path(x: Tensor, weight: Tensor) -> bool:
             and weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and x.is_contiguous())
 
 
-def _gemm_path(x: Tensor, weight: Tensor) -> bool:
-    """Whether `x` [M, K] @ W^T runs as cuBLAS's block-scaled FP8 GEMM, which wants the scales'
-    leading dimensions 16-byte aligned: K / 128 a multiple of 4 (the token count is padded), and
-    whole 128-row blocks."""
+def _gemm_path(x: Tensor, weight: Tensor, scale_inv: Tensor) -> bool:
+    """Whether `x` [M, K] @ W^T runs as cuBLAS's block-scaled FP8 GEMM, which takes 128 x 128 blocks
+    and wants the scales' leading dimensions 16-byte aligned: K / 128 a multiple of 4 (the token
+    count is padded), and whole 128-row blocks."""
     out_features, features = weight.shape
     return (_triton_path(x, weight) and features % 512 == 0 and out_features % 128 == 0
-            and _block_scaled_gemm(x.device.index))
+            and block_of(weight, scale_inv) == BLOCK and _block_scaled_gemm(x.device.index))
 
 
 def block_scaled_mm(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
@@ -290,13 +314,14 @@ def block_scaled_mm(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
 @torch.library.custom_op("flare::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     """F.linear(x, W) of a block-quantized FP8 weight W (weight [N, K] float8_e4m3fn, scale_inv
-    [ceil(N / 128), ceil(K / 128)]), in x's dtype: see the module docstring for the paths."""
+    [ceil(N / rows), ceil(K / cols)] for blocks of BLOCK_SIDES, `block_of`), in x's dtype: see the
+    module docstring for the paths."""
     out_features, features = weight.shape
     config = _fp8_gemv_path(x, weight, out_features)
     if config is not None:
         return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config).view(*x.shape[:-1], out_features)
     flat = x.reshape(-1, features)
-    if flat.shape[0] and _gemm_path(flat, weight):
+    if flat.shape[0] and _gemm_path(flat, weight, scale_inv):
         return block_scaled_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
     if flat.shape[0] and _triton_path(flat, weight):
         return fp8_mm(flat, weight, scale_inv).view(*x.shape[:-1], out_features)
@@ -313,15 +338,16 @@ def fp8_grouped_linear(x: Tensor, weight: Tensor, scale_inv: Tensor) -> Tensor:
     """A block-diagonal grouped linear layer over a block-quantized FP8 weight: x [..., G, K],
     weight [G * R, K] (group g's R rows applied to x[..., g, :]) -> [..., G, R] in x's dtype. One
     token on a GPU: every group in one FP8 GEMV launch; else group by group through `fp8_linear`
-    (the 128-row block grid must split at group boundaries: R a multiple or a divisor of 128)."""
+    (the block grid must split at group boundaries: R a multiple or a divisor of the block's rows)."""
     groups = x.shape[-2]
     rows = weight.shape[0] // groups
     config = _fp8_gemv_path(x[..., 0, :], weight, weight.shape[0])  # one token: one group's features
     if config is not None and rows % config.rows == 0:
         return fp8_gemv(x.reshape(-1).contiguous(), weight, scale_inv, config, groups=groups).view(
             *x.shape[:-1], rows)
+    side = block_of(weight, scale_inv)[0]
     outputs = [fp8_linear(x[..., g, :].contiguous(), weight[g * rows:(g + 1) * rows],
-                          scale_inv[g * rows // BLOCK[0]:((g + 1) * rows - 1) // BLOCK[0] + 1]) for g in range(groups)]
+                          scale_inv[g * rows // side:((g + 1) * rows - 1) // side + 1]) for g in range(groups)]
     return torch.stack(outputs, dim=-2)
 
 

@@ -16,12 +16,13 @@ class Fp8BlockLinear(nn.Module):
     """A linear layer over a block-quantized FP8 weight (the scales a persistent buffer: they are
     no parameters), computed by `flare::fp8_linear`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 block: tuple[int, int] = BLOCK):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
                                    requires_grad=False)
-        grid = (-(-out_features // BLOCK[0]), -(-in_features // BLOCK[1]))
+        grid = (-(-out_features // block[0]), -(-in_features // block[1]))
         self.register_buffer("weight_scale_inv", torch.empty(grid, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
@@ -41,21 +42,21 @@ def linear_groups(module: nn.Module) -> int | None:
 
 class Fp8GroupedLinear(nn.Module):
     """A grouped linear layer (`linear_groups`) over a block-quantized FP8 weight, computed by
-    `flare::fp8_grouped_linear` (one token: one launch for every group) where the 128-row block
-    grid splits at group boundaries (rows per group a multiple or a divisor of 128: every slice has
-    its own scale rows); otherwise the weight is dequantized in each call."""
+    `flare::fp8_grouped_linear` (one token: one launch for every group) where the block grid splits
+    at group boundaries (rows per group a multiple or a divisor of the block's rows: every slice
+    has its own scale rows); otherwise the weight is dequantized in each call."""
 
-    def __init__(self, in_features: int, out_features: int, n_groups: int):
+    def __init__(self, in_features: int, out_features: int, n_groups: int, block: tuple[int, int] = BLOCK):
         super().__init__()
-        self.in_features, self.out_features, self.n_groups = in_features, out_features, n_groups
+        self.in_features, self.out_features, self.n_groups, self.block = in_features, out_features, n_groups, block
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
                                    requires_grad=False)
-        grid = (-(-out_features // BLOCK[0]), -(-in_features // BLOCK[1]))
+        grid = (-(-out_features // block[0]), -(-in_features // block[1]))
         self.register_buffer("weight_scale_inv", torch.empty(grid, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Tensor:
         rows = self.out_features // self.n_groups
-        if rows % BLOCK[0] == 0 or BLOCK[0] % rows == 0:
+        if rows % self.block[0] == 0 or self.block[0] % rows == 0:
             return torch.ops.flare.fp8_grouped_linear(x, self.weight, self.weight_scale_inv)
         weight = dequantize_blocks(self.weight, self.weight_scale_inv, dtype=x.dtype)
         return torch.einsum("...gi,goi->...go", x, weight.view(self.n_groups, rows, self.in_features))
@@ -99,10 +100,10 @@ def quantizable_linears(model: nn.Module) -> list[str]:
             if type(module) is nn.Linear or linear_groups(module) is not None]
 
 
-def use_fp8_blocks(model: nn.Module, paths: Iterable[str]) -> nn.Module:
+def use_fp8_blocks(model: nn.Module, paths: Iterable[str], block: tuple[int, int] = BLOCK) -> nn.Module:
     """Replace the nn.Linear modules at `paths` by `Fp8BlockLinear`s (grouped ones by
-    `Fp8GroupedLinear`s) of the same shape (on the meta device, to be filled by
-    flare_core.ops.loading), in place; returns `model`."""
+    `Fp8GroupedLinear`s) of the same shape, their scales over `block` blocks (on the meta device,
+    to be filled by flare_core.ops.loading), in place; returns `model`."""
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -112,8 +113,8 @@ def use_fp8_blocks(model: nn.Module, paths: Iterable[str]) -> nn.Module:
             raise ValueError(f"{path}: FP8 weights replace nn.Linear layers, this is a {type(linear).__name__}")
         with torch.device("meta"):
             setattr(parent, name, Fp8BlockLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                                                 linear.weight.dtype) if groups is None else
-                    Fp8GroupedLinear(linear.in_features, linear.out_features, groups))
+                                                 linear.weight.dtype, block) if groups is None else
+                    Fp8GroupedLinear(linear.in_features, linear.out_features, groups, block))
     return model
 
 

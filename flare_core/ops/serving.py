@@ -33,11 +33,13 @@ class ServingOptions:
     (the CUDA path); `fp8_linears` / `fp8_experts`: module paths of the linear layers and packed
     expert tensors whose weights are FP8 blocks (flare_core.ops.fp8.quantized_paths /
     quantized_experts of a core's tensor names); `fp4_experts`: packed expert tensors kept as FP4
-    groups (flare_core.ops.fp4.fp4_experts); `ranks`: this model is one rank of a
-    tensor-parallel group."""
+    groups (flare_core.ops.fp4.fp4_experts); `fp8_block`: the (rows, cols) blocks the FP8 linear
+    layers' scales cover (the core's weight_block_size: 128 x 128, or a checkpoint's own, DeepSeek
+    V4.1's 32 x 32); `ranks`: this model is one rank of a tensor-parallel group."""
 
     gemv: bool = False
     fp8_linears: tuple[str, ...] = ()
+    fp8_block: tuple[int, int] = (128, 128)
     fp8_experts: tuple[str, ...] = ()
     fp4_experts: tuple[str, ...] = ()
     ranks: Ranks | None = None
@@ -50,7 +52,7 @@ def serving_model(recipe: Recipe, config: Any, dtype: torch.dtype,
         model = recipe.build_model(config, dtype)
     else:
         model = build_rank_model(recipe, config, dtype, options.ranks)
-    use_fp8_blocks(model, options.fp8_linears)
+    use_fp8_blocks(model, options.fp8_linears, options.fp8_block)
     use_fp8_experts(model, options.fp8_experts)
     use_fp4_experts(model, options.fp4_experts)
     if options.gemv:  # after FP8: the FP8 linears keep their own one-token kernel

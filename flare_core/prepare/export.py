@@ -264,11 +264,13 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         elif quantized:
             fp8_count = _quantize_fp8(tensors, [name for name in quantized if name not in kept_fp4], checkpoint_tensors,
                                       sources, checkpoint.tensors)
-            if blocks is not None:
-                fp4 = f" and {fp4_count} as its FP4 experts" if keep_fp4 else ""
-                echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks{fp4}; "
-                     f"{len(quantized) - fp8_count - fp4_count} dequantized to {request.dtype} (their parts do not "
-                     f"line up in 128x128 blocks, or the checkpoint keeps them unquantized)")
+        if quantized and blocks is not None:
+            fp4 = f" and {fp4_count} as its FP4 experts" if keep_fp4 else ""
+            split = f" (on {ranks} ranks, each slice quantized again to exactly its values)" if ranks > 1 else ""
+            echo(f"fp8           {fp8_count} of {len(quantized)} weights kept as the checkpoint's fp8 blocks{fp4}{split}; "
+                 f"{len(quantized) - fp8_count - fp4_count} dequantized to {request.dtype} (their parts do not "
+                 f"line up in {blocks.block[0]}x{blocks.block[1]} blocks that Flare serves, or the checkpoint "
+                 f"keeps them unquantized)")
         manifest = _manifest(recipe, registry, source, architecture, model_config, request.dtype, capacities, scheme,
                              assets)
         manifest["tensor_parallel"] = ranks
@@ -285,7 +287,11 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
             echo(f"draft head    {head_tensors} tensors stored as {DRAFT_HEAD_PREFIX}<name> in {request.dtype} "
                  f"(flare run --spec-method mtp)")
         if fp8_count or fp4_count:
-            manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": [128, 128],
+            # The checkpoint's blocks where its own were kept (linear layers; experts in 128 x 128
+            # only, kept_block), else 128 x 128.
+            block = list(blocks.block) if blocks is not None and kept_block(blocks.block, torch.empty(0, 0)) \
+                else [128, 128]
+            manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": block,
                                         "weights": fp8_count}
             if fp4_count:
                 manifest["quantization"]["fp4_experts"] = {"format": "e2m1", "scale": "float8_e8m0fnu",
@@ -353,6 +359,15 @@ def _describe_fp8(names: list[str], skeleton: dict[str, torch.Tensor]) -> str:
     return described + (f" and {experts} packed routed-expert tensors" if experts else "")
 
 
+def kept_block(block: tuple[int, int], tensor: torch.Tensor) -> bool:
+    """Whether a weight `tensor` in a checkpoint's `block` blocks can be served in them: a linear
+    weight's in blocks of flare_core.kernels.fp8.BLOCK_SIDES, packed experts' in 128 x 128 (the
+    experts kernel's tiles)."""
+    from flare_core.kernels.fp8 import BLOCK, BLOCK_SIDES
+
+    return tuple(block) == BLOCK if tensor.dim() == 3 else all(side in BLOCK_SIDES for side in block)
+
+
 def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: DequantizedCheckpoint,
                   sources: Mapping[str, list[str]], raw: Mapping[str, torch.Tensor]) -> int:
     """Stage the weights `names` of `tensors` as FP8 blocks and their scales; how many. An
@@ -360,7 +375,7 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
     checkpoint's are its own blocks (read from `raw`, the checkpoint as stored) where the
     checkpoint tensors the weight was made of (`sources`) line up in 128x128 blocks; the others keep the dequantized weight (never
     requantized to make a fusion fit)."""
-    from flare_core.kernels.fp8 import BLOCK, SCALE_SUFFIX, quantize_blocks, quantize_experts
+    from flare_core.kernels.fp8 import SCALE_SUFFIX, quantize_blocks, quantize_experts
 
     done = 0
     for name in names:
@@ -368,8 +383,8 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
         if checkpoint.blocks is None:
             fp8 = quantize_experts(tensor) if tensor.dim() == 3 else quantize_blocks(tensor)
         else:
-            fp8 = published_fp8(tensor, sources.get(name, []), raw, checkpoint.scale_of) \
-                if checkpoint.blocks.block == BLOCK else None
+            fp8 = published_fp8(tensor, sources.get(name, []), raw, checkpoint.scale_of, checkpoint.blocks.block) \
+                if kept_block(checkpoint.blocks.block, tensor) else None
         if fp8 is not None:
             tensors.put(name, fp8[0])
             tensors.put(name + SCALE_SUFFIX, fp8[1])
@@ -387,7 +402,7 @@ def _quantize_rank_fp8(tensors: SpilledTensors, names: list[str], ranks: int, bl
     power-of-two or amax / 448 scales over a slice along whole blocks or 32-column groups); the
     others keep the dequantized weight (never requantized to make a split fit)."""
     from flare_core.kernels import fp4
-    from flare_core.kernels.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks, quantize_experts
+    from flare_core.kernels.fp8 import BLOCK, SCALE_SUFFIX, dequantize_blocks, quantize_blocks, quantize_experts
     from flare_core.parallel import rank_tensor_name
 
     def as_fp4(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -397,11 +412,13 @@ def _quantize_rank_fp8(tensors: SpilledTensors, names: list[str], ranks: int, bl
         return (packed, scale) if torch.equal(fp4.dequantize_fp4(packed, scale, tensor.dtype), tensor) else None
 
     def as_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # The checkpoint's blocks where they can be served (kept_block), else 128 x 128.
+        block = tuple(blocks.block) if blocks is not None and kept_block(blocks.block, tensor) else BLOCK
         for powers in ((False,) if blocks is None else (True, False)):
-            weight, scale = quantize_experts(tensor, powers=powers) if tensor.dim() == 3 else \
-                quantize_blocks(tensor, powers=powers)
+            weight, scale = quantize_experts(tensor, block, powers) if tensor.dim() == 3 else \
+                quantize_blocks(tensor, block, powers)
             pairs = zip(weight, scale) if weight.dim() == 3 else [(weight, scale)]
-            values = [dequantize_blocks(w, s, dtype=tensor.dtype) for w, s in pairs]
+            values = [dequantize_blocks(w, s, block, dtype=tensor.dtype) for w, s in pairs]
             if blocks is None or torch.equal(torch.stack(values) if weight.dim() == 3 else values[0], tensor):
                 return weight, scale
         return None

@@ -65,25 +65,25 @@ def _parts(prepared: Tensor, read: list[str], raw: Mapping[str, Tensor], scale_o
 
 
 def published_fp8(prepared: Tensor, read: list[str], raw: Mapping[str, Tensor],
-                  scale_of: ScaleOf) -> tuple[Tensor, Tensor] | None:
+                  scale_of: ScaleOf, block: tuple[int, int] = BLOCK) -> tuple[Tensor, Tensor] | None:
     """The checkpoint's own float8_e4m3fn weight and float32 block scales of `prepared` ([rows,
     cols], or packed experts [E, rows, cols]), made of the checkpoint tensors `read` (`raw` the
-    checkpoint as stored): the parts concatenated by rows, when each is in 128 x 128 blocks, every
-    part but the last fills whole block rows, and the result dequantizes to exactly the prepared
-    weight. None otherwise."""
+    checkpoint as stored): the parts concatenated by rows, when each is in `block` blocks (the
+    checkpoint's), every part but the last fills whole block rows, and the result dequantizes to
+    exactly the prepared weight. None otherwise."""
     groups = _parts(prepared, read, raw, scale_of, (torch.float8_e4m3fn,))
     if groups is None:
         return None
     weights, scales = [], []
     for parts, target in zip(groups, prepared if prepared.dim() == 3 else [prepared]):
         pieces = [raw[part] for part in parts]
-        if any(w.dim() != 2 for w in pieces) or any(w.shape[0] % BLOCK[0] for w in pieces[:-1]):
+        if any(w.dim() != 2 for w in pieces) or any(w.shape[0] % block[0] for w in pieces[:-1]):
             return None
         weight = torch.cat(pieces)
         scale = torch.cat([raw[scale_of(part) or ""].float() for part in parts])
         if tuple(weight.shape) != tuple(target.shape) or \
-                tuple(scale.shape) != (-(-weight.shape[0] // BLOCK[0]), -(-weight.shape[1] // BLOCK[1])) or \
-                not torch.equal(dequantize_blocks(weight, scale, dtype=target.dtype), target):
+                tuple(scale.shape) != (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1])) or \
+                not torch.equal(dequantize_blocks(weight, scale, block, dtype=target.dtype), target):
             return None
         weights.append(weight)
         scales.append(scale)

@@ -38,12 +38,33 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, bound: float = ULPS) ->
     assert error <= bound * expected.float().abs().max().item(), error
 
 
-def _fp8_weight(out_features: int, in_features: int, seed: int):
+def _fp8_weight(out_features: int, in_features: int, seed: int, block: tuple[int, int] = (128, 128)):
     from flare_core.kernels.fp8 import dequantize_blocks, quantize_blocks
 
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    weight, scale_inv = quantize_blocks(torch.randn(out_features, in_features, device="cuda", generator=generator))
+    weight, scale_inv = quantize_blocks(torch.randn(out_features, in_features, device="cuda", generator=generator),
+                                        block)
     return weight, scale_inv, dequantize_blocks(weight, scale_inv)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_32_by_32_blocks_as_deepseek_v41_publishes_them(tokens):
+    """Weights in 32 x 32 blocks (their scales' grid says so: flare_core.kernels.fp8.block_of) go
+    through the GEMV at one token and the Triton kernel at several (cuBLAS takes 128 x 128 only),
+    plain, gated and grouped."""
+    from flare_core.kernels.fp8 import _gemm_path
+
+    weight, scale_inv, exact = _fp8_weight(1024, 4096, 4, (32, 32))
+    x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    assert not _gemm_path(x, weight, scale_inv)
+    _close(torch.ops.flare.fp8_linear(x, weight, scale_inv), x.float() @ exact.T)
+    gate_up, gate_up_scale, gate_up_exact = _fp8_weight(2048, 4096, 5, (32, 32))
+    gate, up = (x.float() @ gate_up_exact.T).chunk(2, dim=-1)
+    _close(torch.ops.flare.fp8_gated_linear(x, gate_up, gate_up_scale), torch.nn.functional.silu(gate) * up)
+    grouped = x.view(tokens, 4, 1024)  # 4 groups of 256 rows over their 1,024 features
+    groups, groups_scale, groups_exact = _fp8_weight(1024, 1024, 6, (32, 32))
+    expected = torch.einsum("tgi,goi->tgo", grouped.float(), groups_exact.view(4, 256, 1024))
+    _close(torch.ops.flare.fp8_grouped_linear(grouped, groups, groups_scale), expected)
 
 
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 12288), (576, 7168), (1000, 512)])
@@ -121,7 +142,7 @@ def test_block_scaled_gemm_matches_its_quantized_activations(tokens):
 
     weight, scale_inv, exact = _fp8_weight(6144, 4096, 2)
     x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
-    assert _gemm_path(x, weight)
+    assert _gemm_path(x, weight, scale_inv)
     out = torch.ops.flare.fp8_linear(x, weight, scale_inv)
     assert out.shape == (tokens, 6144) and out.dtype == torch.bfloat16
     q, scales = quantize_groups(x, tokens)
@@ -136,7 +157,7 @@ def test_shapes_the_gemm_does_not_take_go_to_the_triton_kernel(tokens):
 
     weight, scale_inv, exact = _fp8_weight(576, 7168, 3)  # 576 rows: no whole number of 128-row blocks
     x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
-    assert not _gemm_path(x, weight)
+    assert not _gemm_path(x, weight, scale_inv)
     _close(torch.ops.flare.fp8_linear(x, weight, scale_inv), x.float() @ exact.T)
 
 
