@@ -197,7 +197,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
                           f"dequantized to the dtype of the weights line (--dtype){kept}",)
     if quantized:
         whole = weight_bytes
-        weight_bytes = _fp8_weight_bytes(skeleton, quantized, keep_fp4)
+        weight_bytes = _fp8_weight_bytes(skeleton, quantized, keep_fp4, blocks.block if blocks is not None else None)
         kept = "kept as float8_e4m3fn" if blocks is None else \
             "kept as float8_e4m3fn where the checkpoint's blocks line up (the others stay dequantized)"
         fp4 = "" if not keep_fp4 else ("; the packed routed experts as the checkpoint's FP4 (e2m1, one power-of-two "
@@ -334,8 +334,10 @@ def _fp8_weights(recipe: Recipe, model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str], fp4_experts: bool) -> int:
-    """The weight bytes with `names` in FP8 blocks, packed experts in FP4 groups if `fp4_experts`."""
+def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str], fp4_experts: bool,
+                      block: tuple[int, int] | None) -> int:
+    """The weight bytes with `names` in FP8 blocks (linear layers in a checkpoint's `block` where
+    kept_block serves it, else 128 x 128), packed experts in FP4 groups if `fp4_experts`."""
     from flare_core.kernels import fp4
     from flare_core.kernels.fp8 import BLOCK
 
@@ -347,7 +349,8 @@ def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str], fp4_e
             total += experts * rows * (cols // 2 + cols // fp4.GROUP)
         elif name in quantized:
             *experts, rows, cols = tensor.shape
-            total += math.prod(experts) * (rows * cols + 4 * (-(-rows // BLOCK[0])) * (-(-cols // BLOCK[1])))
+            sides = tuple(block) if block is not None and kept_block(block, tensor) else BLOCK
+            total += math.prod(experts) * (rows * cols + 4 * (-(-rows // sides[0])) * (-(-cols // sides[1])))
         else:
             total += tensor.numel() * tensor.element_size()
     return total
