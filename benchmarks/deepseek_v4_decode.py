@@ -160,10 +160,21 @@ def decode_times(model, config, device: torch.device, contexts: list[int], steps
         wait(pending)
         return (time.perf_counter() - start) / max(count - 1, 1)
 
+    def replays() -> dict[int, int]:
+        """Replays so far of the decode graphs by page-table width (graphs.decode_widths)."""
+        graphs = getattr(executor, "graphs", None)
+        return {} if graphs is None else \
+            {g.width: g.replays for top in graphs.decode_graphs.values() for g in (top, *top.narrower)}
+
     times = {}
     for context in contexts:
         run(context, 4)  # warm-up replays
+        before = replays()
         times[context] = run(context + 4, steps)
+        widths = sorted(width for width, count in replays().items() if count > before.get(width, 0))
+        if widths:  # the CUDA runner: which page-table width the steps at this context replayed
+            print(f"context {context}: replayed the decode graphs of {widths} pages a row (of "
+                  f"{sorted(replays())})", flush=True)
     if profile is not None:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
