@@ -415,6 +415,38 @@ def test_quantize_fp8_keeps_the_published_fp4_experts_and_serves_them(tmp_path):
                             run_chunks(_load(plain, plain_config).model, tiny.config, ids[:140], chunks), FLOOR)
 
 
+def test_a_split_fp8_core_keeps_each_ranks_blocks_and_fp4_experts_at_the_published_values(tmp_path):
+    """The published form exported with `--quantize fp8 --tp 2 --expert-parallel`: each rank's slices
+    of the FP8 32 x 32 blocks and its whole FP4 experts, quantized again (power-of-two scales), hold
+    exactly the published values, and each rank loads them as FP8 / FP4 layers."""
+    from flare_core.core import open_core
+    from flare_core.engine.load import load_core
+    from flare_core.kernels.fp4 import dequantize_fp4
+    from flare_core.kernels.fp8 import dequantize_blocks
+    from flare_testing.deepseek import export_checkpoint
+
+    tiny = TinyV41(FIXTURES, "v41-tiny-ced")
+    _, read, _ = _write_published(tiny, tmp_path / "published")
+    path, printed, _ = export_checkpoint(tmp_path / "published", tmp_path / "split", "--dtype", "float32",
+                                         "--quantize", "fp8", "--tp", "2", "--expert-parallel")
+    core = open_core(path)
+    quantization = core.manifest["quantization"]
+    assert quantization["weight_block_size"] == [32, 32] and quantization["fp4_experts"]["tensors"] == 20
+    assert quantization["weights"] > 0 and "on 2 ranks, each slice quantized again" in printed
+    tensors = core.load_tensors()
+    query, experts = "model.layers.3.attn.wq_b.weight", "model.layers.3.ffn.experts.gate_up_proj"
+    for rank in (0, 1):
+        held = dequantize_blocks(tensors[f"rank{rank}.{query}"], tensors[f"rank{rank}.{query}_scale_inv"])
+        assert torch.equal(held, read[query].chunk(2)[rank])
+        codes, scales = tensors[f"rank{rank}.{experts}"], tensors[f"rank{rank}.{experts}_fp4_scale"]
+        first = 4 * rank  # 8 experts, 4 whole on each rank
+        gate, up = (read[f"model.layers.3.ffn.experts.{first + 1}.{w}.weight"] for w in ("w1", "w3"))
+        assert torch.equal(dequantize_fp4(codes[1], scales[1]), torch.cat([gate, up]))
+        model = load_core(core, load_registry(), torch.device("cpu"), rank=rank).model
+        assert model.get_submodule("model.layers.3.attn.wq_b").weight.dtype == torch.float8_e4m3fn
+        assert model.get_submodule("model.layers.3.ffn.experts").gate_up_proj.dtype == torch.uint8
+
+
 def test_quantize_fp8_serves_what_its_dequantized_weights_compute(tmp_path):
     """An unquantized checkpoint exported with `--quantize fp8`: the decoder layers' linear layers
     and packed experts as FP8 blocks, except the compressors' pooling projections (the reference
