@@ -7,6 +7,10 @@ published FP8 checkpoints, whose weight is
 
     W[i, j] = float32(P.weight[i, j]) * P.weight_scale_inv[i // 128, j // 128].
 
+A checkpoint's own blocks may be smaller (DeepSeek V4.1 publishes 32 x 32): the sides are
+BLOCK_SIDES, and the scales' grid over the weight says which (`block_of`); every path below but
+cuBLAS's GEMM (128 x 128 only) takes them.
+
 `flare export --quantize fp8` quantizes the prepared linear weights of the decoder layers (fused
 QKV and gate/up included: a fused matrix is quantized as one, so its blocks always line up) and
 their packed routed experts; embeddings, norms, routers and the head keep the export dtype. A
@@ -21,7 +25,7 @@ Packed routed experts (those the fused experts op computes) are quantized expert
 gate/up with SiLU, `flare::fp8_gated_linear`):
 
 * one token on a CUDA device: `fp8_gemv`, flare_core.kernels.gemv's kernel over FP8 rows, which
-  multiplies x by each 128-column block's scale in registers (float32 accumulation);
+  multiplies x by each block's scale in registers (float32 accumulation);
 * several tokens on Hopper: the activations are quantized to e4m3 per token and 128 columns
   (`quantize_groups`, one Triton kernel) for cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`
   with 1 x 128 scales for the activations and 128 x 128 for the weight), where it takes the shape
@@ -212,8 +216,8 @@ if triton is not None:
 
 def fp8_gemv_config(out_features: int, in_features: int, gated: bool = False, pdl: bool = False) -> GemvConfig | None:
     """The FP8 GEMV's launch configuration for a [out_features, in_features] weight (gated: twice
-    as many rows), or None when the kernel does not take the shape. Rows per program divide 128
-    (and, gated, out_features) so that a program's rows share their block scales.
+    as many rows), or None when the kernel does not take the shape. Rows per program divide every
+    block side (32, 64, 128; and, gated, out_features) so that a program's rows share their scales.
 
     Eight rows per program, 512 columns per iteration for matrices of more than 4,096 rows (1,024
     else): on the H200 the fastest of 88 configurations for each matrix a Qwen3-8B decode step
