@@ -376,8 +376,9 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
     """Stage the weights `names` of `tensors` as FP8 blocks and their scales; how many. An
     unquantized checkpoint's weights are quantized (packed experts expert by expert). An fp8
     checkpoint's are its own blocks (read from `raw`, the checkpoint as stored) where the
-    checkpoint tensors the weight was made of (`sources`) line up in 128x128 blocks; the others keep the dequantized weight (never
-    requantized to make a fusion fit)."""
+    checkpoint tensors the weight was made of (`sources`) line up in its blocks and Flare serves
+    those (`kept_block`); the others keep the dequantized weight (never requantized to make a
+    fusion fit)."""
     from flare_core.kernels.fp8 import SCALE_SUFFIX, quantize_blocks, quantize_experts
 
     done = 0
