@@ -86,7 +86,8 @@ def recipes() -> None:
                    "of 1/N of every expert's features; shared experts whole on every rank.")
 @click.option("--quantize", type=click.Choice(["fp8"]), default=None,
               help="Keep the decoder layers' linear weights and routed experts as FP8 with one scale per "
-                   "128x128 block (served on Hopper GPUs or with --device cpu).")
+                   "128x128 block, or an fp8 checkpoint's own blocks and FP4 experts (split with --tp too; served "
+                   "on Hopper GPUs or with --device cpu).")
 @click.option("--kv-dtype", type=click.Choice(["auto", "fp8_e4m3"]), default="auto",
               help="KV cache records: auto (the weights' dtype) or fp8_e4m3 (half the bytes of a 16-bit page; "
                    "K/V pages on CUDA and the CPU, latent (MLA) pages with --device cpu only).")
