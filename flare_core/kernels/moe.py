@@ -157,19 +157,26 @@ if triton is not None:
         return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fp4_group_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
-        # `_fp4_weights` a group at a time: the row's HALF bytes as HALF / 16 groups of 16 bytes (32
-        # features), each group's e8m0 scale read once as the float 2^(scale - 127) and multiplying
-        # its codes' values: exact products (powers of two), the same weights for scale bytes 1 .. 254.
+    def _group_scaled(even, odd, scale_rows, k0, K, n_mask, BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HALF: tl.constexpr):
+        # `even`, `odd` [BLOCK_N, HALF] (the values of the row's HALF / 16 groups of 32 features)
+        # times each group's e8m0 scale, read once as the float 2^(scale - 127 + BIAS): exact
+        # products (powers of two).
         GROUPS: tl.constexpr = HALF // 16
+        g = k0 // 32 + tl.arange(0, GROUPS)
+        scale = tl.load(scale_rows + g[None, :], mask=n_mask[:, None] & (g[None, :] < K // 32), other=127 - BIAS)
+        factor = ((scale.to(tl.int32) + BIAS) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BLOCK_N, GROUPS, 1]
+        even = tl.reshape(tl.reshape(even, (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
+        odd = tl.reshape(tl.reshape(odd, (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
+        return even, odd
+
+    @triton.jit
+    def _fp4_group_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+        # `_fp4_weights` a group at a time: the codes' values (`_e2m1`) times their group's scale
+        # (`_group_scaled`), the same weights for scale bytes 1 .. 254.
         j = k0 // 2 + tl.arange(0, HALF)
         packed = tl.load(rows + j[None, :], mask=n_mask[:, None] & (j[None, :] < K // 2), other=0).to(tl.int32)
-        g = k0 // 32 + tl.arange(0, GROUPS)
-        scale = tl.load(scale_rows + g[None, :], mask=n_mask[:, None] & (g[None, :] < K // 32), other=127)
-        factor = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BLOCK_N, GROUPS, 1]
-        even = tl.reshape(tl.reshape(_e2m1(packed & 15), (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
-        odd = tl.reshape(tl.reshape(_e2m1(packed >> 4), (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
-        return even, odd
+        return _group_scaled(_e2m1(packed & 15), _e2m1(packed >> 4), scale_rows, k0, K, n_mask, 0, BLOCK_N, HALF)
 
     @triton.jit
     def _fp4_fp8_weights(rows, scale_rows, k0, K, n_mask, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
@@ -177,21 +184,15 @@ if triton is not None:
         # bit 7 and its three magnitude bits (exponent, mantissa) to bits 4 .. 2 make the e4m3 byte
         # of its e2m1 value times 2^-6, exactly (e2m1's subnormal 0.5 becomes e4m3's subnormal
         # 2^-7); a few integer operations a byte for two codes, then the float8 -> float32
-        # conversion. The group's scale, as the float 2^(scale - 127 + 6), undoes the 2^-6: exact
-        # products, the same weights for scale bytes 0 .. 248.
-        GROUPS: tl.constexpr = HALF // 16
+        # conversion. The group's scale with a bias of 6 undoes the 2^-6: exact products, the same
+        # weights for scale bytes 0 .. 248.
         j = k0 // 2 + tl.arange(0, HALF)
         packed = tl.load(rows + j[None, :], mask=n_mask[:, None] & (j[None, :] < K // 2), other=0).to(tl.uint8)
         low = (((packed << 4) & 0x80) | ((packed << 2) & 0x1C)).to(tl.uint8)
         high = ((packed & 0x80) | ((packed >> 2) & 0x1C)).to(tl.uint8)
-        g = k0 // 32 + tl.arange(0, GROUPS)
-        scale = tl.load(scale_rows + g[None, :], mask=n_mask[:, None] & (g[None, :] < K // 32), other=121)
-        factor = ((scale.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)[:, :, None]  # [BLOCK_N, GROUPS, 1]
         even = low.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         odd = high.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        even = tl.reshape(tl.reshape(even, (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
-        odd = tl.reshape(tl.reshape(odd, (BLOCK_N, GROUPS, 16)) * factor, (BLOCK_N, HALF))
-        return even, odd
+        return _group_scaled(even, odd, scale_rows, k0, K, n_mask, 6, BLOCK_N, HALF)
 
     @triton.jit
     def _segment_pairs(order_ptr, start, m0, count, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -354,8 +355,8 @@ def _launch(inputs: Tensor, weights: Tensor, scales: Tensor | None, out: Tensor,
     _experts_kernel[(segments, triton.cdiv(n, config.block_n))](
         inputs, weights, weights if scales is None else scales, out, route_weights, ids, order, starts, counts,
         experts, n, features, float(swiglu_limit), TOP_K=top_k, GATED=gated, PER_PAIR=sorted_pairs is None,
-        SCALED=scales is not None and not fp4, FP4=fp4, FP4_DECODE=FP4_DECODES.index(config.fp4_decode), CLAMP=gated and swiglu_limit > 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
+        SCALED=scales is not None and not fp4, FP4=fp4, FP4_DECODE=FP4_DECODES.index(config.fp4_decode),
+        CLAMP=gated and swiglu_limit > 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.warps,
         num_stages=config.stages)
 
 

@@ -289,7 +289,7 @@ def export_model(request: ExportRequest, config: Config, registry: Registry,
         if fp8_count or fp4_count:
             # The checkpoint's blocks where its own were kept (linear layers; experts in 128 x 128
             # only, kept_block), else 128 x 128.
-            block = list(blocks.block) if blocks is not None and kept_block(blocks.block, torch.empty(0, 0)) \
+            block = list(blocks.block) if blocks is not None and kept_block(blocks.block, experts=False) \
                 else [128, 128]
             manifest["quantization"] = {"method": "fp8", "format": "float8_e4m3fn", "weight_block_size": block,
                                         "weights": fp8_count}
@@ -349,7 +349,7 @@ def _fp8_weight_bytes(skeleton: dict[str, torch.Tensor], names: list[str], fp4_e
             total += experts * rows * (cols // 2 + cols // fp4.GROUP)
         elif name in quantized:
             *experts, rows, cols = tensor.shape
-            sides = tuple(block) if block is not None and kept_block(block, tensor) else BLOCK
+            sides = tuple(block) if block is not None and kept_block(block, tensor.dim() == 3) else BLOCK
             total += math.prod(experts) * (rows * cols + 4 * (-(-rows // sides[0])) * (-(-cols // sides[1])))
         else:
             total += tensor.numel() * tensor.element_size()
@@ -362,13 +362,13 @@ def _describe_fp8(names: list[str], skeleton: dict[str, torch.Tensor]) -> str:
     return described + (f" and {experts} packed routed-expert tensors" if experts else "")
 
 
-def kept_block(block: tuple[int, int], tensor: torch.Tensor) -> bool:
-    """Whether a weight `tensor` in a checkpoint's `block` blocks can be served in them: a linear
-    weight's in blocks of flare_core.kernels.fp8.BLOCK_SIDES, packed experts' in 128 x 128 (the
-    experts kernel's tiles)."""
+def kept_block(block: tuple[int, int], experts: bool) -> bool:
+    """Whether weights in a checkpoint's `block` blocks can be served in them: a linear layer's in
+    blocks of flare_core.kernels.fp8.BLOCK_SIDES, packed `experts` in 128 x 128 (the experts
+    kernel's tiles)."""
     from flare_core.kernels.fp8 import BLOCK, BLOCK_SIDES
 
-    return tuple(block) == BLOCK if tensor.dim() == 3 else all(side in BLOCK_SIDES for side in block)
+    return tuple(block) == BLOCK if experts else all(side in BLOCK_SIDES for side in block)
 
 
 def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: DequantizedCheckpoint,
@@ -388,7 +388,7 @@ def _quantize_fp8(tensors: SpilledTensors, names: list[str], checkpoint: Dequant
             fp8 = quantize_experts(tensor) if tensor.dim() == 3 else quantize_blocks(tensor)
         else:
             fp8 = published_fp8(tensor, sources.get(name, []), raw, checkpoint.scale_of, checkpoint.blocks.block) \
-                if kept_block(checkpoint.blocks.block, tensor) else None
+                if kept_block(checkpoint.blocks.block, tensor.dim() == 3) else None
         if fp8 is not None:
             tensors.put(name, fp8[0])
             tensors.put(name + SCALE_SUFFIX, fp8[1])
@@ -417,7 +417,7 @@ def _quantize_rank_fp8(tensors: SpilledTensors, names: list[str], ranks: int, bl
 
     def as_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         # The checkpoint's blocks where they can be served (kept_block), else 128 x 128.
-        block = tuple(blocks.block) if blocks is not None and kept_block(blocks.block, tensor) else BLOCK
+        block = tuple(blocks.block) if blocks is not None and kept_block(blocks.block, tensor.dim() == 3) else BLOCK
         for powers in ((False,) if blocks is None else (True, False)):
             weight, scale = quantize_experts(tensor, block, powers) if tensor.dim() == 3 else \
                 quantize_blocks(tensor, block, powers)

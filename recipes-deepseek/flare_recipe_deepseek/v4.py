@@ -492,8 +492,9 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV4ForServing:
     return DeepseekV4ForServing(causal_lm, rotary_emb, bool(config.tie_word_embeddings))
 
 
-# A routed expert's matrices in DeepSeek's checkpoints: w1 (gate), w3 (up), w2 (down).
-_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# A routed expert's matrices in DeepSeek's checkpoints (V4 and V4.1): w1 (gate), w3 (up), w2 (down),
+# under the names of Transformers' per-expert parts.
+EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def transformers_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
@@ -521,8 +522,8 @@ def checkpoint_names(checkpoint_names: Iterator[str]) -> dict[str, str]:
     names = {}
     for name, checkpoint_name in transformers_names(checkpoint_names).items():
         stem, _, leaf = name.removesuffix(".weight").rpartition(".")
-        if ".experts." in name and leaf in _EXPERT_PARTS:
-            name = f"{stem}.{_EXPERT_PARTS[leaf]}.weight"
+        if ".experts." in name and leaf in EXPERT_PARTS:
+            name = f"{stem}.{EXPERT_PARTS[leaf]}.weight"
         names[name] = checkpoint_name
     return names
 

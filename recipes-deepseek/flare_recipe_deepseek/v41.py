@@ -66,8 +66,8 @@ from flare_core.api import (BatchAttention, CacheScheme, ContractError, DecoderF
                             StateTensor, TableSource, embedding_tables, read_table, routed_experts, table_skeleton,
                             write_paged)
 from flare_recipe_deepseek.v4 import check_config as v4_check_config
-from flare_recipe_deepseek.v4 import (decode_record_slots, hyper_mixes, read_records, record_slots, rotate,
-                                      sliding_keys, write_closed)
+from flare_recipe_deepseek.v4 import (EXPERT_PARTS, decode_record_slots, hyper_mixes, read_records, record_slots,
+                                      rotate, sliding_keys, write_closed)
 from flare_recipe_deepseek.v41_engram import Engram, NgramHashes
 from flare_recipe_deepseek.v41_quant import fp4_blocks, fp8_blocks
 
@@ -628,9 +628,6 @@ def build_model(config: Any, dtype: torch.dtype) -> DeepseekV41ForServing:
 
 
 _EXPERT = re.compile(r"(.*\.ffn)\.(experts|shared_experts)\.(gate_up_proj|down_proj)$")
-# A routed expert's matrices under the names of the per-expert parts tensor parallelism slices
-# (flare_core.parallel: gate_proj, up_proj, down_proj of a packed gate_up_proj / down_proj).
-_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _ROUTED = re.compile(r"(.*\.ffn\.experts\.\d+)\.(w[123])\.weight$")
 
 
@@ -645,7 +642,7 @@ def checkpoint_names(names: Iterator[str]) -> dict[str, str]:
             else f"model.{name}"
         routed = _ROUTED.match(ours)
         if routed is not None:
-            ours = f"{routed[1]}.{_EXPERT_PARTS[routed[2]]}.weight"
+            ours = f"{routed[1]}.{EXPERT_PARTS[routed[2]]}.weight"
         model_side[ours] = name
     return model_side
 
